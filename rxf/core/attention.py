@@ -1,0 +1,84 @@
+"""The attention backend interface: what every attention plugin implements.
+
+A backend receives a narrow view of the engine (`AttentionContext`), never the model runner. It owns
+the write of each layer's new K/V into the pool: `forward` stores k/v at `batch.out_cache_loc` and then
+attends over the request's whole sequence, read through `req_to_token`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from rxf.core.forward import ForwardBatch
+    from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
+
+
+class AttentionLayer(Protocol):
+    """What a backend may read off the calling attention layer (per tensor-parallel rank)."""
+
+    layer_id: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # kv heads on this rank
+    head_dim: int
+    scaling: float  # softmax scale, usually head_dim ** -0.5
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+    num_heads: int  # per rank
+    num_kv_heads: int  # per rank
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    max_batch_size: int
+    max_context_len: int
+
+
+class AttentionBackend(ABC):
+    """Contract: q is [num_tokens, num_heads, head_dim]; k, v are [num_tokens, num_kv_heads, head_dim]
+    for the batch's new tokens; the result is [num_tokens, num_heads, head_dim] in q's dtype.
+    Extend attention is causal within the new tokens and full over the cached prefix.
+    `init_forward_metadata` is called once per forward, before any layer runs, and may plan kernels.
+    """
+
+    def __init__(self, ctx: AttentionContext) -> None:
+        self.ctx = ctx
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
+        """Plan once per batch (shared by all layers). Default: nothing to plan."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if batch.mode.is_decode():
+            return self.forward_decode(q, k, v, layer, batch)
+        return self.forward_extend(q, k, v, layer, batch)
+
+    @abstractmethod
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor: ...
+
+    # CUDA-graph hooks. A backend that cannot be captured keeps these defaults and decode runs eager.
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

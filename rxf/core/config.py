@@ -1,0 +1,185 @@
+"""Engine configuration: pydantic-settings models read from TOML, `RXF_*` env vars and overrides.
+
+Precedence (highest first): keyword overrides > environment (`RXF_SCHEDULER__MAX_RUNNING_REQUESTS=8`,
+`__` nests) > the TOML file > defaults. Validated once at launch; the engine receives a frozen object.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("demo", description="Hugging Face model directory, or 'demo' for SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = Field(None, description="defaults to model.path")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    chat_template: str | None = Field(None, description="None: the model's own; a built-in name; a .jinja path")
+    context_length: int | None = Field(None, gt=0, description="defaults to the checkpoint's")
+    trust_remote_code: bool = False
+
+
+class AttentionConfig(_Section):
+    backend: str = Field("auto", description="'auto' or a registered backend name (see `rxf plugins`)")
+
+
+class SchedulerConfig(_Section):
+    max_running_requests: int = Field(64, gt=0)
+    max_prefill_tokens: int = Field(4096, gt=0, description="bound on one EXTEND batch's new tokens")
+    chunked_prefill_size: int | None = Field(None, gt=0, description="split longer prompts into chunks")
+    policy: Literal["lpm", "fcfs", "random"] = "lpm"
+    stream_interval: int = Field(1, gt=0, description="decode steps between streamed outputs")
+    init_new_token_ratio: float = Field(0.7, ge=0, le=1)
+    min_new_token_ratio: float = Field(0.1, ge=0, le=1)
+    new_token_ratio_decay: float = Field(0.001, ge=0, le=1, description="subtracted per decode step")
+    log_interval: int = Field(40, gt=0, description="decode steps between stats log lines")
+
+
+class CacheConfig(_Section):
+    disable_radix_cache: bool = False
+    max_total_tokens: int | None = Field(None, gt=0, description="KV slots; default from memory")
+    mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="GPU: weights+KV share of memory")
+    cpu_kv_cache_gb: float = Field(2.0, gt=0, description="CPU: KV budget when max_total_tokens unset")
+    page_size: Literal[1] = 1
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=0, le=65535)
+    api_key: str | None = None
+
+
+class RuntimeConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    cpu_threads: int | None = Field(None, gt=0, description="torch threads in the scheduler process")
+    startup_timeout_s: float = Field(600, gt=0)
+
+
+class PluginsConfig(_Section):
+    allow: list[str] | None = Field(None, description="only these plugins load (RXF_PLUGINS too)")
+    deny: list[str] = Field(default_factory=list, description="these plugins never load")
+
+
+# The file's contents for the EngineConfig being built (a TOML source ranked below the environment).
+_file_data: ContextVar[dict[str, Any] | None] = ContextVar("rxf_config_file_data", default=None)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return (_file_data.get() or {}).get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_file_data.get() or {})
+
+
+class EngineConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RXF_", env_nested_delimiter="__", extra="forbid", frozen=True)
+
+    model: ModelConfig = ModelConfig()
+    attention: AttentionConfig = AttentionConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+    server: ServerConfig = ServerConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    plugins: PluginsConfig = PluginsConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Highest first: keyword overrides, RXF_* environment, the TOML file (or dict), defaults.
+        return (init_settings, env_settings, _FileSource(settings_cls))
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key and the file it came from."""
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """{"scheduler.max_running_requests": 8} or {"scheduler__max_running_requests": 8} -> nested dicts."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        parts = key.replace("__", ".").split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(
+    source: str | os.PathLike[str] | dict[str, Any] | EngineConfig | None = None, **overrides: Any
+) -> EngineConfig:
+    """Build the validated config from a TOML path, a dict, or an existing config, plus overrides.
+
+    Overrides use dotted or `__` keys (`**{"scheduler.max_running_requests": 8}` or
+    `scheduler__max_running_requests=8`) or whole sections (`model={"path": ...}`).
+    """
+    origin = "<dict>"
+    if isinstance(source, EngineConfig):
+        data = source.model_dump()
+        origin = "<config object>"
+    elif isinstance(source, dict):
+        data = _nest(source) if any("." in k or "__" in k for k in source) else dict(source)
+    elif source is None:
+        data = {}
+    else:
+        path = Path(source)
+        origin = str(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        _resolve_relative_paths(data, path.parent)
+    token = _file_data.set(data)
+    try:
+        return EngineConfig(**_nest(overrides))
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, origin)) from None
+    finally:
+        _file_data.reset(token)
+
+
+def _resolve_relative_paths(data: dict[str, Any], base: Path) -> None:
+    """Model and template paths in a TOML file are relative to that file, as users expect."""
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return
+    for key in ("path", "tokenizer_path", "chat_template"):
+        value = model.get(key)
+        if isinstance(value, str) and value.startswith(("./", "../")):
+            model[key] = str((base / value).resolve())
+
+
+def _format_errors(e: ValidationError, origin: str) -> str:
+    lines = [f"invalid configuration ({origin}):"]
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        lines.append(f"  {key}: {err['msg']}" + (f" (got {err['input']!r})" if "input" in err else ""))
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""The public plugin API of rxf: pluggy hook specifications (project name ``rxf``).
+
+A plugin is a module (or object) with functions marked ``@rxf.core.hookspecs.hookimpl`` and
+named after the hooks below, exposed through the ``rxf`` entry-point group::
+
+    [project.entry-points.rxf]
+    my_plugin = "my_package.rxf_plugin"
+
+Every hook has the ``register_*(register)`` shape: rxf passes a ``register`` callable and the
+plugin calls it once per thing it contributes. Factories may be given as ``"module:attr"`` strings;
+they are imported only when selected, so loading a plugin must stay cheap and must not touch CUDA.
+Plugins load in every rxf process (the caller's process, each scheduler rank and the
+detokenizer), so they must be safe to load more than once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pluggy
+
+if TYPE_CHECKING:
+    from rxf.plugins.chat_templates.base import ChatTemplate
+
+PROJECT_NAME = "rxf"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class RegisterFactory(Protocol):
+    def __call__(self, name: str, factory: str | Any) -> None:
+        """Register ``factory`` (an object, or a lazy ``"module:attr"`` string) under ``name``."""
+
+
+class RegisterChatTemplate(Protocol):
+    def __call__(self, template: ChatTemplate) -> None:
+        """Register a named chat template (see ``rxf.plugins.chat_templates.base.ChatTemplate``)."""
+
+
+@hookspec
+def rxf_register_attention_backends(register: RegisterFactory) -> None:
+    """Register attention backends by the name users put in ``attention.backend``.
+
+    The factory is a subclass of ``rxf.core.attention.AttentionBackend`` (called with an
+    ``AttentionContext``). Called in each scheduler process, when the model runner starts.
+    """
+
+
+@hookspec
+def rxf_register_models(register: RegisterFactory) -> None:
+    """Register model classes by Hugging Face architecture name (``config.architectures[0]``).
+
+    The factory is an ``nn.Module`` class built as ``cls(hf_config, dtype=...)`` that implements
+    ``forward(batch: ForwardBatch) -> logits`` and ``load_weights(iterable of (name, tensor))``.
+    Called in each scheduler process, when the model runner loads a checkpoint.
+    """
+
+
+@hookspec
+def rxf_register_multimodal_processors(register: RegisterFactory) -> None:
+    """Register multimodal input processors by Hugging Face architecture name.
+
+    Called in the process that owns the TokenizerManager (the server or the ``Runtime`` caller),
+    which preprocesses and hashes images before a request reaches the scheduler.
+    """
+
+
+@hookspec
+def rxf_register_chat_templates(register: RegisterChatTemplate) -> None:
+    """Register named chat templates, selectable with ``model.chat_template = "<name>"``.
+
+    Called in the process that owns the TokenizerManager, where prompts are rendered.
+    """

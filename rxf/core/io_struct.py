@@ -1,0 +1,121 @@
+"""Typed messages that cross process boundaries (over ZMQ ipc sockets, pickled).
+
+Only these dataclasses travel between rxf's own processes; the network never sends pickles.
+Flow: TokenizerManager --TokenizedGenerateReq/AbortReq/...--> Scheduler --BatchTokenOut-->
+Detokenizer --BatchStrOut--> TokenizerManager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rxf.core.sampling import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    # Prompt logprobs are returned for prompt positions >= logprob_start_len; -1 means none.
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class GetStatsReq:
+    """Ask the scheduler for its counters (answered with a `SchedulerStats`)."""
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    total_slots: int
+    free_slots: int
+    tree_slots: int
+    evictable_slots: int
+    cache_hit_rate: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FlushCacheResult:
+    ok: bool
+    message: str = ""
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended. type: "stop" (EOS, a stop token or a stop string), "length" or "abort"."""
+
+    type: str
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.matched is not None:
+            d["matched"] = self.matched
+        if self.message is not None:
+            d["message"] = self.message
+        return d
+
+
+@dataclass
+class TokenOut:
+    """One request's news from one scheduler step (sent every `stream_interval` decode steps,
+    right after prefill, and when the request finishes)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # Detokenization settings of the request (small; sent each time so the detokenizer keeps no
+    # request registry of its own).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False
+    # Logprobs, aligned with new_token_ids; top lists hold (token_id, logprob) pairs.
+    output_token_logprobs: list[float] | None = None
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Prompt logprobs, sent once with the first output: entry j is for prompt position
+    # logprob_start_len + j (the first prompt token has none: it gets None).
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
+    input_token_ids: list[int] | None = None
+
+
+@dataclass
+class BatchTokenOut:
+    outs: list[TokenOut]
+
+
+@dataclass
+class StrOut:
+    """TokenOut plus the text it adds. `text_delta` never ends in half a multi-byte character and,
+    while unfinished, holds back any tail that could still become a stop string."""
+
+    token: TokenOut
+    text_delta: str
+
+
+@dataclass
+class BatchStrOut:
+    outs: list[StrOut]

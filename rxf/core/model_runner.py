@@ -1,0 +1,287 @@
+"""The model runner: weights onto the device, KV pool sizing, and the one place where the
+scheduler's plain data becomes device tensors (DESIGN §4: the scheduler never builds them).
+
+Owns, per scheduler process: the model, the two-level KV pool and the attention backend. A forward
+takes a `ModelInput` (CPU lists and slot tensors), writes the batch's slots into `req_to_token`,
+builds the `ForwardBatch` and returns float32 logits for the rows the scheduler asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, GenerationConfig
+
+from rxf.core.attention import AttentionBackend, AttentionContext
+from rxf.core.config import EngineConfig
+from rxf.core.forward import ForwardBatch, ForwardMode
+from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
+from rxf.core.registry import PluginRegistry
+from rxf.core.weight_loader import iter_safetensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelInput:
+    """One forward as the scheduler describes it: requests, token counts and slots, all on the CPU.
+
+    Extend: request i computes its tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]); its
+    prefix's slots are `prefix_slots[i]`, or, when `prefix_slots` is None, already in its
+    req_to_token row (e.g. the earlier chunks of a chunked prefill). Decode: extend_lens are all 1
+    and the row already holds the slots of the request's first prefix_lens[i] tokens.
+    """
+
+    mode: ForwardMode  # PREFILL/EXTEND or DECODE
+    req_pool_indices: list[int]  # req_to_token rows
+    input_ids: list[int]  # new tokens, flattened in request order
+    prefix_lens: list[int]  # tokens already in the KV pool
+    extend_lens: list[int]  # new tokens per request (all 1 for decode)
+    out_cache_loc: torch.Tensor  # CPU int64 [num_tokens]: the slot of each new token
+    prefix_slots: list[torch.Tensor] | None = None  # extend: CPU int64 [prefix_len] per request
+    logits_start: list[int] | None = None  # extend: first new-token index with logits (default: last)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("runtime.device = 'cuda' but torch sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type != "cuda":
+        return torch.float32  # CPU half-precision matmuls are slow and less accurate
+    ckpt = getattr(hf_config, "dtype", None)
+    ckpt = getattr(torch, ckpt, None) if isinstance(ckpt, str) else ckpt
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _eos_token_ids(model_path: str, hf_config: Any) -> list[int]:
+    """generation_config.json first (chat models list their end-of-turn token there), then config."""
+    ids: list[int] = []
+    try:
+        ids += _as_list(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except OSError:
+        logger.debug("no generation_config.json in %s", model_path)
+    ids += _as_list(getattr(hf_config.get_text_config(), "eos_token_id", None))
+    ids += _as_list(getattr(hf_config, "eos_token_id", None))
+    return list(dict.fromkeys(ids))
+
+
+def _select_backend(registry: PluginRegistry, name: str, device: torch.device) -> type[AttentionBackend]:
+    """A named backend, or for "auto" the available backend with the highest `auto_priority`."""
+    if name != "auto":
+        cls = registry.attention_backend(name)
+        if not cls.is_available(device):
+            raise RuntimeError(f"attention backend {name!r} is not available on {device}")
+        return cls
+    candidates = []
+    for candidate in registry.names("attention_backends"):
+        try:
+            cls = registry.attention_backend(candidate)
+        except Exception as e:  # e.g. a GPU backend whose kernel library is not installed
+            logger.info("attention backend %s skipped: %s", candidate, e)
+            continue
+        priority = getattr(cls, "auto_priority", None)
+        if priority is not None and cls.is_available(device):
+            candidates.append((priority, candidate, cls))
+    if not candidates:
+        raise RuntimeError(f"no attention backend is available on {device}")
+    priority, chosen, cls = max(candidates, key=lambda c: (c[0], c[1]))
+    logger.info("attention backend: %s (auto, priority %s)", chosen, priority)
+    return cls
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, registry: PluginRegistry, model_path: str) -> None:
+        start = time.perf_counter()
+        self.config = config
+        if config.runtime.cpu_threads:
+            torch.set_num_threads(config.runtime.cpu_threads)
+        torch.manual_seed(config.runtime.seed)
+        self.device = _resolve_device(config.runtime.device)
+        self.hf_config = AutoConfig.from_pretrained(
+            model_path, trust_remote_code=config.model.trust_remote_code
+        )
+        text = self.hf_config.get_text_config()  # the language model's config (itself, unless multimodal)
+        self.dtype = _resolve_dtype(config.model.dtype, self.hf_config, self.device)
+        self.vocab_size: int = text.vocab_size
+        checkpoint_len = int(text.max_position_embeddings)
+        self.max_context_len = config.model.context_length or checkpoint_len
+        if self.max_context_len > checkpoint_len:
+            raise ValueError(
+                f"model.context_length {self.max_context_len} exceeds the checkpoint's "
+                f"max_position_embeddings {checkpoint_len}"
+            )
+        model_cls = registry.model_class(self.hf_config.architectures or [])
+        weights = iter_safetensors(model_path)  # raises now when the directory has no weights
+        with torch.device(self.device):
+            self.model = model_cls(self.hf_config, dtype=self.dtype)
+        self.model.load_weights(weights)
+        self.model.eval()
+        self.eos_token_ids = _eos_token_ids(model_path, self.hf_config)
+        self._init_memory(text)
+        self.attn_backend = _select_backend(registry, config.attention.backend, self.device)(
+            self._attention_context
+        )
+        logger.info(
+            "loaded %s (%s, %s) on %s in %.1fs; KV pool: %d slots (%.2f GiB), context %d",
+            model_path,
+            model_cls.__name__,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            time.perf_counter() - start,
+            self.max_total_tokens,
+            self.max_total_tokens * self.token_to_kv_pool.bytes_per_slot() / 2**30,
+            self.max_context_len,
+        )
+
+    def _init_memory(self, text: Any) -> None:
+        # KV layout per rank; with tensor parallelism the head counts will be divided by tp_size.
+        num_heads = text.num_attention_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        num_layers = text.num_hidden_layers
+        max_running = self.config.scheduler.max_running_requests
+        self.max_total_tokens = self.config.cache.max_total_tokens or self._slots_from_memory(
+            2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize, max_running
+        )
+        self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
+        self.token_to_kv_pool = TokenToKVPool(
+            self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.dtype, self.device
+        )
+        self._attention_context = AttentionContext(
+            self.req_to_token_pool,
+            self.token_to_kv_pool,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            max_running,
+            self.max_context_len,
+        )
+
+    def _slots_from_memory(self, bytes_per_slot: int, max_running: int) -> int:
+        cache = self.config.cache
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # count only live tensors (the weights) as used
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cache.mem_fraction_static - (total - free)
+            where = f"cache.mem_fraction_static={cache.mem_fraction_static} of {total / 2**30:.1f} GiB"
+        else:
+            budget = cache.cpu_kv_cache_gb * 2**30
+            where = f"cache.cpu_kv_cache_gb={cache.cpu_kv_cache_gb}"
+        # More slots than every running request at full context could never be in use at once.
+        slots = min(int(budget // bytes_per_slot), max_running * self.max_context_len)
+        if slots < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache ({where}); raise it or set cache.max_total_tokens"
+            )
+        return slots
+
+    # ---- forward ----
+    def _validate(self, inp: ModelInput) -> None:
+        bs = len(inp.req_pool_indices)
+        if not bs or len(inp.prefix_lens) != bs or len(inp.extend_lens) != bs:
+            raise ValueError(
+                "req_pool_indices, prefix_lens and extend_lens must be non-empty and equal in length"
+            )
+        num_tokens = sum(inp.extend_lens)
+        if len(inp.input_ids) != num_tokens or inp.out_cache_loc.numel() != num_tokens:
+            raise ValueError(
+                f"{num_tokens} new tokens by extend_lens, but {len(inp.input_ids)} input_ids and "
+                f"{inp.out_cache_loc.numel()} out_cache_loc slots"
+            )
+        if min(inp.extend_lens) < 1 or (inp.mode.is_decode() and max(inp.extend_lens) != 1):
+            raise ValueError(f"bad extend_lens for {inp.mode.name}: {inp.extend_lens}")
+        longest = max(p + e for p, e in zip(inp.prefix_lens, inp.extend_lens, strict=True))
+        if longest > self.max_context_len:
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds the context length {self.max_context_len}"
+            )
+        if inp.prefix_slots is not None:
+            if [s.numel() for s in inp.prefix_slots] != list(inp.prefix_lens):
+                raise ValueError("prefix_slots[i] must hold exactly prefix_lens[i] slots")
+        if inp.logits_start is not None and not all(
+            0 <= s < e for s, e in zip(inp.logits_start, inp.extend_lens, strict=True)
+        ):
+            raise ValueError(f"logits_start {inp.logits_start} must lie within extend_lens {inp.extend_lens}")
+
+    def _write_req_to_token(self, inp: ModelInput, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """req_to_token[row, pos] = slot for every new token (and every given prefix slot)."""
+        table = self.req_to_token_pool.req_to_token
+        new_rows = rows.repeat_interleave(torch.tensor(inp.extend_lens))
+        r, c, v = [new_rows], [positions], [inp.out_cache_loc]
+        if inp.prefix_slots is not None and sum(inp.prefix_lens):
+            prefix_lens = torch.tensor(inp.prefix_lens)
+            starts = prefix_lens.cumsum(0) - prefix_lens
+            r.append(rows.repeat_interleave(prefix_lens))
+            c.append(torch.arange(int(prefix_lens.sum())) - starts.repeat_interleave(prefix_lens))
+            v.append(torch.cat(inp.prefix_slots))
+        index = (torch.cat(r).to(self.device), torch.cat(c).to(self.device))
+        table.index_put_(index, torch.cat(v).to(self.device, torch.int32))
+
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """float32 logits `[num_logits, vocab]` on the device: per request in order, its requested
+        rows (decode: its one token; extend: new tokens logits_start[i].. or the last) ascending."""
+        self._validate(inp)
+        bs = len(inp.req_pool_indices)
+        extend_lens = torch.tensor(inp.extend_lens)
+        prefix_lens = torch.tensor(inp.prefix_lens)
+        token_starts = extend_lens.cumsum(0) - extend_lens
+        num_tokens = len(inp.input_ids)
+        # Token t of request i sits at absolute position prefix_lens[i] + (t - token_starts[i]).
+        positions = torch.arange(num_tokens) - (token_starts - prefix_lens).repeat_interleave(extend_lens)
+        rows = torch.tensor(inp.req_pool_indices, dtype=torch.int64)
+        if inp.mode.is_decode() or inp.logits_start is None:
+            logits_indices = token_starts + extend_lens - 1
+        else:
+            logits_indices = torch.cat(
+                [
+                    torch.arange(s + first, s + n)
+                    for s, first, n in zip(
+                        token_starts.tolist(), inp.logits_start, inp.extend_lens, strict=True
+                    )
+                ]
+            )
+        seq_lens = prefix_lens + extend_lens
+        dev = self.device
+        with torch.inference_mode():
+            self._write_req_to_token(inp, rows, positions)
+            batch = ForwardBatch(
+                mode=inp.mode,
+                batch_size=bs,
+                input_ids=torch.tensor(inp.input_ids, dtype=torch.int64).to(dev),
+                positions=positions.to(dev),
+                req_pool_indices=rows.to(dev),
+                seq_lens=seq_lens.to(dev, torch.int32),
+                prefix_lens=prefix_lens.to(dev, torch.int32),
+                extend_lens=extend_lens.to(dev, torch.int32),
+                out_cache_loc=inp.out_cache_loc.to(dev, torch.int64),
+                seq_lens_cpu=seq_lens.tolist(),
+                prefix_lens_cpu=list(inp.prefix_lens),
+                extend_lens_cpu=list(inp.extend_lens),
+                logits_indices=logits_indices.to(dev),
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool=self.token_to_kv_pool,
+                attn_backend=self.attn_backend,
+            )
+            self.attn_backend.init_forward_metadata(batch)
+            return self.model(batch)

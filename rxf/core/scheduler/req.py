@@ -1,0 +1,100 @@
+"""A request as the scheduler sees it: token ids, KV bookkeeping and finish state (all CPU-side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rxf.core.io_struct import FinishReason, TokenizedGenerateReq
+from rxf.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rxf.core.radix_cache import TreeNode
+
+_EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(eq=False)
+class Req:
+    """Region map of the request's tokens `fill_ids = prompt + output`:
+
+    - `[0, cached_len)`: KV held by the radix tree (slots `prefix_indices`, node `last_node` locked);
+    - `[cached_len, kv_len)`: KV in slots the request owns (listed in its req_to_token row);
+    - `[kv_len, len(fill_ids))`: no KV yet (the uncomputed prompt part, or the last sampled token).
+    `req_to_token[req_pool_idx, :kv_len]` lists the slots of both KV regions.
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    # KV bookkeeping
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor = _EMPTY_SLOTS
+    last_node: TreeNode | None = None
+    kv_len: int = 0
+    # True once the whole prompt is computed and a token sampled (then kv_len == seq_len - 1);
+    # False while waiting or between prefill chunks.
+    decoding: bool = False
+    # Tokens matched in the tree when the request was first admitted (reported as cached_tokens).
+    cached_tokens: int | None = None
+    finished_reason: FinishReason | None = None
+    to_abort: bool = False
+    generator: torch.Generator | None = None
+    # Streaming state: how many output ids were already sent, decode steps since the last send.
+    sent_len: int = 0
+    steps_since_send: int = 0
+    # Logprobs not yet sent.
+    pending_logprobs: list[float] = field(default_factory=list)
+    pending_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: dict[str, Any] | None = None
+    input_logprobs_sent: bool = False
+
+    @classmethod
+    def from_tokenized(cls, msg: TokenizedGenerateReq) -> Req:
+        return cls(
+            rid=msg.rid,
+            origin_input_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+        )
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def cached_len(self) -> int:
+        return int(self.prefix_indices.numel())
+
+    @property
+    def owned_slots(self) -> int:
+        return self.kv_len - self.cached_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and self.input_logprobs is None
+
+    def prompt_logits_from(self) -> int:
+        """First absolute position whose logits prompt logprobs need (scores position + 1)."""
+        return max(self.logprob_start_len, 1) - 1

@@ -1,0 +1,85 @@
+"""The `rxf` command line: `rxf plugins`, `rxf generate CONFIG`, `rxf chat CONFIG`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from rxf.entrypoints.logging_setup import setup_logging
+
+
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    """`--set scheduler.max_running_requests=8` pairs; values parse as JSON when they can."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from rxf.core.registry import KINDS, PluginRegistry
+
+    registry = PluginRegistry.load()
+    for info in registry.plugins.values():
+        print(f"{info.name}  ({info.distribution} {info.version})")
+        for kind in KINDS:
+            if info.registered.get(kind):
+                print(f"  {kind}: {', '.join(sorted(info.registered[kind]))}")
+    if not registry.plugins:
+        print("no plugins loaded (is rxf installed? `pip install -e .`)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+
+
+def cmd_generate(args: argparse.Namespace, chat: bool) -> int:
+    from rxf import Runtime
+
+    with Runtime.from_config(args.config, **_overrides(args.set)) as rt:
+        start = time.perf_counter()
+        if chat:
+            chunks = rt.chat([{"role": "user", "content": args.prompt}], _sampling(args), stream=True)
+        else:
+            chunks = rt.generate(args.prompt, _sampling(args), stream=True)
+        n = 0
+        for chunk in chunks:
+            print(chunk["text"], end="", flush=True)
+            n = chunk["meta_info"]["completion_tokens"]
+        elapsed = time.perf_counter() - start
+        print(f"\n[{n} tokens in {elapsed:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rxf", description="rxf: an LLM serving engine")
+    parser.add_argument("--log-level", default="warning")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plugins", help="list loaded plugins and what they register")
+    for name, help_text in (("generate", "complete a prompt"), ("chat", "answer one chat message")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("config", help="TOML config file")
+        p.add_argument("prompt")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    if args.command == "plugins":
+        return cmd_plugins(args)
+    return cmd_generate(args, chat=args.command == "chat")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

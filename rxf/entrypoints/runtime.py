@@ -1,0 +1,228 @@
+"""`Runtime`: the engine from Python — the same processes as `rxf launch`, without HTTP.
+
+    with Runtime.from_config("examples/demo.toml") as rt:
+        rt.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+
+The TokenizerManager runs on an asyncio loop in a background thread of the caller's process; the
+sync methods submit to it, the async ones work from any other event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from rxf.core.config import EngineConfig, load_config
+from rxf.core.registry import PluginRegistry
+from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
+from rxf.entrypoints.engine import EngineProcesses
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()
+Prompt = str | list[str] | None
+Params = dict[str, Any] | list[dict[str, Any]] | None
+
+
+class Runtime:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from rxf.plugins.chat_templates.base import resolve_chat_template
+
+        self.config = config
+        self.registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
+        self.engine = EngineProcesses(config)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.engine.tokenizer_path)
+            self.chat_template = resolve_chat_template(
+                config.model.chat_template, self.tokenizer, self.registry.chat_template
+            )
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="rxf-runtime-loop", daemon=True)
+            self._thread.start()
+            self.tokenizer_manager: TokenizerManager = self._call(self._make_tm())
+            self.engine.watch(lambda reason: self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason))
+        except BaseException:
+            self.engine.shutdown()
+            raise
+
+    async def _make_tm(self) -> TokenizerManager:
+        tm = TokenizerManager(self.tokenizer, self.engine.addrs, self.engine.info)
+        await tm.start()
+        return tm
+
+    @classmethod
+    def from_config(cls, source: str | dict[str, Any] | EngineConfig | None = None, **overrides: Any) -> Runtime:
+        """A config file path, a dict or a config object, plus dotted/`__` key overrides."""
+        return cls(load_config(source, **overrides))
+
+    # ---- sync API ----
+    def generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: Params = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        **options: Any,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (→ dict), a list (→ list of dicts) or stream one (→ chunks).
+
+        `options`: return_logprob, logprob_start_len, top_logprobs_num, rid.
+        """
+        reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, options)
+        if stream:
+            if batched:
+                raise ValueError("stream=True takes a single prompt")
+            return self._iterate(self.tokenizer_manager.generate(reqs[0]))
+        results = self._call(self._gather(reqs))
+        return results if batched else results[0]
+
+    def chat(
+        self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
+        stream: bool = False, **options: Any,
+    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """Render `messages` with the chat template (adding its stop strings) and generate."""
+        ids, params = self._chat_prompt(messages, sampling_params)
+        return self.generate(input_ids=ids, sampling_params=params, stream=stream, **options)
+
+    def flush_cache(self) -> tuple[bool, str]:
+        result = self._call(self.tokenizer_manager.flush_cache())
+        return result.ok, result.message
+
+    def get_stats(self) -> Any:
+        return self._call(self.tokenizer_manager.get_stats())
+
+    # ---- async API (usable from any event loop) ----
+    async def async_generate(
+        self, prompt: Prompt = None, sampling_params: Params = None, *, input_ids: Any = None,
+        stream: bool = False, **options: Any,
+    ) -> Any:
+        reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, options)
+        if stream:
+            if batched:
+                raise ValueError("stream=True takes a single prompt")
+            return self._aiterate(self.tokenizer_manager.generate(reqs[0]))
+        results = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._gather(reqs), self._loop))
+        return results if batched else results[0]
+
+    async def async_chat(
+        self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
+        stream: bool = False, **options: Any,
+    ) -> Any:
+        ids, params = self._chat_prompt(messages, sampling_params)
+        return await self.async_generate(input_ids=ids, sampling_params=params, stream=stream, **options)
+
+    # ---- lifetime ----
+    def shutdown(self) -> None:
+        if getattr(self, "_loop", None) is not None and self._loop.is_running():
+            self._call(self.tokenizer_manager.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        self.engine.shutdown()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- helpers ----
+    def _requests(
+        self, prompt: Prompt, input_ids: Any, params: Params, stream: bool, options: dict[str, Any]
+    ) -> tuple[list[GenerateRequest], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if prompt is not None:
+            batched = isinstance(prompt, list)
+            items = [{"text": p} for p in (prompt if batched else [prompt])]
+        else:
+            batched = bool(input_ids) and isinstance(input_ids[0], list)
+            items = [{"input_ids": ids} for ids in (input_ids if batched else [input_ids])]
+        if isinstance(params, list):
+            if len(params) != len(items):
+                raise ValueError(f"got {len(params)} sampling_params for {len(items)} prompts")
+            per_item = params
+        else:
+            per_item = [params] * len(items)
+        reqs = [
+            GenerateRequest(**item, sampling_params=p, stream=stream, **options)
+            for item, p in zip(items, per_item, strict=True)
+        ]
+        return reqs, batched
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], params: dict[str, Any] | None) -> tuple[list[int], dict]:
+        """Token ids of the rendered conversation (which already holds any BOS) and the params
+        with the template's stop strings added."""
+        prompt = self.chat_template.render(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        params = dict(params or {})
+        stop = params.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        params["stop"] = stop + [s for s in self.chat_template.stop_strings if s not in stop]
+        if not params["stop"]:
+            del params["stop"]
+        return ids, params
+
+    async def _gather(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
+        async def one(req: GenerateRequest) -> dict[str, Any]:
+            # A non-streaming request yields exactly one result; consuming the generator to its end
+            # lets it clean up its state.
+            results = [r async for r in self.tokenizer_manager.generate(req)]
+            return results[-1]
+
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+    def _call(self, coro: Any) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result()
+
+    def _iterate(self, agen: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """Drive an async generator on the runtime loop, handing its items to this thread."""
+        items: queue.Queue[Any] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for item in agen:
+                    items.put(item)
+            except BaseException as e:  # surfaces in the consumer's thread
+                items.put(e)
+            finally:
+                items.put(_DONE)
+
+        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := items.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            task.cancel()  # a consumer that stops early aborts the request
+
+    async def _aiterate(self, agen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        caller = asyncio.get_running_loop()
+        items: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for item in agen:
+                    caller.call_soon_threadsafe(items.put_nowait, item)
+            except BaseException as e:
+                caller.call_soon_threadsafe(items.put_nowait, e)
+            finally:
+                caller.call_soon_threadsafe(items.put_nowait, _DONE)
+
+        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := await items.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            task.cancel()

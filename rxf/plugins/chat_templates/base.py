@@ -1,0 +1,251 @@
+"""Chat templates: OpenAI-style messages -> one prompt string.
+
+A `ChatTemplate` renders the whole prompt, special tokens included (BOS too, where the model has
+one), so the TokenizerManager must tokenize a rendered prompt with ``add_special_tokens=False`` -
+the same contract as Hugging Face templates, which write ``bos_token`` themselves.
+
+Kinds of template:
+- named ones (``builtin.py`` and third-party plugins) subclass `ChatTemplate` and format `Turn`s;
+- `HFChatTemplate`: the model tokenizer's own template, rendered by transformers;
+- `JinjaChatTemplate`: a Hugging Face style ``.jinja`` file, rendered here with jinja2.
+`resolve_chat_template` maps the ``model.chat_template`` setting to one of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import jinja2
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+# Joins the parts of a list content (text parts and image placeholders) into one string.
+PART_SEPARATOR = "\n"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatTemplate(ABC):
+    """A named prompt format. `stop_strings` end generation on the format's end-of-turn marker
+    (for models whose EOS token is something else); `image_placeholder` is the text an image part
+    renders as (None: the template takes no images)."""
+
+    name: str
+    stop_strings: tuple[str, ...] = ()
+    image_placeholder: str | None = None
+
+    @abstractmethod
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt for `messages`; with `add_generation_prompt`, ending where the assistant's
+        reply starts. Raises ValueError for messages the template cannot take."""
+
+
+class Turn(NamedTuple):
+    """One validated message, its content flattened to text. `index` is its position in the
+    request's messages, for error messages."""
+
+    index: int
+    role: str
+    content: str
+
+
+def _validated(messages: object) -> list[tuple[int, Mapping[str, Any], list[str | None]]]:
+    """Check roles and content types; return (index, message, parts) where parts are the text
+    parts in order and None for each image part. Errors name the offending message."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of message objects")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ValueError(
+                f"messages[{i}] must be an object with 'role' and 'content', got {type(msg).__name__}"
+            )
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}]: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        out.append((i, msg, _content_parts(i, msg.get("content"))))
+    return out
+
+
+def _content_parts(i: int, content: object) -> list[str | None]:
+    if content is None:  # an assistant turn that only carries tool calls
+        return []
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        raise ValueError(
+            f"messages[{i}]: content must be a string or a list of content parts, got {type(content).__name__}"
+        )
+    parts: list[str | None] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError(f"messages[{i}].content[{j}]: a text part needs a string 'text'")
+            parts.append(text)
+        elif kind == "image_url":
+            parts.append(None)
+        else:
+            raise ValueError(
+                f"messages[{i}].content[{j}]: unsupported content part {kind!r}; expected 'text' or 'image_url'"
+            )
+    return parts
+
+
+def text_turns(messages: list[dict[str, Any]], template: ChatTemplate) -> list[Turn]:
+    """Validated turns for a template that formats plain text; image parts become the template's
+    image placeholder (an error if it has none)."""
+    turns = []
+    for i, msg, parts in _validated(messages):
+        if None in parts and template.image_placeholder is None:
+            raise ValueError(f"messages[{i}]: chat template {template.name!r} does not take images")
+        text = PART_SEPARATOR.join(template.image_placeholder if p is None else p for p in parts)
+        turns.append(Turn(i, msg["role"], text))
+    return turns
+
+
+def hf_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validated messages for a Hugging Face template: other keys (name, tool_calls, ...) are
+    kept; text-only content becomes one string (what text templates expect); content with images
+    stays a list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts, the form
+    multimodal HF templates read."""
+    out = []
+    for _, msg, parts in _validated(messages):
+        if None in parts:
+            content: Any = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+        else:
+            content = PART_SEPARATOR.join(p for p in parts if p is not None)
+        out.append({**msg, "content": content})
+    return out
+
+
+@dataclass(frozen=True)
+class HFChatTemplate(ChatTemplate):
+    """The model tokenizer's own chat template. No stop strings: the model's EOS ends its turn."""
+
+    tokenizer: Any = field(compare=False, repr=False)
+    name: str = field(default="hf", kw_only=True)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                hf_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as exc:  # includes the template's own raise_exception(...)
+            raise ValueError(f"chat template {self.name!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class JinjaChatTemplate(ChatTemplate):
+    """A Hugging Face style jinja template, rendered as transformers does: sandboxed, with
+    ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, the ``raise_exception``
+    and ``strftime_now`` helpers and a non-ASCII-escaping ``tojson``. Compiled on construction, so
+    a syntax error surfaces at startup."""
+
+    source: str = field(repr=False)
+    bos_token: str = ""
+    eos_token: str = ""
+    name: str = field(default="jinja", kw_only=True)
+
+    def __post_init__(self) -> None:
+        _ = self._compiled
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, bos_token: str = "", eos_token: str = "") -> JinjaChatTemplate:
+        try:
+            source = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read chat template file {str(path)!r}: {exc}") from exc
+        logger.info("chat template: loaded %s", path)
+        return cls(source, bos_token=bos_token, eos_token=eos_token, name=str(path))
+
+    @cached_property
+    def _compiled(self) -> jinja2.Template:
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            return env.from_string(self.source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template {self.name!r} is not valid jinja: {exc}") from exc
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self._compiled.render(
+                messages=hf_messages(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            raise ValueError(f"chat template {self.name!r}: {exc}") from exc
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2 import TemplateError
+
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def resolve_chat_template(
+    spec: str | None, tokenizer: Any, registry_lookup: Callable[[str], ChatTemplate]
+) -> ChatTemplate:
+    """The template for the ``model.chat_template`` setting: None, "" or "auto" -> the tokenizer's
+    own; a path ending in ``.jinja`` -> that file; anything else -> a registered name."""
+    if not spec or spec == "auto":
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the model's tokenizer has no chat template: set model.chat_template to a built-in "
+                "name (e.g. 'chatml', 'llama-3') or to a .jinja file"
+            )
+        return HFChatTemplate(tokenizer)
+    if spec.endswith(".jinja"):
+        return JinjaChatTemplate.from_file(
+            spec,
+            bos_token=getattr(tokenizer, "bos_token", None) or "",
+            eos_token=getattr(tokenizer, "eos_token", None) or "",
+        )
+    try:
+        return registry_lookup(spec)
+    except LookupError as exc:
+        reason = exc.args[0] if exc.args else repr(exc)
+        raise ValueError(
+            f"unknown chat template {spec!r} (model.chat_template takes 'auto', a .jinja file or a "
+            f"registered name): {reason}"
+        ) from exc

@@ -1,0 +1,17 @@
+"""Builtin model plugin: Llama-family architectures, registered lazily by Hugging Face name.
+
+Only strings are registered, so loading this plugin imports neither torch nor the model code.
+"""
+
+from __future__ import annotations
+
+from rxf.core.hookspecs import RegisterFactory, hookimpl
+
+_LLAMA = "rxf.plugins.models.llama"
+
+
+@hookimpl
+def rxf_register_models(register: RegisterFactory) -> None:
+    register("LlamaForCausalLM", f"{_LLAMA}:LlamaForCausalLM")
+    register("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
+    register("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")

@@ -1,0 +1,36 @@
+"""The attention module models call: a thin handle that forwards to the batch's attention backend.
+
+It satisfies `rxf.core.attention.AttentionLayer` (what a backend may read off a layer) and owns no
+weights: the projections and rotary embedding live in the model's attention block around it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from rxf.core.forward import ForwardBatch
+
+
+class RadixAttention(nn.Module):
+    def __init__(
+        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.layer_id = layer_id  # index into the KV pool's per-layer buffers
+        self.num_heads = num_heads  # per tensor-parallel rank
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = head_dim**-0.5 if scaling is None else scaling
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q `[n, heads * head_dim]`, k/v `[n, kv_heads * head_dim]` -> `[n, heads * head_dim]`."""
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return batch.attn_backend.forward(q, k, v, self, batch).flatten(-2)

@@ -1,0 +1,169 @@
+"""Linear layers laid out for tensor parallelism, with the fused projections models load into.
+
+The seam for tensor parallelism (DESIGN §9): column-parallel layers split their output features
+across ranks, row-parallel layers split their input features and would all-reduce their output.
+Each parameter carries a `weight_loader(param, checkpoint_tensor[, shard_id])` that takes the full
+checkpoint tensor and copies in this rank's slice, so checkpoints load unchanged at any tp_size.
+Today only tp_size = 1 is wired (no process group yet): the constructors refuse anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def check_tp_size(tp_size: int, tp_rank: int) -> None:
+    if tp_size != 1 or tp_rank != 0:
+        raise NotImplementedError("tensor parallelism is not wired yet: tp_size must be 1")
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not fit {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class _TPLinear(nn.Module):
+    """`y = x @ weight.T + bias` with weight `[out_per_rank, in_per_rank]`; subclasses define
+    `weight_loader`, which says how a full checkpoint tensor maps onto this rank's slice."""
+
+    def __init__(
+        self,
+        in_per_rank: int,
+        out_per_rank: int,
+        bias: bool,
+        tp_size: int,
+        tp_rank: int,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        check_tp_size(tp_size, tp_rank)
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        # torch.empty: every value is overwritten by the checkpoint, so skip the random init.
+        self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_per_rank, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_TPLinear):
+    """Output features split across ranks; each rank holds rows [rank * n, (rank + 1) * n)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if out_features % tp_size:
+            raise ValueError(f"out_features {out_features} is not divisible by tp_size {tp_size}")
+        super().__init__(in_features, out_features // tp_size, bias, tp_size, tp_rank, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = param.shape[0]
+        copy_weight(param.data, loaded.narrow(0, self.tp_rank * n, n), type(self).__name__)
+
+
+class MergedColumnParallelLinear(_TPLinear):
+    """Several column-parallel projections of one input stored as one weight (e.g. gate | up).
+
+    Shard i of the checkpoint fills rows [sum(sizes[:i]), sum(sizes[:i + 1])) of this rank's weight,
+    each shard taking its own rank slice.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: Sequence[int],
+        bias: bool = False,
+        *,
+        shard_ids: Sequence[str | int] | None = None,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if any(size % tp_size for size in out_sizes):
+            raise ValueError(f"output sizes {list(out_sizes)} are not divisible by tp_size {tp_size}")
+        self.shard_ids = tuple(shard_ids) if shard_ids is not None else tuple(range(len(out_sizes)))
+        self.shard_sizes = [size // tp_size for size in out_sizes]
+        self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(out_sizes))]
+        super().__init__(in_features, sum(self.shard_sizes), bias, tp_size, tp_rank, dtype)
+        # The loader checks that every shard of a fused parameter was filled.
+        for param in self.parameters():
+            param.shard_ids = self.shard_ids
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int) -> None:
+        i = self.shard_ids.index(shard_id)
+        n = self.shard_sizes[i]
+        dst = param.data.narrow(0, self.shard_offsets[i], n)
+        copy_weight(dst, loaded.narrow(0, self.tp_rank * n, n), f"{type(self).__name__} shard {shard_id}")
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections fused into one `[q | k | v]` weight; shard ids "q", "k", "v"."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        # A rank holds num_heads / tp_size query heads and as many kv heads (kv heads would be
+        # replicated when tp_size exceeds them; that case arrives with tensor parallelism).
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = num_kv_heads // tp_size
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(
+            hidden_size,
+            [q_size, kv_size, kv_size],
+            bias,
+            shard_ids=("q", "k", "v"),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            dtype=dtype,
+        )
+
+
+class RowParallelLinear(_TPLinear):
+    """Input features split across ranks; with tp_size > 1 the partial outputs are all-reduced
+    (the bias added once, after the reduce)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if in_features % tp_size:
+            raise ValueError(f"in_features {in_features} is not divisible by tp_size {tp_size}")
+        super().__init__(in_features // tp_size, out_features, bias, tp_size, tp_rank, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is not split
+            copy_weight(param.data, loaded, type(self).__name__)
+            return
+        n = param.shape[1]
+        copy_weight(param.data, loaded.narrow(1, self.tp_rank * n, n), type(self).__name__)

@@ -1,0 +1,191 @@
+"""Llama-family decoder-only models over the paged KV pool: Llama 2/3, Mistral, Qwen2.
+
+Parameter names follow the Hugging Face checkpoints (`model.layers.{i}.self_attn...`), except that q/k/v
+are fused into `qkv_proj` and gate/up into `gate_up_proj`; `load_weights` maps the names.
+The forward consumes a `ForwardBatch` whose tokens are flattened over requests (no padding), and
+returns float32 logits for the rows in `batch.logits_indices` only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rxf.core.forward import ForwardBatch
+from rxf.core.weight_loader import load_named_weights
+from rxf.plugins.models.layers import (
+    LogitsHead,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RadixAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabEmbedding,
+    rope_parameters,
+)
+
+logger = logging.getLogger(__name__)
+
+_STACKED = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def head_dim_of(config: Any) -> int:
+    """Explicit `head_dim` when the checkpoint sets one (it may differ from hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        inter = config.intermediate_size
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype=dtype)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: Any, layer_id: int, qkv_bias: bool, rotary_emb: RotaryEmbedding, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, num_heads, num_kv_heads, qkv_bias, dtype=dtype
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim, config.hidden_size, getattr(config, "attention_bias", False), dtype=dtype
+        )
+        self.rotary_emb = rotary_emb  # one instance shared by all layers (its tables are large)
+        # Per-rank sizes of the q | k | v split of the fused projection's output.
+        self.qkv_sizes = [s * head_dim for s in (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)]
+        self.qkv_sizes.append(self.qkv_sizes[1])
+        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q, k = self.rotary_emb(batch.positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, layer_id: int, qkv_bias: bool, rotary_emb: RotaryEmbedding, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, rotary_emb, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pre-norm blocks; the residual stream is carried separately so each norm fuses its add.
+        if residual is None:  # first layer: the residual stream starts as the embeddings
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # cos/sin for every position: e.g. 131072 x 128 per table for Llama 3.1, so built once.
+        rotary_emb = RotaryEmbedding(
+            head_dim_of(config), config.max_position_embeddings, rope_parameters(config), dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's output and residual stream, before the final norm (which the caller
+        applies only to the rows whose logits it needs)."""
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch)
+        assert residual is not None, "a model has at least one layer"
+        return x, residual
+
+
+def _sliding_window(config: Any) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias_default = False  # Llama and Mistral: bias only when `attention_bias` says so
+
+    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        dtype = dtype or torch.get_default_dtype()
+        self.config = config
+        window = _sliding_window(config)
+        if window is not None and window < config.max_position_embeddings:
+            logger.warning(
+                "sliding_window=%d is not applied yet: attention spans the full context "
+                "(outputs differ from the reference beyond %d tokens)",
+                window,
+                window,
+            )
+        qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
+        self.model = LlamaModel(config, qkv_bias, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits `[len(batch.logits_indices), vocab]`."""
+        x, residual = self.model(batch)
+        idx = batch.logits_indices
+        x, _ = self.model.norm(x[idx], residual[idx])
+        return self.lm_head(x)
+
+    def _skip(self, name: str) -> bool:
+        # Old checkpoints store rotary inv_freq buffers; tied checkpoints may still store the head.
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, stacked=_STACKED, skip=self._skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama's module structure plus a sliding window (warned about, not applied)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias_default = True  # Qwen2 always has q/k/v biases (and none on o_proj)
