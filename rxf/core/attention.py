@@ -48,6 +48,15 @@ class AttentionBackend(ABC):
     `init_forward_metadata` is called once per forward, before any layer runs, and may plan kernels.
     """
 
+    # `attention.backend = "auto"` picks the available backend with the highest priority;
+    # None keeps a backend out of automatic selection (it must be named explicitly).
+    auto_priority: int | None = None
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> bool:
+        """Whether this backend can run on `device` (e.g. its kernel library imports, the GPU fits)."""
+        return True
+
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx = ctx
 

@@ -98,9 +98,8 @@ def _select_backend(registry: PluginRegistry, name: str, device: torch.device) -
         except Exception as e:  # e.g. a GPU backend whose kernel library is not installed
             logger.info("attention backend %s skipped: %s", candidate, e)
             continue
-        priority = getattr(cls, "auto_priority", None)
-        if priority is not None and cls.is_available(device):
-            candidates.append((priority, candidate, cls))
+        if cls.auto_priority is not None and cls.is_available(device):
+            candidates.append((cls.auto_priority, candidate, cls))
     if not candidates:
         raise RuntimeError(f"no attention backend is available on {device}")
     priority, chosen, cls = max(candidates, key=lambda c: (c[0], c[1]))

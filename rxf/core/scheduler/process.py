@@ -72,7 +72,11 @@ def run_scheduler_process(config: EngineConfig, model_path: str, addrs: dict[str
 def _loop(scheduler: Any, recv: zmq.Socket, to_detok: zmq.Socket, to_tm: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:  # the engine's owner died without stopping us: don't linger
+            logger.warning("parent process exited; scheduler stopping")
+            return
         # Block only when idle; otherwise take whatever arrived and keep stepping.
         timeout = 0 if scheduler.has_work else 1000
         outs = []

@@ -21,10 +21,6 @@ if TYPE_CHECKING:
 class TorchNativeBackend(AttentionBackend):
     auto_priority = 0  # the fallback: any accelerated backend that is available ranks above it
 
-    @classmethod
-    def is_available(cls, device: torch.device) -> bool:
-        return True
-
     def __init__(self, ctx: AttentionContext) -> None:
         super().__init__(ctx)
         # Planned by init_forward_metadata, shared by all layers of one forward:
