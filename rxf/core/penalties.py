@@ -59,6 +59,9 @@ class Penalties:
     counts: torch.Tensor | None
     # Flat positions whose logits become -inf (EOS/stop ids while under min_new_tokens).
     banned_positions: torch.Tensor | None
+    # OpenAI logit_bias: flat positions and the values added there (after the penalties).
+    bias_positions: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -76,7 +79,8 @@ class Penalties:
             i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         ]
         ban_rows = [i for i, ids in enumerate(banned_ids or []) if ids]
-        if not (rep_rows or freq_rows or ban_rows):
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        if not (rep_rows or freq_rows or ban_rows or bias_rows):
             return None
 
         seen_positions = seen_factors = None
@@ -104,7 +108,15 @@ class Penalties:
                 ban_rows, [[banned_ids[i]] for i in ban_rows], vocab_size, device
             )
 
-        return cls(seen_positions, seen_factors, frequency, presence, counts, banned_positions)
+        bias_positions = bias_values = None
+        if bias_rows:
+            pairs = [(i * vocab_size + t, b) for i in bias_rows for t, b in params[i].logit_bias.items()]
+            bias_positions = torch.tensor([q for q, _ in pairs], dtype=torch.int64).to(device)
+            bias_values = torch.tensor([b for _, b in pairs], dtype=torch.float32).to(device)
+
+        return cls(
+            seen_positions, seen_factors, frequency, presence, counts, banned_positions, bias_positions, bias_values
+        )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Returns penalized float32 logits [bs, vocab]; the input is not modified."""
@@ -120,6 +132,8 @@ class Penalties:
         if self.counts is not None and self.frequency is not None and self.presence is not None:
             out = out - (self.frequency * self.counts + self.presence * (self.counts > 0))
             flat = out.view(-1)
+        if self.bias_positions is not None and self.bias_values is not None:
+            flat.index_add_(0, self.bias_positions, self.bias_values)
         if self.banned_positions is not None:
             flat.index_fill_(0, self.banned_positions, float("-inf"))
         return out

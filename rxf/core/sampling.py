@@ -44,6 +44,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # OpenAI logit_bias: token id -> value in [-100, 100] added to its logit (after penalties).
+    logit_bias: dict[int, float] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -83,6 +85,11 @@ class SamplingParams:
             _require(stop != "", "stop", "stop strings must be non-empty", stop)
         if self.seed is not None:
             _require(0 <= self.seed < _MAX_SEED, "seed", "must be in [0, 2**64)", self.seed)
+        for token_id, bias in (self.logit_bias or {}).items():
+            in_vocab = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
+            bound = "vocab_size" if vocab_size is None else vocab_size
+            _require(in_vocab, "logit_bias", f"token ids must be in [0, {bound})", token_id)
+            _require(-100 <= bias <= 100, "logit_bias", "values must be in [-100, 100]", bias)
 
 
 def _require(ok: bool, name: str, reason: str, value: Any) -> None:
@@ -131,6 +138,22 @@ def _as_int_list(name: str, value: Any) -> list[int]:
     return [_as_int(name, v) for v in value]
 
 
+def _as_logit_bias(name: str, value: Any) -> dict[int, float] | None:
+    """{"50256": -100} as JSON sends it (string keys) or {50256: -100}."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _type_error(name, "an object mapping token ids to numbers", value)
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise _type_error(name, "token ids as keys", key) from None
+        out[token_id] = _as_float(name, bias)
+    return out
+
+
 # Keyed by the fields' annotation strings (annotations are postponed): a field of a new type fails at
 # import rather than going unchecked.
 _COERCER_BY_TYPE: dict[str, Callable[[str, Any], Any]] = {
@@ -140,6 +163,7 @@ _COERCER_BY_TYPE: dict[str, Callable[[str, Any], Any]] = {
     "bool": _as_bool,
     "list[str]": _as_str_list,
     "list[int]": _as_int_list,
+    "dict[int, float] | None": _as_logit_bias,
 }
 _COERCERS = {f.name: _COERCER_BY_TYPE[str(f.type)] for f in fields(SamplingParams)}
 

@@ -141,3 +141,20 @@ def test_prompt_logprobs_and_invalid_requests(tiny_llama):
     assert sum(len(o.output_token_logprobs or []) for o in outs) == 4
     bad = sched.add_request(request("bad", [10**6], 4))
     assert bad.finished.type == "abort" and "outside" in bad.finished.message
+
+
+def test_zero_new_tokens_prefills_only(tiny_llama):
+    sched = make_scheduler(tiny_llama)
+    p = prompts(1, seed=8, lo=10, hi=10)[0]
+    msg = request("z", p, 0)
+    msg.return_logprob, msg.logprob_start_len = True, 0
+    sched.add_request(msg)
+    outs = []
+    while sched.has_work:
+        outs += sched.step()
+    assert len(outs) == 1 and outs[0].new_token_ids == [] and outs[0].finished.type == "length"
+    assert len(outs[0].input_token_logprobs) == len(p)
+    # The prompt is now cached: a follow-up request reuses all but its last token.
+    sched.add_request(request("z2", p, 2))
+    got = drain(sched)
+    assert got["z2"]["cached"] == len(p) - 1

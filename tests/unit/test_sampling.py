@@ -310,3 +310,23 @@ def test_non_contiguous_logits_match_contiguous() -> None:
     assert torch.equal(batch.sample(padded).next_token_ids, batch.sample(padded.contiguous()).next_token_ids)
     expected = batch.penalties.apply(padded.contiguous())  # type: ignore[union-attr]
     assert torch.equal(batch.sample(padded).next_token_ids, expected.argmax(dim=-1))
+
+
+def test_logit_bias_is_added_after_penalties_and_validated():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5], [1.0, 2.0, 3.0, 0.5]])
+    params = [
+        SamplingParams.from_dict({"temperature": 0, "logit_bias": {"0": 5.0, 2: -100}}),
+        SamplingParams.from_dict({"temperature": 0}),
+    ]
+    batch = SamplingBatch.build(params, [[], []], [[], []], [None, None], 4, "cpu")
+    assert batch.sample(logits).next_token_ids.tolist() == [0, 2]  # 1+5 beats 2; row 1 untouched
+    assert batch.penalties is not None
+    expected = logits.clone()
+    expected[0, 0] += 5.0
+    expected[0, 2] -= 100
+    torch.testing.assert_close(batch.penalties.apply(logits), expected)
+    for bad in ({"x": 1}, {"1": 101}, [1, 2]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams.from_dict({"logit_bias": bad})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.from_dict({"logit_bias": {"9": 1}}).verify(vocab_size=4)

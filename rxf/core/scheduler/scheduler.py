@@ -209,9 +209,12 @@ class Scheduler:
             self.running.append(req)
         for req in reqs:
             self.kv.cache_unfinished(req)
-        outs: list[TokenOut] = []
+        # max_new_tokens = 0 (prefill only: prompt logprobs, or warming the cache for n > 1).
+        outs = [self._finish(r, FinishReason("length")) for r in ready if r.sampling_params.max_new_tokens == 0]
+        last_rows = [row for r, row in zip(ready, last_rows, strict=True) if r.sampling_params.max_new_tokens]
+        ready = [r for r in ready if r.sampling_params.max_new_tokens]
         if ready:
-            outs = self._sample_and_emit(ready, logits[torch.tensor(last_rows, device=logits.device)], force_send=True)
+            outs += self._sample_and_emit(ready, logits[torch.tensor(last_rows, device=logits.device)], force_send=True)
         return outs
 
     def _prefix_slots(self, req: Req) -> torch.Tensor:
@@ -288,7 +291,9 @@ class Scheduler:
                 outs.append(make_token_out(req, finished=False))
         return outs
 
-    def _finish(self, req: Req) -> TokenOut:
+    def _finish(self, req: Req, reason: FinishReason | None = None) -> TokenOut:
+        if reason is not None:
+            req.finished_reason = reason
         self.running.remove(req)
         self.kv.release(req)
         return make_token_out(req, finished=True)
