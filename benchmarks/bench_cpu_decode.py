@@ -1,19 +1,28 @@
 """CPU decode benchmark: rxf's `Runtime` against Hugging Face `generate` on the same checkpoint.
 
     RXF_CACHE_DIR=/tmp/rxfcache python benchmarks/bench_cpu_decode.py \
-        [--config examples/demo.toml] [--output results.json] [--repeats 3] [--cold]
+        [--config examples/demo.toml] [--output results.json] [--rounds 3] [--cold]
 
-Phases run one after the other, never two models computing at once:
-  cold  (only with --cold) `Runtime.from_config` in a subprocess whose RXF_CACHE_DIR is a fresh
-        empty directory: fetching and converting the demo model, then starting the engine.
-  rxf   `Runtime.from_config` with the model already prepared (--load-repeats times), then greedy
-        decode of N new tokens: 1 request (plain and streamed), and B concurrent requests.
-  hf    `AutoModelForCausalLM.generate` (fp32, CPU, do_sample=False, min_new_tokens=N) on the same
-        checkpoint directory and the same prompt token ids: batch 1 and batch B (left padding).
+What is timed (greedy, N new tokens forced, the same prompt token ids for both engines):
+  load     `Runtime.from_config(config)` until it returns (the model already prepared).
+  cold     (only with --cold, once) the same in a subprocess whose RXF_CACHE_DIR is a fresh empty
+           directory: fetching and converting the demo model, then starting the engine.
+  rxf      1 request (`rt.generate`), the same request streamed (TTFT = first chunk; decode rate =
+           tokens after the first / time after the first), B requests in one batch call.
+  hf       `AutoModelForCausalLM.generate` (fp32, CPU, do_sample=False, min_new_tokens=N) on the
+           same checkpoint directory: batch 1 (TTFT from a streamer) and batch B (left padding).
 
-Every timed call is repeated; the report gives the median and the min/max. rxf's radix cache is
-flushed before each timed call, so no repeat reuses an earlier repeat's prompt KV. The HF phase uses
-the torch thread count that rxf's scheduler reports, so both compute with the same number of threads.
+Each round runs every rxf measurement, then every HF measurement, so the two engines never compute
+at once and a change in the machine's load between rounds hits both alike. The report gives, per
+measurement, the median over rounds and the min/max. rxf's radix cache is flushed before each timed
+call, so no call reuses an earlier call's prompt KV. HF uses the torch thread count that rxf's
+scheduler reports.
+
+The machine may be shared. Before each timed call the script waits (up to --max-wait s) until other
+processes use less than --quiet-cores of CPU; during the call it measures the CPU time the rest of
+the machine used (all busy time in /proc/stat minus this process tree's own) and repeats a call
+during which others used more than --max-other-cores (at most --retries times). The figures for
+every call, kept or discarded, are in the JSON output.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -53,39 +63,20 @@ USER_TURNS = [
     "Plan a relaxing one-day itinerary for a visitor in Kyoto who likes gardens and tea.",
 ]
 
-
-# ---------------------------------------------------------------- helpers
-def summarize(values: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "n": len(values),
-        "values": values,
-    }
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
+# ---------------------------------------------------------------- machine and load
 def machine_info() -> dict[str, Any]:
-    cpu_model, cores = "unknown", os.cpu_count()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return {"cpu_model": cpu_model, "logical_cpus": cores, "mem_total_gib": mem_gib, "platform": platform.platform()}
+    info: dict[str, Any] = {"cpu_model": "unknown", "logical_cpus": os.cpu_count(), "platform": platform.platform()}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            info["cpu_model"] = line.split(":", 1)[1].strip()
+            break
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            info["mem_total_gib"] = round(int(line.split()[1]) / 2**20, 1)
+    return info
 
 
 def git_commit() -> dict[str, Any]:
@@ -96,6 +87,90 @@ def git_commit() -> dict[str, Any]:
     return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
 
 
+def _own_tree_ticks() -> int:
+    """CPU time of this process tree in clock ticks: utime + stime + cutime + cstime of each live
+    process (cutime/cstime hold the descendants it has already reaped, e.g. a stopped engine's)."""
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (ppid, ticks)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()  # after "pid (comm) "
+        stats[int(entry.name)] = (int(fields[1]), sum(int(v) for v in fields[11:15]))
+    tree, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, _) in stats.items():
+            if ppid == parent and pid not in tree:
+                tree.add(pid)
+                frontier.append(pid)
+    return sum(stats[pid][1] for pid in tree if pid in stats)
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, steal) ticks of the whole machine from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
+    return user + nice + system + irq + softirq, steal
+
+
+class CpuWindow:
+    """CPU used by other processes (and stolen by the hypervisor) between `__init__` and `close()`,
+    in cores (1.0 = one core busy the whole time)."""
+
+    def __init__(self) -> None:
+        self.t0, self.own0, (self.busy0, self.steal0) = time.perf_counter(), _own_tree_ticks(), _cpu_ticks()
+
+    def close(self) -> dict[str, float]:
+        busy, steal = _cpu_ticks()
+        own = _own_tree_ticks()
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        others = max((busy - self.busy0) - (own - self.own0), 0)
+        return {
+            "others_cores": round(others / _TICK / wall, 3),
+            "steal_cores": round((steal - self.steal0) / _TICK / wall, 3),
+            "load_1min": round(os.getloadavg()[0], 2),
+        }
+
+
+def wait_for_quiet(args: argparse.Namespace) -> float:
+    """Wait until other processes use less than --quiet-cores (2 s windows); returns the wait."""
+    start = time.perf_counter()
+    while True:
+        window = CpuWindow()
+        time.sleep(2.0)
+        if window.close()["others_cores"] < args.quiet_cores or time.perf_counter() - start > args.max_wait:
+            return time.perf_counter() - start
+
+
+def timed(args: argparse.Namespace, what: str, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run `call` (which returns its own timings) on a quiet machine; repeat it when others took
+    more than --max-other-cores during it. Returns the kept record, with the discarded ones."""
+    discarded = []
+    for attempt in range(args.retries + 1):
+        waited = wait_for_quiet(args)
+        window = CpuWindow()
+        record = call()
+        record["cpu"] = window.close() | {"waited_s": round(waited, 1)}
+        if record["cpu"]["others_cores"] <= args.max_other_cores or attempt == args.retries:
+            break
+        print(f"  {what}: others used {record['cpu']['others_cores']} cores; repeating", flush=True)
+        discarded.append({k: v for k, v in record.items() if k != "output_ids"})
+    record["discarded"] = discarded
+    print(f"  {what}: {_brief(record)}", flush=True)
+    return record
+
+
+def _brief(record: dict[str, Any]) -> str:
+    keys = ("wall_s", "output_tok_s", "ttft_s", "decode_tok_s", "load_s")
+    parts = [f"{k} {record[k]:.3f}" for k in keys if k in record]
+    return ", ".join(parts) + f" (others {record['cpu']['others_cores']} cores)"
+
+
+# ---------------------------------------------------------------- prompts
 def chat_prompt_ids(tokenizer: Any) -> list[list[int]]:
     """The token ids of every user turn rendered with the model's chat template."""
     out = []
@@ -107,201 +182,202 @@ def chat_prompt_ids(tokenizer: Any) -> list[list[int]]:
     return out
 
 
-# ---------------------------------------------------------------- cold start (subprocess)
-def phase_cold(config: str) -> dict[str, Any]:
-    """Run in a subprocess with RXF_CACHE_DIR pointing at an empty directory."""
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {"runtime.cpu_threads": args.threads} if args.threads else {}
+
+
+# ---------------------------------------------------------------- load times
+def cold_child(args: argparse.Namespace) -> None:
+    """In a subprocess whose RXF_CACHE_DIR is empty: one timed first-use start, as JSON on stdout."""
     from rxf import Runtime
 
-    load_before = loadavg()
     start = time.perf_counter()
-    rt = Runtime.from_config(config)
+    rt = Runtime.from_config(args.config, **overrides(args))
     elapsed = time.perf_counter() - start
-    info = dict(rt.engine.info)
+    load_time = rt.engine.info.get("load_time_s")
     rt.shutdown()
-    return {"from_config_s": elapsed, "engine_load_time_s": info.get("load_time_s"), "loadavg_before": load_before}
+    print(json.dumps({"load_s": elapsed, "engine_load_time_s": load_time}))
 
 
-def run_cold(config: str) -> dict[str, Any]:
-    tmp = tempfile.mkdtemp(prefix="rxf-bench-cold-")
-    try:
-        env = dict(os.environ, RXF_CACHE_DIR=tmp)
-        cmd = [sys.executable, __file__, "--config", config, "--_cold-child"]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"cold phase failed:\n{done.stderr[-4000:]}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def measure_cold(args: argparse.Namespace) -> dict[str, Any]:
+    def call() -> dict[str, Any]:
+        tmp = tempfile.mkdtemp(prefix="rxf-bench-cold-")
+        try:
+            cmd = [sys.executable, __file__, "--config", args.config, "--_cold-child"]
+            cmd += ["--threads", str(args.threads)] if args.threads else []
+            done = subprocess.run(cmd, env=dict(os.environ, RXF_CACHE_DIR=tmp), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"cold start failed:\n{done.stderr[-4000:]}")
+            return json.loads(done.stdout.strip().splitlines()[-1])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return timed(args, "cold start", call)
 
 
-# ---------------------------------------------------------------- rxf
-def phase_rxf(config: str, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def measure_warm_load(args: argparse.Namespace) -> list[dict[str, Any]]:
     from rxf import Runtime
 
-    n, batch = args.new_tokens, prompts[: args.batch]
-    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-    res: dict[str, Any] = {"loadavg_before": loadavg()}
-
-    load_times, engine_load_times = [], []
-    rt = None
-    for i in range(args.load_repeats):
+    def call() -> dict[str, Any]:
         start = time.perf_counter()
-        rt = Runtime.from_config(config)
-        load_times.append(time.perf_counter() - start)
-        engine_load_times.append(rt.engine.info["load_time_s"])
-        if i + 1 < args.load_repeats:
-            rt.shutdown()
-    assert rt is not None
-    res["load_s"] = summarize(load_times)
-    res["engine_load_time_s"] = summarize(engine_load_times)
-    res["engine_info"] = {k: v for k, v in rt.engine.info.items() if k != "model_path"}
-    res["torch_threads"] = rt.engine.info["torch_threads"]
-    print(f"[rxf] scheduler torch threads: {res['torch_threads']}", flush=True)
-    try:
-        # Warm-up (untimed): one short request and one short batch.
-        rt.generate(input_ids=batch[0], sampling_params={**params, "max_new_tokens": 8})
-        rt.generate(input_ids=batch, sampling_params={**params, "max_new_tokens": 8})
+        rt = Runtime.from_config(args.config, **overrides(args))
+        elapsed = time.perf_counter() - start
+        load_time = rt.engine.info["load_time_s"]
+        rt.shutdown()
+        return {"load_s": elapsed, "engine_load_time_s": load_time}
 
-        times, tokens = [], []
-        for _ in range(args.repeats):
-            rt.flush_cache()
-            start = time.perf_counter()
-            out = rt.generate(input_ids=batch[0], sampling_params=params)
-            times.append(time.perf_counter() - start)
-            tokens.append(out["meta_info"]["completion_tokens"])
-        res["bs1_output_ids"] = out["output_ids"]
-        res["bs1"] = _throughput(times, tokens)
+    return [timed(args, f"warm load {i + 1}", call) for i in range(args.load_repeats)]
 
-        ttfts, decode_rates, stream_tokens = [], [], []
-        for _ in range(args.repeats):
-            rt.flush_cache()
-            start = time.perf_counter()
-            first = None
-            count = 0
-            for chunk in rt.generate(input_ids=batch[0], sampling_params=params, stream=True):
-                if chunk["output_ids"] and first is None:
-                    first, first_count = time.perf_counter(), len(chunk["output_ids"])
-                count += len(chunk["output_ids"])
-            end = time.perf_counter()
-            ttfts.append(first - start)
-            decode_rates.append((count - first_count) / (end - first))
-            stream_tokens.append(count)
-        res["bs1_stream"] = {
-            "ttft_s": summarize(ttfts),
-            "decode_tok_s": summarize(decode_rates),
-            "tokens": stream_tokens,
+
+# ---------------------------------------------------------------- the two engines
+class RxfBench:
+    def __init__(self, args: argparse.Namespace, single: list[int], batch: list[list[int]]) -> None:
+        from rxf import Runtime
+
+        self.rt = Runtime.from_config(args.config, **overrides(args))
+        self.single, self.batch = single, batch
+        self.params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
+        self.threads = self.rt.engine.info["torch_threads"]
+        print(f"[rxf] scheduler torch threads: {self.threads}", flush=True)
+        self.rt.generate(input_ids=single, sampling_params={**self.params, "max_new_tokens": 8})  # warm-up
+        self.rt.generate(input_ids=batch, sampling_params={**self.params, "max_new_tokens": 8})
+
+    def one(self) -> dict[str, Any]:
+        self.rt.flush_cache()
+        start = time.perf_counter()
+        out = self.rt.generate(input_ids=self.single, sampling_params=self.params)
+        wall = time.perf_counter() - start
+        n = out["meta_info"]["completion_tokens"]
+        return {"wall_s": wall, "tokens": n, "output_tok_s": n / wall, "output_ids": out["output_ids"]}
+
+    def one_streamed(self) -> dict[str, Any]:
+        self.rt.flush_cache()
+        start = time.perf_counter()
+        first = first_count = None
+        count = chunks = 0
+        for chunk in self.rt.generate(input_ids=self.single, sampling_params=self.params, stream=True):
+            if chunk["output_ids"] and first is None:
+                first, first_count = time.perf_counter(), len(chunk["output_ids"])
+            count += len(chunk["output_ids"])
+            chunks += 1
+        end = time.perf_counter()
+        return {
+            "wall_s": end - start,
+            "tokens": count,
+            "chunks": chunks,
+            "ttft_s": first - start,
+            "decode_tok_s": (count - first_count) / (end - first),
         }
 
-        times, tokens, cached = [], [], []
-        for _ in range(args.repeats):
-            rt.flush_cache()
-            start = time.perf_counter()
-            outs = rt.generate(input_ids=batch, sampling_params=params)
-            times.append(time.perf_counter() - start)
-            tokens.append(sum(o["meta_info"]["completion_tokens"] for o in outs))
-            cached.append(sum(o["meta_info"]["cached_tokens"] for o in outs))
-        res["batch_output_ids"] = [o["output_ids"] for o in outs]
-        res["batch"] = _throughput(times, tokens) | {"cached_prompt_tokens": cached}
-    finally:
-        rt.shutdown()
-    res["loadavg_after"] = loadavg()
-    return res
+    def batched(self) -> dict[str, Any]:
+        self.rt.flush_cache()
+        start = time.perf_counter()
+        outs = self.rt.generate(input_ids=self.batch, sampling_params=self.params)
+        wall = time.perf_counter() - start
+        n = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        return {
+            "wall_s": wall,
+            "tokens": n,
+            "output_tok_s": n / wall,
+            "cached_prompt_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
+            "output_ids": [o["output_ids"] for o in outs],
+        }
+
+    def close(self) -> None:
+        self.rt.shutdown()
 
 
-def _throughput(times: list[float], tokens: list[int]) -> dict[str, Any]:
-    return {
-        "wall_s": summarize(times),
-        "output_tok_s": summarize([t / s for t, s in zip(tokens, times, strict=True)]),
-        "tokens": tokens,
-    }
+class HfBench:
+    def __init__(
+        self, args: argparse.Namespace, model_path: str, single: list[int], batch: list[list[int]], threads: int
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
 
+        torch.set_num_threads(threads)
+        self.threads = torch.get_num_threads()
+        print(f"[hf] torch threads: {self.threads}", flush=True)
+        start = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.load_s = time.perf_counter() - start
+        config = self.model.config
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        self.single, self.batch, self.n = single, batch, args.new_tokens
+        self._generate([single], 8)  # warm-up
+        self._generate(batch, 8)
 
-# ---------------------------------------------------------------- Hugging Face
-def phase_hf(model_path: str, prompts: list[list[int]], threads: int, args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
+    def _generate(self, rows: list[list[int]], new_tokens: int, streamer: Any = None) -> Any:
+        import torch
 
-    torch.set_num_threads(threads)
-    res: dict[str, Any] = {"loadavg_before": loadavg(), "torch_threads": torch.get_num_threads()}
-    print(f"[hf] torch threads: {res['torch_threads']}", flush=True)
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    res["load_s"] = time.perf_counter() - start
-    n, batch = args.new_tokens, prompts[: args.batch]
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
-
-    def inputs(rows: list[list[int]]) -> dict[str, torch.Tensor]:
         width = max(len(r) for r in rows)
-        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])  # left padding
+        ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows])  # left padding
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        return {"input_ids": ids, "attention_mask": mask}
-
-    class FirstTokenTimer(BaseStreamer):
-        """generate() calls put() with the prompt first, then once per generated step."""
-
-        def __init__(self) -> None:
-            self.calls = 0
-            self.first: float | None = None
-
-        def put(self, value: Any) -> None:
-            self.calls += 1
-            if self.calls == 2:
-                self.first = time.perf_counter()
-
-        def end(self) -> None:
-            pass
-
-    def generate(rows: list[list[int]], new_tokens: int, streamer: Any = None) -> torch.Tensor:
-        enc = inputs(rows)
         with torch.inference_mode():
-            out = model.generate(
-                **enc,
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 do_sample=False,
-                pad_token_id=pad_id,
+                pad_token_id=self.pad_id,
                 streamer=streamer,
             )
-        return out[:, enc["input_ids"].shape[1] :]
+        return out[:, width:]
 
-    generate([batch[0]], 8)  # warm-up (untimed)
-    generate(batch, 8)
+    def one(self) -> dict[str, Any]:
+        from transformers.generation.streamers import BaseStreamer
 
-    times, tokens, ttfts, decode_rates = [], [], [], []
-    for _ in range(args.repeats):
+        class FirstTokenTimer(BaseStreamer):
+            """generate() calls put() with the prompt first, then once per generated token."""
+
+            calls, first = 0, 0.0
+
+            def put(self, value: Any) -> None:
+                self.calls += 1
+                if self.calls == 2:
+                    self.first = time.perf_counter()
+
+            def end(self) -> None:
+                pass
+
         timer = FirstTokenTimer()
         start = time.perf_counter()
-        out = generate([batch[0]], n, streamer=timer)
+        out = self._generate([self.single], self.n, streamer=timer)
         end = time.perf_counter()
-        times.append(end - start)
-        tokens.append(int(out.numel()))
-        ttfts.append(timer.first - start)
-        decode_rates.append((out.numel() - 1) / (end - timer.first))
-    res["bs1_output_ids"] = out[0].tolist()
-    res["bs1"] = _throughput(times, tokens)
-    res["bs1_stream"] = {"ttft_s": summarize(ttfts), "decode_tok_s": summarize(decode_rates)}
+        n = int(out.numel())
+        return {
+            "wall_s": end - start,
+            "tokens": n,
+            "output_tok_s": n / (end - start),
+            "ttft_s": timer.first - start,
+            "decode_tok_s": (n - 1) / (end - timer.first),
+            "output_ids": out[0].tolist(),
+        }
 
-    times, tokens = [], []
-    for _ in range(args.repeats):
+    def batched(self) -> dict[str, Any]:
         start = time.perf_counter()
-        out = generate(batch, n)
-        times.append(time.perf_counter() - start)
-        tokens.append(int(out.numel()))
-    res["batch_output_ids"] = out.tolist()
-    res["batch"] = _throughput(times, tokens)
-    res["loadavg_after"] = loadavg()
-    del model
-    return res
+        out = self._generate(self.batch, self.n)
+        wall = time.perf_counter() - start
+        n = int(out.numel())
+        return {"wall_s": wall, "tokens": n, "output_tok_s": n / wall, "output_ids": out.tolist()}
 
 
 # ---------------------------------------------------------------- report
-def agreement(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two greedy continuations."""
+def summarize(records: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    values = [r[key] for r in records]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def agreement(rxf_ids: list[int], hf_ids: list[int], eos_id: int) -> dict[str, Any]:
+    """Common prefix of two greedy continuations, and whether rxf's token where they part is EOS.
+
+    With ignore_eos rxf may emit EOS (and then continue); HF's min_new_tokens masks EOS and takes
+    the next-best token, so the two are expected to part at an EOS.
+    """
     k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
+    while k < min(len(rxf_ids), len(hf_ids)) and rxf_ids[k] == hf_ids[k]:
         k += 1
-    return k
+    return {"common_prefix": k, "length": len(rxf_ids), "parted_at_eos": k < len(rxf_ids) and rxf_ids[k] == eos_id}
 
 
 def fmt(s: dict[str, Any], digits: int = 1) -> str:
@@ -309,33 +385,33 @@ def fmt(s: dict[str, Any], digits: int = 1) -> str:
 
 
 def report(results: dict[str, Any]) -> str:
-    r, h, b = results["rxf"], results["hf"], results["settings"]["batch"]
-    lines = [
-        "| metric | rxf | HF transformers | rxf / HF |",
-        "|---|---|---|---|",
+    s, b = results["summary"], results["settings"]["batch"]
+    lines = ["| measurement | rxf | HF transformers | rxf / HF |", "|---|---|---|---|"]
+    rows = [
+        ("1 request: output tok/s", "bs1_output_tok_s", 1),
+        ("1 request: TTFT s", "bs1_ttft_s", 3),
+        ("1 request: decode-only tok/s", "bs1_decode_tok_s", 1),
+        (f"{b} requests: output tok/s", "batch_output_tok_s", 1),
+        (f"{b} requests: wall s", "batch_wall_s", 2),
     ]
-
-    def row(name: str, rs: dict[str, Any], hs: dict[str, Any], digits: int = 1, higher_better: bool = True) -> None:
-        ratio = rs["median"] / hs["median"]
-        lines.append(f"| {name} | {fmt(rs, digits)} | {fmt(hs, digits)} | {ratio:.2f} |")
-
-    row("1 request: output tok/s", r["bs1"]["output_tok_s"], h["bs1"]["output_tok_s"])
-    row("1 request: wall s", r["bs1"]["wall_s"], h["bs1"]["wall_s"], 2)
-    row("1 request: TTFT s", r["bs1_stream"]["ttft_s"], h["bs1_stream"]["ttft_s"], 3)
-    row("1 request: decode-only tok/s", r["bs1_stream"]["decode_tok_s"], h["bs1_stream"]["decode_tok_s"])
-    row(f"{b} requests: output tok/s", r["batch"]["output_tok_s"], h["batch"]["output_tok_s"])
-    row(f"{b} requests: wall s", r["batch"]["wall_s"], h["batch"]["wall_s"], 2)
+    for label, key, digits in rows:
+        rxf, hf = s["rxf"][key], s.get("hf", {}).get(key)
+        ratio = f"{rxf['median'] / hf['median']:.2f}" if hf else "–"
+        lines.append(f"| {label} | {fmt(rxf, digits)} | {fmt(hf, digits) if hf else '–'} | {ratio} |")
     lines.append("")
-    lines.append(f"rxf load (warm cache) s: {fmt(r['load_s'], 2)}; HF from_pretrained s: {h['load_s']:.2f}")
+    if "load_s" in s:
+        lines.append(f"rxf warm load (from_config) s: {fmt(s['load_s'], 2)}")
     if "cold" in results:
-        c = results["cold"]
-        lines.append(f"first use (cold cache) from_config s: {c['from_config_s']:.2f}")
-    lines.append(f"torch threads: rxf scheduler {r['torch_threads']}, HF {h['torch_threads']}")
-    agree = results["agreement"]
-    lines.append(
-        f"greedy agreement (common prefix, tokens): 1 request {agree['bs1']}/{b and results['settings']['new_tokens']}; "
-        f"{b} requests min {min(agree['batch'])}, median {statistics.median(agree['batch'])}"
-    )
+        lines.append(f"rxf first use (cold cache) from_config s: {results['cold']['load_s']:.2f}")
+    lines.append(f"torch threads: rxf scheduler {results['rxf_torch_threads']}, HF {results.get('hf_torch_threads')}")
+    if "agreement" in results:
+        a = results["agreement"]
+        parted = [x for x in [a["bs1"], *a["batch"]] if x["common_prefix"] < x["length"]]
+        lines.append(
+            f"greedy outputs rxf vs HF: {len(parted)} of {len(a['batch']) + 1} differ, "
+            f"{sum(x['parted_at_eos'] for x in parted)} of them first where rxf emitted EOS; "
+            f"common prefixes {[x['common_prefix'] for x in parted]}"
+        )
     return "\n".join(lines)
 
 
@@ -343,17 +419,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="examples/demo.toml")
     ap.add_argument("--output", default=None, help="write every measurement as JSON here")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement")
-    ap.add_argument("--load-repeats", type=int, default=3, help="warm-cache engine starts to time")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of (all rxf measurements, all HF ones)")
+    ap.add_argument("--load-repeats", type=int, default=3, help="warm-cache engine starts to time (0: none)")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16, help="concurrent requests (at most 16)")
+    ap.add_argument("--batch", type=int, default=16, help=f"concurrent requests (at most {len(USER_TURNS)})")
+    ap.add_argument("--bs1-prompt", type=int, default=1, help="index of the prompt used for 1 request")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     ap.add_argument("--cold", action="store_true", help="also time one first-use start with an empty cache")
-    ap.add_argument("--skip-hf", action="store_true", help="rxf only (no reference)")
+    ap.add_argument("--skip-hf", action="store_true", help="rxf only, no reference")
+    ap.add_argument("--quiet-cores", type=float, default=0.15, help="wait until others use less CPU than this")
+    ap.add_argument("--max-wait", type=float, default=300, help="give up waiting for quiet after this many s")
+    ap.add_argument("--max-other-cores", type=float, default=0.25, help="repeat a call if others used more")
+    ap.add_argument("--retries", type=int, default=3, help="repeats of one call at most")
     ap.add_argument("--_cold-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-
     if args._cold_child:
-        print(json.dumps(phase_cold(args.config)))
+        cold_child(args)
         return
     if not 1 <= args.batch <= len(USER_TURNS):
         ap.error(f"--batch must be in [1, {len(USER_TURNS)}]")
@@ -368,39 +449,68 @@ def main() -> None:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "git": git_commit(),
         "machine": machine_info(),
-        "settings": {
-            "config": args.config,
-            "repeats": args.repeats,
-            "new_tokens": args.new_tokens,
-            "batch": args.batch,
-            "rxf_cache_dir": os.environ.get("RXF_CACHE_DIR"),
-        },
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        | {"rxf_cache_dir": os.environ.get("RXF_CACHE_DIR")},
     }
     if args.cold:
-        print("[cold] first-use start with an empty cache ...", flush=True)
-        results["cold"] = run_cold(args.config)
-        print(f"[cold] {results['cold']['from_config_s']:.2f} s", flush=True)
+        results["cold"] = measure_cold(args)
+    if args.load_repeats:
+        results["warm_load"] = measure_warm_load(args)
 
     model_path = resolve_model_path(load_config(args.config).model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = chat_prompt_ids(tokenizer)
-    results["settings"]["prompt_tokens"] = [len(p) for p in prompts[: args.batch]]
+    single, batch = prompts[args.bs1_prompt], prompts[: args.batch]
+    results["settings"]["prompt_tokens"] = {"bs1": len(single), "batch": [len(p) for p in batch]}
 
-    print("[rxf] ...", flush=True)
-    results["rxf"] = phase_rxf(args.config, prompts, args)
-    print(f"[rxf] 1 request {fmt(results['rxf']['bs1']['output_tok_s'])} tok/s; "
-          f"{args.batch} requests {fmt(results['rxf']['batch']['output_tok_s'])} tok/s", flush=True)
-    if not args.skip_hf:
-        print("[hf] ...", flush=True)
-        results["hf"] = phase_hf(model_path, prompts, results["rxf"]["torch_threads"], args)
+    rxf = RxfBench(args, single, batch)
+    hf = None
+    results["rxf_torch_threads"] = rxf.threads
+    rounds: list[dict[str, Any]] = []
+    try:
+        if not args.skip_hf:
+            hf = HfBench(args, model_path, single, batch, rxf.threads)
+            results["hf_torch_threads"], results["hf_load_s"] = hf.threads, hf.load_s
+        for i in range(args.rounds):
+            print(f"round {i + 1}/{args.rounds}", flush=True)
+            r = {
+                "rxf_bs1": timed(args, "rxf 1 request", rxf.one),
+                "rxf_bs1_stream": timed(args, "rxf 1 request streamed", rxf.one_streamed),
+                "rxf_batch": timed(args, f"rxf {args.batch} requests", rxf.batched),
+            }
+            if hf is not None:
+                r["hf_bs1"] = timed(args, "HF batch 1", hf.one)
+                r["hf_batch"] = timed(args, f"HF batch {args.batch}", hf.batched)
+            rounds.append(r)
+    finally:
+        rxf.close()
+    results["rounds"] = rounds
+
+    def engine_summary(prefix: str, bs1_stream: str) -> dict[str, Any]:
+        col = {k: [r[k] for r in rounds] for k in rounds[0]}
+        return {
+            "bs1_output_tok_s": summarize(col[f"{prefix}_bs1"], "output_tok_s"),
+            "bs1_wall_s": summarize(col[f"{prefix}_bs1"], "wall_s"),
+            "bs1_ttft_s": summarize(col[bs1_stream], "ttft_s"),
+            "bs1_decode_tok_s": summarize(col[bs1_stream], "decode_tok_s"),
+            "batch_output_tok_s": summarize(col[f"{prefix}_batch"], "output_tok_s"),
+            "batch_wall_s": summarize(col[f"{prefix}_batch"], "wall_s"),
+        }
+
+    results["summary"] = {"rxf": engine_summary("rxf", "rxf_bs1_stream")}
+    if "warm_load" in results:
+        results["summary"]["load_s"] = summarize(results["warm_load"], "load_s")
+    if hf is not None:
+        results["summary"]["hf"] = engine_summary("hf", "hf_bs1")
+        last, eos = rounds[-1], tokenizer.eos_token_id
         results["agreement"] = {
-            "bs1": agreement(results["rxf"]["bs1_output_ids"], results["hf"]["bs1_output_ids"]),
+            "bs1": agreement(last["rxf_bs1"]["output_ids"], last["hf_bs1"]["output_ids"], eos),
             "batch": [
-                agreement(a, b)
-                for a, b in zip(results["rxf"]["batch_output_ids"], results["hf"]["batch_output_ids"], strict=True)
+                agreement(a, h, eos)
+                for a, h in zip(last["rxf_batch"]["output_ids"], last["hf_batch"]["output_ids"], strict=True)
             ],
         }
-        print(report(results))
+    print(report(results))
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=1))
         print(f"wrote {args.output}")

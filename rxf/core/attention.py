@@ -80,14 +80,27 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor: ...
 
-    # CUDA-graph hooks. A backend that cannot be captured keeps these defaults and decode runs eager.
+    # CUDA-graph hooks (DECODE only; `rxf.core.cuda_graph_runner` calls them). A backend that cannot
+    # be captured keeps these defaults and decode runs eager. One graph is captured per batch size;
+    # whatever `forward_decode` reads must then live at fixed device addresses for that size, and must
+    # not depend on host values (`batch.*_cpu`) other than `batch.batch_size`. Batches arrive padded to
+    # the captured size: a padding row has seq_len 1, req_pool_indices 0 (it reads req_to_token[0, 0],
+    # always a valid slot) and out_cache_loc 0 (the reserved slot); its output is discarded.
     supports_cuda_graph: bool = False
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Allocate static metadata buffers for decode batches of up to `max_bs` rows; called once,
+        before any capture."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        """Point decode's metadata at views of the static buffers for `batch.batch_size` rows and fill
+        them for `batch` (all padding rows). Called outside the capture, before an eager warm-up
+        forward and the captured forward of that size."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Refill, in place, the static buffers the graph of `batch.batch_size` reads, for this batch;
+        called before each replay (host-side planning from `batch.*_cpu` is allowed here). `batch`'s
+        tensors are views of the graph runner's static input buffers, already filled."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

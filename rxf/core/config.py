@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -67,6 +67,26 @@ class RuntimeConfig(_Section):
     startup_timeout_s: float = Field(600, gt=0)
 
 
+class CudaGraphConfig(_Section):
+    """Decode forwards replayed from CUDA graphs captured at startup (GPU and a backend that supports it)."""
+
+    enabled: bool = Field(True, description="capture decode forwards as CUDA graphs on GPU")
+    max_bs: int = Field(256, gt=0, description="largest captured batch (capped at max_running_requests)")
+    batch_sizes: list[int] | None = Field(
+        None, description="captured batch sizes; default 1, 2, 4, then every 8 up to max_bs"
+    )
+    capture_budget_s: float = Field(
+        30.0, gt=0, description="startup time for captures; the largest sizes that do not fit run eagerly"
+    )
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive_sizes(cls, sizes: list[int] | None) -> list[int] | None:
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError("must be a non-empty list of positive batch sizes")
+        return sizes
+
+
 class PluginsConfig(_Section):
     allow: list[str] | None = Field(None, description="only these plugins load (RXF_PLUGINS too)")
     deny: list[str] = Field(default_factory=list, description="these plugins never load")
@@ -93,6 +113,7 @@ class EngineConfig(BaseSettings):
     cache: CacheConfig = CacheConfig()
     server: ServerConfig = ServerConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    cuda_graph: CudaGraphConfig = CudaGraphConfig()
     plugins: PluginsConfig = PluginsConfig()
 
     @classmethod

@@ -3,7 +3,9 @@ scheduler's plain data becomes device tensors (DESIGN §4: the scheduler never b
 
 Owns, per scheduler process: the model, the two-level KV pool and the attention backend. A forward
 takes a `ModelInput` (CPU lists and slot tensors), writes the batch's slots into `req_to_token`,
-builds the `ForwardBatch` and returns float32 logits for the rows the scheduler asked for.
+builds the `ForwardBatch` and returns float32 logits for the rows the scheduler asked for. DECODE
+batches go through `cuda_graph_runner`'s packed inputs (two host-to-device copies, no host sync) and,
+on GPU, are replayed from a captured CUDA graph when one fits.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from rxf.core.attention import AttentionBackend, AttentionContext
 from rxf.core.config import EngineConfig
+from rxf.core.cuda_graph_runner import CudaGraphRunner, DecodeBuffers, DecodeInputs, capture_sizes
 from rxf.core.forward import ForwardBatch, ForwardMode
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 from rxf.core.registry import PluginRegistry
@@ -139,6 +142,7 @@ class ModelRunner:
         self.attn_backend = _select_backend(registry, config.attention.backend, self.device)(
             self._attention_context
         )
+        self.cuda_graphs = self._init_cuda_graphs()
         logger.info(
             "loaded %s (%s, %s) on %s in %.1fs; KV pool: %d slots (%.2f GiB), context %d",
             model_path,
@@ -195,6 +199,25 @@ class ModelRunner:
             )
         return slots
 
+    def _init_cuda_graphs(self) -> CudaGraphRunner | None:
+        cfg = self.config.cuda_graph
+        if self.device.type != "cuda" or not cfg.enabled:
+            return None
+        if not self.attn_backend.supports_cuda_graph:
+            logger.info("CUDA graphs off: backend %s cannot be captured", type(self.attn_backend).__name__)
+            return None
+        sizes = capture_sizes(cfg, self.config.scheduler.max_running_requests)
+        with torch.inference_mode():
+            return CudaGraphRunner(
+                self.model,
+                self.attn_backend,
+                self.req_to_token_pool,
+                self.token_to_kv_pool,
+                sizes,
+                cfg.capture_budget_s,
+                self.device,
+            )
+
     # ---- forward ----
     def _validate(self, inp: ModelInput) -> None:
         bs = len(inp.req_pool_indices)
@@ -234,13 +257,17 @@ class ModelRunner:
             r.append(rows.repeat_interleave(prefix_lens))
             c.append(torch.arange(int(prefix_lens.sum())) - starts.repeat_interleave(prefix_lens))
             v.append(torch.cat(inp.prefix_slots))
-        index = (torch.cat(r).to(self.device), torch.cat(c).to(self.device))
-        table.index_put_(index, torch.cat(v).to(self.device, torch.int32))
+        # non_blocking from pageable memory: staged before the call returns, and the host does not wait.
+        index = (torch.cat(r).to(self.device, non_blocking=True), torch.cat(c).to(self.device, non_blocking=True))
+        table.index_put_(index, torch.cat(v).to(self.device, torch.int32, non_blocking=True))
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """float32 logits `[num_logits, vocab]` on the device: per request in order, its requested
         rows (decode: its one token; extend: new tokens logits_start[i].. or the last) ascending."""
         self._validate(inp)
+        if inp.mode.is_decode():
+            with torch.inference_mode():
+                return self._forward_decode(inp)
         bs = len(inp.req_pool_indices)
         extend_lens = torch.tensor(inp.extend_lens)
         prefix_lens = torch.tensor(inp.prefix_lens)
@@ -249,7 +276,7 @@ class ModelRunner:
         # Token t of request i sits at absolute position prefix_lens[i] + (t - token_starts[i]).
         positions = torch.arange(num_tokens) - (token_starts - prefix_lens).repeat_interleave(extend_lens)
         rows = torch.tensor(inp.req_pool_indices, dtype=torch.int64)
-        if inp.mode.is_decode() or inp.logits_start is None:
+        if inp.logits_start is None:
             logits_indices = token_starts + extend_lens - 1
         else:
             logits_indices = torch.cat(
@@ -261,26 +288,40 @@ class ModelRunner:
                 ]
             )
         seq_lens = prefix_lens + extend_lens
-        dev = self.device
+        dev, nb = self.device, True  # non_blocking: see _write_req_to_token
         with torch.inference_mode():
             self._write_req_to_token(inp, rows, positions)
             batch = ForwardBatch(
                 mode=inp.mode,
                 batch_size=bs,
-                input_ids=torch.tensor(inp.input_ids, dtype=torch.int64).to(dev),
-                positions=positions.to(dev),
-                req_pool_indices=rows.to(dev),
-                seq_lens=seq_lens.to(dev, torch.int32),
-                prefix_lens=prefix_lens.to(dev, torch.int32),
-                extend_lens=extend_lens.to(dev, torch.int32),
-                out_cache_loc=inp.out_cache_loc.to(dev, torch.int64),
+                input_ids=torch.tensor(inp.input_ids, dtype=torch.int64).to(dev, non_blocking=nb),
+                positions=positions.to(dev, non_blocking=nb),
+                req_pool_indices=rows.to(dev, non_blocking=nb),
+                seq_lens=seq_lens.to(dev, torch.int32, non_blocking=nb),
+                prefix_lens=prefix_lens.to(dev, torch.int32, non_blocking=nb),
+                extend_lens=extend_lens.to(dev, torch.int32, non_blocking=nb),
+                out_cache_loc=inp.out_cache_loc.to(dev, torch.int64, non_blocking=nb),
                 seq_lens_cpu=seq_lens.tolist(),
                 prefix_lens_cpu=list(inp.prefix_lens),
                 extend_lens_cpu=list(inp.extend_lens),
-                logits_indices=logits_indices.to(dev),
+                logits_indices=logits_indices.to(dev, non_blocking=nb),
                 req_to_token_pool=self.req_to_token_pool,
                 token_to_kv_pool=self.token_to_kv_pool,
                 attn_backend=self.attn_backend,
             )
             self.attn_backend.init_forward_metadata(batch)
             return self.model(batch)
+
+    def _forward_decode(self, inp: ModelInput) -> torch.Tensor:
+        """Replayed from a CUDA graph when a captured bucket holds the batch, else eager; either way the
+        inputs reach the device in two non-blocking copies and only real rows write req_to_token."""
+        args = (inp.input_ids, inp.prefix_lens, inp.req_pool_indices, inp.out_cache_loc.tolist())
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.can_run(inp.mode, len(inp.input_ids)):
+            return graphs.replay(graphs.pack(*args))
+        host = DecodeInputs.pack(*args, padded_bs=len(inp.input_ids))
+        dev = DecodeBuffers.upload(host, self.device)
+        dev.write_req_to_token(self.req_to_token_pool.req_to_token, host.bs)
+        batch = dev.forward_batch(host, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend)
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch)

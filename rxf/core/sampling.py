@@ -2,11 +2,14 @@
 
 `SamplingParams` crosses processes (pickled inside `TokenizedGenerateReq`); `SamplingBatch` is built by
 the scheduler each step from its running requests and turns the model's last-position logits into
-next tokens without any device-to-host synchronisation.
+next tokens without any device-to-host synchronisation: its host-to-device copies are non-blocking
+(from pageable memory they are staged before the call returns) and nothing is read back. The caller
+reads the step's results in one transfer (`rxf.core.scheduler.output.sample_next`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -178,11 +181,21 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 @dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # [bs] int64
-    logprobs: torch.Tensor  # [bs, vocab] float32: log_softmax of the raw logits
+    raw_logits: torch.Tensor  # [bs, vocab] float32, before penalties (may alias the model's output)
+
+    @functools.cached_property
+    def logprobs(self) -> torch.Tensor:
+        """[bs, vocab] float32 log_softmax of the raw logits, computed on first access: a step in
+        which no request asked for logprobs never pays for it."""
+        return torch.log_softmax(self.raw_logits, dim=-1)
+
+
+def _to_device(values: list[float] | list[int] | list[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _column(values: list[float] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).view(-1, 1).to(device)
+    return _to_device(values, dtype, device).view(-1, 1)
 
 
 @dataclass
@@ -242,14 +255,14 @@ class SamplingBatch:
         return cls(
             vocab_size=vocab_size,
             temperatures=_column(temperatures, torch.float32, device),
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device) if any(greedy) else None,
+            greedy=_to_device(greedy, torch.bool, device) if any(greedy) else None,
             all_greedy=all(greedy),
             top_ks=_column(top_ks, torch.int64, device) if any(k < vocab_size for k in top_ks) else None,
             top_ps=_column(top_ps, torch.float32, device) if any(p < 1 for p in top_ps) else None,
             min_ps=_column(min_ps, torch.float32, device) if any(p > 0 for p in min_ps) else None,
             penalties=Penalties.build(params, prompt_ids, output_ids, banned_ids, vocab_size, device),
             any_unseeded=len(seeded) < greedy.count(False),
-            seeded_rows=torch.tensor(seeded, dtype=torch.int64).to(device) if seeded else None,
+            seeded_rows=_to_device(seeded, torch.int64, device) if seeded else None,
             generators=[gen for gen in (generators[i] for i in seeded) if gen is not None],
         )
 
@@ -261,15 +274,14 @@ class SamplingBatch:
                 f"SamplingBatch.sample: logits shape {tuple(logits.shape)} != ({bs}, {self.vocab_size})"
             )
         raw = logits.float().contiguous()  # penalties index it as a flat row-major buffer
-        logprobs = torch.log_softmax(raw, dim=-1)
         penalized = self.penalties.apply(raw) if self.penalties is not None else raw
         if self.all_greedy:
-            return SampleOutput(penalized.argmax(dim=-1), logprobs)
+            return SampleOutput(penalized.argmax(dim=-1), raw)
         probs = self._filter(torch.softmax(penalized / self.temperatures, dim=-1))
         next_ids = self._draw(probs)
         if self.greedy is not None:
             next_ids = torch.where(self.greedy, penalized.argmax(dim=-1), next_ids)
-        return SampleOutput(next_ids, logprobs)
+        return SampleOutput(next_ids, raw)
 
     def _filter(self, probs: torch.Tensor) -> torch.Tensor:
         """Zeroes the probabilities of tokens excluded by top_k, top_p and min_p (left unnormalised)."""
@@ -318,25 +330,40 @@ class SamplingBatch:
         return (probs / noise).argmax(dim=-1)
 
 
-def gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, top_k: list[int]
-) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """The chosen tokens' logprobs and each row's top_k[i] alternatives, best first.
-
-    Everything is packed into one float64 tensor (token ids < 2**53 are exact) so that a single
-    device-to-host copy serves the whole batch.
-    """
+def pack_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """float64 `[n, 1 + 2 * k_max]` on the device: per row the chosen token's logprob, then the top
+    k_max logprobs (best first), then their token ids (exact in float64 below 2**53). One tensor, so a
+    single device-to-host copy serves the whole batch (`unpack_logprobs` reads it back)."""
     n = logprobs.shape[0]
     if len(top_k) != n or token_ids.shape != (n,):
-        raise ValueError("gather_logprobs: token_ids and top_k need one entry per logprobs row")
+        raise ValueError("pack_logprobs: token_ids and top_k need one entry per logprobs row")
     chosen = logprobs.gather(1, token_ids.view(-1, 1).to(torch.int64)).double()
     k_max = min(max(top_k, default=0), logprobs.shape[1])
     if k_max <= 0:
-        return chosen.view(-1).tolist(), [[] for _ in range(n)]
+        return chosen
     values, ids = logprobs.topk(k_max, dim=-1, sorted=True)
-    rows = torch.cat([chosen, values.double(), ids.double()], dim=1).tolist()
+    return torch.cat([chosen, values.double(), ids.double()], dim=1)
+
+
+def unpack_logprobs(
+    flat: list[float], top_k: list[int], vocab_size: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """`pack_logprobs`' tensor read back as a flat list: the chosen logprobs and each row's
+    top_k[i] alternatives, best first."""
+    k_max = max(min(max(top_k, default=0), vocab_size), 0)
+    width = 1 + 2 * k_max
+    chosen: list[float] = []
     top: list[list[tuple[int, float]]] = []
-    for row, k in zip(rows, top_k, strict=True):
-        k = min(k, k_max)
-        top.append([(int(row[1 + k_max + j]), row[1 + j]) for j in range(k)])
-    return [row[0] for row in rows], top
+    for r, k in enumerate(top_k):
+        row = flat[r * width : (r + 1) * width]
+        chosen.append(row[0])
+        top.append([(int(row[1 + k_max + j]), row[1 + j]) for j in range(min(k, k_max))])
+    return chosen, top
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, top_k: list[int]
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The chosen tokens' logprobs and each row's top_k[i] alternatives, best first (one transfer)."""
+    packed = pack_logprobs(logprobs, token_ids, top_k)
+    return unpack_logprobs(packed.view(-1).tolist(), top_k, logprobs.shape[1])

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -50,6 +51,18 @@ class GenerateRequest:
     rid: str | None = None
 
 
+class RequestObserver(Protocol):
+    """Optional hooks on each request's life (the server's latency metrics). Called on the event
+    loop with `time.perf_counter()` times; implementations must be cheap and must not raise."""
+
+    def on_start(self, rid: str, stream: bool, now: float) -> None: ...
+
+    def on_output(self, rid: str, out: StrOut, now: float) -> None: ...
+
+    def on_end(self, rid: str) -> None:
+        """Always called last, whether the request finished, failed or was abandoned."""
+
+
 @dataclass
 class _ReqState:
     queue: asyncio.Queue[StrOut | BaseException] = field(default_factory=asyncio.Queue)
@@ -81,6 +94,7 @@ class TokenizerManager:
         self._admin_waiters: list[asyncio.Future[Any]] = []
         self._dead: str | None = None
         self._recv_task: asyncio.Task[None] | None = None
+        self.observer: RequestObserver | None = None
 
     async def start(self) -> None:
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
@@ -143,16 +157,21 @@ class TokenizerManager:
         if msg.rid in self.states:
             raise RequestError(f"rid: a request with id {msg.rid!r} is already running")
         state = self.states[msg.rid] = _ReqState()
-        await self.to_scheduler.send_pyobj(msg)
+        observer = self.observer
+        if observer is not None:
+            observer.on_start(msg.rid, msg.stream, time.perf_counter())
         text: list[str] = []
         ids: list[int] = []
         logprobs = _LogprobAccumulator(msg.return_logprob)
         finished = False
         try:
+            await self.to_scheduler.send_pyobj(msg)
             while not finished:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if observer is not None:
+                    observer.on_output(msg.rid, item, time.perf_counter())
                 finished = item.token.finished is not None
                 text.append(item.text_delta)
                 ids += item.token.new_token_ids
@@ -165,6 +184,8 @@ class TokenizerManager:
                 yield {"text": "".join(text), "output_ids": ids, "meta_info": _meta(item, msg.rid) | logprobs.total()}
         finally:
             self.states.pop(msg.rid, None)
+            if observer is not None:
+                observer.on_end(msg.rid)
             if not finished and not self._dead:
                 await self.to_scheduler.send_pyobj(AbortReq(msg.rid))
 

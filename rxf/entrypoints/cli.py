@@ -1,9 +1,11 @@
-"""The `rxf` command line: `rxf plugins`, `rxf generate CONFIG`, `rxf chat CONFIG`."""
+"""The `rxf` command line: `rxf launch CONFIG`, `rxf plugins`, `rxf generate CONFIG`, `rxf chat CONFIG`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 from typing import Any
@@ -23,6 +25,28 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = raw
     return out
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """Serve CONFIG over HTTP until Ctrl-C / SIGTERM. Flags are config overrides."""
+    from rxf.core.config import ConfigError, load_config
+    from rxf.entrypoints.http_server import serve
+
+    overrides = _overrides(args.set)
+    for key, value in (("server.host", args.host), ("server.port", args.port), ("server.api_key", args.api_key)):
+        if value is not None:
+            overrides[key] = value
+    # RXF_API_KEY is accepted as a short alias of RXF_SERVER__API_KEY (below it, and below --api-key).
+    if "server.api_key" not in overrides and "RXF_SERVER__API_KEY" not in os.environ and os.environ.get("RXF_API_KEY"):
+        overrides["server.api_key"] = os.environ["RXF_API_KEY"]
+    try:
+        config = load_config(args.config, **overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    setup_logging(args.log_level or config.runtime.log_level)
+    logging.getLogger(__name__).info("starting the engine for %s", config.model.path)
+    return serve(config)
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -64,8 +88,14 @@ def cmd_generate(args: argparse.Namespace, chat: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rxf", description="rxf: an LLM serving engine")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default=None, help="default: warning; for launch, runtime.log_level")
     sub = parser.add_subparsers(dest="command", required=True)
+    launch = sub.add_parser("launch", help="serve a model over HTTP (OpenAI-compatible and native routes)")
+    launch.add_argument("config", help="TOML config file")
+    launch.add_argument("--host", default=None, help="server.host (default 127.0.0.1)")
+    launch.add_argument("--port", type=int, default=None, help="server.port (default 30000; 0 picks a free one)")
+    launch.add_argument("--api-key", default=None, help="server.api_key (also RXF_API_KEY)")
+    launch.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     sub.add_parser("plugins", help="list loaded plugins and what they register")
     for name, help_text in (("generate", "complete a prompt"), ("chat", "answer one chat message")):
         p = sub.add_parser(name, help=help_text)
@@ -75,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    if args.command == "launch":
+        return cmd_launch(args)
+    setup_logging(args.log_level or "warning")
     if args.command == "plugins":
         return cmd_plugins(args)
     return cmd_generate(args, chat=args.command == "chat")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from rxf.core.io_struct import FinishReason, TokenOut
-from rxf.core.sampling import SamplingBatch, gather_logprobs
+from rxf.core.sampling import SamplingBatch, gather_logprobs, pack_logprobs, unpack_logprobs
 from rxf.core.scheduler.req import Req
 
 
@@ -57,10 +58,24 @@ class StopChecker:
         return None
 
 
+@dataclass
+class StepLogprobs:
+    """One step's output logprobs, already on the host, for the requests (batch rows) that asked."""
+
+    rows: list[int]
+    chosen: list[float]
+    top: list[list[tuple[int, float]]]
+
+
 def sample_next(
     reqs: list[Req], logits: torch.Tensor, stop: StopChecker, vocab_size: int
-) -> tuple[list[int], torch.Tensor | None]:
-    """Sample one token per request from its row of `logits` ([len(reqs), vocab])."""
+) -> tuple[list[int], StepLogprobs | None]:
+    """Sample one token per request from its row of `logits` ([len(reqs), vocab]).
+
+    Exactly one device-to-host transfer: the next token ids, with the logprobs of the requests that
+    asked for them packed into the same float64 tensor (ids are exact in float64). When none asked,
+    no log_softmax runs at all.
+    """
     batch = SamplingBatch.build(
         [r.sampling_params for r in reqs],
         [r.origin_input_ids for r in reqs],
@@ -71,19 +86,25 @@ def sample_next(
         banned_ids=[stop.banned_ids(r) for r in reqs],
     )
     out = batch.sample(logits)
-    return out.next_token_ids.tolist(), out.logprobs
-
-
-def record_output_logprobs(reqs: list[Req], logprobs: torch.Tensor, next_ids: list[int]) -> None:
     want = [i for i, r in enumerate(reqs) if r.return_logprob]
     if not want:
-        return
-    rows = torch.tensor(want, device=logprobs.device)
-    ids = torch.tensor([next_ids[i] for i in want], device=logprobs.device)
-    values, tops = gather_logprobs(logprobs[rows], ids, [reqs[i].top_logprobs_num for i in want])
-    for k, i in enumerate(want):
-        reqs[i].pending_logprobs.append(values[k])
-        reqs[i].pending_top_logprobs.append(tops[k])
+        return out.next_token_ids.tolist(), None
+    top_k = [reqs[i].top_logprobs_num for i in want]
+    rows = torch.tensor(want, dtype=torch.int64).to(logits.device, non_blocking=True)
+    packed = pack_logprobs(out.logprobs[rows], out.next_token_ids[rows], top_k)
+    host = torch.cat([out.next_token_ids.double(), packed.view(-1)]).tolist()
+    bs = len(reqs)
+    chosen, top = unpack_logprobs(host[bs:], top_k, vocab_size)
+    return [int(t) for t in host[:bs]], StepLogprobs(want, chosen, top)
+
+
+def record_output_logprobs(reqs: list[Req], step: StepLogprobs, next_ids: list[int]) -> None:
+    """Appends `sample_next`'s host logprobs to the requests that asked (no device work)."""
+    if len(next_ids) != len(reqs):
+        raise ValueError("record_output_logprobs: one next token per request")
+    for k, i in enumerate(step.rows):
+        reqs[i].pending_logprobs.append(step.chosen[k])
+        reqs[i].pending_top_logprobs.append(step.top[k])
 
 
 def record_prompt_logprobs(req: Req, logits: torch.Tensor, abs_start: int) -> None:

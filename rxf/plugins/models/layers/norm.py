@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rxf.plugins.models.layers.fused_kernels import flashinfer_for
+
 
 class RMSNorm(nn.Module):
     """`weight * x / rms(x)`, normalised in float32 and cast back to the input dtype before the
@@ -13,6 +15,11 @@ class RMSNorm(nn.Module):
 
     With a `residual`, computes `x + residual` first (in the input dtype) and returns
     `(normed, x + residual)`: the sum is the residual stream the next block adds onto.
+
+    On CUDA in fp16/bf16 with flashinfer, one fused kernel does it (float32 inside, one rounding at
+    the end, so results differ from `forward_native` by bf16 rounding only). That path works in place:
+    with a residual, `x` is overwritten by the normed output and `residual` by the sum, so callers
+    hand both over and keep only the returned tensors.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
@@ -25,10 +32,23 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fi = flashinfer_for(x)
+        if fi is None or x.dim() != 2 or not x.is_contiguous():
+            return self.forward_native(x, residual)
+        if residual is None:
+            return fi.norm.rmsnorm(x, self.weight, self.eps)
+        if not residual.is_contiguous() or residual.dtype != x.dtype:
+            return self.forward_native(x, residual)
+        fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
+        return x, residual

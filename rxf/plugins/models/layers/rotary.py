@@ -2,7 +2,8 @@
 
 The cos/sin tables are precomputed for every position up to `max_position` and indexed by
 `batch.positions`, so the forward is a gather plus elementwise math: no data-dependent branching,
-which keeps the decode path capturable by CUDA graphs.
+which keeps the decode path capturable by CUDA graphs. On CUDA in fp16/bf16 with flashinfer, one
+fused kernel rotates q and k in place from a float32 cos|sin table.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from rxf.plugins.models.layers.fused_kernels import flashinfer_for
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -63,7 +66,11 @@ def inverse_frequencies(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k (`[num_tokens, heads * head_dim]`) by their tokens' absolute positions."""
+    """Rotates q and k (`[num_tokens, heads * head_dim]`) by their tokens' absolute positions.
+
+    The fused path rotates q and k in place (they are views into the qkv projection's output, used
+    by nobody else), so callers keep only the returned tensors.
+    """
 
     def __init__(
         self, head_dim: int, max_position: int, params: dict[str, Any], dtype: torch.dtype | None = None
@@ -76,15 +83,31 @@ class RotaryEmbedding(nn.Module):
         dtype = dtype or torch.get_default_dtype()
         self.register_buffer("cos_cache", angles.cos().to(dtype), persistent=False)
         self.register_buffer("sin_cache", angles.sin().to(dtype), persistent=False)
+        # FlashInfer's layout: float32 [max_position, head_dim], cos in the first half, sin in the second.
+        # Built only where the fused path can run (it costs max_position * head_dim * 4 bytes).
+        fused = flashinfer_for(self.cos_cache) is not None
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) if fused else None
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x.unflatten(-1, (-1, self.head_dim))
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
-    def forward(
+    def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1 (broadcast over heads), half]
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fi = flashinfer_for(q)
+        if fi is None or self.cos_sin_cache is None or k.dtype != q.dtype or q.stride(-1) != 1 or k.stride(-1) != 1:
+            return self.forward_native(positions, q, k)
+        fi.rope.apply_rope_with_cos_sin_cache_inplace(
+            positions, q, k, self.head_dim, self.cos_sin_cache, is_neox=True
+        )
+        return q, k

@@ -1,0 +1,495 @@
+"""GPU decode benchmark (issue 4): one script for one call on the GPU machine.
+
+    python benchmarks/gpu_decode.py [--preset llama3-8b|tiny] [--num-requests 1000]
+        [--phases jit,build,bandwidth,decode,kernels,offline,hf] [--model-dir DIR] [--output FILE]
+
+Phases run in this order; each is guarded (a failure prints its traceback and the others still run),
+and each frees its GPU memory before the next:
+  jit        FlashInfer's kernels for the preset's shapes compiled concurrently (else ~3 min serially
+             on a fresh machine; cached under $FLASHINFER_WORKSPACE_BASE)
+  build      a checkpoint of the preset's shape with random bf16 weights (drawn on the GPU, written
+             with safetensors to the machine's disk; rxf then loads it through its normal path), plus a
+             word-level tokenizer covering the whole vocabulary
+  bandwidth  device-to-device copy bandwidth (bytes read + written) -> batch-1 roofline = bandwidth
+             / weight bytes (all weights, as ../shared/device/README.md counts them)
+  decode     per backend (triton, flashinfer), an in-process ModelRunner + Scheduler: batch-1 decode
+             tok/s with CUDA graphs on and off, decode throughput at larger batches (graphs on), and
+             the HF workload (128 prompt + 128 new tokens, end to end) at batch 1 and 64. Timed
+             spans cover whole scheduler steps (schedule, forward, sample, outputs), between
+             torch.cuda.synchronize() calls.
+  kernels    attention micro-benchmarks, triton vs flashinfer vs torch_native, decode and extend at
+             the model's head shape, with each output's error against torch_native
+  offline    `Runtime` throughput over N random requests (input 1024 +- 50%, output 256, ignore_eos)
+  hf         transformers `generate` on the same checkpoint, batch 1 and 64, 128 prompt + 128 new
+Prints a table last; writes all figures as JSON to --output or, when $OUT is set, $OUT/gpu_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import math
+import os
+import random
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    decode_batches: tuple[int, ...]
+    offline_input: int  # mean prompt length (+- 50%)
+    offline_output: int
+    hf_batches: tuple[int, ...]
+    hf_tokens: int  # prompt and new tokens each, for HF and rxf's end-to-end comparison
+
+
+PRESETS = {
+    "llama3-8b": Preset(4096, 32, 32, 8, 14336, 128256, (16, 64, 256), 1024, 256, (1, 64), 128),
+    "tiny": Preset(512, 4, 8, 2, 1408, 32000, (16, 64), 256, 32, (1, 8), 32),
+}
+RESULTS: dict[str, Any] = {}
+
+
+def phase(name: str, fn: Callable[[], None]) -> None:
+    print(f"\n=== {name} ===", flush=True)
+    start = time.perf_counter()
+    try:
+        fn()
+    except Exception:
+        traceback.print_exc()
+        RESULTS.setdefault("failed", []).append(name)
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"=== {name}: {time.perf_counter() - start:.1f}s", flush=True)
+
+
+# ---------------------------------------------------------------- build
+def build_checkpoint(p: Preset, path: Path) -> None:
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    from rxf.testing.checkpoints import CHATML_TEMPLATE
+
+    path.mkdir(parents=True, exist_ok=True)
+    head_dim = p.hidden // p.heads
+    LlamaConfig(
+        vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.intermediate, num_hidden_layers=p.layers,
+        num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, dtype="bfloat16",
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(path)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:  # drawn on the GPU: seconds, not minutes, for 8B
+        return (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32) * 0.02).bfloat16().cpu()
+
+    kv = p.kv_heads * head_dim
+    tensors = {"model.embed_tokens.weight": rand(p.vocab, p.hidden), "lm_head.weight": rand(p.vocab, p.hidden),
+               "model.norm.weight": torch.ones(p.hidden, dtype=torch.bfloat16)}
+    for i in range(p.layers):
+        pre = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (p.hidden, p.hidden)), ("self_attn.k_proj", (kv, p.hidden)),
+                            ("self_attn.v_proj", (kv, p.hidden)), ("self_attn.o_proj", (p.hidden, p.hidden)),
+                            ("mlp.gate_proj", (p.intermediate, p.hidden)), ("mlp.up_proj", (p.intermediate, p.hidden)),
+                            ("mlp.down_proj", (p.hidden, p.intermediate))):
+            tensors[pre + name + ".weight"] = rand(*shape)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[pre + norm + ".weight"] = torch.ones(p.hidden, dtype=torch.bfloat16)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    RESULTS["weight_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    vocab = {f"t{i}": i for i in range(p.vocab)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0",
+                            chat_template=CHATML_TEMPLATE).save_pretrained(path)
+    print(f"checkpoint: {RESULTS['weight_bytes'] / 1e9:.2f} GB in {path}")
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of an existing checkpoint (built by this script: every tensor bf16)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return sum(2 * math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+# ---------------------------------------------------------------- bandwidth
+def bandwidth() -> None:
+    src = torch.randn(2 * 2**30 // 4, device="cuda")  # 2 GiB, far beyond L2
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    bw = 2 * src.numel() * 4 / times[len(times) // 2]
+    RESULTS["copy_bandwidth_GBps"] = bw / 1e9
+    RESULTS["roofline_b1_tok_s"] = bw / RESULTS["weight_bytes"]
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s -> batch-1 roofline {RESULTS['roofline_b1_tok_s']:.1f} tok/s")
+
+
+# ---------------------------------------------------------------- decode (in-process engine)
+def _engine(model_dir: Path, backend: str, max_running: int, slots: int) -> Any:
+    from transformers import AutoTokenizer
+
+    from rxf.core.config import load_config
+    from rxf.core.model_runner import ModelRunner
+    from rxf.core.registry import PluginRegistry
+    from rxf.core.scheduler.scheduler import Scheduler
+
+    config = load_config({
+        "model": {"path": str(model_dir), "dtype": "bfloat16", "context_length": 8192},
+        "runtime": {"device": "cuda", "log_level": "warning"},
+        "attention": {"backend": backend},
+        "scheduler": {"max_running_requests": max_running, "max_prefill_tokens": 16384, "log_interval": 10**9},
+        "cache": {"max_total_tokens": slots},
+    })
+    start = time.perf_counter()
+    runner = ModelRunner(config, PluginRegistry.load(), str(model_dir))
+    RESULTS[f"{backend}_runner_start_s"] = time.perf_counter() - start
+    return Scheduler(config, runner, AutoTokenizer.from_pretrained(model_dir))
+
+
+def _add(sched: Any, bs: int, prompt_len: int, new_tokens: int, vocab: int, tag: str) -> None:
+    from rxf.core.io_struct import TokenizedGenerateReq
+    from rxf.core.sampling import SamplingParams
+
+    rng = random.Random(bs * 1000 + prompt_len)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(bs):
+        ids = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        sched.add_request(TokenizedGenerateReq(f"{tag}{i}", ids, params))
+
+
+def decode_rate(sched: Any, bs: int, steps: int, vocab: int, graphs: bool, warm: int = 8) -> float:
+    """Generated tok/s over `steps` decode steps of `bs` requests (128-token prompts), timed after
+    every prompt is prefilled and `warm` decode steps ran."""
+    runner, saved = sched.runner, sched.runner.cuda_graphs
+    runner.cuda_graphs = saved if graphs else None
+    try:
+        _add(sched, bs, 128, 1 + warm + steps, vocab, f"d{bs}")
+        while sched.waiting or any(not r.decoding for r in sched.running):
+            sched.step()
+        for _ in range(warm):
+            sched.step()
+        torch.cuda.synchronize()
+        generated, start = sched.counters.generated_tokens, time.perf_counter()
+        for _ in range(steps):
+            sched.step()
+        torch.cuda.synchronize()
+        rate = (sched.counters.generated_tokens - generated) / (time.perf_counter() - start)
+        while sched.has_work:  # stragglers, if admission split the prefill across decode steps
+            sched.step()
+        return rate
+    finally:
+        runner.cuda_graphs = saved
+
+
+def end_to_end_rate(sched: Any, bs: int, tokens: int, vocab: int) -> float:
+    """New tokens/s for `bs` requests of `tokens` prompt + `tokens` new, from queueing to the last token."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    _add(sched, bs, tokens, tokens, vocab, f"e{bs}")
+    while sched.has_work:
+        sched.step()
+    torch.cuda.synchronize()
+    return bs * tokens / (time.perf_counter() - start)
+
+
+def decode_phase(p: Preset, model_dir: Path, backend: str) -> None:
+    sched = _engine(model_dir, backend, max(p.decode_batches), max(p.decode_batches) * 512 + 4096)
+    graphs = sched.runner.cuda_graphs
+    if graphs is not None:
+        RESULTS[f"{backend}_graphs"] = {"sizes": graphs.sizes, "capture_s": graphs.capture_s,
+                                        "first_use_warm_up_s": graphs.warm_up_s}
+        print(f"{backend}: {len(graphs.sizes)} graphs captured in {graphs.capture_s:.1f}s "
+              f"(first-use warm-up {graphs.warm_up_s:.1f}s)")
+    out: dict[str, float] = {}
+    decode_rate(sched, 1, 16, p.vocab, graphs=True)  # first-use compilation out of the figures
+    out["b1_graphs"] = decode_rate(sched, 1, 256, p.vocab, graphs=True)
+    out["b1_eager"] = decode_rate(sched, 1, 64, p.vocab, graphs=False)
+    for bs in p.decode_batches:
+        out[f"b{bs}_graphs"] = decode_rate(sched, bs, 64, p.vocab, graphs=True)
+    for bs in p.hf_batches:
+        out[f"e2e_b{bs}"] = end_to_end_rate(sched, bs, p.hf_tokens, p.vocab)
+    RESULTS[f"decode_{backend}"] = out
+    print(json.dumps(out, indent=1))
+
+
+# ---------------------------------------------------------------- attention kernels
+@dataclass
+class AttentionCase:
+    """One layer's attention inputs over a scattered page-1 pool (random K/V), for any backend."""
+
+    ctx: Any  # AttentionContext
+    batch: Any  # ForwardBatch; its attn_backend is set per backend
+    layer: Any  # RadixAttention
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def make(cls, p: Preset, mode: Any, bs: int, prefix: int, new: int) -> AttentionCase:
+        from rxf.core.attention import AttentionContext
+        from rxf.core.forward import ForwardBatch
+        from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
+        from rxf.plugins.models.layers import RadixAttention
+
+        dev, dt, hd, seq, n = torch.device("cuda"), torch.bfloat16, p.hidden // p.heads, prefix + new, bs * new
+        req_pool, kv_pool = ReqToTokenPool(bs, seq, dev), TokenToKVPool(bs * seq, 1, p.kv_heads, hd, dt, dev)
+        kv_pool.k_buffer[0].normal_()
+        kv_pool.v_buffer[0].normal_()
+        slots = torch.randperm(bs * seq, device=dev).add_(1).view(bs, seq)  # scattered, like a used pool
+        req_pool.req_to_token.copy_(slots)
+
+        def lens(value: int) -> torch.Tensor:
+            return torch.full((bs,), value, dtype=torch.int32, device=dev)
+
+        batch = ForwardBatch(
+            mode=mode, batch_size=bs, input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
+            positions=(prefix + torch.arange(new, device=dev)).repeat(bs), req_pool_indices=torch.arange(bs, device=dev),
+            seq_lens=lens(seq), prefix_lens=lens(prefix), extend_lens=lens(new),
+            out_cache_loc=slots[:, prefix:].reshape(-1).to(torch.int64), seq_lens_cpu=[seq] * bs,
+            prefix_lens_cpu=[prefix] * bs, extend_lens_cpu=[new] * bs, logits_indices=torch.arange(n, device=dev),
+            req_to_token_pool=req_pool, token_to_kv_pool=kv_pool, attn_backend=None,  # type: ignore[arg-type]
+        )
+        return cls(
+            AttentionContext(req_pool, kv_pool, p.heads, p.kv_heads, hd, dt, dev, bs, seq), batch,
+            RadixAttention(0, p.heads, p.kv_heads, hd), torch.randn(n, p.heads, hd, device=dev, dtype=dt),
+            torch.randn(n, p.kv_heads, hd, device=dev, dtype=dt), torch.randn(n, p.kv_heads, hd, device=dev, dtype=dt),
+        )
+
+    def forward(self, backend_cls: Any) -> tuple[Any, torch.Tensor]:
+        """A fresh backend planned for this batch, and its output (the first call: JIT happens here)."""
+        backend = backend_cls(self.ctx)
+        self.batch.attn_backend = backend
+        backend.init_forward_metadata(self.batch)
+        return backend, backend.forward(self.q, self.k, self.v, self.layer, self.batch)
+
+
+def jit_phase(p: Preset) -> None:
+    """FlashInfer compiles each kernel on first use, one nvcc run after another when the engine meets
+    them; here they compile concurrently (threads wait on nvcc): the fused layer ops and the
+    flashinfer backend's decode, ragged and paged prefill kernels at the preset's head shape."""
+    import flashinfer.activation
+    import flashinfer.norm
+    import flashinfer.rope
+
+    from rxf.core.forward import ForwardMode
+    from rxf.core.registry import PluginRegistry
+
+    fi_backend = PluginRegistry.load().attention_backend("flashinfer")
+    dev, dt, hd = "cuda", torch.bfloat16, p.hidden // p.heads
+    x, w = torch.randn(4, p.hidden, device=dev, dtype=dt), torch.ones(p.hidden, device=dev, dtype=dt)
+    q, k = torch.randn(4, p.heads * hd, device=dev, dtype=dt), torch.randn(4, p.kv_heads * hd, device=dev, dtype=dt)
+    jobs: dict[str, Callable[[], Any]] = {
+        "norm": lambda: flashinfer.norm.fused_add_rmsnorm(x, x.clone(), w, 1e-5),
+        "silu_and_mul": lambda: flashinfer.activation.silu_and_mul(torch.randn(4, 2 * p.intermediate, device=dev, dtype=dt)),
+        "rope": lambda: flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
+            torch.arange(4, device=dev), q, k, hd, torch.randn(64, hd, device=dev), True),
+        "decode": lambda: AttentionCase.make(p, ForwardMode.DECODE, 2, 15, 1).forward(fi_backend),
+        "ragged": lambda: AttentionCase.make(p, ForwardMode.PREFILL, 2, 0, 16).forward(fi_backend),
+        "paged": lambda: AttentionCase.make(p, ForwardMode.EXTEND, 2, 8, 8).forward(fi_backend),
+    }
+    times: dict[str, str] = {}
+
+    def run(name: str) -> None:
+        start = time.perf_counter()
+        try:
+            jobs[name]()
+            torch.cuda.synchronize()
+            times[name] = f"{time.perf_counter() - start:.1f}s"
+        except Exception as e:
+            times[name] = f"failed: {type(e).__name__}: {e}"[:300]
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    RESULTS["flashinfer_jit"] = times
+    print("flashinfer JIT, concurrent:", times)
+
+
+def kernels_phase(p: Preset, backends: list[str]) -> None:
+    import triton.testing
+
+    from rxf.core.forward import ForwardMode
+    from rxf.core.registry import PluginRegistry
+
+    registry, hd = PluginRegistry.load(), p.hidden // p.heads
+    # (label, mode, batch, prefix tokens, new tokens per request)
+    shapes = [("decode b1 ctx4096", ForwardMode.DECODE, 1, 4095, 1), ("decode b64 ctx1024", ForwardMode.DECODE, 64, 1023, 1),
+              ("extend 8x512 on 512", ForwardMode.EXTEND, 8, 512, 512), ("prefill 4x1024", ForwardMode.PREFILL, 4, 0, 1024)]
+    out: dict[str, dict[str, Any]] = {}
+    for label, mode, bs, prefix, new in shapes:
+        seq = prefix + new
+        case = AttentionCase.make(p, mode, bs, prefix, new)
+        row: dict[str, Any] = {}
+        ref = None
+        for name in ["torch_native", *backends]:
+            try:
+                backend, result = case.forward(registry.attention_backend(name))
+                result = result.float()
+                ref = result if ref is None else ref
+                err = ((result - ref).norm() / ref.norm()).item()
+                call = functools.partial(backend.forward, case.q, case.k, case.v, case.layer, case.batch)
+                ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+                row[name] = {"us": ms * 1e3, "rel_err_vs_torch_native": err}
+                if mode.is_decode():  # K and V of every cached token, read once
+                    row[name]["kv_TBps"] = bs * seq * p.kv_heads * hd * 2 * 2 / (ms * 1e-3) / 1e12
+                else:  # QK^T and PV over the causal-with-prefix region
+                    flops = 4 * bs * p.heads * hd * (new * prefix + new * (new + 1) / 2)
+                    row[name]["TFLOPs"] = flops / (ms * 1e-3) / 1e12
+            except Exception as e:
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        out[label] = row
+        print(label, json.dumps(row))
+    RESULTS["kernels"] = out
+
+
+# ---------------------------------------------------------------- offline (Runtime)
+def offline_phase(p: Preset, model_dir: Path, n: int, backend: str) -> None:
+    from rxf.entrypoints.runtime import Runtime
+
+    rng = random.Random(0)
+    lo, hi = p.offline_input // 2, p.offline_input * 3 // 2
+    prompts = [[rng.randrange(3, p.vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    params = {"max_new_tokens": p.offline_output, "temperature": 0.0, "ignore_eos": True}
+    start = time.perf_counter()
+    with Runtime.from_config({
+        "model": {"path": str(model_dir), "dtype": "bfloat16", "context_length": hi + p.offline_output + 64},
+        "runtime": {"device": "cuda", "log_level": "warning"},
+        "attention": {"backend": backend},
+        "scheduler": {"max_running_requests": 256, "max_prefill_tokens": 16384},
+    }) as rt:
+        started = time.perf_counter() - start
+        rt.generate(input_ids=prompts[:8], sampling_params=params)  # warm-up
+        start = time.perf_counter()
+        results = rt.generate(input_ids=prompts, sampling_params=params)
+        elapsed = time.perf_counter() - start
+    out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    in_tokens = sum(map(len, prompts))
+    RESULTS["offline"] = {"requests": n, "backend": backend, "startup_s": started, "seconds": elapsed, "req_s": n / elapsed,
+                          "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed}
+    print(json.dumps(RESULTS["offline"], indent=1))
+
+
+# ---------------------------------------------------------------- transformers
+def hf_phase(p: Preset, model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    rng = random.Random(1)
+    out: dict[str, float] = {}
+    for bs in p.hf_batches:
+        ids = torch.tensor([[rng.randrange(3, p.vocab) for _ in range(p.hf_tokens)] for _ in range(bs)], device="cuda")
+        kwargs = {"do_sample": False, "pad_token_id": 0, "attention_mask": torch.ones_like(ids)}
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=p.hf_tokens, min_new_tokens=p.hf_tokens, **kwargs)
+        torch.cuda.synchronize()
+        out[f"b{bs}"] = bs * p.hf_tokens / (time.perf_counter() - start)
+    RESULTS["hf_generate_tok_s"] = out
+    print(json.dumps(out))
+    del model
+
+
+# ---------------------------------------------------------------- report
+def report(p: Preset) -> None:
+    roof = RESULTS.get("roofline_b1_tok_s")
+    hf = RESULTS.get("hf_generate_tok_s", {})
+    print("\n| figure | tok/s | ratio |\n|---|---|---|")
+    if roof:
+        print(f"| roofline batch 1 ({RESULTS['copy_bandwidth_GBps'] / 1e3:.2f} TB/s) | {roof:.1f} | |")
+    for backend in ("triton", "flashinfer"):
+        d = RESULTS.get(f"decode_{backend}")
+        if not d:
+            continue
+        for key, value in d.items():
+            ratio = ""
+            if key.startswith("b1_") and roof:
+                ratio = f"{value / roof:.1%} of roofline"
+            elif key.startswith("e2e_b") and hf.get(key[4:]):
+                ratio = f"{value / hf[key[4:]]:.2f}x HF"
+            print(f"| {backend} {key} | {value:.1f} | {ratio} |")
+    for key, value in hf.items():
+        print(f"| HF generate {key} ({p.hf_tokens}+{p.hf_tokens}) | {value:.1f} | |")
+    if "offline" in RESULTS:
+        o = RESULTS["offline"]
+        print(f"| offline {o['requests']} req ({o['backend']}): output tok/s | {o['output_tok_s']:.1f} | "
+              f"{o['req_s']:.2f} req/s |")
+    for label, row in RESULTS.get("kernels", {}).items():
+        cells = ", ".join(f"{k} {v['us']:.1f}us" if "us" in v else f"{k} failed" for k, v in row.items())
+        print(f"| kernel {label} | {cells} | |")
+    if RESULTS.get("failed"):
+        print("failed phases:", ", ".join(RESULTS["failed"]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    ap.add_argument("--num-requests", type=int, default=1000, help="offline phase requests")
+    ap.add_argument("--phases", default="jit,build,bandwidth,decode,kernels,offline,hf")
+    ap.add_argument("--backends", default="triton,flashinfer", help="decode/kernels; offline uses the last")
+    ap.add_argument("--model-dir", type=Path, default=None, help="default: /tmp/rxf-bench-<preset>")
+    ap.add_argument("--output", type=Path, default=None)
+    args = ap.parse_args()
+    p, phases, backends = PRESETS[args.preset], set(args.phases.split(",")), args.backends.split(",")
+    model_dir = args.model_dir or Path(f"/tmp/rxf-bench-{args.preset}")
+    RESULTS.update(date=datetime.now(UTC).isoformat(timespec="seconds"), preset=args.preset, command=" ".join(sys.argv),
+                   device=torch.cuda.get_device_name(), torch=torch.__version__)
+    if "jit" in phases:
+        phase("jit", lambda: jit_phase(p))
+    if "build" in phases or not (model_dir / "model.safetensors").exists():
+        phase("build", lambda: build_checkpoint(p, model_dir))
+    RESULTS.setdefault("weight_bytes", weight_bytes(model_dir))
+    if "bandwidth" in phases:
+        phase("bandwidth", bandwidth)
+    if "decode" in phases:
+        for backend in backends:
+            phase(f"decode {backend}", lambda b=backend: decode_phase(p, model_dir, b))
+    if "kernels" in phases:
+        phase("kernels", lambda: kernels_phase(p, backends))
+    if "offline" in phases:
+        phase("offline", lambda: offline_phase(p, model_dir, args.num_requests, backends[-1]))
+    if "hf" in phases:
+        phase("hf", lambda: hf_phase(p, model_dir))
+    output = args.output or (Path(os.environ["OUT"]) / "gpu_decode.json" if os.environ.get("OUT") else None)
+    if output is not None:
+        output.write_text(json.dumps(RESULTS, indent=1))
+    report(p)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+"""The HTTP server of `rxf launch`: FastAPI on uvicorn, in the main process with the TokenizerManager.
+
+Start-up: uvicorn binds at once and `/health` answers 503 while the engine's child processes load
+the model (in a daemon thread, so the event loop keeps answering); the TokenizerManager is then
+created on the server's own loop and `ServerState.ready` turns true. A child that dies later fails
+every in-flight request and turns the server to 503. Shutdown stops the children and removes the
+IPC directory (`EngineProcesses.shutdown`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rxf.core.config import EngineConfig
+from rxf.core.tokenizer_manager import EngineDeadError, RequestError, TokenizerManager
+from rxf.entrypoints.metrics import ServerMetrics
+from rxf.entrypoints.native_routes import router as native_router
+from rxf.entrypoints.openai import router as openai_router
+from rxf.entrypoints.server_state import APIError, ServerState
+
+logger = logging.getLogger(__name__)
+
+# Routes answered without the API key: load balancers and orchestrators probe them.
+OPEN_PATHS = frozenset({"/health"})
+# How long shutdown waits for an interrupted model load to give up (children killed) before exiting.
+_ABANDON_TIMEOUT_S = 10.0
+# On SIGTERM / Ctrl-C, how long requests in flight may run on before they are aborted.
+DRAIN_S = 3.0
+
+
+@dataclass
+class _Loaded:
+    engine: Any  # EngineProcesses
+    tokenizer: Any
+    chat_template: Any
+
+
+def _load(config: EngineConfig) -> _Loaded:
+    """Blocking: start the child processes (model load) and, meanwhile, load the tokenizer and the
+    chat template in this process."""
+    from rxf.entrypoints.demo_model import resolve_model_path
+    from rxf.entrypoints.engine import EngineProcesses
+
+    # Resolved first (it prepares the demo model once; EngineProcesses' own call is then a lookup)
+    # so that the tokenizer can load while the children load the model.
+    tokenizer_path = config.model.tokenizer_path or resolve_model_path(config.model.path)
+    with ThreadPoolExecutor(1, thread_name_prefix="rxf-tokenizer-load") as pool:
+        frontend = pool.submit(_load_frontend, config, tokenizer_path)
+        engine = EngineProcesses(config)
+        try:
+            tokenizer, template = frontend.result()
+        except BaseException:
+            engine.shutdown()
+            raise
+    return _Loaded(engine, tokenizer, template)
+
+
+def _load_frontend(config: EngineConfig, tokenizer_path: str) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
+
+    from rxf.core.registry import PluginRegistry
+    from rxf.plugins.chat_templates.base import resolve_chat_template
+
+    registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return tokenizer, resolve_chat_template(config.model.chat_template, tokenizer, registry.chat_template)
+
+
+class _EngineLoader:
+    """Runs `_load` in a daemon thread; `abandon()` stops a load that is still in progress.
+
+    A daemon thread (not the loop's executor, whose threads the interpreter joins at exit), so a
+    shutdown during a long load is never stuck behind it. The outcome is handed over under a lock
+    through `take()`: whoever takes a loaded engine owns it and must shut it down.
+    """
+
+    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.loop = loop
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._outcome: _Loaded | BaseException | None = None
+        self._abandoned = False
+        self._wakeup = asyncio.Event()
+        threading.Thread(target=self._run, name="rxf-engine-loader", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            outcome: _Loaded | BaseException = _load(self.config)
+        except BaseException as e:
+            outcome = e
+        with self._lock:
+            self._outcome = outcome
+            abandoned = self._abandoned
+        self.done.set()
+        if abandoned:
+            self._discard()
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._wakeup.set)
+        except RuntimeError:  # the loop is closed: nobody will take the engine
+            self._discard()
+
+    async def wait(self) -> _Loaded:
+        await self._wakeup.wait()
+        outcome = self.take()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if outcome is None:
+            raise RuntimeError("the engine load was abandoned")
+        return outcome
+
+    def take(self) -> _Loaded | BaseException | None:
+        with self._lock:
+            outcome, self._outcome = self._outcome, None
+        return outcome
+
+    def _discard(self) -> None:
+        outcome = self.take()
+        if isinstance(outcome, _Loaded):
+            outcome.engine.shutdown()
+
+    def abandon(self) -> None:
+        """Blocking. Make a load in progress fail fast: its child processes are terminated, which
+        the engine notices within a poll interval and answers by cleaning up after itself (IPC
+        directory included). An engine loaded but not yet taken is shut down."""
+        with self._lock:
+            self._abandoned = True
+        deadline = time.monotonic() + _ABANDON_TIMEOUT_S
+        while not self.done.wait(0.2) and time.monotonic() < deadline:
+            _terminate_engine_children()
+        self._discard()
+
+
+def _terminate_engine_children() -> None:
+    """SIGTERM this process's own rxf child processes (found through /proc by parent pid)."""
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                # "pid (comm) state ppid ...": comm may contain spaces, so split after its ')'.
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if ppid != me:
+                continue
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                if b"rxf.entrypoints.child" not in f.read():
+                    continue
+            os.kill(int(entry.name), signal.SIGTERM)
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile, or not ours to read
+
+
+async def _start_engine(app: FastAPI, state: ServerState, loader: _EngineLoader) -> None:
+    try:
+        loaded = await loader.wait()
+    except Exception as e:
+        state.startup_error = f"{type(e).__name__}: {e}"
+        logger.error("the engine failed to start: %s", state.startup_error)
+        app.state.on_startup_failure()
+        return
+    state.engine, state.tokenizer, state.chat_template = loaded.engine, loaded.tokenizer, loaded.chat_template
+    tm = TokenizerManager(loaded.tokenizer, loaded.engine.addrs, loaded.engine.info)
+    await tm.start()
+    tm.observer = state.metrics
+    state.tokenizer_manager = tm
+    loop = asyncio.get_running_loop()
+    loaded.engine.watch(lambda reason: loop.call_soon_threadsafe(_on_engine_death, state, reason))
+    state.ready = True
+    app.state.on_ready()
+
+
+def _on_engine_death(state: ServerState, reason: str) -> None:
+    logger.error("engine died: %s; answering 503 from now on", reason)
+    state.engine_dead = reason
+    state.ready = False
+    if state.tokenizer_manager is not None:
+        state.tokenizer_manager.fail_all(reason)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: ServerState = app.state.server
+    loop = asyncio.get_running_loop()
+    loader = _EngineLoader(state.config, loop)
+    starter = loop.create_task(_start_engine(app, state, loader))
+    try:
+        yield
+    finally:
+        state.ready = False
+        if not loader.done.is_set():
+            logger.info("shutdown during model load: stopping the engine's processes")
+        await asyncio.to_thread(loader.abandon)
+        starter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starter
+        if state.tokenizer_manager is not None:
+            await state.tokenizer_manager.close()
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+        logger.info("engine stopped")
+
+
+# ---- errors, all in OpenAI's shape ----
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """One 400 for FastAPI's validation errors: `param` names the field (the part of the location
+    that all of its errors share: a union type reports one error per member)."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return APIError(400, f"malformed JSON body: {detail}")
+    locs = [tuple(e.get("loc", ()))[1:] if e.get("loc", ("",))[0] in ("body", "query", "path", "header")
+            else tuple(e.get("loc", ())) for e in errors]
+    if not locs[0]:
+        if first.get("type") == "missing":
+            return APIError(400, "the request body is missing: expected a JSON object")
+        if not isinstance(first.get("input"), dict | list | None):  # FastAPI read a non-JSON body as text
+            return APIError(400, "the request body must be a JSON object sent as Content-Type: application/json")
+        return APIError(400, f"the request body is invalid: {first.get('msg')}")
+    same_field = [(loc, e) for loc, e in zip(locs, errors, strict=True) if loc[:1] == locs[0][:1]]
+    common = list(same_field[0][0])
+    for loc, _ in same_field[1:]:
+        n = 0
+        while n < min(len(common), len(loc)) and common[n] == loc[n]:
+            n += 1
+        common = common[:n]
+    param = _format_loc(tuple(common))
+    reasons = list(dict.fromkeys(str(e.get("msg", "invalid")) for _, e in same_field))
+    return APIError(400, f"{param}: {'; '.join(reasons)}", param=param)
+
+
+def _request_error(e: RequestError) -> APIError:
+    """RequestError messages read "field: reason" when a single field is at fault."""
+    message = str(e)
+    head, sep, _ = message.partition(":")
+    param = head if sep and head.replace("_", "").replace(".", "").isalnum() else None
+    return APIError(400, message, param=param)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, APIError)
+        return e.response()
+
+    async def request_error(_: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, RequestError)
+        return _request_error(e).response()
+
+    async def engine_dead(_: Request, e: Exception) -> JSONResponse:
+        return APIError(503, f"the engine stopped: {e}").response()
+
+    async def validation(_: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, RequestValidationError)
+        return _validation_error(list(e.errors())).response()
+
+    async def http_error(request: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, StarletteHTTPException)
+        message = str(e.detail)
+        if e.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        elif e.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return APIError(e.status_code, message, headers=e.headers).response()
+
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        # Starlette re-raises after this response, and uvicorn logs the traceback.
+        return APIError(500, f"internal error: {type(e).__name__}").response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestError, request_error)
+    app.add_exception_handler(EngineDeadError, engine_dead)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+class APIKeyMiddleware:
+    """Every route but OPEN_PATHS needs `Authorization: Bearer <key>`; compared in constant time.
+    A plain ASGI middleware (not BaseHTTPMiddleware), so streaming and disconnects pass untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        reason = "missing API key" if not auth else "invalid API key"
+        error = APIError(401, f"{reason}: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)
+
+
+def _noop() -> None:
+    pass
+
+
+def create_app(
+    config: EngineConfig,
+    *,
+    on_ready: Callable[[], None] = _noop,
+    on_startup_failure: Callable[[], None] = _noop,
+) -> FastAPI:
+    """The server's app. The engine starts with the app's lifespan; `on_ready` is called on the
+    loop once it serves, `on_startup_failure` if it could not start (`state.startup_error` says why)."""
+    app = FastAPI(title="rxf", version=_version(), lifespan=_lifespan)
+    state = ServerState(config=config, served_model_name=config.model.path)
+    state.metrics = ServerMetrics()
+    app.state.server = state
+    app.state.on_ready = on_ready
+    app.state.on_startup_failure = on_startup_failure
+    _install_error_handlers(app)
+    app.include_router(native_router)
+    app.include_router(openai_router)
+    if config.server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)
+    return app
+
+
+def _version() -> str:
+    from rxf import __version__
+
+    return __version__
+
+
+def _url_of(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with a drain on shutdown: in-flight requests get `DRAIN_S` to finish, then the rest
+    are aborted, so that their streams end properly (finish_reason "abort", then [DONE]) instead
+    of being cut when uvicorn's own grace period runs out."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        aborter = asyncio.get_running_loop().create_task(self._abort_in_flight_after(DRAIN_S))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            aborter.cancel()
+
+    async def _abort_in_flight_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        tm = self.state.tokenizer_manager
+        if tm is not None and tm.states and not self.state.engine_dead:
+            logger.info("aborting %d requests still running after %.0f s", len(tm.states), delay)
+            for rid in list(tm.states):
+                await tm.abort(rid)
+
+
+def serve(config: EngineConfig) -> int:
+    """Run the server until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the engine failed to start."""
+
+    def ready() -> None:
+        port = config.server.port
+        for srv in server.servers:  # the bound port, which differs from the config's when it is 0
+            for sock in srv.sockets:
+                port = sock.getsockname()[1]
+        logger.info("rxf serving %s at %s", app.state.server.served_model_name, _url_of(config.server.host, port))
+
+    def failed() -> None:
+        server.should_exit = True
+
+    app = create_app(config, on_ready=ready, on_startup_failure=failed)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_config=None,  # keep rxf's log format
+        access_log=config.runtime.log_level == "debug",
+        timeout_graceful_shutdown=DRAIN_S + 5,  # a backstop: the drain normally ends every request first
+    )
+    server = _Server(uv_config, app.state.server)
+    # uvicorn re-raises the signal that stopped it once it is done, to run the previous handler;
+    # these no-op handlers make a requested, completed shutdown a normal exit.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 1 if app.state.server.startup_error else 0

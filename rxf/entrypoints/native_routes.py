@@ -1,0 +1,251 @@
+"""Native routes: SGLang-compatible `/generate`, health, model/server info, cache and abort, metrics.
+
+`/generate` takes `text` or `input_ids`, each a single prompt or a list (a batch answers a list);
+per-prompt options may be a single value or a list. A stream answers SSE `data: {json}` chunks,
+each holding the result so far (cumulative `text`, `output_ids` and logprobs, as SGLang's
+`/generate` does), then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from rxf.core.tokenizer_manager import EngineDeadError, GenerateRequest, RequestError, TokenizerManager
+from rxf.entrypoints.server_state import APIError, ServerState, server_state, until_disconnected
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+State = Annotated[ServerState, Depends(server_state)]
+# /health_generate gives up after this long (the engine is then too busy or stuck: 503).
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+class GenerateBody(BaseModel):
+    """The body of POST /generate. Unknown fields are ignored, as SGLang's clients send extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    rid: str | list[str] | None = None
+
+
+class AbortBody(BaseModel):
+    rid: str
+
+
+def _per_item(name: str, value: Any, n: int, batched: bool) -> list[Any]:
+    if isinstance(value, list):
+        if not batched or len(value) != n:
+            raise APIError(400, f"{name}: a list needs a batch of the same length ({n} prompts)", param=name)
+        return value
+    return [value] * n
+
+
+def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "give exactly one of text and input_ids", param="text")
+    if body.text is not None:
+        batched = isinstance(body.text, list)
+        items: list[dict[str, Any]] = [{"text": t} for t in (body.text if batched else [body.text])]
+    else:
+        ids = body.input_ids or []
+        batched = bool(ids) and isinstance(ids[0], list)
+        items = [{"input_ids": i} for i in (ids if batched else [ids])]
+    if batched and not items:
+        raise APIError(400, "the batch is empty", param="text" if body.text is not None else "input_ids")
+    if batched and body.stream:
+        raise APIError(400, "stream: streaming takes a single prompt, not a batch", param="stream")
+    n = len(items)
+    columns = {
+        name: _per_item(name, getattr(body, name), n, batched)
+        for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num")
+    }
+    if batched and isinstance(body.rid, str):
+        raise APIError(400, "rid: a batch needs a list of request ids, one per prompt", param="rid")
+    rids = _per_item("rid", body.rid, n, batched)
+    reqs = [
+        GenerateRequest(**item, **{k: v[i] for k, v in columns.items()}, stream=body.stream, rid=rids[i])
+        for i, item in enumerate(items)
+    ]
+    return reqs, batched
+
+
+def _pretokenized(tm: TokenizerManager, req: GenerateRequest) -> GenerateRequest:
+    """Validate and tokenize now, so a bad request is a 400 before any prompt reaches the scheduler
+    (and before a stream's headers are sent); the engine then gets the ids, not the text again."""
+    msg = tm.tokenize_request(req)
+    return GenerateRequest(
+        input_ids=msg.input_ids, sampling_params=msg.sampling_params, stream=msg.stream,
+        return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+        top_logprobs_num=msg.top_logprobs_num, rid=msg.rid,
+    )
+
+
+async def _one(tm: TokenizerManager, req: GenerateRequest) -> dict[str, Any]:
+    results = [r async for r in tm.generate(req)]  # a non-streaming request yields one result
+    return results[-1]
+
+
+async def _all(tm: TokenizerManager, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
+    try:
+        async with asyncio.TaskGroup() as group:  # one failure cancels (aborts) the others
+            tasks = [group.create_task(_one(tm, r)) for r in reqs]
+    except BaseExceptionGroup as eg:  # answer with the first failure, as a single request would
+        raise eg.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(tm: TokenizerManager, req: GenerateRequest) -> AsyncIterator[str]:
+    """Cumulative chunks. A failure after the headers went out is reported as an error event."""
+    text, ids = "", []
+    logprobs: dict[str, list[Any]] = {}
+    agen = tm.generate(req)
+    try:
+        async for chunk in agen:
+            text += chunk["text"]
+            ids += chunk["output_ids"]
+            meta = dict(chunk["meta_info"])
+            for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
+                if key in meta:  # grown in place: each chunk is serialised before the next
+                    acc = logprobs.setdefault(key, [])
+                    acc.extend(meta[key])
+                    meta[key] = acc
+            yield _sse({"text": text, "output_ids": ids, "meta_info": meta})
+    except EngineDeadError as e:
+        yield _sse(APIError(503, f"the engine stopped: {e}").body())
+    except RequestError as e:  # e.g. a duplicate rid, found when the request is submitted
+        yield _sse(APIError(400, str(e)).body())
+    finally:
+        # A disconnect cancels the request inside tm.generate (which aborts it); a stream that is
+        # closed instead (GeneratorExit) must close it too, for the same abort.
+        await agen.aclose()
+    yield "data: [DONE]\n\n"
+
+
+@router.post("/generate")
+async def generate(body: GenerateBody, request: Request, state: State) -> Response:
+    tm = state.require_ready()
+    reqs, batched = _requests(body)
+    reqs = [_pretokenized(tm, r) for r in reqs]
+    if body.stream:
+        return StreamingResponse(_stream(tm, reqs[0]), media_type="text/event-stream")
+    results = await until_disconnected(request, _all(tm, reqs))
+    if results is None:
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+    return JSONResponse(results if batched else results[0])
+
+
+@router.get("/health")
+async def health(state: State) -> dict[str, Any]:
+    state.require_ready()
+    return {"status": "ok"}
+
+
+@router.get("/health_generate")
+async def health_generate(state: State) -> dict[str, Any]:
+    """Healthy when a one-token generation goes through the whole engine in time."""
+    tm = state.require_ready()
+    req = GenerateRequest(
+        text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=f"health-{uuid.uuid4().hex}"
+    )
+    try:
+        result = await asyncio.wait_for(_one(tm, req), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        raise APIError(503, f"a one-token generation took over {HEALTH_GENERATE_TIMEOUT_S:.0f} s") from None
+    return {"status": "ok", "output_ids": result["output_ids"]}
+
+
+@router.get("/get_model_info")
+async def get_model_info(state: State) -> dict[str, Any]:
+    state.require_ready()
+    info = state.engine.info
+    return {
+        "model_path": state.engine.model_path,
+        "tokenizer_path": state.engine.tokenizer_path,
+        "served_model_name": state.served_model_name,
+        "architecture": info.get("architecture"),
+        "context_length": info["max_context_len"],
+        "vocab_size": info["vocab_size"],
+        "dtype": info.get("dtype"),
+        "device": info.get("device"),
+        "is_generation": True,
+    }
+
+
+def _stats_json(stats: Any) -> dict[str, Any]:
+    total = stats.total_slots
+    return {
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+        "total_slots": total,
+        "free_slots": stats.free_slots,
+        "tree_slots": stats.tree_slots,
+        "evictable_slots": stats.evictable_slots,
+        "token_usage": (total - stats.free_slots - stats.evictable_slots) / total if total else 0.0,
+        "cache_hit_rate": stats.cache_hit_rate,
+        **stats.extra,
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(state: State) -> dict[str, Any]:
+    tm = state.require_ready()
+    config = state.config.model_dump(mode="json")
+    if config["server"].get("api_key"):
+        config["server"]["api_key"] = "<set>"  # never echo the secret
+    from rxf import __version__
+
+    return {
+        "version": __version__,
+        "served_model_name": state.served_model_name,
+        "config": config,
+        "engine": {**state.engine.info, "ipc_dir": state.engine.ipc_dir},
+        "stats": _stats_json(await tm.get_stats()) | {"in_flight": len(tm.states)},
+    }
+
+
+@router.post("/flush_cache")
+async def flush_cache(state: State) -> dict[str, Any]:
+    result = await state.require_ready().flush_cache()
+    if not result.ok:
+        raise APIError(400, result.message)
+    return {"message": result.message}
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortBody, state: State) -> dict[str, Any]:
+    """Abort a running request by id; its consumer gets what it has with finish_reason "abort"."""
+    tm = state.require_ready()
+    found = body.rid in tm.states
+    if found:
+        await tm.abort(body.rid)
+    return {"rid": body.rid, "found": found}
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    if state.ready and state.tokenizer_manager is not None:
+        state.metrics.refresh(await state.tokenizer_manager.get_stats())
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

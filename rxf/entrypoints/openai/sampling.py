@@ -1,0 +1,178 @@
+"""OpenAI request fields -> the engine's native sampling parameters, with the checks OpenAI makes.
+
+Every check raises `APIError(400, ..., param=<the OpenAI field>)`. The engine verifies the native
+parameters again; `verify_native` runs that verification up front so a bad value is a 400 before
+a stream starts, and translates the native field name in its message back to the OpenAI one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rxf.core.sampling import SamplingParams
+from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from rxf.entrypoints.server_state import APIError
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+# Choice i of a seeded request uses seed + i, so seeds stay below 2**63 and the sum below the
+# engine's 2**64 bound.
+_MAX_SEED = 2**63
+
+_STRUCTURED_FIELDS = (
+    "regex",
+    "ebnf",
+    "json_schema",
+    "structural_tag",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+# Native names that differ from the OpenAI field they come from.
+_OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_NATIVE_FIELD = re.compile(r"sampling_params\.(\w+)")
+
+
+def bad_request(message: str, param: str | None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist; this server serves {served!r}",
+            type="invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_common(req: GenerationFields) -> None:
+    """The checks completions and chat share (the engine checks the remaining ranges)."""
+    for name in _STRUCTURED_FIELDS:
+        if getattr(req, name) is not None:
+            raise bad_request("structured output is not supported yet", name)
+    if req.lora_path is not None:
+        raise bad_request("LoRA adapters are not supported", "lora_path")
+    if not 0 <= req.temperature <= 2:
+        raise bad_request(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
+    if not 0 < req.top_p <= 1:
+        raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
+    if req.seed is not None and not 0 <= req.seed < _MAX_SEED:
+        raise bad_request(f"seed must be in [0, 2**63), got {req.seed}", "seed")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of must equal n (server-side ranking is not supported)", "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    check_common(req)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs"
+            )
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request("structured output is not supported yet", "response_format")
+    wants_tools = bool(req.tools) and req.tool_choice != "none"
+    if wants_tools or req.tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool calling is not supported yet", "tools" if req.tools else "tool_choice")
+
+
+def max_new_tokens(
+    requested: int | None,
+    param: str,
+    default: int | None,
+    prompt_len: int,
+    context_len: int,
+    prompt_param: str,
+) -> int:
+    """The completion budget. An explicit value must fit the context next to the prompt; the
+    default (None: the whole remaining context) is cut to fit."""
+    room = context_len - prompt_len
+    if room <= 0:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens; the model's context length is {context_len}", prompt_param
+        )
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested < 0:
+        raise bad_request(f"{param} must be >= 0, got {requested}", param)
+    if requested > room:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens and {param} is {requested}: {prompt_len + requested} "
+            f"exceeds the model's context length {context_len}",
+            param,
+        )
+    return requested
+
+
+def native_params(req: GenerationFields, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The native `sampling_params` dict. Extension fields the client left out are left out, so the
+    engine's own defaults apply to them."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    stop += [s for s in extra_stop if s not in stop]
+    params: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+        "min_new_tokens": req.min_tokens,
+    }
+    if stop:
+        params["stop"] = stop
+    optional = {
+        "seed": req.seed,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "stop_token_ids": req.stop_token_ids,
+    }
+    params |= {key: value for key, value in optional.items() if value is not None}
+    if req.logit_bias:
+        params["logit_bias"] = _logit_bias(req.logit_bias)
+    return params
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+    return out
+
+
+def verify_native(params: dict[str, Any], vocab_size: int) -> None:
+    """The engine's own verification, run now so that it answers 400 before any stream starts."""
+    try:
+        SamplingParams.from_dict(params).verify(vocab_size)
+    except ValueError as exc:
+        message = str(exc)
+        match = _NATIVE_FIELD.search(message)
+        if match is None:
+            raise bad_request(message, None) from None
+        param = _OPENAI_NAME.get(match.group(1), match.group(1))
+        raise bad_request(message.replace(match.group(0), param), param) from None

@@ -1,0 +1,185 @@
+"""POST /v1/chat/completions: messages rendered by the server's chat template, then native requests.
+
+As `Runtime.chat` does: the rendered prompt already holds its special tokens (so it is tokenized
+without adding any) and the template's stop strings are added to the request's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
+from rxf.entrypoints.openai import generation as gen
+from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs, token_str_fn
+from rxf.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatMessageOut,
+    Delta,
+)
+from rxf.entrypoints.openai.sampling import (
+    bad_request,
+    check_chat,
+    check_model,
+    max_new_tokens,
+    native_params,
+    verify_native,
+)
+from rxf.entrypoints.openai.sse import event, sse_response
+from rxf.entrypoints.server_state import server_state
+
+router = APIRouter()
+
+_IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
+@dataclass
+class ChatPlan:
+    id: str
+    ids: list[int]
+    params: dict[str, Any]
+    reqs: list[GenerateRequest]  # request i is choice i
+    logprobs: bool
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: the keys the client sent (nulls dropped),
+    with OpenAI's "developer" role as the "system" role it replaces. Images are refused here:
+    no model served so far takes them."""
+    out = []
+    for i, msg in enumerate(messages):
+        if isinstance(msg.content, list):
+            for j, part in enumerate(msg.content):
+                if part.get("type") in _IMAGE_PARTS:
+                    raise bad_request(
+                        f"messages[{i}].content[{j}]: images are not supported by this model", "messages"
+                    )
+        item = msg.model_dump(exclude_unset=True)
+        if item["role"] == "developer":
+            item["role"] = "system"
+        out.append(item)
+    return out
+
+
+def render_prompt(messages: list[ChatMessage], chat_template: Any, tokenizer: Any) -> list[int]:
+    try:
+        prompt = chat_template.render(template_messages(messages), add_generation_prompt=True)
+    except ValueError as exc:  # the template names the offending message
+        raise bad_request(str(exc), "messages") from None
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def plan_chat(
+    req: ChatCompletionRequest, tokenizer: Any, chat_template: Any, context_len: int, vocab_size: int
+) -> ChatPlan:
+    """The native requests for `req`; raises APIError(400) naming the field for any bad value."""
+    check_chat(req)
+    ids = render_prompt(req.messages, chat_template, tokenizer)
+    if req.max_completion_tokens is not None:
+        requested, param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        requested, param = req.max_tokens, "max_tokens"
+    budget = max_new_tokens(requested, param, None, len(ids), context_len, "messages")
+    params = native_params(req, budget, tuple(chat_template.stop_strings))
+    verify_native(params, vocab_size)
+    rid = gen.new_id("chatcmpl")
+    reqs = gen.choice_requests(
+        ids,
+        params,
+        req.n,
+        rid,
+        0,
+        stream=req.stream,
+        return_logprob=req.logprobs,
+        top_logprobs_num=req.top_logprobs or 0,
+    )
+    return ChatPlan(rid, ids, params, reqs, req.logprobs)
+
+
+def _logprobs(plan: ChatPlan, meta: dict[str, Any], token_str: TokenStr) -> ChatLogprobs | None:
+    if not plan.logprobs:
+        return None
+    return ChatLogprobs(
+        content=chat_logprobs(
+            meta.get("output_token_logprobs", []), meta.get("output_top_logprobs"), token_str
+        )
+    )
+
+
+def chat_response(
+    plan: ChatPlan, results: list[dict[str, Any]], token_str: TokenStr, model: str
+) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(
+            index=i,
+            message=ChatMessageOut(content=result["text"]),
+            logprobs=_logprobs(plan, result["meta_info"], token_str),
+            finish_reason=gen.finish_reason(result["meta_info"]),
+        )
+        for i, result in enumerate(results)
+    ]
+    return ChatCompletionResponse(
+        id=plan.id, created=int(time.time()), model=model, choices=choices, usage=gen.usage([results])
+    )
+
+
+async def chat_events(
+    tm: TokenizerManager, plan: ChatPlan, token_str: TokenStr, model: str, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    """Per choice: one chunk with the role and empty content, content chunks, and the
+    finish_reason on that choice's last chunk only."""
+    created = int(time.time())
+
+    def chunk(i: int, delta: Delta, logprobs: ChatLogprobs | None = None, finish: str | None = None) -> str:
+        choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
+        return event(ChatCompletionChunk(id=plan.id, created=created, model=model, choices=[choice]))
+
+    for i in range(len(plan.reqs)):
+        yield chunk(i, Delta(role="assistant", content=""))
+    finals: list[dict[str, Any]] = [{} for _ in plan.reqs]
+    async with contextlib.aclosing(gen.iterate(tm, plan.reqs)) as results:
+        async for i, result in results:
+            meta = result["meta_info"]
+            logprobs = _logprobs(plan, meta, token_str)
+            finish = gen.finish_reason(meta)
+            if finish is not None:
+                finals[i] = result
+            elif not result["text"] and not (logprobs and logprobs.content):
+                continue  # nothing to tell yet (the detokenizer may hold text back near a stop string)
+            yield chunk(i, Delta(content=result["text"] or None), logprobs, finish)
+    if include_usage:
+        yield event(
+            ChatCompletionChunk(
+                id=plan.id, created=created, model=model, choices=[], usage=gen.usage([finals])
+            )
+        )
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request
+) -> ChatCompletionResponse | StreamingResponse:
+    state = server_state(request)
+    tm = state.require_ready()
+    check_model(body.model, state.served_model_name)
+    plan = plan_chat(body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size)
+    if body.n > 1:
+        await gen.warm_prefixes(tm, [plan.ids], plan.params)
+    token_str = token_str_fn(state.tokenizer)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return sse_response(chat_events(tm, plan, token_str, state.served_model_name, include_usage))
+    results = await gen.collect(tm, plan.reqs)
+    return chat_response(plan, results, token_str, state.served_model_name)

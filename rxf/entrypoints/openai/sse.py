@@ -1,0 +1,64 @@
+"""Server-sent events as OpenAI streams them: `data: {json}` events, then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from rxf.core.tokenizer_manager import EngineDeadError, RequestError
+from rxf.entrypoints.server_state import APIError
+
+logger = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+def to_api_error(exc: Exception) -> APIError | None:
+    """The API error for an exception raised by design; None for anything else."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine stopped: {exc}")
+    return None
+
+
+def event(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def error_event(error: APIError) -> str:
+    body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+async def _with_errors(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """Once the 200 headers are out, a failure can only be reported in the stream: as an error
+    event (which the openai client raises), then [DONE]. Cancellation is not caught: it must reach
+    the engine requests so they are aborted."""
+    try:
+        async for item in events:
+            yield item
+    except Exception as exc:
+        error = to_api_error(exc)
+        if error is None:
+            logger.exception("stream failed")
+            error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        yield error_event(error)
+    finally:
+        await events.aclose()  # closing it closes the engine requests under it
+    yield DONE
+
+
+def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:
+    """`events` must not yield DONE itself; it is added after the last event."""
+    return StreamingResponse(
+        _with_errors(events),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,58 @@
+"""POST /v1/tokenize and /v1/detokenize, with vLLM's bodies.
+
+A prompt is tokenized as /v1/completions tokenizes it (special tokens added unless
+`add_special_tokens` is false); messages as /v1/chat/completions renders them (the template
+writes its own special tokens, so none are added unless asked).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from rxf.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from rxf.entrypoints.openai.sampling import bad_request, check_model
+from rxf.entrypoints.openai.serving_chat import template_messages
+from rxf.entrypoints.server_state import server_state
+
+router = APIRouter()
+
+
+def prompt_text(req: TokenizeRequest, chat_template: object) -> tuple[str, bool]:
+    """The text to tokenize and whether to add the tokenizer's special tokens."""
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if req.prompt is not None:
+        return req.prompt, req.add_special_tokens is not False
+    try:
+        text = chat_template.render(
+            template_messages(req.messages), add_generation_prompt=req.add_generation_prompt
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
+    return text, bool(req.add_special_tokens)
+
+
+@router.post("/v1/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    state = server_state(request)
+    tm = state.require_ready()
+    check_model(body.model, state.served_model_name)
+    text, add_special = prompt_text(body, state.chat_template)
+    ids = state.tokenizer.encode(text, add_special_tokens=add_special)
+    strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=tm.max_context_len, token_strs=strs)
+
+
+@router.post("/v1/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    state = server_state(request)
+    tm = state.require_ready()
+    check_model(body.model, state.served_model_name)
+    if not all(0 <= t < tm.vocab_size for t in body.tokens):
+        raise bad_request(f"token ids must be in [0, {tm.vocab_size})", "tokens")
+    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))

@@ -1,0 +1,106 @@
+"""What the HTTP routes share: the engine handles, readiness, and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from rxf.core.config import EngineConfig
+from rxf.core.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+        code: str | int | None = None, headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _DEFAULT_TYPES.get(status, "server_error")
+        self.param = param
+        self.code = code if code is not None else status
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_DEFAULT_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+@dataclass
+class ServerState:
+    """Filled in by the server as the engine starts; `app.state.server` holds it."""
+
+    config: EngineConfig
+    served_model_name: str
+    ready: bool = False
+    startup_error: str | None = None
+    engine_dead: str | None = None  # why a child process died after start-up; the server then answers 503
+    engine: Any = None  # EngineProcesses
+    tokenizer: Any = None
+    chat_template: Any = None  # ChatTemplate
+    tokenizer_manager: TokenizerManager | None = None
+    metrics: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def require_ready(self) -> TokenizerManager:
+        if self.startup_error:
+            raise APIError(503, f"the engine failed to start: {self.startup_error}")
+        if self.engine_dead:
+            raise APIError(503, f"the engine stopped: {self.engine_dead}")
+        if not self.ready or self.tokenizer_manager is None:
+            raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
+        return self.tokenizer_manager
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work` for a non-streaming response, cancelling it (which aborts its requests) if the
+    client goes away first; None then. Call it once the body has been read: the next `receive()`
+    message can then only be the disconnect. (Streaming responses need no help: Starlette cancels
+    their iterator on a disconnect.)"""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # its clean-up (the abort) runs before we return
+    if task.cancelled():
+        logger.info("client disconnected: request aborted")
+        return None
+    return task.result()

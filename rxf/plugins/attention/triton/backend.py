@@ -1,0 +1,169 @@
+"""The `triton` attention backend: rxf's own Triton kernels over the page-size-1 KV pool.
+
+This module imports without Triton (so "auto" selection can ask `is_available`); the kernel modules
+are imported when a backend is constructed.
+
+Per-batch metadata, planned once in `init_forward_metadata` and shared by all layers, lives in tensors:
+  extend: qo_start [bs] (each request's first row in q), plus the host-side longest extend length
+          that sizes the grid. Extend always runs eagerly.
+  decode: num_kv_splits [bs] (each request's chunk count), the scratch for partial results, and the
+          host-side grid_splits. For CUDA graphs these live in static buffers sized for `max_bs`
+          (`init_cuda_graph_state`); capture and replay refill them in place, and grid_splits depends
+          only on the batch size, so one captured graph per size stays valid for any sequence lengths.
+
+Decode split policy: with bs requests and P = num_kv_heads * head_blocks stage-1 programs per request
+per split, a batch may use up to cap(bs) = clamp(cdiv(target_programs, bs * P), 1, max_kv_splits)
+splits, enough to occupy the GPU at small batch and none at large batch; request b uses
+clamp(cdiv(seq_len_b, min_split_len), 1, cap(bs)), so short sequences are not split into slivers whose
+merge would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer
+
+if TYPE_CHECKING:
+    from rxf.core.forward import ForwardBatch
+
+
+@dataclass
+class _ExtendMeta:
+    qo_start: torch.Tensor  # [bs] int32: exclusive prefix sum of extend_lens
+    max_extend_len: int
+
+
+@dataclass
+class _DecodeMeta:
+    num_kv_splits: torch.Tensor  # [bs] int32, each in [1, grid_splits]
+    grid_splits: int
+    mid_o: torch.Tensor  # [>= bs, H, >= grid_splits, D] fp32 scratch
+    mid_lse: torch.Tensor  # [>= bs, H, >= grid_splits] fp32 scratch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class TritonAttnBackend(AttentionBackend):
+    auto_priority = 10  # above torch_native (0); flashinfer ranks above this when importable
+    supports_cuda_graph = True
+
+    # Decode split policy (see the module docstring); first guesses, to be tuned on the GPU. They and
+    # the instance's target_programs may be overridden before the first batch and before
+    # init_cuda_graph_state (which sizes the static scratch by max_kv_splits).
+    max_kv_splits = 16
+    min_split_len = 128  # tokens per split at the least
+    programs_per_sm = 4  # stage-1 programs wanted per SM before splitting stops paying
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> bool:
+        return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+    def __init__(self, ctx: AttentionContext) -> None:
+        super().__init__(ctx)
+        from rxf.plugins.attention.triton.decode import decode_attention, head_block_size
+        from rxf.plugins.attention.triton.extend import extend_attention
+
+        self._extend_attention = extend_attention
+        self._decode_attention = decode_attention
+        group = ctx.num_heads // ctx.num_kv_heads
+        self._programs_per_split = ctx.num_kv_heads * _cdiv(group, head_block_size(group))
+        sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if (
+            ctx.device.type == "cuda") else 1
+        self.target_programs = self.programs_per_sm * sms
+        self._extend: _ExtendMeta | None = None
+        self._decode: _DecodeMeta | None = None
+        self._graph: _DecodeMeta | None = None  # static buffers for max_bs, set by init_cuda_graph_state
+
+    # ---- planning ----
+    def split_cap(self, bs: int) -> int:
+        """The most KV splits any request of a decode batch of `bs` requests may use."""
+        wanted = _cdiv(self.target_programs, max(bs, 1) * self._programs_per_split)
+        return max(1, min(wanted, self.max_kv_splits))
+
+    def _fill_splits(self, seq_lens: torch.Tensor, cap: int, out: torch.Tensor) -> None:
+        """out[i] = clamp(cdiv(seq_lens[i], min_split_len), 1, cap), on the device, without a sync."""
+        chunks = torch.div(seq_lens + (self.min_split_len - 1), self.min_split_len, rounding_mode="floor")
+        out.copy_(chunks.clamp_(1, cap))
+
+    def _scratch(self, bs: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = self.ctx
+        mid_o = torch.empty((bs, ctx.num_heads, splits, ctx.head_dim), dtype=torch.float32, device=ctx.device)
+        mid_lse = torch.empty((bs, ctx.num_heads, splits), dtype=torch.float32, device=ctx.device)
+        return mid_o, mid_lse
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        self._extend = self._decode = None  # a stale plan must not serve the next batch
+        if batch.mode.is_decode():
+            cap = self.split_cap(bs)
+            # The grid needs only as many splits as the longest request uses (never more than cap).
+            grid_splits = min(cap, _cdiv(max(max(batch.seq_lens_cpu), 1), self.min_split_len))
+            splits = torch.empty(bs, dtype=torch.int32, device=batch.seq_lens.device)
+            self._fill_splits(batch.seq_lens, cap, splits)
+            self._decode = _DecodeMeta(splits, grid_splits, *self._scratch(bs, grid_splits))
+            return
+        qo_start = torch.cumsum(batch.extend_lens, 0, dtype=torch.int32) - batch.extend_lens
+        self._extend = _ExtendMeta(qo_start, max(batch.extend_lens_cpu))
+
+    # ---- CUDA graphs (decode only) ----
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        splits = torch.ones(max_bs, dtype=torch.int32, device=self.ctx.device)
+        self._graph = _DecodeMeta(splits, self.max_kv_splits, *self._scratch(max_bs, self.max_kv_splits))
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self._use_graph_state(batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        self._use_graph_state(batch)
+
+    def _use_graph_state(self, batch: ForwardBatch) -> None:
+        """Point decode at views of the static buffers (the same storage at capture and at replay) and
+        refill the split counts in place. grid_splits is split_cap(bs): a function of bs alone."""
+        assert self._graph is not None, "init_cuda_graph_state was not called"
+        assert batch.mode.is_decode(), "only decode runs under CUDA graphs"
+        bs, g = batch.batch_size, self._graph
+        assert bs <= g.num_kv_splits.shape[0], f"batch of {bs} above the graph state's max_bs"
+        cap = self.split_cap(bs)
+        self._fill_splits(batch.seq_lens, cap, g.num_kv_splits[:bs])
+        self._decode = _DecodeMeta(g.num_kv_splits[:bs], cap, g.mid_o, g.mid_lse)
+
+    # ---- forward ----
+    def _store_kv(
+        self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = batch.token_to_kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        return pool.get_kv_buffer(layer.layer_id)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert self._extend is not None, "init_forward_metadata was not called for this batch"
+        k_buf, v_buf = self._store_kv(layer, batch, k, v)
+        out = q.new_empty(q.shape)
+        self._extend_attention(
+            q, k, v, out, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
+            batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
+            self._extend.qo_start, self._extend.max_extend_len, layer.scaling,
+        )
+        return out
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta = self._decode
+        assert meta is not None, "init_forward_metadata was not called for this batch"
+        k_buf, v_buf = self._store_kv(layer, batch, k, v)
+        out = q.new_empty(q.shape)
+        self._decode_attention(
+            q, k_buf, v_buf, out, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
+            batch.seq_lens, meta.num_kv_splits, meta.grid_splits, meta.mid_o, meta.mid_lse, layer.scaling,
+        )
+        return out

@@ -1,0 +1,199 @@
+"""Decode attention over the page-size-1 KV pool, split over the KV length (two Triton kernels).
+
+Stage 1 splits request b's keys [0, seq_len[b]) into num_kv_splits[b] equal chunks (see `_split_range`;
+trailing chunks may be empty) and computes, per (request, group of query heads, chunk), the chunk's
+softmax-normalised weighted sum of V and its log-sum-exp. Stage 2 merges a request's chunks by their
+log-sum-exps. Splitting buys parallelism for long contexts at small batch; the backend picks the counts.
+
+Stage 1 grid: (batch_size, num_kv_heads * head_blocks, grid_splits); program (b, g, s), with
+kv_head = g // head_blocks and hb = g % head_blocks, handles the query heads
+kv_head * GROUP + [hb * BLOCK_H, (hb + 1) * BLOCK_H) (clipped to the group), so each K/V element of its
+chunk is loaded once for all the heads sharing it (head_blocks is 1 unless GROUP > 64).
+Region map:
+  reads  q[b, those heads, :]; slots req_to_token[row_b, start:end] and pool K/V there, kv head kv_head
+  writes mid_o[b, those heads, s, :] and mid_lse[b, those heads, s]       (only if start < end)
+Stage 2 grid: (batch_size, num_heads); program (b, h) reads mid_o/mid_lse[b, h, s] for the non-empty
+chunks and writes out[b, h, :]. Neither stage reads a slot at or past seq_len[b].
+A request with seq_len 0 (e.g. a padded CUDA-graph entry) has no non-empty chunk and gets zeros.
+
+LSEs are in base 2 (scores carry the log2(e) factor, as in extend.py); accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.0 / math.log(2.0)
+_M_INIT = -1.0e30  # finite running-max start: fully masked steps give weights 0, never NaN
+
+
+@triton.jit
+def _split_len(seq_len, num_splits):
+    """Every chunk of a request has this length (the last may be shorter); at least 1, so that
+    cdiv(seq_len, split_len) counts the non-empty chunks even when seq_len is 0."""
+    return tl.maximum(tl.cdiv(seq_len, num_splits), 1)
+
+
+@triton.jit
+def _split_range(seq_len, num_splits, split):
+    """Chunk `split` of a request is [start, end). Chunks [0, cdiv(seq_len, split_len)) are non-empty;
+    later ones (uneven division, or split >= num_splits) have start >= end. Both stages derive the
+    chunks from `_split_len`, so they agree on which exist."""
+    split_len = _split_len(seq_len, num_splits)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    return start, end
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KBuf, VBuf, ReqToToken, req_pool_indices, seq_lens, num_kv_splits, MidO, MidLse,
+    scale_log2,
+    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + req)
+    start, end = _split_range(seq_len, tl.load(num_kv_splits + req), split)
+    if start >= end:
+        return
+
+    in_group = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = in_group < GROUP  # BLOCK_H is at least 16 (tl.dot's minimum), so rows may be padding
+    heads = kv_head * GROUP + in_group
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    row_base = ReqToToken + tl.load(req_pool_indices + req).to(tl.int64) * stride_r2t
+
+    q = tl.load(Q + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], M_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < end
+        slots = tl.load(row_base + cols, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+
+    # The chunk is non-empty, so l_i > 0 for every head row.
+    tl.store(MidO + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
+             acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(MidLse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    MidO, MidLse, seq_lens, num_kv_splits, Out,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + req)
+    num_splits = tl.load(num_kv_splits + req)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    m_i = M_INIT
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    # Exactly the non-empty chunks, which stage 1 wrote; the empty ones were never written.
+    for split in range(0, tl.cdiv(seq_len, _split_len(seq_len, num_splits))):
+        lse = tl.load(MidLse + req * stride_mlb + head * stride_mlh + split)
+        o = tl.load(MidO + req * stride_mob + head * stride_moh + split * stride_mos + offs_d, mask=mask_d,
+                    other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + w * o
+        l_i = l_i * alpha + w
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)  # l_i == 0 only when seq_len == 0: acc is 0 there too
+    tl.store(Out + req * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def head_block_size(group: int) -> int:
+    """Query heads per stage-1 program: the whole GQA group (padded to a power of two, at least 16 for
+    tl.dot), capped at 64 to bound registers; larger groups take several programs per kv head."""
+    return min(64, max(16, triton.next_power_of_2(group)))
+
+
+def _block_n(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    grid_splits: int,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    scaling: float,
+    block_h: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Write into `out` [bs, H, D] the attention of q [bs, H, D] (one new token per request) over
+    request b's keys req_to_token[req_pool_indices[b], 0:seq_lens[b]] in the pool.
+
+    num_kv_splits [bs] int32 holds each request's chunk count (>= 1, <= grid_splits); mid_o
+    [>= bs, H, >= grid_splits, D] and mid_lse [>= bs, H, >= grid_splits] fp32 are scratch. Only tensor
+    contents vary between calls with the same shapes and grid_splits, so the launches can be replayed
+    from a CUDA graph. block_h / block_n override the tuned sizes (powers of two, at least 16).
+    """
+    bs, num_heads, head_dim = q.shape
+    num_kv_heads = k_buf.shape[1]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert mid_o.shape[2] >= grid_splits and mid_lse.shape[2] >= grid_splits, "scratch too small"
+    for t in (q, out, k_buf, v_buf, req_to_token, mid_o, mid_lse):
+        assert t.stride(-1) == 1, "the last dimension must be contiguous"
+    if bs == 0:
+        return
+    group = num_heads // num_kv_heads
+    block_h = block_h or head_block_size(group)
+    head_blocks = triton.cdiv(group, block_h)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _decode_split_kernel[(bs, num_kv_heads * head_blocks, grid_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
+        scaling * _LOG2E,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
+        BLOCK_H=block_h, BLOCK_N=block_n or _block_n(head_dim), BLOCK_D=block_d, M_INIT=_M_INIT,
+        num_warps=4, num_stages=2,
+    )
+    _decode_reduce_kernel[(bs, num_heads)](
+        mid_o, mid_lse, seq_lens, num_kv_splits, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, M_INIT=_M_INIT, num_warps=4 if head_dim > 128 else 2,
+    )

@@ -1,0 +1,168 @@
+"""Extend (and prefill) attention over the page-size-1 KV pool: one Triton kernel, online softmax.
+
+Grid: (cdiv(max_extend_len, BLOCK_M), num_heads, batch_size); program (m, h, b) owns query rows
+[m * BLOCK_M, (m + 1) * BLOCK_M) of request b's new tokens, query head h. Region map of that program:
+  reads  q[qo_start[b] + rows, h, :]                          (rows < extend_len[b])
+         pool K/V at slots req_to_token[row_b, 0:prefix_len[b]], kv head h // GROUP   (no mask)
+         k/v inputs at rows qo_start[b] + [0, min(extend_len[b], (m + 1) * BLOCK_M)), kv head h // GROUP
+         (causal: new key j is seen by new query i iff j <= i)
+  writes out[qo_start[b] + rows, h, :]                          (rows < extend_len[b])
+Programs whose row block starts past extend_len[b] exit at once (the grid is sized by the longest).
+
+The new tokens' K/V are read from the k/v inputs rather than back from the pool: contiguous rows, no
+slot indirection, and no ordering dependence on the pool write. They equal the pool's copies while the
+pool stores the model dtype (the backend's `set_kv` casts otherwise, e.g. to a quantized cache).
+
+Scores are kept in base 2 (the softmax scale is multiplied by log2(e)) so the kernel can use exp2;
+accumulation is fp32 whatever the input dtype; the output is written in `out`'s dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.0 / math.log(2.0)
+# Running-max start value: finite, so a row whose keys are all masked so far gives exp2(-inf - m) = 0
+# and exp2(m_old - m_new) = 1 instead of NaN from (-inf) - (-inf).
+_M_INIT = -1.0e30
+
+
+@triton.jit
+def _online_step(q, k, v, mask, m_i, l_i, acc, scale_log2):
+    """Fold one key block into the running (max, sum, weighted-sum) of each query row; masked keys
+    (mask False) contribute nothing."""
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out, KBuf, VBuf, ReqToToken,
+    req_pool_indices, prefix_lens, extend_lens, qo_start,
+    scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.program_id(2)
+    extend_len = tl.load(extend_lens + req)
+    if m_block * BLOCK_M >= extend_len:
+        return
+    prefix_len = tl.load(prefix_lens + req)
+    first = tl.load(qo_start + req).to(tl.int64)  # this request's first row in q/k/v/out
+    row_base = ReqToToken + tl.load(req_pool_indices + req).to(tl.int64) * stride_r2t
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < extend_len
+    mask_d = offs_d < HEAD_DIM  # BLOCK_D is HEAD_DIM rounded up to a power of two
+
+    q = tl.load(
+        Q + (first + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], M_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Cached prefix: every new query sees every prefix key; slots come through req_to_token.
+    for start_n in range(0, prefix_len, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < prefix_len
+        slots = tl.load(row_base + cols, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _online_step(q, k.to(q.dtype), v.to(q.dtype), mask_n[None, :], m_i, l_i, acc,
+                                     scale_log2)
+
+    # New tokens, causal: keys past this block's last row are never needed.
+    end_n = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < extend_len
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K + (first + cols)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + (first + cols)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        # cols <= row also implies cols < extend_len for every stored row (rows < extend_len).
+        causal = cols[None, :] <= offs_m[:, None]
+        m_i, l_i, acc = _online_step(q, k.to(q.dtype), v.to(q.dtype), causal, m_i, l_i, acc, scale_log2)
+
+    # Every stored row saw at least its own key, so l_i > 0 there; padding rows are not stored.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + (first + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def _config(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the fp32 accumulator is BLOCK_M x BLOCK_D, so the
+    key block shrinks and warps double at head_dim 256 to stay within registers and shared memory."""
+    if head_dim <= 128:
+        return 64, 64, 4, 2
+    return 64, 32, 8, 2
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    qo_start: torch.Tensor,
+    max_extend_len: int,
+    scaling: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> None:
+    """Write into `out` [T, H, D] the attention of q [T, H, D] (the new tokens, flattened in request
+    order; request b's rows start at qo_start[b]) over each request's cached prefix in the pool and its
+    new k/v [T, Hkv, D]. Tensors may be strided views but their last dimension must be contiguous.
+    block_m / block_n override the tuned block sizes (powers of two, at least 16)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    for t in (q, k, v, out, k_buf, v_buf, req_to_token):
+        assert t.stride(-1) == 1, "the last dimension must be contiguous"
+    cfg_m, cfg_n, num_warps, num_stages = _config(head_dim)
+    block_m, block_n = block_m or cfg_m, block_n or cfg_n
+    batch_size = int(req_pool_indices.shape[0])
+    if batch_size == 0 or max_extend_len == 0:
+        return
+    grid = (triton.cdiv(max_extend_len, block_m), num_heads, batch_size)
+    _extend_kernel[grid](
+        q, k, v, out, k_buf, v_buf, req_to_token,
+        req_pool_indices, prefix_lens, extend_lens, qo_start,
+        scaling * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        M_INIT=_M_INIT, num_warps=num_warps, num_stages=num_stages,
+    )

@@ -1,0 +1,178 @@
+"""The triton attention backend against torch_native on the GPU: real shapes, bf16, and a captured CUDA
+graph for decode. Skipped without CUDA (the kernel modules are imported only after that check, so on a
+CPU machine they stay free for the interpreter tests in tests/unit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from rxf.core.attention import AttentionBackend, AttentionContext  # noqa: E402
+from rxf.core.forward import ForwardBatch, ForwardMode  # noqa: E402
+from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
+from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
+from rxf.plugins.attention.triton.backend import TritonAttnBackend  # noqa: E402
+
+DEV = torch.device("cuda")
+DTYPE = torch.bfloat16
+MAX_CONTEXT = 4096
+NUM_SLOTS = 24_000
+
+
+@dataclass
+class Layer:  # satisfies rxf.core.attention.AttentionLayer
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+def build(
+    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int,
+    head_dim: int,
+) -> tuple[Layer, torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch, ForwardBatch]:
+    """(layer, q, k, v, native batch, triton batch): two batches over identical, separate KV pools."""
+    torch.manual_seed(0)
+    bs = len(prefix_lens)
+    layer = Layer(0, heads, kv_heads, head_dim, scaling=head_dim**-0.5)
+    req_pool = ReqToTokenPool(bs + 2, MAX_CONTEXT, DEV)
+    req_pool.req_to_token.random_(1, NUM_SLOTS)  # stale slots past every seq_len
+    pools = [TokenToKVPool(NUM_SLOTS, 1, kv_heads, head_dim, DTYPE, DEV) for _ in range(2)]
+    for bufs in zip(*(p.k_buffer + p.v_buffer for p in pools), strict=True):
+        noise = torch.randn(bufs[0].shape, device=DEV, dtype=DTYPE)
+        for buf in bufs:
+            buf.copy_(noise)
+    rows = list(range(bs + 1, 1, -1))
+    slots = torch.randperm(NUM_SLOTS, device=DEV)[: sum(prefix_lens) + sum(extend_lens)] + 1
+    new_slots, used = [], 0
+    for row, p, e in zip(rows, prefix_lens, extend_lens, strict=True):
+        req_pool.req_to_token[row, : p + e] = slots[used : used + p + e].to(torch.int32)
+        new_slots.append(slots[used + p : used + p + e])
+        used += p + e
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, heads, head_dim, device=DEV, dtype=DTYPE)
+    kv = torch.randn(num_tokens, 2 * kv_heads, head_dim, device=DEV, dtype=DTYPE)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+
+    def batch(backend_cls: type[AttentionBackend], pool: TokenToKVPool) -> ForwardBatch:
+        ctx = AttentionContext(req_pool, pool, heads, kv_heads, head_dim, DTYPE, DEV, bs, MAX_CONTEXT)
+        return ForwardBatch(
+            mode=mode, batch_size=bs,
+            input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=DEV),
+            positions=torch.zeros(num_tokens, dtype=torch.int64, device=DEV),
+            req_pool_indices=torch.tensor(rows, device=DEV),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=DEV),
+            extend_lens=torch.tensor(extend_lens, dtype=torch.int32, device=DEV),
+            out_cache_loc=torch.cat(new_slots),
+            seq_lens_cpu=seq_lens, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
+            logits_indices=torch.zeros(bs, dtype=torch.int64, device=DEV),
+            req_to_token_pool=req_pool, token_to_kv_pool=pool, attn_backend=backend_cls(ctx),
+        )
+
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]
+    return layer, q, k, v, batch(TorchNativeBackend, pools[0]), batch(TritonAttnBackend, pools[1])
+
+
+def run(batch: ForwardBatch, layer: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    batch.attn_backend.init_forward_metadata(batch)
+    return batch.attn_backend.forward(q, k, v, layer, batch)
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, native: ForwardBatch, triton: ForwardBatch) -> None:
+    """bf16: both sides round the output (and the softmax weights) to 8 mantissa bits, so the bound is
+    2% of the output's scale."""
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert torch.isfinite(out).all()
+    err = (out.float() - expected.float()).abs().max().item()
+    scale = expected.float().abs().max().item()
+    assert err <= 2e-2 * scale, f"max error {err:.3g} vs output scale {scale:.3g}"
+    for a, b in zip(triton.token_to_kv_pool.k_buffer + triton.token_to_kv_pool.v_buffer,
+                    native.token_to_kv_pool.k_buffer + native.token_to_kv_pool.v_buffer, strict=True):
+        assert torch.equal(a, b), "the pools must hold the same K/V after the forward"
+
+
+SHAPES = pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(32, 8, 128), (32, 32, 128), (32, 8, 64), (16, 8, 256), (28, 4, 128), (64, 8, 96)],
+    ids=["gqa4-d128", "mha-d128", "gqa4-d64", "gqa2-d256", "gqa7-d128", "gqa8-d96"],
+)
+
+
+@SHAPES
+def test_extend_with_cached_prefix(heads: int, kv_heads: int, head_dim: int) -> None:
+    layer, q, k, v, native, triton = build(
+        ForwardMode.EXTEND, [0, 1, 17, 300, 1024, 0, 1500, 64], [1, 33, 128, 7, 512, 700, 548, 1],
+        heads, kv_heads, head_dim,
+    )
+    assert_matches(run(triton, layer, q, k, v), run(native, layer, q, k, v), native, triton)
+
+
+def test_prefill_ragged() -> None:
+    layer, q, k, v, native, triton = build(
+        ForwardMode.PREFILL, [0] * 8, [1, 2048, 100, 777, 64, 65, 1500, 3], 32, 8, 128
+    )
+    assert_matches(run(triton, layer, q, k, v), run(native, layer, q, k, v), native, triton)
+
+
+@SHAPES
+def test_decode_ragged(heads: int, kv_heads: int, head_dim: int) -> None:
+    seq_lens = [1, 7, 64, 129, 500, 1023, 2048, 333]
+    layer, q, k, v, native, triton = build(
+        ForwardMode.DECODE, [n - 1 for n in seq_lens], [1] * 8, heads, kv_heads, head_dim
+    )
+    assert_matches(run(triton, layer, q, k, v), run(native, layer, q, k, v), native, triton)
+
+
+@pytest.mark.parametrize("seq_len", [1, 100, 2048, 4000])
+def test_decode_batch_one_many_splits(seq_len: int) -> None:
+    layer, q, k, v, native, triton = build(ForwardMode.DECODE, [seq_len - 1], [1], 32, 8, 128)
+    out = run(triton, layer, q, k, v)
+    backend = triton.attn_backend
+    assert isinstance(backend, TritonAttnBackend) and backend._decode is not None
+    expected_splits = min(-(-seq_len // backend.min_split_len), backend.split_cap(1))
+    assert backend._decode.num_kv_splits.tolist() == [expected_splits]
+    assert_matches(out, run(native, layer, q, k, v), native, triton)
+
+
+def test_decode_cuda_graph_replay() -> None:
+    """Capture one decode forward, then replay it after rewriting the batch's tensors in place (shorter
+    sequences, new q/k/v, new target slots): it must match an eager torch_native forward."""
+    seq_lens = [1, 7, 64, 129, 500, 1023, 2048, 333]
+    layer, q, k, v, native, triton = build(
+        ForwardMode.DECODE, [n - 1 for n in seq_lens], [1] * 8, 32, 8, 128
+    )
+    backend = triton.attn_backend
+    assert isinstance(backend, TritonAttnBackend)
+    backend.init_cuda_graph_state(max_bs=16)
+    backend.init_forward_metadata_capture(triton)
+    backend.forward(q, k, v, layer, triton)  # compiles the kernels outside the capture
+    run(native, layer, q, k, v)  # the same K/V write into the reference pool
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, layer, triton)
+
+    new_lens = [1, 3, 200, 129, 17, 1024, 1500, 2]
+    rows = triton.req_pool_indices
+    for batch in (native, triton):
+        batch.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        batch.seq_lens_cpu[:] = new_lens
+        # The new token of each request goes to the slot its last position maps to.
+        last = batch.req_to_token_pool.req_to_token[rows, batch.seq_lens.long() - 1]
+        batch.out_cache_loc.copy_(last.long())
+    q.copy_(torch.randn_like(q))
+    k.copy_(torch.randn_like(k))
+    v.copy_(torch.randn_like(v))
+    backend.init_forward_metadata_replay(triton)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out, run(native, layer, q, k, v), native, triton)

@@ -1,0 +1,242 @@
+"""The triton attention backend against torch_native, on CPU under the Triton interpreter (tiny shapes).
+
+TRITON_INTERPRET must be set before any kernel module is imported: `triton.jit` picks interpreted or
+compiled at decoration time, and the setting holds for the rest of the process. On a machine with CUDA
+this module is skipped instead (tests/gpu covers the compiled kernels, and interpreted kernels would
+clash with them in one process).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_triton_attention_gpu.py covers the compiled kernels",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from rxf.core.attention import AttentionBackend, AttentionContext  # noqa: E402
+from rxf.core.forward import ForwardBatch, ForwardMode  # noqa: E402
+from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
+from rxf.core.registry import PluginRegistry  # noqa: E402
+from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
+from rxf.plugins.attention.triton.backend import TritonAttnBackend  # noqa: E402
+from rxf.plugins.attention.triton.decode import decode_attention  # noqa: E402
+from rxf.plugins.attention.triton.extend import extend_attention  # noqa: E402
+
+MAX_CONTEXT = 48
+NUM_SLOTS = 200
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+@dataclass
+class Layer:  # satisfies rxf.core.attention.AttentionLayer
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+@dataclass
+class Case:
+    """One batch, built twice over identical pool contents: `native` for the reference, `triton`."""
+
+    layer: Layer
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    native: ForwardBatch
+    triton: ForwardBatch
+
+
+def build(
+    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int,
+    head_dim: int, dtype: torch.dtype,
+) -> Case:
+    torch.manual_seed(0)
+    bs = len(prefix_lens)
+    layer = Layer(1, heads, kv_heads, head_dim, scaling=0.8 * head_dim**-0.5)
+    req_pool = ReqToTokenPool(bs + 2, MAX_CONTEXT, "cpu")
+    req_pool.req_to_token.random_(1, NUM_SLOTS)  # stale slots past every seq_len
+    kv_pool = TokenToKVPool(NUM_SLOTS, 2, kv_heads, head_dim, dtype, "cpu")
+    for buf in kv_pool.k_buffer + kv_pool.v_buffer:  # stale K/V everywhere: a wrong read shows
+        buf.copy_(torch.randn(buf.shape))
+    rows = [bs + 1 - i for i in range(bs)]  # rows out of order
+    kv_pool.alloc(7)  # so that slots are not 1..n
+    new_slots = []
+    for row, p, e in zip(rows, prefix_lens, extend_lens, strict=True):
+        slots = kv_pool.alloc(p + e)[torch.randperm(p + e)]  # scattered slots
+        req_pool.req_to_token[row, : p + e] = slots.to(torch.int32)
+        new_slots.append(slots[p:])
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, heads, head_dim, dtype=dtype)
+    # k/v as strided views of one projection output, as a model would pass them.
+    kv = torch.randn(num_tokens, 2 * kv_heads, head_dim, dtype=dtype)
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+
+    def batch(backend_cls: type[AttentionBackend], pool: TokenToKVPool) -> ForwardBatch:
+        ctx = AttentionContext(req_pool, pool, heads, kv_heads, head_dim, dtype, torch.device("cpu"), bs,
+                               MAX_CONTEXT)
+        return ForwardBatch(
+            mode=mode, batch_size=bs,
+            input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+            positions=torch.zeros(num_tokens, dtype=torch.int64),  # unused by attention
+            req_pool_indices=torch.tensor(rows),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
+            extend_lens=torch.tensor(extend_lens, dtype=torch.int32),
+            out_cache_loc=torch.cat(new_slots),
+            seq_lens_cpu=seq_lens, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
+            logits_indices=torch.zeros(bs, dtype=torch.int64),
+            req_to_token_pool=req_pool, token_to_kv_pool=pool, attn_backend=backend_cls(ctx),
+        )
+
+    twin = TokenToKVPool(NUM_SLOTS, 2, kv_heads, head_dim, dtype, "cpu")
+    for dst, src in zip(twin.k_buffer + twin.v_buffer, kv_pool.k_buffer + kv_pool.v_buffer, strict=True):
+        dst.copy_(src)
+    return Case(layer, q, k, v, batch(TorchNativeBackend, kv_pool), batch(TritonAttnBackend, twin))
+
+
+def run(batch: ForwardBatch, case: Case) -> torch.Tensor:
+    batch.attn_backend.init_forward_metadata(batch)
+    return batch.attn_backend.forward(case.q, case.k, case.v, case.layer, batch)
+
+
+def check(case: Case, out: torch.Tensor) -> None:
+    expected = run(case.native, case)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    tol = TOL[case.q.dtype]
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    for a, b in zip(case.triton.token_to_kv_pool.k_buffer + case.triton.token_to_kv_pool.v_buffer,
+                    case.native.token_to_kv_pool.k_buffer + case.native.token_to_kv_pool.v_buffer,
+                    strict=True):
+        assert torch.equal(a, b), "the pools must hold the same K/V after the forward"
+
+
+GQA_MHA = pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (2, 2)], ids=["gqa", "mha"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+
+
+@DTYPES
+@GQA_MHA
+def test_extend_with_cached_prefix(heads: int, kv_heads: int, dtype: torch.dtype) -> None:
+    case = build(ForwardMode.EXTEND, [0, 5, 9], [1, 4, 7], heads, kv_heads, 16, dtype)
+    check(case, run(case.triton, case))
+
+
+@DTYPES
+def test_prefill_ragged(dtype: torch.dtype) -> None:
+    case = build(ForwardMode.PREFILL, [0, 0, 0], [3, 1, 6], 4, 2, 16, dtype)
+    check(case, run(case.triton, case))
+
+
+def test_extend_multi_block_and_odd_head_dim() -> None:
+    """Blocks of 16 so prefix and new parts span several key blocks and a request several query
+    blocks; head_dim 24 runs with BLOCK_D 32 and a mask."""
+    case = build(ForwardMode.EXTEND, [20, 0], [18, 3], 2, 1, 24, torch.float32)
+    b = case.triton
+    b.token_to_kv_pool.set_kv(case.layer.layer_id, b.out_cache_loc, case.k, case.v)
+    k_buf, v_buf = b.token_to_kv_pool.get_kv_buffer(case.layer.layer_id)
+    out = torch.empty_like(case.q)
+    qo_start = torch.cumsum(b.extend_lens, 0, dtype=torch.int32) - b.extend_lens
+    extend_attention(case.q, case.k, case.v, out, k_buf, v_buf, b.req_to_token_pool.req_to_token,
+                     b.req_pool_indices, b.prefix_lens, b.extend_lens, qo_start, max(b.extend_lens_cpu),
+                     case.layer.scaling, block_m=16, block_n=16)
+    check(case, out)
+
+
+@pytest.mark.parametrize("max_splits", [1, 2, 4])
+@DTYPES
+@GQA_MHA
+def test_decode_splits(heads: int, kv_heads: int, dtype: torch.dtype, max_splits: int) -> None:
+    # seq_lens 1 / 6 / 13: at 4 splits request 1 gets chunks of 2 and an empty fourth one.
+    case = build(ForwardMode.DECODE, [0, 5, 12], [1, 1, 1], heads, kv_heads, 16, dtype)
+    backend = case.triton.attn_backend
+    assert isinstance(backend, TritonAttnBackend)
+    backend.min_split_len, backend.max_kv_splits, backend.target_programs = 1, max_splits, 1 << 20
+    out = run(case.triton, case)
+    assert backend._decode is not None
+    assert backend._decode.num_kv_splits.tolist() == [1, min(6, max_splits), min(13, max_splits)]
+    check(case, out)
+
+
+def _decode_reference(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+    rows: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Explicit softmax in float64 over each request's first seq_len slots; zeros where seq_len is 0."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_buf.shape[1]
+    for i, (row, n) in enumerate(zip(rows.tolist(), seq_lens.tolist(), strict=True)):
+        if n == 0:
+            continue
+        slots = req_to_token[row, :n].long()
+        k = k_buf[slots].double().repeat_interleave(group, 1)
+        v = v_buf[slots].double().repeat_interleave(group, 1)
+        p = (torch.einsum("hd,nhd->hn", q[i].double(), k) * scale).softmax(-1)
+        out[i] = torch.einsum("hn,nhd->hd", p, v)
+    return out.to(q.dtype)
+
+
+def test_decode_kernel_more_splits_than_tokens_and_head_blocks() -> None:
+    """Split counts above some sequence lengths (empty chunks), a padded entry with seq_len 0 (zeros),
+    several key blocks per chunk, and a GQA group of 32 split over two programs of 16 heads."""
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, slots = 32, 1, 16, 64
+    k_buf, v_buf = torch.randn(slots, kv_heads, head_dim), torch.randn(slots, kv_heads, head_dim)
+    req_to_token = torch.randint(1, slots, (4, MAX_CONTEXT), dtype=torch.int32)
+    rows = torch.tensor([3, 0, 2, 1])
+    seq_lens = torch.tensor([1, 0, 40, 3], dtype=torch.int32)
+    num_kv_splits = torch.tensor([4, 2, 3, 4], dtype=torch.int32)
+    q = torch.randn(4, heads, head_dim)
+    out = torch.full_like(q, float("nan"))
+    mid_o, mid_lse = torch.empty(4, heads, 4, head_dim), torch.empty(4, heads, 4)
+    decode_attention(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, num_kv_splits, 4, mid_o, mid_lse,
+                     0.25, block_h=16, block_n=16)
+    expected = _decode_reference(q, k_buf, v_buf, req_to_token, rows, seq_lens, 0.25)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_graph_metadata_is_static_and_refilled() -> None:
+    """Capture then replay with new sequence lengths: the metadata tensors keep their storage, the
+    split counts are refilled in place, and the results stay right."""
+    case = build(ForwardMode.DECODE, [3, 17, 30], [1, 1, 1], 4, 2, 16, torch.float32)
+    backend = case.triton.attn_backend
+    assert isinstance(backend, TritonAttnBackend)
+    backend.min_split_len, backend.max_kv_splits, backend.target_programs = 8, 4, 1 << 20
+    backend.init_cuda_graph_state(max_bs=8)
+    backend.init_forward_metadata_capture(case.triton)
+    meta = backend._decode
+    assert meta is not None and meta.grid_splits == backend.split_cap(3) == 4
+    assert meta.num_kv_splits.tolist() == [1, 3, 4]
+    ptrs = (meta.num_kv_splits.data_ptr(), meta.mid_o.data_ptr(), meta.mid_lse.data_ptr())
+
+    # Replay: the runner rewrites the batch's tensors in place (here: the last request is shorter).
+    for b in (case.triton, case.native):
+        b.seq_lens[2] = 9
+        b.seq_lens_cpu[2] = 9
+    backend.init_forward_metadata_replay(case.triton)
+    meta = backend._decode
+    assert (meta.num_kv_splits.data_ptr(), meta.mid_o.data_ptr(), meta.mid_lse.data_ptr()) == ptrs
+    assert meta.num_kv_splits.tolist() == [1, 3, 2] and meta.grid_splits == 4
+    out = case.triton.attn_backend.forward(case.q, case.k, case.v, case.layer, case.triton)
+    check(case, out)
+
+
+def test_split_policy_and_registration() -> None:
+    assert TritonAttnBackend.auto_priority == 10 and TritonAttnBackend.supports_cuda_graph
+    assert not TritonAttnBackend.is_available(torch.device("cpu"))
+    case = build(ForwardMode.DECODE, [0], [1], 32, 8, 16, torch.float32)
+    backend = case.triton.attn_backend
+    assert isinstance(backend, TritonAttnBackend)
+    backend.target_programs = 4 * 132  # an H200: 8 kv-head programs per request and split
+    assert [backend.split_cap(bs) for bs in (1, 4, 8, 64, 256)] == [16, 16, 9, 2, 1]
+    registry = PluginRegistry.load()
+    assert registry.attention_backend("triton") is TritonAttnBackend
