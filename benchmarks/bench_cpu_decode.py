@@ -385,25 +385,27 @@ def fmt(s: dict[str, Any], digits: int = 1) -> str:
 
 
 def report(results: dict[str, Any]) -> str:
-    s, b = results["summary"], results["settings"]["batch"]
-    lines = ["| measurement | rxf | HF transformers | rxf / HF |", "|---|---|---|---|"]
-    rows = [
-        ("1 request: output tok/s", "bs1_output_tok_s", 1),
-        ("1 request: TTFT s", "bs1_ttft_s", 3),
-        ("1 request: decode-only tok/s", "bs1_decode_tok_s", 1),
-        (f"{b} requests: output tok/s", "batch_output_tok_s", 1),
-        (f"{b} requests: wall s", "batch_wall_s", 2),
-    ]
-    for label, key, digits in rows:
-        rxf, hf = s["rxf"][key], s.get("hf", {}).get(key)
-        ratio = f"{rxf['median'] / hf['median']:.2f}" if hf else "–"
-        lines.append(f"| {label} | {fmt(rxf, digits)} | {fmt(hf, digits) if hf else '–'} | {ratio} |")
-    lines.append("")
+    s, b = results.get("summary", {}), results["settings"]["batch"]
+    lines = []
+    if "rxf" in s:
+        lines += ["| measurement | rxf | HF transformers | rxf / HF |", "|---|---|---|---|"]
+        rows = [
+            ("1 request: output tok/s", "bs1_output_tok_s", 1),
+            ("1 request: TTFT s", "bs1_ttft_s", 3),
+            ("1 request: decode-only tok/s", "bs1_decode_tok_s", 1),
+            (f"{b} requests: output tok/s", "batch_output_tok_s", 1),
+            (f"{b} requests: wall s", "batch_wall_s", 2),
+        ]
+        for label, key, digits in rows:
+            rxf, hf = s["rxf"][key], s.get("hf", {}).get(key)
+            ratio = f"{rxf['median'] / hf['median']:.2f}" if hf else "–"
+            lines.append(f"| {label} | {fmt(rxf, digits)} | {fmt(hf, digits) if hf else '–'} | {ratio} |")
+        lines.append("")
+        lines.append(f"torch threads: rxf scheduler {results['rxf_torch_threads']}, HF {results.get('hf_torch_threads')}")
     if "load_s" in s:
         lines.append(f"rxf warm load (from_config) s: {fmt(s['load_s'], 2)}")
     if "cold" in results:
         lines.append(f"rxf first use (cold cache) from_config s: {results['cold']['load_s']:.2f}")
-    lines.append(f"torch threads: rxf scheduler {results['rxf_torch_threads']}, HF {results.get('hf_torch_threads')}")
     if "agreement" in results:
         a = results["agreement"]
         parted = [x for x in [a["bs1"], *a["batch"]] if x["common_prefix"] < x["length"]]
@@ -412,52 +414,20 @@ def report(results: dict[str, Any]) -> str:
             f"{sum(x['parted_at_eos'] for x in parted)} of them first where rxf emitted EOS; "
             f"common prefixes {[x['common_prefix'] for x in parted]}"
         )
+    calls = [*results.get("warm_load", []), *(results.get("cold") and [results["cold"]] or [])]
+    calls += [c for r in results.get("rounds", []) for c in r.values()]
+    noisy = [c for c in calls if c["cpu"]["others_cores"] > results["settings"]["max_other_cores"]]
+    lines.append(
+        f"{len(noisy)} of {len(calls)} kept calls ran while other processes used more than "
+        f"{results['settings']['max_other_cores']} cores (retries exhausted)"
+    )
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="examples/demo.toml")
-    ap.add_argument("--output", default=None, help="write every measurement as JSON here")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of (all rxf measurements, all HF ones)")
-    ap.add_argument("--load-repeats", type=int, default=3, help="warm-cache engine starts to time (0: none)")
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16, help=f"concurrent requests (at most {len(USER_TURNS)})")
-    ap.add_argument("--bs1-prompt", type=int, default=1, help="index of the prompt used for 1 request")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
-    ap.add_argument("--cold", action="store_true", help="also time one first-use start with an empty cache")
-    ap.add_argument("--skip-hf", action="store_true", help="rxf only, no reference")
-    ap.add_argument("--quiet-cores", type=float, default=0.15, help="wait until others use less CPU than this")
-    ap.add_argument("--max-wait", type=float, default=300, help="give up waiting for quiet after this many s")
-    ap.add_argument("--max-other-cores", type=float, default=0.25, help="repeat a call if others used more")
-    ap.add_argument("--retries", type=int, default=3, help="repeats of one call at most")
-    ap.add_argument("--_cold-child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args._cold_child:
-        cold_child(args)
-        return
-    if not 1 <= args.batch <= len(USER_TURNS):
-        ap.error(f"--batch must be in [1, {len(USER_TURNS)}]")
-
+def run_rounds(args: argparse.Namespace, results: dict[str, Any], model_path: str) -> None:
+    """The decode measurements: `args.rounds` rounds of (every rxf call, then every HF call)."""
     from transformers import AutoTokenizer
 
-    from rxf.core.config import load_config
-    from rxf.entrypoints.demo_model import resolve_model_path
-
-    results: dict[str, Any] = {
-        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "git": git_commit(),
-        "machine": machine_info(),
-        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_")}
-        | {"rxf_cache_dir": os.environ.get("RXF_CACHE_DIR")},
-    }
-    if args.cold:
-        results["cold"] = measure_cold(args)
-    if args.load_repeats:
-        results["warm_load"] = measure_warm_load(args)
-
-    model_path = resolve_model_path(load_config(args.config).model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = chat_prompt_ids(tokenizer)
     single, batch = prompts[args.bs1_prompt], prompts[: args.batch]
@@ -510,6 +480,52 @@ def main() -> None:
                 for a, h in zip(last["rxf_batch"]["output_ids"], last["hf_batch"]["output_ids"], strict=True)
             ],
         }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="examples/demo.toml")
+    ap.add_argument("--output", default=None, help="write every measurement as JSON here")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of (all rxf measurements, all HF ones)")
+    ap.add_argument("--load-repeats", type=int, default=3, help="warm-cache engine starts to time (0: none)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16, help=f"concurrent requests (at most {len(USER_TURNS)})")
+    ap.add_argument("--bs1-prompt", type=int, default=1, help="index of the prompt used for 1 request")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    ap.add_argument("--cold", action="store_true", help="also time one first-use start with an empty cache")
+    ap.add_argument("--skip-hf", action="store_true", help="rxf only, no reference")
+    ap.add_argument("--quiet-cores", type=float, default=0.15, help="wait until others use less CPU than this")
+    ap.add_argument("--max-wait", type=float, default=300, help="give up waiting for quiet after this many s")
+    ap.add_argument("--max-other-cores", type=float, default=0.25, help="repeat a call if others used more")
+    ap.add_argument("--retries", type=int, default=3, help="repeats of one call at most")
+    ap.add_argument("--_cold-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._cold_child:
+        cold_child(args)
+        return
+    if not 1 <= args.batch <= len(USER_TURNS):
+        ap.error(f"--batch must be in [1, {len(USER_TURNS)}]")
+
+    from rxf.core.config import load_config
+    from rxf.entrypoints.demo_model import resolve_model_path
+
+    results: dict[str, Any] = {
+        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "git": git_commit(),
+        "machine": machine_info(),
+        "settings": {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        | {"rxf_cache_dir": os.environ.get("RXF_CACHE_DIR")},
+    }
+    if args.cold:
+        results["cold"] = measure_cold(args)
+    if args.load_repeats:
+        results["warm_load"] = measure_warm_load(args)
+
+    if args.rounds:
+        run_rounds(args, results, resolve_model_path(load_config(args.config).model.path))
+    elif "warm_load" in results:
+        results["summary"] = {"load_s": summarize(results["warm_load"], "load_s")}
     print(report(results))
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=1))

@@ -23,6 +23,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     path: str = Field("demo", description="Hugging Face model directory, or 'demo' for SmolLM2-135M-Instruct")
     tokenizer_path: str | None = Field(None, description="defaults to model.path")
+    served_model_name: str | None = Field(None, description="the OpenAI `model` id; defaults to model.path")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     chat_template: str | None = Field(None, description="None: the model's own; a built-in name; a .jinja path")
     context_length: int | None = Field(None, gt=0, description="defaults to the checkpoint's")

@@ -267,7 +267,7 @@ class Detokenizer:
 
 
 class _Shutdown(BaseException):
-    """Raised by the SIGTERM/SIGINT handler to unwind the process loop from wherever it is."""
+    """Raised by the SIGTERM handler to unwind the process loop from wherever it is."""
 
 
 def _raise_shutdown(signum: int, frame: FrameType | None) -> None:
@@ -279,12 +279,11 @@ def run_detokenizer_process(
 ) -> None:
     """Process entry: PULL `BatchTokenOut` on `recv_addr` (bound), PUSH `BatchStrOut` to
     `send_addr` (connected). Sends "ready" on `ready_conn` once listening, or ``{"error": reason}``
-    if the tokenizer or the sockets fail (then exits with that exception). Runs until SIGTERM or
-    SIGINT (exit code 0) or until its parent process dies."""
+    if the tokenizer or the sockets fail (then exits with that exception). Runs until SIGTERM
+    (exit code 0) or until its parent process dies (SIGINT is ignored: the parent owns shutdown)."""
     # Raising from the handler (rather than setting a flag) also unblocks a send to a peer that
     # is gone, so the process always exits promptly.
     signal.signal(signal.SIGTERM, _raise_shutdown)
-    signal.signal(signal.SIGINT, _raise_shutdown)
     try:
         _serve(tokenizer_path, recv_addr, send_addr, ready_conn)
     except _Shutdown as sig:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from multiprocessing.connection import Client, Connection, Listener
@@ -26,7 +27,7 @@ class ChildProcess:
     def __init__(self, name: str, target: str, args: tuple, ready_path: str) -> None:
         self.name = name
         authkey = os.urandom(16)
-        self._listener = Listener(ready_path, family="AF_UNIX", authkey=authkey)
+        self._listener: Listener | None = Listener(ready_path, family="AF_UNIX", authkey=authkey)
         env = dict(os.environ, **{_AUTHKEY_ENV: authkey.hex()})
         self._popen = subprocess.Popen(
             [sys.executable, "-m", "rxf.entrypoints.child", name], stdin=subprocess.PIPE, env=env
@@ -38,8 +39,14 @@ class ChildProcess:
     def accept_ready(self) -> Connection:
         """The connection the child reports on (blocks until the child has connected)."""
         conn = self._listener.accept()
-        self._listener.close()
+        self.close_ready_channel()
         return conn
+
+    def close_ready_channel(self) -> None:
+        """Stop listening (idempotent); also removes the socket file."""
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.close()
 
     def is_alive(self) -> bool:
         return self._popen.poll() is None
@@ -64,6 +71,9 @@ class ChildProcess:
 
 
 def main() -> None:
+    # Ctrl-C in a terminal reaches the whole process group; the parent owns shutdown and stops
+    # its children with SIGTERM, so a child ignores SIGINT rather than dying mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     target, args, ready_path = pickle.loads(sys.stdin.buffer.read())
     conn = Client(ready_path, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
     module, _, attr = target.partition(":")

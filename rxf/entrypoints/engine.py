@@ -27,8 +27,11 @@ class EngineStartError(RuntimeError):
 class EngineProcesses:
     """The child processes of one engine and the addresses they listen on."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cancel: threading.Event | None = None) -> None:
+        """Start the children and wait until both are ready. Setting `cancel` (from another
+        thread) makes a start-up in progress stop its children and raise EngineStartError."""
         self.config = config
+        self._cancel = cancel or threading.Event()
         start = time.perf_counter()
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer_path = config.model.tokenizer_path or self.model_path
@@ -65,11 +68,7 @@ class EngineProcesses:
         deadline = time.monotonic() + self.config.runtime.startup_timeout_s
         conn = self._accept(proc, deadline)
         while not conn.poll(0.2):
-            dead = [p for p in self.procs if not p.is_alive()]
-            if dead:
-                raise EngineStartError(f"{dead[0].name} exited with code {dead[0].exitcode} during start-up")
-            if time.monotonic() > deadline:
-                raise EngineStartError(f"{what} did not start within {self.config.runtime.startup_timeout_s} s")
+            self._check_starting(what, deadline)
         msg = conn.recv()
         if isinstance(msg, dict) and "error" in msg:
             raise EngineStartError(f"{what} failed to start: {msg['error']}")
@@ -82,11 +81,18 @@ class EngineProcesses:
         thread.start()
         while thread.is_alive():
             thread.join(0.2)
-            if not proc.is_alive():
-                raise EngineStartError(f"{proc.name} exited with code {proc.exitcode} during start-up")
-            if time.monotonic() > deadline:
-                raise EngineStartError(f"{proc.name} did not start in time")
+            self._check_starting(proc.name, deadline)
         return result[0]
+
+    def _check_starting(self, what: str, deadline: float) -> None:
+        """Raise if start-up cannot succeed any more: a child died, time ran out, or cancelled."""
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            raise EngineStartError(f"{dead[0].name} exited with code {dead[0].exitcode} during start-up")
+        if self._cancel.is_set():
+            raise EngineStartError("start-up cancelled")
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"{what} did not start within {self.config.runtime.startup_timeout_s} s")
 
     def watch(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(reason)` from a daemon thread if a child process dies unexpectedly."""
@@ -107,6 +113,7 @@ class EngineProcesses:
             if p.is_alive():
                 p.terminate()
         for p in self.procs:
+            p.close_ready_channel()
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()

@@ -11,36 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
-import os
 import signal
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi import FastAPI
 
 from rxf.core.config import EngineConfig
-from rxf.core.tokenizer_manager import EngineDeadError, RequestError, TokenizerManager
+from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.entrypoints.http_errors import APIKeyMiddleware, install_error_handlers
 from rxf.entrypoints.metrics import ServerMetrics
 from rxf.entrypoints.native_routes import router as native_router
 from rxf.entrypoints.openai import router as openai_router
-from rxf.entrypoints.server_state import APIError, ServerState
+from rxf.entrypoints.server_state import ServerState
 
 logger = logging.getLogger(__name__)
 
-# Routes answered without the API key: load balancers and orchestrators probe them.
-OPEN_PATHS = frozenset({"/health"})
 # How long shutdown waits for an interrupted model load to give up (children killed) before exiting.
 _ABANDON_TIMEOUT_S = 10.0
 # On SIGTERM / Ctrl-C, how long requests in flight may run on before they are aborted.
@@ -54,7 +46,7 @@ class _Loaded:
     chat_template: Any
 
 
-def _load(config: EngineConfig) -> _Loaded:
+def _load(config: EngineConfig, cancel: threading.Event) -> _Loaded:
     """Blocking: start the child processes (model load) and, meanwhile, load the tokenizer and the
     chat template in this process."""
     from rxf.entrypoints.demo_model import resolve_model_path
@@ -65,7 +57,7 @@ def _load(config: EngineConfig) -> _Loaded:
     tokenizer_path = config.model.tokenizer_path or resolve_model_path(config.model.path)
     with ThreadPoolExecutor(1, thread_name_prefix="rxf-tokenizer-load") as pool:
         frontend = pool.submit(_load_frontend, config, tokenizer_path)
-        engine = EngineProcesses(config)
+        engine = EngineProcesses(config, cancel=cancel)
         try:
             tokenizer, template = frontend.result()
         except BaseException:
@@ -97,6 +89,7 @@ class _EngineLoader:
         self.config = config
         self.loop = loop
         self.done = threading.Event()
+        self.cancel = threading.Event()
         self._lock = threading.Lock()
         self._outcome: _Loaded | BaseException | None = None
         self._abandoned = False
@@ -105,7 +98,7 @@ class _EngineLoader:
 
     def _run(self) -> None:
         try:
-            outcome: _Loaded | BaseException = _load(self.config)
+            outcome: _Loaded | BaseException = _load(self.config, self.cancel)
         except BaseException as e:
             outcome = e
         with self._lock:
@@ -140,35 +133,14 @@ class _EngineLoader:
             outcome.engine.shutdown()
 
     def abandon(self) -> None:
-        """Blocking. Make a load in progress fail fast: its child processes are terminated, which
-        the engine notices within a poll interval and answers by cleaning up after itself (IPC
-        directory included). An engine loaded but not yet taken is shut down."""
+        """Blocking. Make a load in progress fail fast: the engine notices the cancel within a
+        poll interval, stops its children and removes its IPC directory. An engine loaded but not
+        yet taken is shut down."""
         with self._lock:
             self._abandoned = True
-        deadline = time.monotonic() + _ABANDON_TIMEOUT_S
-        while not self.done.wait(0.2) and time.monotonic() < deadline:
-            _terminate_engine_children()
+        self.cancel.set()
+        self.done.wait(_ABANDON_TIMEOUT_S)
         self._discard()
-
-
-def _terminate_engine_children() -> None:
-    """SIGTERM this process's own rxf child processes (found through /proc by parent pid)."""
-    me = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                # "pid (comm) state ppid ...": comm may contain spaces, so split after its ')'.
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            if ppid != me:
-                continue
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                if b"rxf.entrypoints.child" not in f.read():
-                    continue
-            os.kill(int(entry.name), signal.SIGTERM)
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile, or not ours to read
 
 
 async def _start_engine(app: FastAPI, state: ServerState, loader: _EngineLoader) -> None:
@@ -221,108 +193,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         logger.info("engine stopped")
 
 
-# ---- errors, all in OpenAI's shape ----
-def _format_loc(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """One 400 for FastAPI's validation errors: `param` names the field (the part of the location
-    that all of its errors share: a union type reports one error per member)."""
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "JSON decode error")
-        return APIError(400, f"malformed JSON body: {detail}")
-    locs = [tuple(e.get("loc", ()))[1:] if e.get("loc", ("",))[0] in ("body", "query", "path", "header")
-            else tuple(e.get("loc", ())) for e in errors]
-    if not locs[0]:
-        if first.get("type") == "missing":
-            return APIError(400, "the request body is missing: expected a JSON object")
-        if not isinstance(first.get("input"), dict | list | None):  # FastAPI read a non-JSON body as text
-            return APIError(400, "the request body must be a JSON object sent as Content-Type: application/json")
-        return APIError(400, f"the request body is invalid: {first.get('msg')}")
-    same_field = [(loc, e) for loc, e in zip(locs, errors, strict=True) if loc[:1] == locs[0][:1]]
-    common = list(same_field[0][0])
-    for loc, _ in same_field[1:]:
-        n = 0
-        while n < min(len(common), len(loc)) and common[n] == loc[n]:
-            n += 1
-        common = common[:n]
-    param = _format_loc(tuple(common))
-    reasons = list(dict.fromkeys(str(e.get("msg", "invalid")) for _, e in same_field))
-    return APIError(400, f"{param}: {'; '.join(reasons)}", param=param)
-
-
-def _request_error(e: RequestError) -> APIError:
-    """RequestError messages read "field: reason" when a single field is at fault."""
-    message = str(e)
-    head, sep, _ = message.partition(":")
-    param = head if sep and head.replace("_", "").replace(".", "").isalnum() else None
-    return APIError(400, message, param=param)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    async def api_error(_: Request, e: Exception) -> JSONResponse:
-        assert isinstance(e, APIError)
-        return e.response()
-
-    async def request_error(_: Request, e: Exception) -> JSONResponse:
-        assert isinstance(e, RequestError)
-        return _request_error(e).response()
-
-    async def engine_dead(_: Request, e: Exception) -> JSONResponse:
-        return APIError(503, f"the engine stopped: {e}").response()
-
-    async def validation(_: Request, e: Exception) -> JSONResponse:
-        assert isinstance(e, RequestValidationError)
-        return _validation_error(list(e.errors())).response()
-
-    async def http_error(request: Request, e: Exception) -> JSONResponse:
-        assert isinstance(e, StarletteHTTPException)
-        message = str(e.detail)
-        if e.status_code == 404 and message == "Not Found":
-            message = f"no route {request.method} {request.url.path}"
-        elif e.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
-        return APIError(e.status_code, message, headers=e.headers).response()
-
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        # Starlette re-raises after this response, and uvicorn logs the traceback.
-        return APIError(500, f"internal error: {type(e).__name__}").response()
-
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestError, request_error)
-    app.add_exception_handler(EngineDeadError, engine_dead)
-    app.add_exception_handler(RequestValidationError, validation)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
-
-
-class APIKeyMiddleware:
-    """Every route but OPEN_PATHS needs `Authorization: Bearer <key>`; compared in constant time.
-    A plain ASGI middleware (not BaseHTTPMiddleware), so streaming and disconnects pass untouched."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        auth = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
-            await self.app(scope, receive, send)
-            return
-        reason = "missing API key" if not auth else "invalid API key"
-        error = APIError(401, f"{reason}: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
-        await error.response()(scope, receive, send)
-
-
 def _noop() -> None:
     pass
 
@@ -336,12 +206,12 @@ def create_app(
     """The server's app. The engine starts with the app's lifespan; `on_ready` is called on the
     loop once it serves, `on_startup_failure` if it could not start (`state.startup_error` says why)."""
     app = FastAPI(title="rxf", version=_version(), lifespan=_lifespan)
-    state = ServerState(config=config, served_model_name=config.model.path)
+    state = ServerState(config=config, served_model_name=config.model.served_model_name or config.model.path)
     state.metrics = ServerMetrics()
     app.state.server = state
     app.state.on_ready = on_ready
     app.state.on_startup_failure = on_startup_failure
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.include_router(native_router)
     app.include_router(openai_router)
     if config.server.api_key:

@@ -88,7 +88,10 @@ def test_sigterm_during_model_load(server_factory):
 
 def test_api_key(server_factory):
     # RXF_API_KEY (the short alias of RXF_SERVER__API_KEY) and a CLI-style override, end to end.
-    srv = server_factory({"scheduler.max_running_requests": 3}, api_key="s3cret", env={"RXF_API_KEY": "s3cret"})
+    srv = server_factory(
+        {"scheduler.max_running_requests": 3, "model.served_model_name": "tiny-llama"},
+        api_key="s3cret", env={"RXF_API_KEY": "s3cret"},
+    )
     gen = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
     assert httpx.get(f"{srv.url}/health").status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"Authorization": "Basic s3cret"}):
@@ -100,7 +103,9 @@ def test_api_key(server_factory):
             assert r.headers["www-authenticate"] == "Bearer"
     with srv.client() as http:
         assert http.post("/generate", json=gen).status_code == 200
-        assert http.get("/v1/models").status_code == 200
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny-llama"]
+        body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).json()["model"] == "tiny-llama"
         info = http.get("/get_server_info").json()
         assert info["config"]["server"]["api_key"] == "<set>"  # never echoed
         assert info["config"]["scheduler"]["max_running_requests"] == 3

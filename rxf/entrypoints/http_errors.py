@@ -1,0 +1,119 @@
+"""HTTP errors in OpenAI's shape (`{"error": {...}}`) and the API-key check."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rxf.core.tokenizer_manager import EngineDeadError, RequestError
+from rxf.entrypoints.server_state import APIError
+
+# Routes answered without the API key: load balancers and orchestrators probe them.
+OPEN_PATHS = frozenset({"/health"})
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """One 400 for FastAPI's validation errors: `param` names the field (the part of the location
+    that all of its errors share: a union type reports one error per member)."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "JSON decode error")
+        return APIError(400, f"malformed JSON body: {detail}")
+    locs = [tuple(e.get("loc", ()))[1:] if e.get("loc", ("",))[0] in ("body", "query", "path", "header")
+            else tuple(e.get("loc", ())) for e in errors]
+    if not locs[0]:
+        if first.get("type") == "missing":
+            return APIError(400, "the request body is missing: expected a JSON object")
+        if not isinstance(first.get("input"), dict | list | None):  # FastAPI read a non-JSON body as text
+            return APIError(400, "the request body must be a JSON object sent as Content-Type: application/json")
+        return APIError(400, f"the request body is invalid: {first.get('msg')}")
+    same_field = [(loc, e) for loc, e in zip(locs, errors, strict=True) if loc[:1] == locs[0][:1]]
+    common = list(same_field[0][0])
+    for loc, _ in same_field[1:]:
+        n = 0
+        while n < min(len(common), len(loc)) and common[n] == loc[n]:
+            n += 1
+        common = common[:n]
+    param = _format_loc(tuple(common))
+    reasons = list(dict.fromkeys(str(e.get("msg", "invalid")) for _, e in same_field))
+    return APIError(400, f"{param}: {'; '.join(reasons)}", param=param)
+
+
+def _request_error(e: RequestError) -> APIError:
+    """RequestError messages read "field: reason" when a single field is at fault."""
+    message = str(e)
+    head, sep, _ = message.partition(":")
+    param = head if sep and head.replace("_", "").replace(".", "").isalnum() else None
+    return APIError(400, message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, APIError)
+        return e.response()
+
+    async def request_error(_: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, RequestError)
+        return _request_error(e).response()
+
+    async def engine_dead(_: Request, e: Exception) -> JSONResponse:
+        return APIError(503, f"the engine stopped: {e}").response()
+
+    async def validation(_: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, RequestValidationError)
+        return _validation_error(list(e.errors())).response()
+
+    async def http_error(request: Request, e: Exception) -> JSONResponse:
+        assert isinstance(e, StarletteHTTPException)
+        message = str(e.detail)
+        if e.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}"
+        elif e.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return APIError(e.status_code, message, headers=e.headers).response()
+
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        # Starlette re-raises after this response, and uvicorn logs the traceback.
+        return APIError(500, f"internal error: {type(e).__name__}").response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestError, request_error)
+    app.add_exception_handler(EngineDeadError, engine_dead)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+class APIKeyMiddleware:
+    """Every route but OPEN_PATHS needs `Authorization: Bearer <key>`; compared in constant time.
+    A plain ASGI middleware (not BaseHTTPMiddleware), so streaming and disconnects pass untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        reason = "missing API key" if not auth else "invalid API key"
+        error = APIError(401, f"{reason}: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)
