@@ -21,7 +21,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (8, 8, 64), (16, 4, 256)])
+# The head shapes of the 8B benchmark and of the tiny GPU model, so FlashInfer JIT-compiles no extra variants.
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (8, 2, 64)])
 def test_matches_torch_native(case, heads, kv_heads, head_dim):
     prefix, extend = CASES[case]
     out, ref, k, ref_k = compare_backends(

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One GPU call: install, warm FlashInfer's JIT cache, run the GPU tests, then (stage "bench") the
+# 8B-shaped benchmark. Run from the repo root on the GPU machine; see ../shared/device/README.md.
+#   bash benchmarks/gpu_session.sh tests|bench [extra gpu_decode.py args]
+set -uo pipefail
+stage=$1; shift
+export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$HOME/site" .whl/*.whl || exit 1
+export PYTHONPATH=$HOME/site:$PWD
+# Editable install for rxf's entry points (its builtins load through them); dependencies are above.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+if [ "$stage" = tests ]; then
+  start=$(date +%s)
+  python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
+  python3 benchmarks/gpu_decode.py --preset tiny --phases jit > "$out/jit-tiny.log" 2>&1 &
+  wait; echo "jit: $(( $(date +%s) - start )) s"; tail -2 "$out"/jit-*.log
+  python3 -m pytest -q -p no:cacheprovider tests/gpu -ra 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  tar czf "$out/fi-cache.tgz" -C "$PWD" .fi-cache && ls -la "$out"
+else
+  python3 benchmarks/gpu_decode.py --preset llama3-8b "$@" 2>&1 | tee "$out/bench.log"
+fi
