@@ -4,8 +4,6 @@ CPU machine they stay free for the interpreter tests in tests/unit)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -19,20 +17,12 @@ from rxf.core.forward import ForwardBatch, ForwardMode  # noqa: E402
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rxf.plugins.attention.triton.backend import TritonAttnBackend  # noqa: E402
+from rxf.testing.attention import Layer  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
 MAX_CONTEXT = 4096
 NUM_SLOTS = 24_000
-
-
-@dataclass
-class Layer:  # satisfies rxf.core.attention.AttentionLayer
-    layer_id: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scaling: float
 
 
 def build(

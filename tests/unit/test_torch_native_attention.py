@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -11,18 +9,10 @@ from rxf.core.attention import AttentionContext
 from rxf.core.forward import ForwardBatch, ForwardMode
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 from rxf.plugins.attention.torch_native import TorchNativeBackend
+from rxf.testing.attention import Layer
 
 HEAD_DIM = 16
 MAX_CONTEXT = 64
-
-
-@dataclass
-class Layer:  # satisfies rxf.core.attention.AttentionLayer
-    layer_id: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scaling: float
 
 
 def reference(

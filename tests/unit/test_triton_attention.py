@@ -28,19 +28,11 @@ from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rxf.plugins.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from rxf.plugins.attention.triton.decode import decode_attention  # noqa: E402
 from rxf.plugins.attention.triton.extend import extend_attention  # noqa: E402
+from rxf.testing.attention import Layer  # noqa: E402
 
 MAX_CONTEXT = 48
 NUM_SLOTS = 200
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
-
-
-@dataclass
-class Layer:  # satisfies rxf.core.attention.AttentionLayer
-    layer_id: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scaling: float
 
 
 @dataclass
