@@ -44,6 +44,9 @@ class SchedulerConfig(_Section):
     min_new_token_ratio: float = Field(0.1, ge=0, le=1)
     new_token_ratio_decay: float = Field(0.001, ge=0, le=1, description="subtracted per decode step")
     log_interval: int = Field(40, gt=0, description="decode steps between stats log lines")
+    max_queued_requests: int = Field(
+        1024, ge=0, description="requests that may wait beyond max_running_requests; more get 503"
+    )
 
 
 class CacheConfig(_Section):
@@ -58,6 +61,15 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=0, le=65535)
     api_key: str | None = None
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="a request running longer is aborted and answered 504; None: no limit"
+    )
+    exit_on_engine_death: bool = Field(
+        True, description="exit non-zero when a child process dies (false: keep answering 503)"
+    )
+    max_stop_strings: int = Field(16, ge=0, description="stop strings per request")
+    max_logit_bias: int = Field(300, ge=0, description="logit_bias entries per request")
 
 
 class RuntimeConfig(_Section):

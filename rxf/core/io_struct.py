@@ -23,6 +23,8 @@ class TokenizedGenerateReq:
     # Prompt logprobs are returned for prompt positions >= logprob_start_len; -1 means none.
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # Tenant isolation: requests share cached prefixes only with requests of the same salt.
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -9,6 +9,10 @@ partition the pool's slots:
 Locking: a request that reads a cached prefix locks the node `match_prefix` returned. A lock pins
 that node and all its ancestors, so the slots the request reads cannot be evicted under it.
 
+Keys are token ids, except that a request with a `cache_salt` has its first token replaced by
+(salt, token) (`Req.tree_key`): a tuple never equals an int or another salt's tuple, so each salt
+gets a subtree of its own below the root and the tree only compares keys for equality.
+
 Handles stay valid across splits: a split puts a new node *above* the existing one, so a node
 object always covers the same full prefix from the root, and unlocking an old handle releases
 exactly the path that locking it pinned.
@@ -23,6 +27,8 @@ from collections.abc import Iterator
 import torch
 
 from rxf.core.kv_pool import TokenToKVPool
+
+TokenKey = int | tuple[str, int]  # a token id, or a salted first token (see the module docstring)
 
 
 def _no_slots() -> torch.Tensor:
@@ -39,11 +45,11 @@ class TreeNode:
 
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access")
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, now: int) -> None:
+    def __init__(self, key: list[TokenKey], value: torch.Tensor, parent: TreeNode | None, now: int) -> None:
         self.key = key
         self.value = value
         self.parent = parent
-        self.children: dict[int, TreeNode] = {}
+        self.children: dict[TokenKey, TreeNode] = {}
         self.lock_ref = 0  # how many lock holders pin this node (directly or through a descendant)
         self.last_access = now  # logical clock tick; smaller = less recently used
 
@@ -58,7 +64,7 @@ def _path_to_root(node: TreeNode) -> Iterator[TreeNode]:
         node = node.parent
 
 
-def _common_len(edge: list[int], key: list[int], start: int) -> int:
+def _common_len(edge: list[TokenKey], key: list[TokenKey], start: int) -> int:
     """Length of the common prefix of `edge` and `key[start:]`."""
     n = min(len(edge), len(key) - start)
     for j in range(n):
@@ -92,7 +98,7 @@ class RadixCache:
         self._protected = 0  # slots in non-root nodes with lock_ref > 0
 
     # ---- lookup and insertion ----
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+    def match_prefix(self, key: list[TokenKey]) -> tuple[torch.Tensor, TreeNode]:
         """Slots of the longest cached prefix of `key` and the node covering exactly that prefix.
 
         Splits a node when the match ends inside it; marks the matched path as used now.
@@ -111,7 +117,7 @@ class RadixCache:
             node, i = child, i + n
         return (torch.cat(parts) if parts else _no_slots()), node
 
-    def insert(self, key: list[int], slots: torch.Tensor) -> int:
+    def insert(self, key: list[TokenKey], slots: torch.Tensor) -> int:
         """Cache key -> slots; returns how many leading tokens of `key` were already cached.
 
         See the class docstring for which slots the caller must free afterwards.
@@ -145,7 +151,7 @@ class RadixCache:
         node.key, node.value, node.parent = node.key[n:], node.value[n:], mid
         return mid
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], slots: torch.Tensor, now: int) -> None:
+    def _add_leaf(self, parent: TreeNode, key: list[TokenKey], slots: torch.Tensor, now: int) -> None:
         # The tree keeps its own copy so later changes to the caller's tensor cannot reach it.
         leaf = TreeNode(list(key), slots.to(device="cpu", dtype=torch.int64).clone(), parent, now)
         parent.children[key[0]] = leaf

@@ -1,5 +1,12 @@
 """The TokenizerManager: validates and tokenizes requests, sends them to the scheduler, and turns
-the detokenizer's outputs back into per-request results (asyncio, in the caller's process)."""
+the detokenizer's outputs back into per-request results (asyncio, in the caller's process).
+
+Overload: `states` holds every request sent to the scheduler and not yet finished or abandoned,
+and the scheduler only holds requests it was sent and that were not aborted, so refusing new ones
+once `len(states)` reaches `RequestLimits.max_in_flight` bounds the scheduler's running + waiting
+requests by that number (plus aborts still in transit, which it drops within a step) without
+asking it: a full queue costs one comparison, not a round trip.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -26,7 +33,14 @@ from rxf.core.io_struct import (
 )
 from rxf.core.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from rxf.core.config import EngineConfig
+
 logger = logging.getLogger(__name__)
+
+# OpenAI's bound on top logprobs per token, applied to native requests too.
+MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT_LEN = 256
 
 
 class RequestError(ValueError):
@@ -35,6 +49,43 @@ class RequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """A child process died; in-flight and new requests fail with this (HTTP 503)."""
+
+
+class OverloadedError(RuntimeError):
+    """As many requests are in flight as the server may hold; retry later (HTTP 503 + Retry-After)."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past `server.request_timeout_s` and was aborted (HTTP 504)."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request bounds enforced before anything reaches the scheduler (None: unbounded)."""
+
+    max_in_flight: int | None = None
+    timeout_s: float | None = None
+    max_stop_strings: int = 16
+    max_logit_bias: int = 300
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> RequestLimits:
+        return cls(
+            max_in_flight=config.scheduler.max_running_requests + config.scheduler.max_queued_requests,
+            timeout_s=config.server.request_timeout_s,
+            max_stop_strings=config.server.max_stop_strings,
+            max_logit_bias=config.server.max_logit_bias,
+        )
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raises ValueError naming the field (`sampling_params.<name>: ...`) when over a bound."""
+        if len(params.stop) > self.max_stop_strings:
+            raise ValueError(
+                f"sampling_params.stop: at most {self.max_stop_strings} stop strings, got {len(params.stop)}"
+            )
+        n_bias = len(params.logit_bias or {})
+        if n_bias > self.max_logit_bias:
+            raise ValueError(f"sampling_params.logit_bias: at most {self.max_logit_bias} entries, got {n_bias}")
 
 
 @dataclass
@@ -49,6 +100,7 @@ class GenerateRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     rid: str | None = None
+    cache_salt: str | None = None
 
 
 class RequestObserver(Protocol):
@@ -80,8 +132,15 @@ def _meta(out: StrOut, rid: str) -> dict[str, Any]:
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer: Any, addrs: dict[str, str], engine_info: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        addrs: dict[str, str],
+        engine_info: dict[str, Any],
+        limits: RequestLimits | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.limits = limits or RequestLimits()
         self.info = engine_info
         self.max_context_len: int = engine_info["max_context_len"]
         self.vocab_size: int = engine_info["vocab_size"]
@@ -129,10 +188,14 @@ class TokenizerManager:
                 else SamplingParams.from_dict(req.sampling_params)
             )
             params.verify(self.vocab_size)
+            self.limits.check_params(params)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        if req.top_logprobs_num < 0:
-            raise RequestError("top_logprobs_num: must be >= 0")
+        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
+        salt = req.cache_salt
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_LEN):
+            raise RequestError(f"cache_salt: must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters")
         if req.logprob_start_len >= len(ids):
             raise RequestError(f"logprob_start_len: must be < the prompt length {len(ids)}")
         return TokenizedGenerateReq(
@@ -143,7 +206,19 @@ class TokenizerManager:
             return_logprob=req.return_logprob,
             logprob_start_len=req.logprob_start_len,
             top_logprobs_num=req.top_logprobs_num,
+            cache_salt=salt,
         )
+
+    def check_capacity(self, n: int = 1) -> None:
+        """Raise unless `n` more requests may start now: OverloadedError while the server is full,
+        RequestError if n alone exceeds what it ever holds."""
+        limit = self.limits.max_in_flight
+        if limit is None:
+            return
+        if n > limit:
+            raise RequestError(f"the request needs {n} generations; the server runs at most {limit} at once")
+        if len(self.states) + n > limit:
+            raise OverloadedError(f"the server is at capacity ({limit} requests in flight); retry later")
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         """Yields incremental chunks (`stream=True`) or one final result.
@@ -156,7 +231,8 @@ class TokenizerManager:
         msg = self.tokenize_request(req)
         if msg.rid in self.states:
             raise RequestError(f"rid: a request with id {msg.rid!r} is already running")
-        state = self.states[msg.rid] = _ReqState()
+        self.check_capacity()
+        state = self.states[msg.rid] = _ReqState()  # no await since the check: the bound holds
         observer = self.observer
         if observer is not None:
             observer.on_start(msg.rid, msg.stream, time.perf_counter())
@@ -164,10 +240,12 @@ class TokenizerManager:
         ids: list[int] = []
         logprobs = _LogprobAccumulator(msg.return_logprob)
         finished = False
+        timeout = self.limits.timeout_s
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
             await self.to_scheduler.send_pyobj(msg)
             while not finished:
-                item = await state.queue.get()
+                item = await _next_output(state, deadline, timeout)
                 if isinstance(item, BaseException):
                     raise item
                 if observer is not None:
@@ -230,6 +308,16 @@ class TokenizerManager:
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
         self._admin_waiters.clear()
+
+
+async def _next_output(state: _ReqState, deadline: float | None, timeout: float | None) -> StrOut | BaseException:
+    if deadline is None:
+        return await state.queue.get()
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await state.queue.get()
+    except TimeoutError:  # the caller's `finally` aborts the request, releasing its KV
+        raise RequestTimeoutError(f"the request ran longer than server.request_timeout_s = {timeout} s") from None
 
 
 class _LogprobAccumulator:

@@ -1,4 +1,4 @@
-"""HTTP errors in OpenAI's shape (`{"error": {...}}`) and the API-key check."""
+"""HTTP errors in OpenAI's shape (`{"error": {...}}`), the API-key check and the body size limit."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rxf.core.tokenizer_manager import EngineDeadError, RequestError
-from rxf.entrypoints.server_state import APIError
+from rxf.core.tokenizer_manager import EngineDeadError, OverloadedError, RequestError, RequestTimeoutError
+from rxf.entrypoints.server_state import APIError, engine_api_error
 
 # Routes answered without the API key: load balancers and orchestrators probe them.
 OPEN_PATHS = frozenset({"/health"})
@@ -52,25 +52,15 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, f"{param}: {'; '.join(reasons)}", param=param)
 
 
-def _request_error(e: RequestError) -> APIError:
-    """RequestError messages read "field: reason" when a single field is at fault."""
-    message = str(e)
-    head, sep, _ = message.partition(":")
-    param = head if sep and head.replace("_", "").replace(".", "").isalnum() else None
-    return APIError(400, message, param=param)
-
-
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, APIError)
         return e.response()
 
-    async def request_error(_: Request, e: Exception) -> JSONResponse:
-        assert isinstance(e, RequestError)
-        return _request_error(e).response()
-
-    async def engine_dead(_: Request, e: Exception) -> JSONResponse:
-        return APIError(503, f"the engine stopped: {e}").response()
+    async def engine_error(_: Request, e: Exception) -> JSONResponse:
+        error = engine_api_error(e)
+        assert error is not None
+        return error.response()
 
     async def validation(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, RequestValidationError)
@@ -90,8 +80,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(500, f"internal error: {type(e).__name__}").response()
 
     app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestError, request_error)
-    app.add_exception_handler(EngineDeadError, engine_dead)
+    for exc_type in (RequestError, EngineDeadError, OverloadedError, RequestTimeoutError):
+        app.add_exception_handler(exc_type, engine_error)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
@@ -117,3 +107,39 @@ class APIKeyMiddleware:
         reason = "missing API key" if not auth else "invalid API key"
         error = APIError(401, f"{reason}: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
         await error.response()(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answers 413 to a request body over `max_bytes`: at once when Content-Length says so, else
+    as soon as the bytes received pass it (a chunked body has no Content-Length), so an oversized
+    body is never held in memory in full."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> APIError:
+        return APIError(413, f"the request body exceeds server.max_body_bytes = {self.max_bytes} bytes")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._error().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI passes an HTTPException from reading the body through to the error
+                    # handlers (any other exception there would become a generic 400).
+                    raise StarletteHTTPException(413, self._error().message)
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -3,8 +3,9 @@
 Start-up: uvicorn binds at once and `/health` answers 503 while the engine's child processes load
 the model (in a daemon thread, so the event loop keeps answering); the TokenizerManager is then
 created on the server's own loop and `ServerState.ready` turns true. A child that dies later fails
-every in-flight request and turns the server to 503. Shutdown stops the children and removes the
-IPC directory (`EngineProcesses.shutdown`).
+every in-flight request and turns the server to 503; then, unless `server.exit_on_engine_death` is
+false, the server shuts down and `serve` returns 1 (a supervisor restarts it). Shutdown stops the
+children and removes the IPC directory (`EngineProcesses.shutdown`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from rxf.core.config import EngineConfig
-from rxf.core.tokenizer_manager import TokenizerManager
-from rxf.entrypoints.http_errors import APIKeyMiddleware, install_error_handlers
+from rxf.core.tokenizer_manager import RequestLimits, TokenizerManager
+from rxf.entrypoints.http_errors import APIKeyMiddleware, BodyLimitMiddleware, install_error_handlers
 from rxf.entrypoints.metrics import ServerMetrics
 from rxf.entrypoints.native_routes import router as native_router
 from rxf.entrypoints.openai import router as openai_router
@@ -152,22 +153,28 @@ async def _start_engine(app: FastAPI, state: ServerState, loader: _EngineLoader)
         app.state.on_startup_failure()
         return
     state.engine, state.tokenizer, state.chat_template = loaded.engine, loaded.tokenizer, loaded.chat_template
-    tm = TokenizerManager(loaded.tokenizer, loaded.engine.addrs, loaded.engine.info)
+    tm = TokenizerManager(
+        loaded.tokenizer, loaded.engine.addrs, loaded.engine.info, RequestLimits.from_config(state.config)
+    )
     await tm.start()
     tm.observer = state.metrics
     state.tokenizer_manager = tm
     loop = asyncio.get_running_loop()
-    loaded.engine.watch(lambda reason: loop.call_soon_threadsafe(_on_engine_death, state, reason))
+    loaded.engine.watch(lambda reason: loop.call_soon_threadsafe(_on_engine_death, app, reason))
     state.ready = True
     app.state.on_ready()
 
 
-def _on_engine_death(state: ServerState, reason: str) -> None:
-    logger.error("engine died: %s; answering 503 from now on", reason)
+def _on_engine_death(app: FastAPI, reason: str) -> None:
+    state: ServerState = app.state.server
+    exiting = state.config.server.exit_on_engine_death
+    logger.error("engine died: %s; %s", reason, "exiting" if exiting else "answering 503 from now on")
     state.engine_dead = reason
     state.ready = False
     if state.tokenizer_manager is not None:
-        state.tokenizer_manager.fail_all(reason)
+        state.tokenizer_manager.fail_all(reason)  # every in-flight request gets its error now
+    if exiting:
+        app.state.on_engine_death()
 
 
 @contextlib.asynccontextmanager
@@ -202,19 +209,23 @@ def create_app(
     *,
     on_ready: Callable[[], None] = _noop,
     on_startup_failure: Callable[[], None] = _noop,
+    on_engine_death: Callable[[], None] = _noop,
 ) -> FastAPI:
     """The server's app. The engine starts with the app's lifespan; `on_ready` is called on the
-    loop once it serves, `on_startup_failure` if it could not start (`state.startup_error` says why)."""
+    loop once it serves, `on_startup_failure` if it could not start (`state.startup_error` says why),
+    `on_engine_death` when a child died and `server.exit_on_engine_death` asks to stop."""
     app = FastAPI(title="rxf", version=_version(), lifespan=_lifespan)
     state = ServerState(config=config, served_model_name=config.model.served_model_name or config.model.path)
     state.metrics = ServerMetrics()
     app.state.server = state
     app.state.on_ready = on_ready
     app.state.on_startup_failure = on_startup_failure
+    app.state.on_engine_death = on_engine_death
     install_error_handlers(app)
     app.include_router(native_router)
     app.include_router(openai_router)
-    if config.server.api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
+    if config.server.api_key:  # added last, so outermost: a request without the key reads nothing
         app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)
     return app
 
@@ -239,6 +250,7 @@ class _Server(uvicorn.Server):
         self.state = state
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.draining = True  # a request still arriving on an open connection gets 503
         aborter = asyncio.get_running_loop().create_task(self._abort_in_flight_after(DRAIN_S))
         try:
             await super().shutdown(sockets)
@@ -255,7 +267,8 @@ class _Server(uvicorn.Server):
 
 
 def serve(config: EngineConfig) -> int:
-    """Run the server until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the engine failed to start."""
+    """Run the server until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the engine failed to start
+    or died (and `server.exit_on_engine_death` is on)."""
 
     def ready() -> None:
         port = config.server.port
@@ -267,7 +280,7 @@ def serve(config: EngineConfig) -> int:
     def failed() -> None:
         server.should_exit = True
 
-    app = create_app(config, on_ready=ready, on_startup_failure=failed)
+    app = create_app(config, on_ready=ready, on_startup_failure=failed, on_engine_death=failed)
     uv_config = uvicorn.Config(
         app,
         host=config.server.host,
@@ -282,4 +295,5 @@ def serve(config: EngineConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
-    return 1 if app.state.server.startup_error else 0
+    state = app.state.server
+    return 1 if state.startup_error or (state.engine_dead and config.server.exit_on_engine_death) else 0

@@ -19,8 +19,14 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from rxf.core.tokenizer_manager import EngineDeadError, GenerateRequest, RequestError, TokenizerManager
-from rxf.entrypoints.server_state import APIError, ServerState, server_state, until_disconnected
+from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
+from rxf.entrypoints.server_state import (
+    APIError,
+    ServerState,
+    engine_api_error,
+    server_state,
+    until_disconnected,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,7 @@ class GenerateBody(BaseModel):
     logprob_start_len: int | list[int] = -1
     top_logprobs_num: int | list[int] = 0
     rid: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
 
 
 class AbortBody(BaseModel):
@@ -74,7 +81,7 @@ def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
     n = len(items)
     columns = {
         name: _per_item(name, getattr(body, name), n, batched)
-        for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num")
+        for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "cache_salt")
     }
     if batched and isinstance(body.rid, str):
         raise APIError(400, "rid: a batch needs a list of request ids, one per prompt", param="rid")
@@ -93,7 +100,7 @@ def _pretokenized(tm: TokenizerManager, req: GenerateRequest) -> GenerateRequest
     return GenerateRequest(
         input_ids=msg.input_ids, sampling_params=msg.sampling_params, stream=msg.stream,
         return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-        top_logprobs_num=msg.top_logprobs_num, rid=msg.rid,
+        top_logprobs_num=msg.top_logprobs_num, rid=msg.rid, cache_salt=msg.cache_salt,
     )
 
 
@@ -131,10 +138,11 @@ async def _stream(tm: TokenizerManager, req: GenerateRequest) -> AsyncIterator[s
                     acc.extend(meta[key])
                     meta[key] = acc
             yield _sse({"text": text, "output_ids": ids, "meta_info": meta})
-    except EngineDeadError as e:
-        yield _sse(APIError(503, f"the engine stopped: {e}").body())
-    except RequestError as e:  # e.g. a duplicate rid, found when the request is submitted
-        yield _sse(APIError(400, str(e)).body())
+    except Exception as e:  # e.g. a duplicate rid (found on submission), a timeout, the engine's death
+        error = engine_api_error(e)
+        if error is None:
+            raise
+        yield _sse(error.body())
     finally:
         # A disconnect cancels the request inside tm.generate (which aborts it); a stream that is
         # closed instead (GeneratorExit) must close it too, for the same abort.
@@ -147,6 +155,7 @@ async def generate(body: GenerateBody, request: Request, state: State) -> Respon
     tm = state.require_ready()
     reqs, batched = _requests(body)
     reqs = [_pretokenized(tm, r) for r in reqs]
+    tm.check_capacity(len(reqs))  # before a stream's 200 goes out; generate() checks again
     if body.stream:
         return StreamingResponse(_stream(tm, reqs[0]), media_type="text/event-stream")
     results = await until_disconnected(request, _all(tm, reqs))

@@ -19,7 +19,7 @@ from typing import Any
 
 from rxf.core.config import EngineConfig, load_config
 from rxf.core.registry import PluginRegistry
-from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
+from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.engine import EngineProcesses
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,9 @@ class Runtime:
             raise
 
     async def _make_tm(self) -> TokenizerManager:
-        tm = TokenizerManager(self.tokenizer, self.engine.addrs, self.engine.info)
+        tm = TokenizerManager(
+            self.tokenizer, self.engine.addrs, self.engine.info, RequestLimits.from_config(self.config)
+        )
         await tm.start()
         return tm
 

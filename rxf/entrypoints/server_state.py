@@ -13,7 +13,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from rxf.core.config import EngineConfig
-from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.core.tokenizer_manager import (
+    EngineDeadError,
+    OverloadedError,
+    RequestError,
+    RequestTimeoutError,
+    TokenizerManager,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,11 +47,35 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# Seconds a client told "at capacity" or "shutting down" should wait before retrying.
+RETRY_AFTER_S = 1
+
+
+def engine_api_error(exc: BaseException) -> APIError | None:
+    """The HTTP answer to an exception the engine raises by design; None for anything else."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):
+        message = str(exc)
+        head, sep, _ = message.partition(":")  # messages read "field: reason" when one field is at fault
+        param = head if sep and head.replace("_", "").replace(".", "").isalnum() else None
+        return APIError(400, message, param=param)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine stopped: {exc}")
+    if isinstance(exc, OverloadedError):
+        return APIError(503, str(exc), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, RequestTimeoutError):
+        # 504, not 408: the client sent its request in time; the server took too long to answer it.
+        return APIError(504, str(exc), type="timeout_error", code="request_timeout")
+    return None
+
+
 _DEFAULT_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    504: "timeout_error",
     503: "service_unavailable",
 }
 
@@ -59,6 +89,7 @@ class ServerState:
     ready: bool = False
     startup_error: str | None = None
     engine_dead: str | None = None  # why a child process died after start-up; the server then answers 503
+    draining: bool = False  # shutting down: requests in flight finish, new ones get 503
     engine: Any = None  # EngineProcesses
     tokenizer: Any = None
     chat_template: Any = None  # ChatTemplate
@@ -71,6 +102,8 @@ class ServerState:
             raise APIError(503, f"the engine failed to start: {self.startup_error}")
         if self.engine_dead:
             raise APIError(503, f"the engine stopped: {self.engine_dead}")
+        if self.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": str(RETRY_AFTER_S)})
         if not self.ready or self.tokenizer_manager is None:
             raise APIError(503, "the model is still loading", headers={"Retry-After": "5"})
         return self.tokenizer_manager

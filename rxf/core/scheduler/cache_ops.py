@@ -39,10 +39,8 @@ class KVCacheManager:
     def match(self, req: Req, limit: int | None = None) -> tuple[torch.Tensor, object]:
         """Longest cached prefix of the request's tokens that still leaves one token to compute
         (the forward must produce logits for the last token)."""
-        key = req.fill_ids[: len(req.fill_ids) - 1]
-        if limit is not None:
-            key = key[:limit]
-        return self.tree.match_prefix(key)
+        n = req.seq_len - 1
+        return self.tree.match_prefix(req.tree_key(n if limit is None else min(n, limit)))
 
     def lock(self, req: Req, slots: torch.Tensor, node: object) -> None:
         self.tree.inc_lock_ref(node)
@@ -66,7 +64,7 @@ class KVCacheManager:
         if self.tree.disable:  # nothing to share; insert would take the slots we still use
             return
         slots = self.row_slots(req)
-        key = req.fill_ids[: req.kv_len]
+        key = req.tree_key(req.kv_len)
         already = self.tree.insert(key, slots)
         # Our slots for tokens the tree already had are duplicates: give them back.
         self.pool.free(slots[req.cached_len : already])
@@ -87,7 +85,7 @@ class KVCacheManager:
         if keep_in_tree:
             # The tree takes slots[already:]; ours for tokens it already had are duplicates.
             # (A disabled tree reports every token as already there, so all of ours are freed.)
-            already = self.tree.insert(req.fill_ids[: req.kv_len], slots)
+            already = self.tree.insert(req.tree_key(req.kv_len), slots)
             self.pool.free(slots[req.cached_len : already])
         else:
             self.pool.free(slots[req.cached_len :])

@@ -11,7 +11,7 @@ from rxf.core.io_struct import FinishReason, TokenizedGenerateReq
 from rxf.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from rxf.core.radix_cache import TreeNode
+    from rxf.core.radix_cache import TokenKey, TreeNode
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 
@@ -33,6 +33,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    cache_salt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping
     req_pool_idx: int | None = None
@@ -66,11 +67,21 @@ class Req:
             return_logprob=msg.return_logprob,
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
+            cache_salt=msg.cache_salt,
         )
 
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    def tree_key(self, n: int) -> list[TokenKey]:
+        """The radix-tree key of the first n tokens of `fill_ids`. A salted request's first token
+        becomes (salt, token), which equals no plain token id and no other salt's: salted prefixes
+        live in a subtree of their own, so requests share KV only with the same salt."""
+        key: list[TokenKey] = list(self.fill_ids[:n])
+        if self.cache_salt is not None and key:
+            key[0] = (self.cache_salt, key[0])
+        return key
 
     @property
     def seq_len(self) -> int:

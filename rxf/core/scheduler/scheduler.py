@@ -2,6 +2,12 @@
 
 It deals in requests, slot indices and token counts; `ModelRunner` alone builds tensors. Usable
 in-process (tests drive `add_request` / `step` directly) and from the scheduler process loop.
+
+Faults: a forward that raises fails the requests of its batch; an exception in one request's own
+processing after the forward (its sampling, prompt logprobs or stop check) fails that request only.
+Either way the failed requests end with an "abort" carrying the error and their KV is released at
+once, and the scheduler keeps serving the others. Anything else (a bookkeeping bug) propagates and
+ends the process: its state could no longer be trusted.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from rxf.core.radix_cache import RadixCache
 from rxf.core.sampling import make_generator
 from rxf.core.scheduler.admission import admit
 from rxf.core.scheduler.cache_ops import KVCacheManager
+from rxf.core.scheduler.faults import FaultInjector
 from rxf.core.scheduler.output import (
     StopChecker,
     make_token_out,
@@ -62,6 +69,7 @@ class Scheduler:
         self.rng = random.Random(config.runtime.seed)
         self.check_memory = check_memory
         self.counters = _Counters(last_log_time=time.perf_counter())
+        self.faults = FaultInjector.from_env()  # test-only; None unless RXF_FAULT_INJECT is set
 
     # ---- requests in ----
     def add_request(self, msg: TokenizedGenerateReq) -> TokenOut | None:
@@ -194,23 +202,38 @@ class Scheduler:
             prefix_slots=[self._prefix_slots(r) for r in reqs],
             logits_start=logits_start,
         )
-        logits = self.runner.forward(inp)
-        # Split the logits rows per request; only requests whose prompt is now complete sample.
-        ready, last_rows, row = [], [], 0
+        try:
+            logits = self._forward(inp, reqs)
+        except Exception as exc:
+            logger.exception("EXTEND forward of %d requests failed; failing them", len(reqs))
+            for req, slots in batch:
+                self._free_slots(slots)  # this forward's slots: not yet part of the request's KV
+                self.running.append(req)
+            return [self._finish(r, _internal_error(exc)) for r in reqs]
+        # Bookkeeping first (it cannot fail per request), then each request's own processing.
+        spans, row = [], 0  # per request: first logits row, rows, absolute position of the first
         for (req, slots), start in zip(batch, logits_start, strict=True):
             n_rows = int(slots.numel()) - start
-            if req.wants_prompt_logprobs():
-                record_prompt_logprobs(req, logits[row : row + n_rows], req.kv_len + start)
+            spans.append((row, n_rows, req.kv_len + start))
             req.kv_len += int(slots.numel())
-            if req.kv_len == req.seq_len:
-                ready.append(req)
-                last_rows.append(row + n_rows - 1)
             row += n_rows
             self.running.append(req)
         for req in reqs:
             self.kv.cache_unfinished(req)
+        # Only requests whose prompt is now complete sample.
+        outs, ready, last_rows = [], [], []
+        for req, (first, n_rows, abs_start) in zip(reqs, spans, strict=True):
+            if req.wants_prompt_logprobs():
+                try:
+                    record_prompt_logprobs(req, logits[first : first + n_rows], abs_start)
+                except Exception as exc:
+                    outs.append(self._fail(req, exc))
+                    continue
+            if req.kv_len == req.seq_len:
+                ready.append(req)
+                last_rows.append(first + n_rows - 1)
         # max_new_tokens = 0 (prefill only: prompt logprobs, or warming the cache for n > 1).
-        outs = [self._finish(r, FinishReason("length")) for r in ready if r.sampling_params.max_new_tokens == 0]
+        outs += [self._finish(r, FinishReason("length")) for r in ready if r.sampling_params.max_new_tokens == 0]
         last_rows = [row for r, row in zip(ready, last_rows, strict=True) if r.sampling_params.max_new_tokens]
         ready = [r for r in ready if r.sampling_params.max_new_tokens]
         if ready:
@@ -242,7 +265,12 @@ class Scheduler:
             extend_lens=[1] * len(decoding),
             out_cache_loc=slots,
         )
-        logits = self.runner.forward(inp)
+        try:
+            logits = self._forward(inp, decoding)
+        except Exception as exc:
+            logger.exception("DECODE forward of %d requests failed; failing them", len(decoding))
+            self._free_slots(slots)
+            return [self._finish(r, _internal_error(exc)) for r in decoding]
         for req in decoding:
             req.kv_len += 1
         self.counters.decode_steps += 1
@@ -275,21 +303,56 @@ class Scheduler:
 
     # ---- after sampling ----
     def _sample_and_emit(self, reqs: list[Req], logits: torch.Tensor, force_send: bool) -> list[TokenOut]:
-        next_ids, logprobs = sample_next(reqs, logits, self.stop, self.runner.vocab_size)
-        if logprobs is not None and any(r.return_logprob for r in reqs):
-            record_output_logprobs(reqs, logprobs, next_ids)
-        outs = []
-        for req, token in zip(reqs, next_ids, strict=True):
+        outs: list[TokenOut] = []
+        try:
+            sampled = self._sample(reqs, logits)
+        except Exception:
+            # One request's parameters may be at fault: sample each alone so that only it fails.
+            logger.warning("sampling a batch of %d failed; retrying one by one", len(reqs), exc_info=True)
+            sampled = []
+            for i, req in enumerate(reqs):
+                try:
+                    sampled += self._sample([req], logits[i : i + 1])
+                except Exception as exc:
+                    outs.append(self._fail(req, exc))
+        for req, token in sampled:
             req.output_ids.append(token)
             req.decoding = True
             self.counters.generated_tokens += 1
-            req.finished_reason = self.stop.check(req)
             req.steps_since_send += 1
+            try:
+                req.finished_reason = self.stop.check(req)
+            except Exception as exc:
+                outs.append(self._fail(req, exc))
+                continue
             if req.finished:
                 outs.append(self._finish(req))
             elif req.stream and (force_send or req.steps_since_send >= self.sc.stream_interval):
                 outs.append(make_token_out(req, finished=False))
         return outs
+
+    def _forward(self, inp: ModelInput, reqs: list[Req]) -> torch.Tensor:
+        if self.faults is not None:
+            self.faults.check("forward", reqs)
+        return self.runner.forward(inp)
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[tuple[Req, int]]:
+        """Next token per request, with its output logprobs recorded; changes no request on failure
+        (logprobs are recorded last, by a loop that only appends)."""
+        if self.faults is not None:
+            self.faults.check("sample", reqs)
+        next_ids, logprobs = sample_next(reqs, logits, self.stop, self.runner.vocab_size)
+        if logprobs is not None and any(r.return_logprob for r in reqs):
+            record_output_logprobs(reqs, logprobs, next_ids)
+        return list(zip(reqs, next_ids, strict=True))
+
+    def _free_slots(self, slots: torch.Tensor) -> None:
+        self.runner.token_to_kv_pool.free(slots)
+
+    def _fail(self, req: Req, exc: Exception) -> TokenOut:
+        """One running request's processing raised: end it alone, its KV released now."""
+        logger.error("request %s failed; aborting it", req.rid, exc_info=exc)
+        return self._finish(req, _internal_error(exc))
 
     def _finish(self, req: Req, reason: FinishReason | None = None) -> TokenOut:
         if reason is not None:
@@ -329,3 +392,7 @@ class Scheduler:
             "cache hit rate %.2f",
             s.num_running, s.num_waiting, used, used / s.total_slots, throughput, s.cache_hit_rate,
         )
+
+
+def _internal_error(exc: Exception) -> FinishReason:
+    return FinishReason("abort", message=f"internal error: {type(exc).__name__}: {exc}"[:500])

@@ -47,6 +47,7 @@ class GenerationFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None  # tenant isolation in the prefix cache (as vLLM's)
     # Extensions sent by benchmark tools and other servers' clients.
     top_k: int | None = None
     min_p: float | None = None

@@ -11,11 +11,12 @@ import re
 from typing import Any
 
 from rxf.core.sampling import SamplingParams
+from rxf.core.tokenizer_manager import MAX_CACHE_SALT_LEN, MAX_TOP_LOGPROBS, RequestLimits
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from rxf.entrypoints.server_state import APIError
 
 MAX_N = 128
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
 # Choice i of a seeded request uses seed + i, so seeds stay below 2**63 and the sum below the
 # engine's 2**64 bound.
 _MAX_SEED = 2**63
@@ -65,6 +66,8 @@ def check_common(req: GenerationFields) -> None:
         raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     if req.seed is not None and not 0 <= req.seed < _MAX_SEED:
         raise bad_request(f"seed must be in [0, 2**63), got {req.seed}", "seed")
+    if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_LEN:
+        raise bad_request(f"cache_salt must be 1 to {MAX_CACHE_SALT_LEN} characters", "cache_salt")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -165,10 +168,12 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def verify_native(params: dict[str, Any], vocab_size: int) -> None:
+def verify_native(params: dict[str, Any], vocab_size: int, limits: RequestLimits | None = None) -> None:
     """The engine's own verification, run now so that it answers 400 before any stream starts."""
     try:
-        SamplingParams.from_dict(params).verify(vocab_size)
+        native = SamplingParams.from_dict(params)
+        native.verify(vocab_size)
+        (limits or RequestLimits()).check_params(native)
     except ValueError as exc:
         message = str(exc)
         match = _NATIVE_FIELD.search(message)

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
+from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs, token_str_fn
 from rxf.entrypoints.openai.protocol import (
@@ -82,7 +82,12 @@ def render_prompt(messages: list[ChatMessage], chat_template: Any, tokenizer: An
 
 
 def plan_chat(
-    req: ChatCompletionRequest, tokenizer: Any, chat_template: Any, context_len: int, vocab_size: int
+    req: ChatCompletionRequest,
+    tokenizer: Any,
+    chat_template: Any,
+    context_len: int,
+    vocab_size: int,
+    limits: RequestLimits | None = None,
 ) -> ChatPlan:
     """The native requests for `req`; raises APIError(400) naming the field for any bad value."""
     check_chat(req)
@@ -93,7 +98,7 @@ def plan_chat(
         requested, param = req.max_tokens, "max_tokens"
     budget = max_new_tokens(requested, param, None, len(ids), context_len, "messages")
     params = native_params(req, budget, tuple(chat_template.stop_strings))
-    verify_native(params, vocab_size)
+    verify_native(params, vocab_size, limits)
     rid = gen.new_id("chatcmpl")
     reqs = gen.choice_requests(
         ids,
@@ -104,6 +109,7 @@ def plan_chat(
         stream=req.stream,
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
+        cache_salt=req.cache_salt,
     )
     return ChatPlan(rid, ids, params, reqs, req.logprobs)
 
@@ -174,9 +180,10 @@ async def create_chat_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    plan = plan_chat(body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size)
+    plan = plan_chat(body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size, tm.limits)
+    tm.check_capacity(len(plan.reqs))
     if body.n > 1:
-        await gen.warm_prefixes(tm, [plan.ids], plan.params)
+        await gen.warm_prefixes(tm, [plan.ids], plan.params, body.cache_salt)
     token_str = token_str_fn(state.tokenizer)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

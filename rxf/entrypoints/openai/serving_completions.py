@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
+from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import (
     TokenStr,
@@ -89,7 +89,7 @@ def parse_prompts(prompt: PromptField, tokenizer: Any, vocab_size: int) -> list[
 
 
 def plan_completion(
-    req: CompletionRequest, tokenizer: Any, context_len: int, vocab_size: int
+    req: CompletionRequest, tokenizer: Any, context_len: int, vocab_size: int, limits: RequestLimits | None = None
 ) -> CompletionPlan:
     """The native requests for `req`; raises APIError(400) naming the field for any bad value."""
     check_completion(req)
@@ -101,7 +101,7 @@ def plan_completion(
             req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, len(prompt.ids), context_len, "prompt"
         )
         params = native_params(req, budget)
-        verify_native(params, vocab_size)
+        verify_native(params, vocab_size, limits)
         plan.params.append(params)
         plan.reqs += gen.choice_requests(
             prompt.ids,
@@ -114,6 +114,7 @@ def plan_completion(
             # Echoed prompt logprobs start at the first prompt token (which has none).
             logprob_start_len=0 if with_logprobs and req.echo else -1,
             top_logprobs_num=req.logprobs or 0,
+            cache_salt=req.cache_salt,
         )
     return plan
 
@@ -191,9 +192,10 @@ async def create_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    plan = plan_completion(body, state.tokenizer, tm.max_context_len, tm.vocab_size)
+    plan = plan_completion(body, state.tokenizer, tm.max_context_len, tm.vocab_size, tm.limits)
+    tm.check_capacity(len(plan.reqs))
     if plan.n > 1:  # the prompts' params differ only in their budget, which warming zeroes
-        await gen.warm_prefixes(tm, [p.ids for p in plan.prompts], plan.params[0])
+        await gen.warm_prefixes(tm, [p.ids for p in plan.prompts], plan.params[0], body.cache_salt)
     token_str = token_str_fn(state.tokenizer)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -9,8 +9,7 @@ from collections.abc import AsyncGenerator
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from rxf.core.tokenizer_manager import EngineDeadError, RequestError
-from rxf.entrypoints.server_state import APIError
+from rxf.entrypoints.server_state import APIError, engine_api_error
 
 logger = logging.getLogger(__name__)
 
@@ -19,13 +18,7 @@ DONE = "data: [DONE]\n\n"
 
 def to_api_error(exc: Exception) -> APIError | None:
     """The API error for an exception raised by design; None for anything else."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, RequestError):
-        return APIError(400, str(exc))
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine stopped: {exc}")
-    return None
+    return engine_api_error(exc)
 
 
 def event(payload: BaseModel) -> str:
