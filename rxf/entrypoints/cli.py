@@ -1,4 +1,5 @@
-"""The `rxf` command line: `rxf launch CONFIG`, `rxf plugins`, `rxf generate CONFIG`, `rxf chat CONFIG`."""
+"""The `rxf` command line: `rxf launch CONFIG`, `rxf plugins`, `rxf generate CONFIG`, `rxf chat CONFIG`,
+`rxf bench serve|offline`."""
 
 from __future__ import annotations
 
@@ -86,6 +87,43 @@ def cmd_generate(args: argparse.Namespace, chat: bool) -> int:
     return 0
 
 
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """Workload and scheduling flags shared by `bench serve` and `bench offline` (rxf.bench)."""
+    p.add_argument("--dataset", choices=["random", "shared-prefix", "sharegpt-file"], default="random")
+    p.add_argument("--dataset-path", default=None, help="sharegpt-file: a local ShareGPT JSON file")
+    p.add_argument("--num-prompts", type=int, default=64, help="random / sharegpt-file")
+    p.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="random / shared-prefix: new tokens")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in len*(1±r)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed new tokens (default: the gpt turn)")
+    p.add_argument("--num-groups", type=int, default=8, help="shared-prefix: distinct system prompts")
+    p.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: questions per system prompt")
+    p.add_argument("--system-prompt-len", type=int, default=512, help="shared-prefix: shared prefix tokens")
+    p.add_argument("--question-len", type=int, default=64, help="shared-prefix: per-prompt tokens")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per s (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths then vary)")
+    p.add_argument("--output", default=None, help="write the summary and per-request figures as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_bench_parser(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="serving benchmarks").add_subparsers(dest="bench_command", required=True)
+    serve = bench.add_parser("serve", help="benchmark a running server (rxf or any OpenAI-compatible one)")
+    serve.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000")
+    serve.add_argument("--backend", choices=["openai", "openai-chat", "rxf"], default="openai")
+    serve.add_argument("--model", default=None, help="the request's model field (and tokenizer, without --tokenizer)")
+    serve.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id for building prompts")
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    _add_workload_args(serve)
+    offline = bench.add_parser("offline", help="the same workloads through Runtime, without HTTP")
+    offline.add_argument("--config", required=True, help="TOML config file")
+    offline.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    _add_workload_args(offline)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rxf", description="rxf: an LLM serving engine")
     parser.add_argument("--log-level", default=None, help="default: warning; for launch, runtime.log_level")
@@ -104,12 +142,21 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    _add_bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "launch":
         return cmd_launch(args)
     setup_logging(args.log_level or "warning")
     if args.command == "plugins":
         return cmd_plugins(args)
+    if args.command == "bench":
+        if args.bench_command == "serve":
+            from rxf.bench.serve import cmd_serve
+
+            return cmd_serve(args)
+        from rxf.bench.offline import cmd_offline
+
+        return cmd_offline(args, _overrides(args.set))
     return cmd_generate(args, chat=args.command == "chat")
 
 
