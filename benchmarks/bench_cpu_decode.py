@@ -84,7 +84,8 @@ def git_commit() -> dict[str, Any]:
         done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent)
         return done.stdout.strip()
 
-    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+    changed = git("status", "--porcelain").splitlines()
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(changed), "changed": changed[:50]}
 
 
 def _own_tree_ticks() -> int:
@@ -388,7 +389,10 @@ def report(results: dict[str, Any]) -> str:
     s, b = results.get("summary", {}), results["settings"]["batch"]
     lines = []
     if "rxf" in s:
-        lines += ["| measurement | rxf | HF transformers | rxf / HF |", "|---|---|---|---|"]
+        lines += [
+            "| measurement | rxf | HF transformers | rxf / HF (medians) | rxf / HF per round |",
+            "|---|---|---|---|---|",
+        ]
         rows = [
             ("1 request: output tok/s", "bs1_output_tok_s", 1),
             ("1 request: TTFT s", "bs1_ttft_s", 3),
@@ -399,7 +403,9 @@ def report(results: dict[str, Any]) -> str:
         for label, key, digits in rows:
             rxf, hf = s["rxf"][key], s.get("hf", {}).get(key)
             ratio = f"{rxf['median'] / hf['median']:.2f}" if hf else "–"
-            lines.append(f"| {label} | {fmt(rxf, digits)} | {fmt(hf, digits) if hf else '–'} | {ratio} |")
+            pair = s.get("paired_ratio", {}).get(key)
+            paired = fmt(pair, 2) if pair else "–"
+            lines.append(f"| {label} | {fmt(rxf, digits)} | {fmt(hf, digits) if hf else '–'} | {ratio} | {paired} |")
         lines.append("")
         lines.append(f"torch threads: rxf scheduler {results['rxf_torch_threads']}, HF {results.get('hf_torch_threads')}")
     if "load_s" in s:
@@ -472,6 +478,17 @@ def run_rounds(args: argparse.Namespace, results: dict[str, Any], model_path: st
         results["summary"]["load_s"] = summarize(results["warm_load"], "load_s")
     if hf is not None:
         results["summary"]["hf"] = engine_summary("hf", "hf_bs1")
+        # Per round, rxf over HF: the two ran back to back, so slow drift in the machine's speed cancels.
+        paired = {
+            "bs1_output_tok_s": ("rxf_bs1", "hf_bs1", "output_tok_s"),
+            "bs1_ttft_s": ("rxf_bs1_stream", "hf_bs1", "ttft_s"),
+            "bs1_decode_tok_s": ("rxf_bs1_stream", "hf_bs1", "decode_tok_s"),
+            "batch_output_tok_s": ("rxf_batch", "hf_batch", "output_tok_s"),
+            "batch_wall_s": ("rxf_batch", "hf_batch", "wall_s"),
+        }
+        results["summary"]["paired_ratio"] = {
+            key: summarize([{"r": r[a][m] / r[h][m]} for r in rounds], "r") for key, (a, h, m) in paired.items()
+        }
         last, eos = rounds[-1], tokenizer.eos_token_id
         results["agreement"] = {
             "bs1": agreement(last["rxf_bs1"]["output_ids"], last["hf_bs1"]["output_ids"], eos),
