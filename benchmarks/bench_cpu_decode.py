@@ -420,12 +420,14 @@ def report(results: dict[str, Any]) -> str:
             f"{sum(x['parted_at_eos'] for x in parted)} of them first where rxf emitted EOS; "
             f"common prefixes {[x['common_prefix'] for x in parted]}"
         )
-    calls = [*results.get("warm_load", []), *(results.get("cold") and [results["cold"]] or [])]
-    calls += [c for r in results.get("rounds", []) for c in r.values()]
-    noisy = [c for c in calls if c["cpu"]["others_cores"] > results["settings"]["max_other_cores"]]
+    calls = [("cold start", results["cold"])] if "cold" in results else []
+    calls += [(f"warm load {i + 1}", c) for i, c in enumerate(results.get("warm_load", []))]
+    calls += [(f"round {i + 1} {name}", c) for i, r in enumerate(results.get("rounds", [])) for name, c in r.items()]
+    limit = results["settings"]["max_other_cores"]
+    noisy = [f"{name} ({c['cpu']['others_cores']} cores)" for name, c in calls if c["cpu"]["others_cores"] > limit]
     lines.append(
-        f"{len(noisy)} of {len(calls)} kept calls ran while other processes used more than "
-        f"{results['settings']['max_other_cores']} cores (retries exhausted)"
+        f"{len(noisy)} of {len(calls)} kept calls ran while other processes used more than {limit} cores "
+        f"(retries exhausted){': ' + ', '.join(noisy) if noisy else ''}"
     )
     return "\n".join(lines)
 
