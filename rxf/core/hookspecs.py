@@ -71,3 +71,13 @@ def rxf_register_chat_templates(register: RegisterChatTemplate) -> None:
 
     Called in the process that owns the TokenizerManager, where prompts are rendered.
     """
+
+
+@hookspec
+def rxf_register_grammar_backends(register: RegisterFactory) -> None:
+    """Register grammar backends (constrained decoding) by the name users put in ``grammar.backend``.
+
+    The factory builds the object that compiles ``regex`` / ``json_schema`` / ``ebnf`` constraints
+    for a tokenizer and gives the sampler a per-request token bitmask. Called in each scheduler
+    process and in the process that owns the TokenizerManager (which rejects invalid grammars).
+    """

@@ -21,7 +21,7 @@ from rxf.core import hookspecs
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "rxf"
-KINDS = ("attention_backends", "models", "multimodal_processors", "chat_templates")
+KINDS = ("attention_backends", "models", "multimodal_processors", "chat_templates", "grammar_backends")
 
 
 class PluginNotFoundError(KeyError):

@@ -49,6 +49,12 @@ class SamplingParams:
     no_stop_trim: bool = False
     # OpenAI logit_bias: token id -> value in [-100, 100] added to its logit (after penalties).
     logit_bias: dict[int, float] | None = None
+    # Structured output (at most one): a regular expression, a JSON schema given as JSON text
+    # (`{"type": "object"}` for any JSON object), or an EBNF grammar. The grammar backend
+    # (`rxf_register_grammar_backends`) compiles it; the sampler masks tokens it does not allow.
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -93,6 +99,18 @@ class SamplingParams:
             bound = "vocab_size" if vocab_size is None else vocab_size
             _require(in_vocab, "logit_bias", f"token ids must be in [0, {bound})", token_id)
             _require(-100 <= bias <= 100, "logit_bias", "values must be in [-100, 100]", bias)
+        constraints = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
+        _require(len(constraints) <= 1, constraints[-1] if constraints else "regex",
+                 "at most one of regex, json_schema and ebnf may be set", constraints)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The constraint as (kind, text), kind in {"regex", "json_schema", "ebnf"}; None if unconstrained."""
+        for kind in ("regex", "json_schema", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
 
 def _require(ok: bool, name: str, reason: str, value: Any) -> None:
@@ -135,6 +153,12 @@ def _as_str_list(name: str, value: Any) -> list[str]:
     return list(value)
 
 
+def _as_optional_str(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    return value
+
+
 def _as_int_list(name: str, value: Any) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise _type_error(name, "a list of integers", value)
@@ -167,6 +191,7 @@ _COERCER_BY_TYPE: dict[str, Callable[[str, Any], Any]] = {
     "list[str]": _as_str_list,
     "list[int]": _as_int_list,
     "dict[int, float] | None": _as_logit_bias,
+    "str | None": _as_optional_str,
 }
 _COERCERS = {f.name: _COERCER_BY_TYPE[str(f.type)] for f in fields(SamplingParams)}
 
