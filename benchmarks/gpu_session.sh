@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One GPU call: install, warm FlashInfer's JIT cache, run the GPU tests, then (stage "bench") the
-# 8B-shaped benchmark. Run from the repo root on the GPU machine; see ../shared/device/README.md.
-#   bash benchmarks/gpu_session.sh tests|bench [extra gpu_decode.py args]
+# One GPU call: install, warm FlashInfer's JIT cache, run the GPU tests (stage "tests"), the 8B-shaped
+# benchmark (stage "bench") or the decode profile (stage "profile"). Run from the repo root on the GPU
+# machine; see ../shared/device/README.md. The JIT cache comes back in parts under 15 MB (the limit on
+# returned files); put them in .fi-parts/ (git-ignored, carried) and the next call restores them.
+#   bash benchmarks/gpu_session.sh tests|bench|profile [extra script args]
 set -uo pipefail
 stage=$1; shift
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache
@@ -12,13 +14,20 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
 out=${OUT:-/tmp/out}; mkdir -p "$out"
+if ls .fi-parts/fi-cache.tgz.part-* > /dev/null 2>&1; then cat .fi-parts/fi-cache.tgz.part-* | tar xzf - && echo "JIT cache restored"; fi
 if [ "$stage" = tests ]; then
   start=$(date +%s)
   python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
   python3 benchmarks/gpu_decode.py --preset tiny --phases jit > "$out/jit-tiny.log" 2>&1 &
   wait; echo "jit: $(( $(date +%s) - start )) s"; tail -2 "$out"/jit-*.log
   python3 -m pytest -q -p no:cacheprovider tests/gpu -ra 2>&1 | tee "$out/gpu-tests.log" | tail -40
-  tar czf "$out/fi-cache.tgz" -C "$PWD" .fi-cache && ls -la "$out"
+  tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
+elif [ "$stage" = profile ]; then
+  python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
+  python3 benchmarks/gpu_profile.py --phases gemv "$@" 2>&1 | tee "$out/profile-gemv.log"
+  wait; tail -2 "$out/jit-8b.log"
+  tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-"
+  python3 benchmarks/gpu_profile.py --phases step,attn "$@" 2>&1 | tee "$out/profile.log"
 else
   python3 benchmarks/gpu_decode.py --preset llama3-8b "$@" 2>&1 | tee "$out/bench.log"
 fi

@@ -160,6 +160,8 @@ def decode_attention(
     scaling: float,
     block_h: int | None = None,
     block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> None:
     """Write into `out` [bs, H, D] the attention of q [bs, H, D] (one new token per request) over
     request b's keys req_to_token[req_pool_indices[b], 0:seq_lens[b]] in the pool.
@@ -189,7 +191,7 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n or _block_n(head_dim), BLOCK_D=block_d, M_INIT=_M_INIT,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(bs, num_heads)](
         mid_o, mid_lse, seq_lens, num_kv_splits, out,

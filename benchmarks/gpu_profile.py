@@ -1,0 +1,282 @@
+"""Where a decode step's time goes on the GPU (issue 4's profile): one call on the GPU machine.
+
+    python benchmarks/gpu_profile.py [--preset llama3-8b] [--phases gemv,step,attn] [--backend triton]
+
+Phases (each guarded like gpu_decode.py's; figures go to $OUT/gpu_profile.json, traces beside it):
+  gemv   each weight matrix of the preset at one token (x [1, hidden] @ W.T, bf16, cuBLAS through
+         F.linear), timed as GPU time over rotating copies (so L2 holds none of them): us and GB/s read
+  step   the in-process engine (ModelRunner + Scheduler, `--backend`) at batch 1 with CUDA graphs:
+         median wall time of a whole scheduler step, GPU time of the decode graph alone (replayed
+         back to back), and a torch.profiler trace of 8 steps summarised as kernel time by category,
+         top kernels, idle GPU gaps, and the host calls that fill them
+  attn   decode attention kernel time (GPU time from the profiler, no launch overhead: the engine
+         replays it from CUDA graphs) for triton launch settings vs flashinfer, at realistic shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_decode as gd  # noqa: E402  (the sibling benchmark: presets, checkpoint, engine, cases)
+
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+RESULTS: dict[str, Any] = {}
+
+
+# ---------------------------------------------------------------- GPU time of a callable
+def kernel_time_us(fn: Callable[[], Any], iters: int = 20) -> tuple[float, dict[str, float]]:
+    """Mean GPU kernel time per call of `fn` (sum of kernel durations, launch gaps excluded) and the
+    per-kernel-name split, from a torch.profiler trace of `iters` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[evt.name] += evt.device_time / iters
+    return sum(per_name.values()), dict(per_name)
+
+
+# ---------------------------------------------------------------- gemv
+def _time_gemv(n: int, k: int) -> tuple[float, dict[str, float]]:
+    copies = max(2, min(8, (2 << 30) // (n * k * 2)))  # >= 2 GiB in flight where it fits: no L2 hits
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    turn = iter(range(10**9))
+
+    def call() -> None:
+        torch.nn.functional.linear(x, ws[next(turn) % copies])
+
+    return kernel_time_us(call, iters=4 * copies)
+
+
+def gemv_phase(p: gd.Preset) -> None:
+    hd = p.hidden // p.heads
+    shapes = {"qkv": (p.hidden + 2 * p.kv_heads * hd, p.hidden), "o": (p.hidden, p.hidden),
+              "gate_up": (2 * p.intermediate, p.hidden), "down": (p.hidden, p.intermediate),
+              "lm_head": (p.vocab, p.hidden)}
+    out: dict[str, Any] = {}
+    total_us = 0.0
+    for name, (n, k) in shapes.items():
+        us, kernels = _time_gemv(n, k)
+        gbps = n * k * 2 / (us * 1e-6) / 1e9
+        out[name] = {"shape": [n, k], "us": us, "GBps": gbps, "kernels": list(kernels)}
+        per_step = p.layers if name != "lm_head" else 1
+        total_us += us * per_step
+        print(f"gemv {name:8s} {n}x{k}: {us:7.1f} us  {gbps:6.0f} GB/s  {list(kernels)[:2]}", flush=True)
+    out["step_gemm_us"] = total_us
+    print(f"GEMMs of one batch-1 step: {total_us / 1e3:.3f} ms", flush=True)
+    RESULTS["gemv"] = out
+
+
+# ---------------------------------------------------------------- step + profile
+_CATEGORIES = (("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "sm90")),
+               ("attention", ("_decode", "attention", "batch")),
+               ("norm", ("norm",)), ("rope", ("rope", "rotary")), ("activation", ("silu", "act_and_mul")),
+               ("copy/index", ("copy", "index", "scatter", "gather", "fill", "cat")),
+               ("sampling", ("argmax", "softmax", "topk", "sort", "reduce", "max")))
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in _CATEGORIES:
+        if any(key in low for key in keys):
+            return cat
+    return "other"
+
+
+def summarise_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Kernel time per category, the top kernels and the GPU's idle gaps, per decode step."""
+    events = trace["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    by_cat: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_cat[_category(e["name"])] += e["dur"] / steps
+        by_name[e["name"]][0] += e["dur"] / steps
+        by_name[e["name"]][1] += 1 / steps
+    gaps = []
+    for prev, nxt in zip(kernels, kernels[1:], strict=False):
+        gap = nxt["ts"] - (prev["ts"] + prev["dur"])
+        if gap > 3:
+            gaps.append((gap, prev["name"][:60], nxt["name"][:60], nxt["ts"]))
+    busy = sum(e["dur"] for e in kernels)
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] if kernels else 0
+    # Host calls that overlap the largest gaps: what the GPU waits for.
+    cpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "cuda_runtime",
+                                                                          "user_annotation")]
+    gap_hosts: dict[str, float] = defaultdict(float)
+    for gap, _, _, end in gaps:
+        start = end - gap
+        for e in cpu:
+            lo, hi = max(start, e["ts"]), min(end, e["ts"] + e["dur"])
+            if hi > lo and e.get("cat") in ("cuda_runtime", "python_function", "user_annotation"):
+                gap_hosts[e["name"][:80]] += (hi - lo) / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "kernels_per_step": len(kernels) / steps, "gpu_busy_us_per_step": busy / steps,
+        "span_us_per_step": span / steps, "idle_us_per_step": (span - busy) / steps,
+        "by_category_us": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        "top_kernels": [{"name": n[:120], "us_per_step": v[0], "calls_per_step": v[1]} for n, v in top],
+        "gaps_over_3us_per_step": len(gaps) / steps, "gap_us_per_step": sum(g[0] for g in gaps) / steps,
+        "largest_gaps": [{"us": g[0], "after": g[1], "before": g[2]} for g in sorted(gaps, reverse=True)[:12]],
+        "host_during_gaps_us_per_step": dict(sorted(gap_hosts.items(), key=lambda kv: -kv[1])[:25]),
+    }
+
+
+def step_phase(p: gd.Preset, model_dir: Path, backend: str) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    sched = gd._engine(model_dir, backend, 64, 64 * 512 + 4096)
+    graphs = sched.runner.cuda_graphs
+    assert graphs is not None, "CUDA graphs are off"
+    gd._add(sched, 1, 128, 4000, p.vocab, "p")
+    for _ in range(40):
+        sched.step()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(200):
+        start = time.perf_counter()
+        sched.step()  # ends in the host read of the sampled token: a whole step
+        walls.append(time.perf_counter() - start)
+    wall_us = statistics.median(walls) * 1e6
+    graph = graphs.graphs[1]
+    start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        graph.replay()
+    start_evt.record()
+    for _ in range(50):
+        graph.replay()
+    end_evt.record()
+    end_evt.synchronize()
+    graph_us = start_evt.elapsed_time(end_evt) * 1e3 / 50
+    res: dict[str, Any] = {"step_wall_us": wall_us, "graph_replay_us": graph_us,
+                           "outside_graph_us": wall_us - graph_us, "tok_s": 1e6 / wall_us}
+    print(f"{backend} batch 1: step {wall_us:.0f} us, graph alone {graph_us:.0f} us "
+          f"({1e6 / wall_us:.1f} tok/s)", flush=True)
+    steps = 8
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
+        for _ in range(steps):
+            with record_function("scheduler.step"):
+                sched.step()
+        torch.cuda.synchronize()
+    path = OUT / f"trace-{backend}-b1.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    with gzip.open(str(path) + ".gz", "wt") as f:
+        json.dump(trace, f)
+    path.unlink()
+    res["profile"] = summarise_trace(trace, steps)
+    res["host_ops_top"] = [
+        {"name": e.key[:80], "self_cpu_us_per_step": e.self_cpu_time_total / steps, "calls": e.count / steps}
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]
+    ]
+    RESULTS[f"step_{backend}"] = res
+    print(json.dumps(res, indent=1)[:6000], flush=True)
+    while sched.has_work:
+        for r in sched.running:
+            r.to_abort = True
+        sched.step()
+
+
+# ---------------------------------------------------------------- attention decode kernels
+def attn_phase(p: gd.Preset) -> None:
+    from rxf.core.forward import ForwardMode
+    from rxf.core.registry import PluginRegistry
+    from rxf.plugins.attention.triton.decode import decode_attention
+
+    registry = PluginRegistry.load()
+    shapes = [(1, 4095), (16, 4095), (64, 1023), (256, 511)]
+    triton_cls = registry.attention_backend("triton")
+    out: dict[str, Any] = {}
+    for bs, prefix in shapes:
+        case = gd.AttentionCase.make(p, ForwardMode.DECODE, bs, prefix, 1)
+        case.args = (case.q, case.k, case.v, case.layer, case.batch)
+        label = f"b{bs} ctx{prefix + 1}"
+        row: dict[str, Any] = {}
+        ref_backend, ref = case.forward(registry.attention_backend("torch_native"))
+        ref = ref.float()
+        try:
+            fi, _ = case.forward(registry.attention_backend("flashinfer"))
+            row["flashinfer"], _ = kernel_time_us(functools.partial(fi.forward, *case.args))
+        except Exception as e:
+            row["flashinfer"] = f"failed: {type(e).__name__}: {e}"[:200]
+        tb, _ = case.forward(triton_cls)
+        row["triton_default"], _ = kernel_time_us(functools.partial(tb.forward, *case.args))
+        k_buf, v_buf = case.ctx.token_to_kv_pool.get_kv_buffer(0)
+        q = case.q.view(bs, p.heads, -1)
+        seq = prefix + 1
+        for splits in (1, 2, 4, 8, 16, 32, 64):
+            if bs * splits * p.kv_heads > 8 * 132 * 8 or seq / splits < 32:
+                continue
+            nsplit = torch.full((bs,), splits, dtype=torch.int32, device="cuda")
+            mid_o = torch.empty(bs, p.heads, splits, q.shape[-1], device="cuda")
+            mid_lse = torch.empty(bs, p.heads, splits, device="cuda")
+            for block_n in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (1, 2, 3):
+                        o = torch.empty_like(q)
+                        call = functools.partial(
+                            decode_attention, q, k_buf, v_buf, o, case.batch.req_to_token_pool.req_to_token,
+                            case.batch.req_pool_indices, case.batch.seq_lens, nsplit, splits, mid_o, mid_lse,
+                            case.layer.scaling, block_n=block_n, num_warps=warps, num_stages=stages)
+                        try:
+                            us, _ = kernel_time_us(call, iters=10)
+                            err = ((o.float().view_as(ref) - ref).norm() / ref.norm()).item()
+                            row[f"s{splits} n{block_n} w{warps} st{stages}"] = round(us, 2) if err < 2e-2 else f"err {err:.3g}"
+                        except Exception as e:
+                            row[f"s{splits} n{block_n} w{warps} st{stages}"] = f"failed: {type(e).__name__}"[:60]
+        timed = {k: v for k, v in row.items() if k.startswith("s") and isinstance(v, float)}
+        best = min(timed, key=timed.get) if timed else None
+        summary = {"flashinfer_us": row["flashinfer"], "triton_default_us": row["triton_default"],
+                   "triton_best": best, "triton_best_us": timed.get(best) if best else None}
+        print(label, json.dumps(summary), flush=True)
+        out[label] = {"summary": summary, "all": row}
+    RESULTS["attn"] = out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(gd.PRESETS), default="llama3-8b")
+    ap.add_argument("--phases", default="gemv,step,attn")
+    ap.add_argument("--backends", default="triton")
+    ap.add_argument("--model-dir", type=Path, default=None)
+    args = ap.parse_args()
+    p, phases = gd.PRESETS[args.preset], args.phases.split(",")
+    model_dir = args.model_dir or Path(f"/tmp/rxf-bench-{args.preset}")
+    OUT.mkdir(parents=True, exist_ok=True)
+    RESULTS.update(command=" ".join(sys.argv), device=torch.cuda.get_device_name(), torch=torch.__version__)
+    if "gemv" in phases:
+        gd.phase("gemv", lambda: gemv_phase(p))
+    if "step" in phases:
+        if not (model_dir / "model.safetensors").exists():
+            gd.phase("build", lambda: gd.build_checkpoint(p, model_dir))
+        for backend in args.backends.split(","):
+            gd.phase(f"step {backend}", lambda b=backend: step_phase(p, model_dir, b))
+    if "attn" in phases:
+        gd.phase("attn", lambda: attn_phase(p))
+    RESULTS["failed"] = gd.RESULTS.get("failed", [])
+    (OUT / "gpu_profile.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+if __name__ == "__main__":
+    main()
