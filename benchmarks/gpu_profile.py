@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,25 +36,6 @@ OUT = Path(os.environ.get("OUT", "/tmp/out"))
 RESULTS: dict[str, Any] = {}
 
 
-# ---------------------------------------------------------------- GPU time of a callable
-def kernel_time_us(fn: Callable[[], Any], iters: int = 20) -> tuple[float, dict[str, float]]:
-    """Mean GPU kernel time per call of `fn` (sum of kernel durations, launch gaps excluded) and the
-    per-kernel-name split, from a torch.profiler trace of `iters` calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    per_name: dict[str, float] = defaultdict(float)
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[evt.name] += evt.device_time / iters
-    return sum(per_name.values()), dict(per_name)
-
-
 # ---------------------------------------------------------------- gemv
 def _time_gemv(n: int, k: int) -> tuple[float, dict[str, float]]:
     copies = max(2, min(8, (2 << 30) // (n * k * 2)))  # >= 2 GiB in flight where it fits: no L2 hits
@@ -66,7 +46,7 @@ def _time_gemv(n: int, k: int) -> tuple[float, dict[str, float]]:
     def call() -> None:
         torch.nn.functional.linear(x, ws[next(turn) % copies])
 
-    return kernel_time_us(call, iters=4 * copies)
+    return gd.kernel_time_us(call, iters=4 * copies)
 
 
 def gemv_phase(p: gd.Preset) -> None:
@@ -217,11 +197,11 @@ def attn_phase(p: gd.Preset) -> None:
         ref = ref.float()
         try:
             fi, _ = case.forward(registry.attention_backend("flashinfer"))
-            row["flashinfer"], _ = kernel_time_us(functools.partial(fi.forward, *case.args))
+            row["flashinfer"], _ = gd.kernel_time_us(functools.partial(fi.forward, *case.args))
         except Exception as e:
             row["flashinfer"] = f"failed: {type(e).__name__}: {e}"[:200]
         tb, _ = case.forward(triton_cls)
-        row["triton_default"], _ = kernel_time_us(functools.partial(tb.forward, *case.args))
+        row["triton_default"], _ = gd.kernel_time_us(functools.partial(tb.forward, *case.args))
         k_buf, v_buf = case.ctx.token_to_kv_pool.get_kv_buffer(0)
         q = case.q.view(bs, p.heads, -1)
         seq = prefix + 1
@@ -240,7 +220,7 @@ def attn_phase(p: gd.Preset) -> None:
                             case.batch.req_pool_indices, case.batch.seq_lens, nsplit, splits, mid_o, mid_lse,
                             case.layer.scaling, block_n=block_n, num_warps=warps, num_stages=stages)
                         try:
-                            us, _ = kernel_time_us(call, iters=10)
+                            us, _ = gd.kernel_time_us(call, iters=10)
                             err = ((o.float().view_as(ref) - ref).norm() / ref.norm()).item()
                             row[f"s{splits} n{block_n} w{warps} st{stages}"] = round(us, 2) if err < 2e-2 else f"err {err:.3g}"
                         except Exception as e:

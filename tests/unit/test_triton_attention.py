@@ -232,3 +232,21 @@ def test_split_policy_and_registration() -> None:
     assert [backend.split_cap(bs) for bs in (1, 4, 8, 64, 256)] == [16, 16, 9, 2, 1]
     registry = PluginRegistry.load()
     assert registry.attention_backend("triton") is TritonAttnBackend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_matches_pool_set_kv(dtype: torch.dtype) -> None:
+    from rxf.plugins.attention.triton.store_kv import store_kv
+
+    torch.manual_seed(0)
+    heads, head_dim, n = 3, 24, 5  # non-powers of two: the masks matter
+    ref = TokenToKVPool(NUM_SLOTS, 1, heads, head_dim, dtype, torch.device("cpu"))
+    ours = TokenToKVPool(NUM_SLOTS, 1, heads, head_dim, dtype, torch.device("cpu"))
+    loc = torch.randperm(NUM_SLOTS - 1)[:n].add_(1)
+    qkv = torch.randn(n, 3 * heads, head_dim, dtype=torch.float32)  # strided views, as models pass them
+    k, v = qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
+    ref.set_kv(0, loc, k, v)
+    store_kv(*ours.get_kv_buffer(0), loc, k, v)
+    for a, b in zip(ref.get_kv_buffer(0), ours.get_kv_buffer(0), strict=True):
+        assert torch.equal(a, b)
+    assert ours.k_buffer[0][loc].abs().sum() > 0  # rows were written

@@ -51,7 +51,12 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(ctx)
         import flashinfer
 
+        # Triton is installed wherever FlashInfer is (torch's CUDA builds ship it): K and V are
+        # written to the pool in one launch instead of pool.set_kv's two.
+        from rxf.plugins.attention.triton.store_kv import store_kv
+
         self._fi = flashinfer
+        self._store = store_kv
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self.use_tensor_cores = ctx.num_heads // ctx.num_kv_heads >= _TENSOR_CORE_MIN_GROUP
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -124,6 +129,9 @@ class FlashInferBackend(AttentionBackend):
             )
 
     # ---- attention ----
+    def _store_kv(self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._store(*batch.token_to_kv_pool.get_kv_buffer(layer.layer_id), batch.out_cache_loc, k, v)
+
     def _paged_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.ctx.token_to_kv_pool.get_kv_buffer(layer_id)
         return k.unsqueeze(1), v.unsqueeze(1)  # [slots, page_size=1, Hkv, D]
@@ -131,7 +139,7 @@ class FlashInferBackend(AttentionBackend):
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        batch.token_to_kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        self._store_kv(layer, batch, k, v)
         self._plan(layer, q.dtype)
         if sum(batch.prefix_lens_cpu) == 0:
             # No cached prefix: attend over the new tokens' own K/V (no pool gather needed).
@@ -141,7 +149,7 @@ class FlashInferBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        batch.token_to_kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        self._store_kv(layer, batch, k, v)
         self._plan(layer, q.dtype)
         return self._active_decode.run(q.contiguous(), self._paged_kv(layer.layer_id))
 

@@ -69,9 +69,11 @@ class TritonAttnBackend(AttentionBackend):
         super().__init__(ctx)
         from rxf.plugins.attention.triton.decode import decode_attention, head_block_size
         from rxf.plugins.attention.triton.extend import extend_attention
+        from rxf.plugins.attention.triton.store_kv import store_kv
 
         self._extend_attention = extend_attention
         self._decode_attention = decode_attention
+        self._store = store_kv
         group = ctx.num_heads // ctx.num_kv_heads
         self._programs_per_split = ctx.num_kv_heads * _cdiv(group, head_block_size(group))
         sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if (
@@ -138,9 +140,10 @@ class TritonAttnBackend(AttentionBackend):
     def _store_kv(
         self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = batch.token_to_kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        return pool.get_kv_buffer(layer.layer_id)
+        # One launch for K and V (pool.set_kv takes two); same writes, cast to the pool dtype.
+        k_buf, v_buf = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        self._store(k_buf, v_buf, batch.out_cache_loc, k, v)
+        return k_buf, v_buf
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
