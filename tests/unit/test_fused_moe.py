@@ -21,7 +21,7 @@ from rxf.plugins.models.layers.fused_moe import BlockConfig, align_pairs, fused_
 from rxf.plugins.models.layers.moe import experts_native, select_experts  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
-SMALL = BlockConfig(16, 32, 32, group_m=2)  # several column and K blocks at the tiny shapes
+SMALL = BlockConfig(16, 32, 32, down_block_n=16, group_m=2)  # several column and K blocks at tiny shapes
 
 
 def problem(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0):

@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 from test_models import PROMPTS, Requests, assert_logits_close, hf_logits, registry
 from transformers import AutoModelForCausalLM, MixtralConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 from rxf.core.config import load_config
 from rxf.core.model_runner import ModelRunner
@@ -64,6 +63,10 @@ def load_experts(experts: FusedExperts, tensors: dict[str, torch.Tensor]) -> Non
 
 
 def test_moe_block_matches_transformers() -> None:
+    # Imported here: the module imports triton, which must wait until the Triton interpreter tests
+    # have set TRITON_INTERPRET (pytest imports every test module before running any).
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
     config = tiny_config(num_local_experts=5, num_experts_per_tok=2)
     torch.manual_seed(0)
     ref = MixtralSparseMoeBlock(config).eval()

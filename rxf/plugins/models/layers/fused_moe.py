@@ -31,9 +31,10 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class BlockConfig:
-    block_m: int
-    block_n: int
+    block_m: int  # rows of the sorted order per block: both kernels use the same alignment
+    block_n: int  # gate_up: columns of the intermediate (for each of gate and up)
     block_k: int
+    down_block_n: int = 0  # down: columns of the output (0: block_n)
     group_m: int = 1  # row blocks that walk the columns together (shared weight tiles stay in L2)
     num_warps: int = 4
     num_stages: int = 3
@@ -43,11 +44,11 @@ def pick_config(num_pairs: int, num_experts: int) -> BlockConfig:
     """Block shapes by the expected rows per expert. Few rows (decode): the GEMMs stream the
     experts' weights, so small row blocks and many column programs; many rows: larger tiles."""
     rows_per_expert = num_pairs / num_experts
-    if rows_per_expert <= 32:
-        return BlockConfig(16, 64, 128, num_warps=4, num_stages=4)
+    if rows_per_expert <= 32:  # down: narrow column blocks, else too few programs to stream w2
+        return BlockConfig(16, 64, 128, down_block_n=32, num_warps=4, num_stages=4)
     if rows_per_expert <= 128:
         return BlockConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=4)
-    return BlockConfig(128, 64, 64, group_m=8, num_warps=8, num_stages=3)
+    return BlockConfig(128, 64, 64, down_block_n=128, group_m=8, num_warps=8, num_stages=3)
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
@@ -182,14 +183,15 @@ def fused_experts(
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    common = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
+    down_n = cfg.down_block_n or cfg.block_n
+    common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
               "IEEE": x.dtype == torch.float32, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, cfg.block_n),)](
         x, w13, act, sorted_pairs, block_expert, total, num_pairs, num_blocks, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, **common,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=cfg.block_n, **common,
     )
-    _down_kernel[(num_blocks * triton.cdiv(hidden, cfg.block_n),)](
+    _down_kernel[(num_blocks * triton.cdiv(hidden, down_n),)](
         act, w2, y, weights, sorted_pairs, block_expert, total, num_pairs, num_blocks, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **common,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_N=down_n, **common,
     )
     return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
