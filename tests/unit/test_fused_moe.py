@@ -66,6 +66,33 @@ def test_all_tokens_on_one_expert_and_empty_batch() -> None:
     assert fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
 
 
+def align_pairs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """The region map built with torch ops: stable sort by expert, each run padded to block_m."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    blocks = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    rank = torch.arange(num_pairs) - (counts.cumsum(0) - counts)[flat[order]]
+    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32)
+    sorted_pairs[(ends - padded)[flat[order]] + rank] = order.to(torch.int32)
+    block_expert = torch.searchsorted(ends, torch.arange(blocks) * block_m, right=True).clamp(max=num_experts - 1)
+    return sorted_pairs, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
+                         [(1, 8, 2, 16), (300, 8, 2, 16), (300, 64, 6, 32), (700, 3, 1, 64), (50, 6, 4, 16)])
+def test_align_pairs_matches_torch(tokens: int, experts: int, top_k: int, block_m: int) -> None:
+    """Several chunks of the kernel's loops, expert counts that are not powers of two, unused experts."""
+    gen = torch.Generator().manual_seed(tokens)
+    skew = torch.linspace(0, 3, experts)
+    _, ids = torch.topk(torch.randn(tokens, experts, generator=gen) + skew, top_k)
+    for got, want in zip(align_pairs(ids, experts, block_m), align_pairs_torch(ids, experts, block_m), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_align_pairs_region_map() -> None:
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [3, 0]])  # pairs of expert 3: 0 2 5 6 8; 0: 1 4 9
     block_m, pad = 4, 10  # pad: the pair count marks padding rows

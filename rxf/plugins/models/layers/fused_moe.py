@@ -5,8 +5,9 @@ For x `[T, H]` and top-k routing (`topk_weights`, `topk_ids` `[T, k]`) there are
 pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13 `[E, 2I, H]` (rows
 `[gate | up]`), w2 `[E, H, I]`.
 
-1. `align_pairs` (torch ops) sorts the pairs by expert and pads each expert's run to a multiple of
-   BLOCK_M, so that every block of BLOCK_M rows belongs to one expert. Region map of `sorted_pairs`:
+1. `align_pairs` (one Triton program) sorts the pairs by expert and pads each expert's run to a
+   multiple of BLOCK_M, so that every block of BLOCK_M rows belongs to one expert (a dozen small torch
+   ops would cost more than the GEMMs' weight reads at decode). Region map of `sorted_pairs`:
      [start[e], start[e] + count[e])    expert e's pairs, ascending pair id
      [start[e] + count[e], end[e])      padding, value P (end[e] - start[e] is count[e] rounded up)
      [total, capacity)                  unused, value P; blocks starting here exit at once
@@ -51,24 +52,57 @@ def pick_config(num_pairs: int, num_experts: int) -> BlockConfig:
     return BlockConfig(128, 64, 64, down_block_n=128, group_m=8, num_warps=8, num_stages=3)
 
 
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
+def _align_kernel(
+    TopkIds, SortedPairs, BlockExpert, Total, num_pairs, capacity, num_blocks,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program: count pairs per expert, lay out the padded runs, place each pair, and label the
+    blocks (the module docstring's region map). Lanes of experts >= NUM_EXPERTS count nothing."""
+    experts = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        ids = tl.load(TopkIds + start + lanes, mask=start + lanes < num_pairs, other=E_PAD)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(Total, tl.sum(padded, axis=0))
+    for start in range(0, capacity, CHUNK):
+        rows = start + lanes
+        tl.store(SortedPairs + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=rows < capacity)
+    tl.debug_barrier()  # the padding stores above land before the pair stores below overwrite some
+    next_row = ends - padded  # per expert: where its next pair goes
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + lanes
+        ids = tl.load(TopkIds + pairs, mask=pairs < num_pairs, other=E_PAD)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hit, axis=0) - hit  # pairs of the same expert earlier in this chunk
+        dest = tl.sum(hit * (earlier + next_row[None, :]), axis=1)
+        tl.store(SortedPairs + dest, pairs, mask=pairs < num_pairs)
+        next_row += tl.sum(hit, axis=0)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + lanes
+        # The expert of a block = how many runs end at or before its first row.
+        before = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + blocks, tl.minimum(before, NUM_EXPERTS - 1), mask=blocks < num_blocks)
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """(sorted_pairs int32 `[blocks * block_m]`, block_expert int32 `[blocks]`, total int64 `[1]`),
-    laid out as the module docstring's region map says."""
+    """(sorted_pairs int32 `[blocks * block_m]`, block_expert int32 `[blocks]`, total int32 `[1]`),
+    laid out as the module docstring's region map says; one kernel launch."""
     flat = topk_ids.reshape(-1)
-    num_pairs, dev = flat.numel(), flat.device
+    num_pairs = flat.numel()
     blocks = triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)  # pair ids by expert, ascending within an expert
-    expert_of = flat[order]
-    rank_in_expert = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[expert_of]
-    dest = (ends - padded)[expert_of] + rank_in_expert
-    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_expert.to(torch.int32), ends[-1:]
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    total = torch.empty(1, dtype=torch.int32, device=flat.device)
+    e_pad = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](
+        flat, sorted_pairs, block_expert, total, num_pairs, sorted_pairs.numel(), blocks,
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=max(16, 4096 // e_pad),
+    )
+    return sorted_pairs, block_expert, total
 
 
 @triton.jit
