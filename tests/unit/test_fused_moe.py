@@ -51,6 +51,8 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> 
         (5, 8, 2, 64, 96, SMALL),  # some experts unused; several K and column blocks
         (33, 4, 3, 48, 40, SMALL),  # dims that are not block multiples (masked tails)
         (40, 3, 1, 32, 32, BlockConfig(16, 16, 16, group_m=3)),  # top-1, uneven row groups
+        (80, 4, 2, 64, 48, None),  # the heuristic's middle blocks (40 rows per expert)
+        (300, 4, 2, 32, 40, None),  # its largest blocks (150 rows per expert)
     ],
 )
 def test_fused_matches_torch_path(tokens, experts, top_k, hidden, inter, config, dtype) -> None:

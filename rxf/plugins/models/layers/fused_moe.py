@@ -46,7 +46,7 @@ def pick_config(num_pairs: int, num_experts: int) -> BlockConfig:
     experts' weights, so small row blocks and many column programs; many rows: larger tiles."""
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 32:  # down: narrow column blocks, else too few programs to stream w2
-        return BlockConfig(16, 64, 128, down_block_n=32, num_warps=4, num_stages=4)
+        return BlockConfig(16, 64, 128, down_block_n=32, group_m=4, num_warps=4, num_stages=4)
     if rows_per_expert <= 128:
         return BlockConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=4)
     return BlockConfig(128, 64, 64, down_block_n=128, group_m=8, num_warps=8, num_stages=3)
