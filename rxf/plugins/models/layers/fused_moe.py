@@ -23,6 +23,7 @@ pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,18 @@ class BlockConfig:
     num_stages: int = 3
 
 
-def pick_config(num_pairs: int, num_experts: int) -> BlockConfig:
+def pick_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> BlockConfig:
     """Block shapes by the expected rows per expert. Few rows (decode): the GEMMs stream the
-    experts' weights, so small row blocks and many column programs; many rows: larger tiles."""
+    experts' weights, so small row blocks and many column programs; many rows: larger tiles.
+    float32 tiles are twice the bytes: two pipeline stages keep them within shared memory."""
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 32:  # down: narrow column blocks, else too few programs to stream w2
-        return BlockConfig(16, 64, 128, down_block_n=32, group_m=4, num_warps=4, num_stages=4)
-    if rows_per_expert <= 128:
-        return BlockConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=4)
-    return BlockConfig(128, 64, 64, down_block_n=128, group_m=8, num_warps=8, num_stages=3)
+        cfg = BlockConfig(16, 64, 128, down_block_n=32, group_m=4, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 128:
+        cfg = BlockConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=4)
+    else:
+        cfg = BlockConfig(128, 64, 64, down_block_n=128, group_m=8, num_warps=8, num_stages=3)
+    return cfg if itemsize <= 2 else dataclasses.replace(cfg, num_stages=2)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
@@ -211,7 +215,7 @@ def fused_experts(
         raise ValueError("fused_experts needs expert weights with a contiguous last dimension")
     x = x.contiguous()
     num_pairs = num_tokens * top_k
-    cfg = config or pick_config(num_pairs, num_experts)
+    cfg = config or pick_config(num_pairs, num_experts, x.element_size())
     sorted_pairs, block_expert, total = align_pairs(topk_ids, num_experts, cfg.block_m)
     num_blocks = block_expert.numel()
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
