@@ -261,6 +261,9 @@ def report() -> None:
                              if "us" in r else ("failed" if r else "-"))
             print(f"| {tokens} | " + " | ".join(cells) + " |")
     roof = RESULTS.get("roofline_b1_tok_s")
+    if RESULTS.get("decode_tok_s"):
+        print(f"\nrxf decode, {RESULTS['shape']}-shaped model with {RESULTS['model_layers']} of 32 layers "
+              f"({RESULTS.get('weight_bytes_total', 0) / 1e9:.2f} GB of weights):")
     for key, value in RESULTS.get("decode_tok_s", {}).items():
         ratio = f" ({value / roof:.1%} of roofline {roof:.0f})" if roof and key.startswith("b1_") else ""
         print(f"decode {key}: {value:.1f} tok/s{ratio}")
@@ -284,7 +287,7 @@ def main() -> None:
     model_dir = args.model_dir or Path(f"/tmp/rxf-bench-mixtral-{'tiny' if args.tiny else layers}")
     RESULTS.update(date=datetime.now(UTC).isoformat(timespec="seconds"), command=" ".join(sys.argv),
                    device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
-                   model_layers=layers)
+                   shape="tiny" if args.tiny else "Mixtral-8x7B", model_layers=layers)
     if "jit" in phases and dev.type == "cuda":
         gd.phase("jit", lambda: gd.jit_phase(gd.PRESETS["llama3-8b"]))
     if "kernels" in phases:
