@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import gzip
 import json
 import os
@@ -37,16 +38,59 @@ RESULTS: dict[str, Any] = {}
 
 
 # ---------------------------------------------------------------- gemv
-def _time_gemv(n: int, k: int) -> tuple[float, dict[str, float]]:
+def _time_gemv(n: int, k: int, variant: str = "linear") -> tuple[float, dict[str, float]]:
     copies = max(2, min(8, (2 << 30) // (n * k * 2)))  # >= 2 GiB in flight where it fits: no L2 hits
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     turn = iter(range(10**9))
+    fns = {
+        "linear": lambda w: torch.nn.functional.linear(x, w),
+        "mv": lambda w: torch.mv(w, x[0]),
+        "w_at_xt": lambda w: torch.matmul(w, x.t()),
+    }
+    if variant.startswith("triton"):
+        _, bn, bk, st = variant.split("_")
+        fns[variant] = functools.partial(_triton_gemv, x, block_n=int(bn), block_k=int(bk), stages=int(st))
+    fn = fns[variant]
+    ref = torch.nn.functional.linear(x, ws[0]).float()
+    err = ((fn(ws[0]).float().view_as(ref) - ref).norm() / ref.norm()).item()
 
     def call() -> None:
-        torch.nn.functional.linear(x, ws[next(turn) % copies])
+        fn(ws[next(turn) % copies])
 
-    return gd.kernel_time_us(call, iters=4 * copies)
+    us, kernels = gd.kernel_time_us(call, iters=4 * copies)
+    return (us if err < 1e-2 else float("nan")), kernels
+
+
+def _triton_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, stages: int) -> torch.Tensor:
+    """y = x @ w.T for one row x: each program owns block_n outputs and streams their rows of w."""
+    import triton
+
+    n, k = w.shape
+    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+    _gemv_kernel()[(triton.cdiv(n, block_n),)](x, w, out, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                num_warps=4, num_stages=stages)
+    return out
+
+
+@functools.cache
+def _gemv_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv(X, W, Out, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+            w = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
+                        other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=rows < N)
+
+    return gemv
 
 
 def gemv_phase(p: gd.Preset) -> None:
@@ -60,6 +104,16 @@ def gemv_phase(p: gd.Preset) -> None:
         us, kernels = _time_gemv(n, k)
         gbps = n * k * 2 / (us * 1e-6) / 1e9
         out[name] = {"shape": [n, k], "us": us, "GBps": gbps, "kernels": list(kernels)}
+        variants = {}
+        for variant in ("mv", "w_at_xt", *(f"triton_{bn}_{bk}_{st}" for bn in (8, 16, 32)
+                                           for bk in (256, 512) for st in (3, 4))):
+            try:
+                variants[variant] = round(_time_gemv(n, k, variant)[0], 2)
+            except Exception as e:
+                variants[variant] = f"failed: {type(e).__name__}"
+        best = min((v, key) for key, v in variants.items() if isinstance(v, float) and v == v)
+        out[name]["variants"] = variants
+        print(f"  {name}: best variant {best[1]} {best[0]:.1f} us ({n * k * 2 / best[0] / 1e3:.0f} GB/s)", flush=True)
         per_step = p.layers if name != "lm_head" else 1
         total_us += us * per_step
         print(f"gemv {name:8s} {n}x{k}: {us:7.1f} us  {gbps:6.0f} GB/s  {list(kernels)[:2]}", flush=True)
@@ -133,11 +187,27 @@ def step_phase(p: gd.Preset, model_dir: Path, backend: str) -> None:
     for _ in range(40):
         sched.step()
     torch.cuda.synchronize()
-    walls = []
-    for _ in range(200):
-        start = time.perf_counter()
-        sched.step()  # ends in the host read of the sampled token: a whole step
-        walls.append(time.perf_counter() - start)
+    res: dict[str, Any] = {}
+    for label in ("gc_default", "gc_frozen"):
+        if label == "gc_frozen":
+            gc.collect()
+            gc.freeze()  # long-lived objects out of the collector's generations
+        collections = {"n": 0}
+
+        def count(phase: str, info: dict[str, Any], c: dict[str, int] = collections) -> None:
+            c["n"] += phase == "start" and info["generation"] == 2
+
+        gc.callbacks.append(count)
+        walls = []
+        for _ in range(300):
+            start = time.perf_counter()
+            sched.step()  # ends in the host read of the sampled token: a whole step
+            walls.append(time.perf_counter() - start)
+        gc.callbacks.remove(count)
+        q = statistics.quantiles(walls, n=100)
+        res[label] = {"mean_us": statistics.fmean(walls) * 1e6, "p50_us": q[49] * 1e6, "p90_us": q[89] * 1e6,
+                      "p99_us": q[98] * 1e6, "max_us": max(walls) * 1e6, "gen2_collections": collections["n"]}
+        print(label, json.dumps(res[label]), flush=True)
     wall_us = statistics.median(walls) * 1e6
     graph = graphs.graphs[1]
     start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -149,8 +219,7 @@ def step_phase(p: gd.Preset, model_dir: Path, backend: str) -> None:
     end_evt.record()
     end_evt.synchronize()
     graph_us = start_evt.elapsed_time(end_evt) * 1e3 / 50
-    res: dict[str, Any] = {"step_wall_us": wall_us, "graph_replay_us": graph_us,
-                           "outside_graph_us": wall_us - graph_us, "tok_s": 1e6 / wall_us}
+    res.update(step_wall_us=wall_us, graph_replay_us=graph_us, outside_graph_us=wall_us - graph_us, tok_s=1e6 / wall_us)
     print(f"{backend} batch 1: step {wall_us:.0f} us, graph alone {graph_us:.0f} us "
           f"({1e6 / wall_us:.1f} tok/s)", flush=True)
     steps = 8
