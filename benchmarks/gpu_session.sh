@@ -24,7 +24,7 @@ if [ "$stage" = tests ]; then
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
 elif [ "$stage" = profile ]; then
   python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
-  python3 benchmarks/gpu_profile.py --phases gemv "$@" 2>&1 | tee "$out/profile-gemv.log"
+  python3 benchmarks/gpu_profile.py --phases gemv 2>&1 | tee "$out/profile-gemv.log"
   wait; tail -2 "$out/jit-8b.log"
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-"
   python3 benchmarks/gpu_profile.py --phases step,attn "$@" 2>&1 | tee "$out/profile.log"
