@@ -27,6 +27,7 @@ from rxf.core.io_struct import (
     FlushCacheReq,
     FlushCacheResult,
     GetStatsReq,
+    MultimodalItem,
     SchedulerStats,
     StrOut,
     TokenizedGenerateReq,
@@ -101,6 +102,27 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     rid: str | None = None
     cache_salt: str | None = None
+    # Images / videos for the prompt's placeholder tokens, in order (see rxf.plugins.multimodal.media
+    # for the accepted forms); `mm_items` instead when already preprocessed (ids then hold the pads).
+    image_data: list[Any] | None = None
+    video_data: list[Any] | None = None
+    mm_items: list[MultimodalItem] | None = None
+
+
+def load_multimodal_processor(registry: Any, config: EngineConfig, model_path: str, vocab_size: int) -> Any:
+    """The registered processor for the checkpoint's architecture, or None for a text-only model."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    for arch in hf_config.architectures or []:
+        factory = registry.multimodal_processor(arch)
+        if factory is not None:
+            return factory(model_path, config.multimodal, vocab_size)
+    return None
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    return None if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 class RequestObserver(Protocol):
@@ -138,8 +160,10 @@ class TokenizerManager:
         addrs: dict[str, str],
         engine_info: dict[str, Any],
         limits: RequestLimits | None = None,
+        mm_processor: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.mm_processor = mm_processor  # None: the model takes no images
         self.limits = limits or RequestLimits()
         self.info = engine_info
         self.max_context_len: int = engine_info["max_context_len"]
@@ -175,6 +199,15 @@ class TokenizerManager:
             if not isinstance(req.text, str):
                 raise RequestError("text: expected a string")
             ids = self.tokenizer.encode(req.text)
+        mm_items = req.mm_items
+        images, videos = _as_list(req.image_data), _as_list(req.video_data)
+        if images or videos:
+            if self.mm_processor is None:
+                raise RequestError(f"{'image_data' if images else 'video_data'}: this model takes no images or videos")
+            try:
+                ids, mm_items = self.mm_processor.process(ids, images, videos)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) >= self.max_context_len:
@@ -207,6 +240,7 @@ class TokenizerManager:
             logprob_start_len=req.logprob_start_len,
             top_logprobs_num=req.top_logprobs_num,
             cache_salt=salt,
+            mm_items=mm_items or None,
         )
 
     def check_capacity(self, n: int = 1) -> None:
@@ -228,7 +262,10 @@ class TokenizerManager:
         """
         if self._dead:
             raise EngineDeadError(self._dead)
-        msg = self.tokenize_request(req)
+        if req.image_data or req.video_data:  # decoding and preprocessing: off the event loop
+            msg = await asyncio.to_thread(self.tokenize_request, req)
+        else:
+            msg = self.tokenize_request(req)
         if msg.rid in self.states:
             raise RequestError(f"rid: a request with id {msg.rid!r} is already running")
         self.check_capacity()

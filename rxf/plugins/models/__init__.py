@@ -8,6 +8,7 @@ from __future__ import annotations
 from rxf.core.hookspecs import RegisterFactory, hookimpl
 
 _LLAMA = "rxf.plugins.models.llama"
+_LLAVA = "rxf.plugins.models.llava"
 
 
 @hookimpl
@@ -15,3 +16,6 @@ def rxf_register_models(register: RegisterFactory) -> None:
     register("LlamaForCausalLM", f"{_LLAMA}:LlamaForCausalLM")
     register("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
     register("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
+    register("LlavaForConditionalGeneration", f"{_LLAVA}:LlavaForConditionalGeneration")
+    register("LlavaNextForConditionalGeneration", f"{_LLAVA}:LlavaNextForConditionalGeneration")
+    register("LlavaOnevisionForConditionalGeneration", f"{_LLAVA}:LlavaOnevisionForConditionalGeneration")
