@@ -109,10 +109,14 @@ class GenerateRequest:
     mm_items: list[MultimodalItem] | None = None
 
 
-def load_multimodal_processor(registry: Any, config: EngineConfig, model_path: str, vocab_size: int) -> Any:
+def load_multimodal_processor(config: EngineConfig, engine_info: dict[str, Any], registry: Any = None) -> Any:
     """The registered processor for the checkpoint's architecture, or None for a text-only model."""
     from transformers import AutoConfig
 
+    from rxf.core.registry import PluginRegistry
+
+    registry = registry or PluginRegistry.load(config.plugins.allow, config.plugins.deny)
+    model_path, vocab_size = engine_info["model_path"], engine_info["vocab_size"]
     hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
     for arch in hf_config.architectures or []:
         factory = registry.multimodal_processor(arch)

@@ -78,7 +78,7 @@ def image_bytes(spec: Any, limits: MultimodalConfig, field: str) -> bytes:
     else:
         data = _b64decode(spec, limits, field)
     if len(data) > limits.max_image_bytes:
-        raise MediaError(f"{field}: the image is {len(data)} bytes; at most {limits.max_image_bytes} are accepted")
+        raise MediaError(f"{field}: the image exceeds {limits.max_image_bytes} bytes ({len(data)})")
     return data
 
 
