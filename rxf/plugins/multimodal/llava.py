@@ -19,6 +19,7 @@ from rxf.core.config import MultimodalConfig
 from rxf.core.io_struct import MultimodalItem
 from rxf.plugins.models.llava_features import grid_shape
 from rxf.plugins.multimodal.media import MediaError, load_image, load_video
+from rxf.plugins.multimodal.onevision_lite import OnevisionLiteProcessor, needs_lite
 
 
 def content_hash(modality: str, tensors: list[torch.Tensor], extra: tuple[int, ...]) -> int:
@@ -57,7 +58,7 @@ class LlavaProcessor:
     def __init__(self, model_path: str, limits: MultimodalConfig, vocab_size: int) -> None:
         from transformers import AutoConfig, AutoProcessor
 
-        self.hf = AutoProcessor.from_pretrained(model_path)
+        self.hf = OnevisionLiteProcessor(model_path) if needs_lite(model_path) else AutoProcessor.from_pretrained(model_path)
         self.config = AutoConfig.from_pretrained(model_path)
         self.limits = limits
         self.vocab_size = vocab_size

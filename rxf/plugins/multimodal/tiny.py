@@ -75,10 +75,22 @@ def _processor(family: str, tokenizer: Any, config: Any, pinpoints: list) -> Any
                                      num_additional_image_tokens=1, image_token=IMAGE)
     size = {"height": side, "width": side}
     images = tf.LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=pinpoints)
-    # The HF video processor needs torchvision (not a dependency): frames go through the image processor.
-    video = tf.LlavaOnevisionVideoProcessor(size=size) if _has_torchvision() else None
-    return tf.LlavaOnevisionProcessor(images, tokenizer, video, num_image_tokens=(side // patch) ** 2,
-                                      vision_feature_select_strategy="full", image_token=IMAGE, video_token=VIDEO)
+    settings = {"num_image_tokens": (side // patch) ** 2, "vision_feature_select_strategy": "full",
+                "image_token": IMAGE, "video_token": VIDEO}
+    if not _has_torchvision():  # transformers' processor needs it for its video processor
+        return _LiteSaver(images, settings)
+    video = tf.LlavaOnevisionVideoProcessor(size=size)
+    return tf.LlavaOnevisionProcessor(images, tokenizer, video, **settings)
+
+
+class _LiteSaver:
+    def __init__(self, images: Any, settings: dict[str, Any]) -> None:
+        self.images, self.settings = images, settings
+
+    def save_pretrained(self, path: Path) -> None:
+        from rxf.plugins.multimodal.onevision_lite import write_lite_processor
+
+        write_lite_processor(path, self.images, **self.settings)
 
 
 def make_llava_checkpoint(
