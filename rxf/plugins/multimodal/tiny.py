@@ -102,8 +102,10 @@ def make_llava_checkpoint(
     text: dict[str, Any] | None = None,
     vision: dict[str, Any] | None = None,
     pinpoints: list[list[int]] | None = None,
+    device: str = "cpu",
 ) -> Path:
-    """Write a random `family` checkpoint ("llava", "llava_next", "llava_onevision") into `path`."""
+    """Write a random `family` checkpoint ("llava", "llava_next", "llava_onevision") into `path`;
+    the weights are drawn on `device` (large shapes initialise much faster on a GPU)."""
     from transformers import AutoModelForImageTextToText
 
     path = Path(path)
@@ -116,7 +118,8 @@ def make_llava_checkpoint(
     pinpoints = pinpoints or TINY_PINPOINTS
     config = _configs(family, tokenizer, text_kwargs, {**TINY_VISION, **(vision or {})}, pinpoints)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
