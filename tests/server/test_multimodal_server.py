@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 from rxf.plugins.multimodal.tiny import make_llava_checkpoint
 
@@ -42,6 +42,8 @@ def mm_server(module_server_factory, llava_dir):
 
 
 def hf_greedy(path, image_bytes: bytes, n: int) -> list[int]:
+    from transformers import AutoProcessor  # not at import: it imports triton (see tests/unit/test_llava.py)
+
     processor = AutoProcessor.from_pretrained(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     inputs = processor(text=PROMPT, images=[Image.open(io.BytesIO(image_bytes)).convert("RGB")], return_tensors="pt")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from rxf.core.config import load_config
 from rxf.core.forward import ForwardMode
@@ -38,6 +38,10 @@ def image(h: int, w: int, seed: int) -> Image.Image:
 
 class Setup:
     def __init__(self, path, **overrides) -> None:
+        # Imported here: importing AutoProcessor imports triton, which must not happen before
+        # test_triton_attention sets TRITON_INTERPRET (at collection).
+        from transformers import AutoProcessor
+
         self.config = load_config(
             {"model": {"path": str(path)}, "runtime": {"device": "cpu"}, "attention": {"backend": "torch_native"},
              "cache": {"max_total_tokens": 4096}},
