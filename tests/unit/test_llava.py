@@ -175,3 +175,24 @@ def test_placeholder_count_must_match_images(setup: Setup) -> None:
         setup.ours(PROMPT, [image(28, 28, 0), image(28, 28, 1)])
     with pytest.raises(ValueError, match=r"image_data\[0\]: cannot decode"):
         setup.processor.process(setup.tokenizer.encode(PROMPT), [b"\x89PNG not really"], None)
+
+
+def test_pad_ids_are_in_vocab_deterministic_and_distinct_per_hash() -> None:
+    from rxf.plugins.multimodal.llava import pad_ids
+
+    a, b = pad_ids(2**64 - 1, 576, 32064), pad_ids(12345, 576, 32064)
+    assert a == pad_ids(2**64 - 1, 576, 32064) and all(0 <= t < 32064 for t in a + b)
+    assert sum(x == y for x, y in zip(a, b, strict=True)) < 5  # independent draws: ~576/32064 agree
+
+
+def test_feature_cache_is_bounded_lru() -> None:
+    from rxf.plugins.models.llava_features import FeatureCache
+
+    cache = FeatureCache(max_bytes=3 * 400)  # three [10, 10] float32 tensors
+    for key in range(3):
+        cache.put(key, torch.full((10, 10), float(key)))
+    assert cache.get(0) is not None  # 0 is now the most recently used
+    cache.put(3, torch.zeros(10, 10))
+    assert cache.get(1) is None and cache.get(0) is not None and len(cache) == 3
+    cache.put(4, torch.zeros(40, 10))  # larger than the whole budget: not kept
+    assert cache.get(4) is None and len(cache) == 3
