@@ -1,6 +1,6 @@
 """Image-request throughput of a LLaVA-OneVision-shaped random model, with and without cache hits.
 
-    python benchmarks/gpu_llava.py [--lm-layers 8] [--requests 32] [--image-size 384] [--tiny]
+    python benchmarks/gpu_llava.py [--lm-layers 8] [--requests 32] [--image-size 384] [--backend triton] [--tiny]
 
 One call on the GPU machine, no downloads: a random bf16 checkpoint with SigLIP-so400m vision shapes
 (26 layers, hidden 1152, 384 px, patch 14 -> 729 tokens per tile) and Qwen2-7B text shapes (hidden
@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--image-size", type=int, default=384, help="square images; 384 -> 2 anyres tiles")
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--backend", default="triton",
+                    help="attention backend (default triton: flashinfer's first-use JIT can take minutes)")
     ap.add_argument("--tiny", action="store_true", help="tiny checkpoint on CPU (script smoke test)")
     args = ap.parse_args()
     if args.tiny:
@@ -96,7 +98,7 @@ def main() -> None:
         if args.tiny:
             overrides |= {"runtime.device": "cpu", "cache.max_total_tokens": 16384}
         else:
-            overrides["model.context_length"] = 8192
+            overrides |= {"model.context_length": 8192, "attention.backend": args.backend}
         t0 = time.perf_counter()
         rt = Runtime.from_config(None, **overrides)
         load_s = time.perf_counter() - t0
