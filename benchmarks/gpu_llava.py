@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import io
 import json
 import os
@@ -92,7 +93,9 @@ def main() -> None:
         t0 = time.perf_counter()
         path = build(Path(tmp), args)
         build_s = time.perf_counter() - t0
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        gc.collect()  # the transformers model that wrote the checkpoint (its GPU memory back)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         overrides = {"model.path": str(path), "scheduler.max_running_requests": max(args.requests, 8),
                      "multimodal.feature_cache_mb": 4096}
         if args.tiny:

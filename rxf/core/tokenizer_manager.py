@@ -205,7 +205,8 @@ class TokenizerManager:
             ids = self.tokenizer.encode(req.text)
         mm_items = req.mm_items
         images, videos = _as_list(req.image_data), _as_list(req.video_data)
-        if images or videos:
+        # A multimodal model checks every prompt: placeholders without images are an error too.
+        if mm_items is None and (images or videos or self.mm_processor is not None):
             if self.mm_processor is None:
                 raise RequestError(f"{'image_data' if images else 'video_data'}: this model takes no images or videos")
             try:

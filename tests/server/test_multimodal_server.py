@@ -106,3 +106,11 @@ def test_native_bad_image_data_is_400(mm_server) -> None:
         assert resp.status_code == 400 and "1 images for 0 image placeholders" in resp.text
         # The server is still healthy afterwards.
         assert http.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_placeholder_without_image_is_400_and_text_only_prompts_work(mm_server) -> None:
+    with mm_server.client() as http:
+        resp = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 1}})
+        assert resp.status_code == 400 and "0 images for 1 image placeholders" in resp.text
+        resp = http.post("/generate", json={"text": "just text", "sampling_params": {"max_new_tokens": 2}})
+        assert resp.status_code == 200 and resp.json()["meta_info"]["completion_tokens"] == 2
