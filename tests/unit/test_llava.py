@@ -111,8 +111,6 @@ def test_prompt_and_pixels_match_hf_processor(setup: Setup, size) -> None:
 
 @pytest.mark.parametrize("size", SIZES)
 def test_logits_match_hf_at_every_position(setup: Setup, size) -> None:
-    if setup.runner.hf_config.model_type == "llava" and size != SIZES[0]:
-        pytest.skip("LLaVA-1.5 resizes every image to one square: one size suffices")
     img = image(*size, seed=2)
     ids, items = setup.ours(PROMPT, [img])
     runner = setup.runner
