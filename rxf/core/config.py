@@ -105,6 +105,19 @@ class PluginsConfig(_Section):
     deny: list[str] = Field(default_factory=list, description="these plugins never load")
 
 
+class MultimodalConfig(_Section):
+    """Where images and videos may come from, and how large they may be."""
+
+    allow_local_paths: bool = Field(False, description="accept image paths / file:// URLs on this machine")
+    allow_urls: bool = Field(False, description="fetch http(s) image URLs")
+    url_timeout_s: float = Field(10.0, gt=0, description="per fetched URL")
+    max_image_bytes: int = Field(20 * 2**20, gt=0, description="encoded size of one image (or video frame)")
+    max_image_pixels: int = Field(40_000_000, gt=0, description="decoded width x height of one image")
+    max_items_per_request: int = Field(16, gt=0, description="images + videos in one request")
+    max_video_frames: int = Field(64, gt=0)
+    feature_cache_mb: int = Field(512, ge=0, description="vision features kept by image hash (scheduler)")
+
+
 # The file's contents for the EngineConfig being built (a TOML source ranked below the environment).
 _file_data: ContextVar[dict[str, Any] | None] = ContextVar("rxf_config_file_data", default=None)
 
@@ -128,6 +141,7 @@ class EngineConfig(BaseSettings):
     runtime: RuntimeConfig = RuntimeConfig()
     cuda_graph: CudaGraphConfig = CudaGraphConfig()
     plugins: PluginsConfig = PluginsConfig()
+    multimodal: MultimodalConfig = MultimodalConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from rxf.core.attention import AttentionBackend
+    from rxf.core.io_struct import MultimodalItem
     from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 
 
@@ -61,6 +62,9 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: TokenToKVPool
     attn_backend: AttentionBackend
+    # Extend only: per request, its images/videos (`MultimodalItem`s, None for text-only requests);
+    # an item's tokens are prompt positions [offset, offset + length).
+    mm_items: list[list[MultimodalItem] | None] | None = None
 
     @property
     def num_tokens(self) -> int:

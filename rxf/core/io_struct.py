@@ -14,6 +14,22 @@ from rxf.core.sampling import SamplingParams
 
 
 @dataclass
+class MultimodalItem:
+    """One image or video of a request, preprocessed and hashed in the TokenizerManager.
+
+    Its tokens are `input_ids[offset : offset + length]`: pad ids derived from `hash`, so the radix
+    cache matches a repeated item like repeated text; the model replaces their embeddings with the
+    item's `length` feature rows, computed from `data` (CPU tensors: pixel_values, image_sizes, ...).
+    """
+
+    modality: str  # "image" or "video"
+    hash: int  # 64-bit digest of the preprocessed inputs (the vision-feature cache key)
+    offset: int
+    length: int
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class TokenizedGenerateReq:
     rid: str
     input_ids: list[int]
@@ -25,6 +41,8 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     # Tenant isolation: requests share cached prefixes only with requests of the same salt.
     cache_salt: str | None = None
+    # Images / videos in prompt order (None: a text-only request).
+    mm_items: list[MultimodalItem] | None = None
 
 
 @dataclass

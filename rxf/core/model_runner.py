@@ -22,6 +22,7 @@ from rxf.core.attention import AttentionBackend, AttentionContext
 from rxf.core.config import EngineConfig
 from rxf.core.cuda_graph_runner import CudaGraphRunner, DecodeBuffers, DecodeInputs, capture_sizes
 from rxf.core.forward import ForwardBatch, ForwardMode
+from rxf.core.io_struct import MultimodalItem
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 from rxf.core.registry import PluginRegistry
 from rxf.core.weight_loader import iter_safetensors
@@ -47,6 +48,9 @@ class ModelInput:
     out_cache_loc: torch.Tensor  # CPU int64 [num_tokens]: the slot of each new token
     prefix_slots: list[torch.Tensor] | None = None  # extend: CPU int64 [prefix_len] per request
     logits_start: list[int] | None = None  # extend: first new-token index with logits (default: last)
+    # extend: each request's images/videos (None for text-only ones), whose features the model
+    # writes over the pad tokens that fall in this forward's new tokens.
+    mm_items: list[list[MultimodalItem] | None] | None = None
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -137,6 +141,9 @@ class ModelRunner:
             self.model = model_cls(self.hf_config, dtype=self.dtype)
         self.model.load_weights(weights)
         self.model.eval()
+        feature_cache = getattr(self.model, "feature_cache", None)  # multimodal models' vision features
+        if feature_cache is not None:
+            feature_cache.max_bytes = config.multimodal.feature_cache_mb * 2**20
         self.eos_token_ids = _eos_token_ids(model_path, self.hf_config)
         self._init_memory(text)
         self.attn_backend = _select_backend(registry, config.attention.backend, self.device)(
@@ -308,6 +315,7 @@ class ModelRunner:
                 req_to_token_pool=self.req_to_token_pool,
                 token_to_kv_pool=self.token_to_kv_pool,
                 attn_backend=self.attn_backend,
+                mm_items=inp.mm_items,
             )
             self.attn_backend.init_forward_metadata(batch)
             return self.model(batch)

@@ -27,6 +27,7 @@ from rxf.core.io_struct import (
     FlushCacheReq,
     FlushCacheResult,
     GetStatsReq,
+    MultimodalItem,
     SchedulerStats,
     StrOut,
     TokenizedGenerateReq,
@@ -101,6 +102,31 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     rid: str | None = None
     cache_salt: str | None = None
+    # Images / videos for the prompt's placeholder tokens, in order (see rxf.plugins.multimodal.media
+    # for the accepted forms); `mm_items` instead when already preprocessed (ids then hold the pads).
+    image_data: list[Any] | None = None
+    video_data: list[Any] | None = None
+    mm_items: list[MultimodalItem] | None = None
+
+
+def load_multimodal_processor(config: EngineConfig, engine_info: dict[str, Any], registry: Any = None) -> Any:
+    """The registered processor for the checkpoint's architecture, or None for a text-only model."""
+    from transformers import AutoConfig
+
+    from rxf.core.registry import PluginRegistry
+
+    registry = registry or PluginRegistry.load(config.plugins.allow, config.plugins.deny)
+    model_path, vocab_size = engine_info["model_path"], engine_info["vocab_size"]
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
+    for arch in hf_config.architectures or []:
+        factory = registry.multimodal_processor(arch)
+        if factory is not None:
+            return factory(model_path, config.multimodal, vocab_size)
+    return None
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    return None if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 class RequestObserver(Protocol):
@@ -138,8 +164,10 @@ class TokenizerManager:
         addrs: dict[str, str],
         engine_info: dict[str, Any],
         limits: RequestLimits | None = None,
+        mm_processor: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.mm_processor = mm_processor  # None: the model takes no images
         self.limits = limits or RequestLimits()
         self.info = engine_info
         self.max_context_len: int = engine_info["max_context_len"]
@@ -175,6 +203,16 @@ class TokenizerManager:
             if not isinstance(req.text, str):
                 raise RequestError("text: expected a string")
             ids = self.tokenizer.encode(req.text)
+        mm_items = req.mm_items
+        images, videos = _as_list(req.image_data), _as_list(req.video_data)
+        # A multimodal model checks every prompt: placeholders without images are an error too.
+        if mm_items is None and (images or videos or self.mm_processor is not None):
+            if self.mm_processor is None:
+                raise RequestError(f"{'image_data' if images else 'video_data'}: this model takes no images or videos")
+            try:
+                ids, mm_items = self.mm_processor.process(ids, images, videos)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) >= self.max_context_len:
@@ -207,6 +245,7 @@ class TokenizerManager:
             logprob_start_len=req.logprob_start_len,
             top_logprobs_num=req.top_logprobs_num,
             cache_salt=salt,
+            mm_items=mm_items or None,
         )
 
     def check_capacity(self, n: int = 1) -> None:
@@ -228,7 +267,10 @@ class TokenizerManager:
         """
         if self._dead:
             raise EngineDeadError(self._dead)
-        msg = self.tokenize_request(req)
+        if req.image_data or req.video_data:  # decoding and preprocessing: off the event loop
+            msg = await asyncio.to_thread(self.tokenize_request, req)
+        else:
+            msg = self.tokenize_request(req)
         if msg.rid in self.states:
             raise RequestError(f"rid: a request with id {msg.rid!r} is already running")
         self.check_capacity()

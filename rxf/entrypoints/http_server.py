@@ -25,7 +25,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from rxf.core.config import EngineConfig
-from rxf.core.tokenizer_manager import RequestLimits, TokenizerManager
+from rxf.core.tokenizer_manager import RequestLimits, TokenizerManager, load_multimodal_processor
 from rxf.entrypoints.http_errors import APIKeyMiddleware, BodyLimitMiddleware, install_error_handlers
 from rxf.entrypoints.metrics import ServerMetrics
 from rxf.entrypoints.native_routes import router as native_router
@@ -154,7 +154,8 @@ async def _start_engine(app: FastAPI, state: ServerState, loader: _EngineLoader)
         return
     state.engine, state.tokenizer, state.chat_template = loaded.engine, loaded.tokenizer, loaded.chat_template
     tm = TokenizerManager(
-        loaded.tokenizer, loaded.engine.addrs, loaded.engine.info, RequestLimits.from_config(state.config)
+        loaded.tokenizer, loaded.engine.addrs, loaded.engine.info, RequestLimits.from_config(state.config),
+        mm_processor=load_multimodal_processor(state.config, loaded.engine.info),
     )
     await tm.start()
     tm.observer = state.metrics

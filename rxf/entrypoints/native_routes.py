@@ -50,6 +50,10 @@ class GenerateBody(BaseModel):
     top_logprobs_num: int | list[int] = 0
     rid: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    # One prompt: an image (base64 / data: URL / allowed URL or path) or a list of them, one per
+    # <image> placeholder; a batch: a list with one such entry per prompt. Videos: lists of frames.
+    image_data: Any = None
+    video_data: Any = None
 
 
 class AbortBody(BaseModel):
@@ -86,6 +90,11 @@ def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
     if batched and isinstance(body.rid, str):
         raise APIError(400, "rid: a batch needs a list of request ids, one per prompt", param="rid")
     rids = _per_item("rid", body.rid, n, batched)
+    for name in ("image_data", "video_data"):
+        value = getattr(body, name)
+        if batched and value is not None and not (isinstance(value, list) and len(value) == n):
+            raise APIError(400, f"{name}: a batch needs a list with one entry per prompt ({n})", param=name)
+        columns[name] = value if batched and value is not None else [value] * n
     reqs = [
         GenerateRequest(**item, **{k: v[i] for k, v in columns.items()}, stream=body.stream, rid=rids[i])
         for i, item in enumerate(items)
@@ -93,14 +102,17 @@ def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
     return reqs, batched
 
 
-def _pretokenized(tm: TokenizerManager, req: GenerateRequest) -> GenerateRequest:
+async def _pretokenized(tm: TokenizerManager, req: GenerateRequest) -> GenerateRequest:
     """Validate and tokenize now, so a bad request is a 400 before any prompt reaches the scheduler
-    (and before a stream's headers are sent); the engine then gets the ids, not the text again."""
-    msg = tm.tokenize_request(req)
+    (and before a stream's headers are sent); the engine then gets the ids, not the text again.
+    Images are decoded and preprocessed here too, off the event loop."""
+    media = req.image_data is not None or req.video_data is not None
+    msg = await asyncio.to_thread(tm.tokenize_request, req) if media else tm.tokenize_request(req)
     return GenerateRequest(
         input_ids=msg.input_ids, sampling_params=msg.sampling_params, stream=msg.stream,
         return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
         top_logprobs_num=msg.top_logprobs_num, rid=msg.rid, cache_salt=msg.cache_salt,
+        mm_items=msg.mm_items,
     )
 
 
@@ -154,7 +166,7 @@ async def _stream(tm: TokenizerManager, req: GenerateRequest) -> AsyncIterator[s
 async def generate(body: GenerateBody, request: Request, state: State) -> Response:
     tm = state.require_ready()
     reqs, batched = _requests(body)
-    reqs = [_pretokenized(tm, r) for r in reqs]
+    reqs = [await _pretokenized(tm, r) for r in reqs]
     tm.check_capacity(len(reqs))  # before a stream's 200 goes out; generate() checks again
     if body.stream:
         return StreamingResponse(_stream(tm, reqs[0]), media_type="text/event-stream")

@@ -19,7 +19,12 @@ from typing import Any
 
 from rxf.core.config import EngineConfig, load_config
 from rxf.core.registry import PluginRegistry
-from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
+from rxf.core.tokenizer_manager import (
+    GenerateRequest,
+    RequestLimits,
+    TokenizerManager,
+    load_multimodal_processor,
+)
 from rxf.entrypoints.engine import EngineProcesses
 
 logger = logging.getLogger(__name__)
@@ -54,7 +59,8 @@ class Runtime:
 
     async def _make_tm(self) -> TokenizerManager:
         tm = TokenizerManager(
-            self.tokenizer, self.engine.addrs, self.engine.info, RequestLimits.from_config(self.config)
+            self.tokenizer, self.engine.addrs, self.engine.info, RequestLimits.from_config(self.config),
+            mm_processor=load_multimodal_processor(self.config, self.engine.info, self.registry),
         )
         await tm.start()
         return tm

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rxf.core.io_struct import FinishReason, TokenizedGenerateReq
+from rxf.core.io_struct import FinishReason, MultimodalItem, TokenizedGenerateReq
 from rxf.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     cache_salt: str | None = None
+    mm_items: list[MultimodalItem] | None = None  # their pad ids are part of origin_input_ids
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping
     req_pool_idx: int | None = None
@@ -68,6 +69,7 @@ class Req:
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
             cache_salt=msg.cache_salt,
+            mm_items=msg.mm_items,
         )
 
     @property

@@ -201,6 +201,7 @@ class Scheduler:
             out_cache_loc=torch.cat([s for _, s in batch]),
             prefix_slots=[self._prefix_slots(r) for r in reqs],
             logits_start=logits_start,
+            mm_items=[r.mm_items for r in reqs] if any(r.mm_items for r in reqs) else None,
         )
         try:
             logits = self._forward(inp, reqs)

@@ -6,6 +6,7 @@ without adding any) and the template's stop strings are added to the request's o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
@@ -52,30 +53,49 @@ class ChatPlan:
     params: dict[str, Any]
     reqs: list[GenerateRequest]  # request i is choice i
     logprobs: bool
+    mm_items: list[Any] | None = None  # the prompt's preprocessed images (their pads are in ids)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessage], images: list[Any] | None = None) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: the keys the client sent (nulls dropped),
-    with OpenAI's "developer" role as the "system" role it replaces. Images are refused here:
-    no model served so far takes them."""
+    with OpenAI's "developer" role as the "system" role it replaces. Image parts are refused unless
+    `images` is given (the model takes images): then each becomes an `image_url` part and its URL
+    is appended to `images`, in prompt order."""
     out = []
     for i, msg in enumerate(messages):
+        item = msg.model_dump(exclude_unset=True)
         if isinstance(msg.content, list):
+            parts = item["content"] = list(item["content"])
             for j, part in enumerate(msg.content):
-                if part.get("type") in _IMAGE_PARTS:
+                if part.get("type") not in _IMAGE_PARTS:
+                    continue
+                if images is None:
                     raise bad_request(
                         f"messages[{i}].content[{j}]: images are not supported by this model", "messages"
                     )
-        item = msg.model_dump(exclude_unset=True)
+                images.append(_image_url(part, f"messages[{i}].content[{j}]"))
+                parts[j] = {"type": "image_url"}
         if item["role"] == "developer":
             item["role"] = "system"
         out.append(item)
     return out
 
 
-def render_prompt(messages: list[ChatMessage], chat_template: Any, tokenizer: Any) -> list[int]:
+def _image_url(part: dict[str, Any], where: str) -> Any:
+    """The image of an `image_url` / `input_image` / `image` part: a URL (data:, or http(s)/file
+    when the server allows them) or base64."""
+    value = part.get(part["type"])
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where}: expected {part['type']!r} to hold a URL string (or {{'url': ...}})", "messages")
+    return url
+
+
+def render_prompt(
+    messages: list[ChatMessage], chat_template: Any, tokenizer: Any, images: list[Any] | None = None
+) -> list[int]:
     try:
-        prompt = chat_template.render(template_messages(messages), add_generation_prompt=True)
+        prompt = chat_template.render(template_messages(messages, images), add_generation_prompt=True)
     except ValueError as exc:  # the template names the offending message
         raise bad_request(str(exc), "messages") from None
     return tokenizer.encode(prompt, add_special_tokens=False)
@@ -88,10 +108,20 @@ def plan_chat(
     context_len: int,
     vocab_size: int,
     limits: RequestLimits | None = None,
+    mm_processor: Any = None,
 ) -> ChatPlan:
-    """The native requests for `req`; raises APIError(400) naming the field for any bad value."""
+    """The native requests for `req`; raises APIError(400) naming the field for any bad value.
+    With a multimodal processor, images are decoded and preprocessed here (blocking: call it off
+    the event loop when the request has images)."""
     check_chat(req)
-    ids = render_prompt(req.messages, chat_template, tokenizer)
+    images: list[Any] | None = [] if mm_processor is not None else None
+    ids = render_prompt(req.messages, chat_template, tokenizer, images)
+    mm_items = None
+    if images:
+        try:
+            ids, mm_items = mm_processor.process(ids, images, None)
+        except ValueError as exc:
+            raise bad_request("messages: " + str(exc).replace("image_data", "image", 1), "messages") from None
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -110,8 +140,9 @@ def plan_chat(
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
         cache_salt=req.cache_salt,
+        mm_items=mm_items,
     )
-    return ChatPlan(rid, ids, params, reqs, req.logprobs)
+    return ChatPlan(rid, ids, params, reqs, req.logprobs, mm_items)
 
 
 def _logprobs(plan: ChatPlan, meta: dict[str, Any], token_str: TokenStr) -> ChatLogprobs | None:
@@ -180,9 +211,11 @@ async def create_chat_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    plan = plan_chat(body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size, tm.limits)
+    args = (body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size, tm.limits, tm.mm_processor)
+    has_images = tm.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
+    plan = await asyncio.to_thread(plan_chat, *args) if has_images else plan_chat(*args)
     tm.check_capacity(len(plan.reqs))
-    if body.n > 1:
+    if body.n > 1 and plan.mm_items is None:  # a warm-up request would carry no image features
         await gen.warm_prefixes(tm, [plan.ids], plan.params, body.cache_salt)
     token_str = token_str_fn(state.tokenizer)
     if body.stream:

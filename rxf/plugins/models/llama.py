@@ -138,10 +138,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and residual stream, before the final norm (which the caller
-        applies only to the rows whose logits it needs)."""
-        x = self.embed_tokens(batch.input_ids)
+        applies only to the rows whose logits it needs). `input_embeds` ([num_tokens, hidden])
+        replaces the token embeddings (multimodal models write vision features into them)."""
+        x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
@@ -182,9 +185,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]`."""
-        x, residual = self.model(batch)
+        x, residual = self.model(batch, input_embeds)
         idx = batch.logits_indices
         x, _ = self.model.norm(x[idx], residual[idx])
         return self.lm_head(x)
