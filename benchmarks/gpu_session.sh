@@ -3,7 +3,9 @@
 # benchmark (stage "bench") or the decode profile (stage "profile"). Run from the repo root on the GPU
 # machine; see ../shared/device/README.md. The JIT cache comes back in parts under 15 MB (the limit on
 # returned files); put them in .fi-parts/ (git-ignored, carried) and the next call restores them.
-#   bash benchmarks/gpu_session.sh tests|bench|profile [extra script args]
+#   bash benchmarks/gpu_session.sh tests|bench|profile|others [extra script args]
+# Stage "others" runs the other GPU benchmarks (MoE, LLaVA, tensor parallel at the GPUs present,
+# the batch-1 step profile), each bounded, logs under $OUT.
 set -uo pipefail
 stage=$1; shift
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache
@@ -28,6 +30,14 @@ elif [ "$stage" = profile ]; then
   wait; tail -2 "$out/jit-8b.log"
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-"
   python3 benchmarks/gpu_profile.py --phases step,attn "$@" 2>&1 | tee "$out/profile.log"
+elif [ "$stage" = others ]; then
+  for script in gpu_moe gpu_llava gpu_tp; do
+    start=$(date +%s)
+    timeout 240 python3 benchmarks/$script.py > "$out/$script.log" 2>&1
+    echo "$script: rc $? in $(( $(date +%s) - start )) s"; tail -25 "$out/$script.log"
+  done
+  timeout 120 python3 benchmarks/gpu_profile.py --phases step > "$out/profile-step.log" 2>&1
+  grep -E "gc_|batch 1:" "$out/profile-step.log"
 else
   python3 benchmarks/gpu_decode.py --preset llama3-8b "$@" 2>&1 | tee "$out/bench.log"
 fi
