@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rxf.core.registry import PluginRegistry
-from rxf.testing.checkpoints import make_tiny_tokenizer
+from rxf.testing import make_tiny_tokenizer
 
 # Gemma's turn format written as a Hugging Face chat template: an independent second rendition.
 GEMMA_JINJA = (
