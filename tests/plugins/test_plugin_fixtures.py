@@ -4,6 +4,9 @@ them, `rxf_runtime` included, from a fresh environment: test_plugin_example_inst
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 import rxf.testing.pytest_plugin
@@ -31,3 +34,10 @@ def test_harness_matches_the_reference(rxf_tiny_checkpoint, rxf_model_harness, r
         assert logits.dtype == torch.float32 and logits.shape == (len(prompt), 512)
         assert_logits_close(logits, ref.logits(prompt))
     assert harness.greedy(PROMPTS, 10) == [ref.greedy(p, 10) for p in PROMPTS]
+
+
+def test_loading_the_pytest_plugin_imports_neither_torch_nor_transformers():
+    # pytest loads it in every run in the environment, including suites that never touch rxf.
+    code = "import sys, rxf.testing.pytest_plugin; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
