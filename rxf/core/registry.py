@@ -37,8 +37,9 @@ class PluginNotFoundError(KeyError):
         return str(self.args[0])
 
 
-class PluginLoadError(RuntimeError):
-    """A plugin the configuration asked for could not be loaded or imported."""
+class PluginLoadError(ImportError):
+    """A plugin the configuration asked for could not be loaded or imported. An ImportError, as
+    resolving a lazy factory raised before this type existed."""
 
 
 @dataclass
