@@ -10,10 +10,10 @@ import os
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 
 class _Section(BaseModel):
@@ -140,8 +140,20 @@ class EngineConfig(BaseSettings):
     server: ServerConfig = ServerConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     cuda_graph: CudaGraphConfig = CudaGraphConfig()
-    plugins: PluginsConfig = PluginsConfig()
     multimodal: MultimodalConfig = MultimodalConfig()
+    # NoDecode: RXF_PLUGINS is the filter string "a,b,-c" (see `_plugins_filter`), not this section as JSON.
+    plugins: Annotated[PluginsConfig, NoDecode] = PluginsConfig()
+
+    @field_validator("plugins", mode="before")
+    @classmethod
+    def _plugins_filter(cls, value: Any) -> Any:
+        """`RXF_PLUGINS="a,b,-c"`: allow only a and b (when any is named without "-"), deny c."""
+        if not isinstance(value, str):
+            return value
+        from rxf.core.registry import parse_plugin_filter
+
+        allow, deny = parse_plugin_filter(value)
+        return {"allow": allow, "deny": deny}
 
     @classmethod
     def settings_customise_sources(

@@ -2,6 +2,12 @@
 
 rxf's builtins are declared in its own pyproject under `[project.entry-points.rxf]` and load through
 exactly this path, like any third-party package's plugins.
+
+Failure policy: a plugin that fails to load (import error, a hook that raises, a hook name with a
+typo) is logged with its name and distribution and recorded in `failed`; rxf carries on without it,
+unless the configuration asked for it - named in the allow list (`plugins.allow` / `RXF_PLUGINS`),
+which raises `PluginLoadError` at once, or by selecting something it would have registered, whose
+lookup then fails with a message that names the failed plugin and its error.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ class PluginNotFoundError(KeyError):
         return str(self.args[0])
 
 
+class PluginLoadError(ImportError):
+    """A plugin the configuration asked for could not be loaded or imported. An ImportError, as
+    resolving a lazy factory raised before this type existed."""
+
+
 @dataclass
 class Registration:
     name: str
@@ -45,6 +56,17 @@ class PluginInfo:
     distribution: str
     version: str
     registered: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    name: str
+    distribution: str
+    version: str
+    error: str  # "ExceptionType: message"
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.distribution} {self.version}): {self.error}"
 
 
 def _resolve(factory: Any) -> Any:
@@ -78,6 +100,8 @@ class PluginRegistry:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
+        self.failed: dict[str, PluginFailure] = {}
+        self.skipped: list[str] = []  # entry points left out by the allow/deny lists
         self._items: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
 
     # ---- loading ----
@@ -88,34 +112,56 @@ class PluginRegistry:
         return registry
 
     def load_entry_points(self) -> None:
+        found: set[str] = set()
         for ep in entry_points(group=ENTRY_POINT_GROUP):
+            found.add(ep.name)
             if (self.allow is not None and ep.name not in self.allow) or ep.name in self.deny:
                 logger.debug("plugin %s skipped by the allow/deny lists", ep.name)
+                self.skipped.append(ep.name)
                 continue
             dist = ep.dist
+            dist_name, version = (dist.name, dist.version) if dist else ("?", "?")
             try:
-                module = ep.load()
-            except Exception:
+                self.register_plugin(ep.load(), ep.name, dist_name, version)
+            except Exception as e:
+                failure = PluginFailure(ep.name, dist_name, version, f"{type(e).__name__}: {e}")
+                if self.allow is not None:  # it is in the allow list: the configuration asked for it
+                    raise PluginLoadError(
+                        f"plugin {failure.describe()}; it is named in plugins.allow / RXF_PLUGINS"
+                    ) from e
                 # A broken third-party plugin must not take the engine down with it.
-                logger.exception("plugin %s (%s) failed to load", ep.name, dist.name if dist else "?")
-                continue
-            self.register_plugin(
-                module, ep.name, dist.name if dist else "?", dist.version if dist else "?"
+                logger.exception("plugin %s (%s %s) failed to load; continuing without it", ep.name, dist_name, version)
+                self.failed[ep.name] = failure
+        missing = sorted((self.allow or set()) - found)
+        if missing:
+            raise PluginLoadError(
+                f"plugins.allow / RXF_PLUGINS names {', '.join(missing)}, which no installed distribution "
+                f"provides; installed plugins: {', '.join(sorted(found)) or 'none'}"
             )
 
     def register_plugin(self, plugin: Any, name: str, distribution: str = "?", version: str = "?") -> None:
-        """Add one plugin object/module and collect what its hooks register."""
+        """Add one plugin object/module and collect what its hooks register.
+
+        All or nothing: if a hook raises, or an implementation matches no hook, the plugin and
+        whatever it registered so far are removed again and the error propagates.
+        """
         if name in self.plugins:
             return  # loading twice is harmless by contract
         self.pm.register(plugin, name=name)
-        self.pm.check_pending()  # an implementation that matches no hook is a typo: fail loudly
         info = PluginInfo(name, distribution, version)
+        before = {kind: dict(items) for kind, items in self._items.items()}
+        try:
+            self.pm.check_pending()  # an implementation that matches no hook is a typo: fail loudly
+            for kind in KINDS:
+                hook = getattr(self.pm.hook, f"rxf_register_{kind}")
+                for impl in hook.get_hookimpls():
+                    if impl.plugin_name == name:
+                        impl.function(register=self._register_fn(kind, info))
+        except BaseException:
+            self.pm.unregister(name=name)
+            self._items = before  # including anything this plugin replaced
+            raise
         self.plugins[name] = info
-        for kind in KINDS:
-            hook = getattr(self.pm.hook, f"rxf_register_{kind}")
-            for impl in hook.get_hookimpls():
-                if impl.plugin_name == name:
-                    impl.function(register=self._register_fn(kind, info))
 
     def _register_fn(self, kind: str, info: PluginInfo) -> Any:
         def register(item_name: Any, factory: Any = None) -> None:
@@ -135,18 +181,28 @@ class PluginRegistry:
     def names(self, kind: str) -> list[str]:
         return sorted(self._items[kind])
 
+    def _miss(self, what: str, kind: str) -> PluginNotFoundError:
+        message = f"{what}; available: {', '.join(self.names(kind)) or 'none'}"
+        if self.failed:
+            failures = "; ".join(f.describe() for f in self.failed.values())
+            message += f". Plugins that failed to load (one may provide it): {failures}"
+        return PluginNotFoundError(message)
+
     def get(self, kind: str, name: str) -> Any:
+        reg = self._items[kind].get(name)
+        if reg is None:
+            raise self._miss(f"no {kind.replace('_', ' ')[:-1]} named {name!r}", kind)
         try:
-            reg = self._items[kind][name]
-        except KeyError:
-            available = ", ".join(self.names(kind)) or "none"
-            raise PluginNotFoundError(
-                f"no {kind.replace('_', ' ')[:-1]} named {name!r}; available: {available}"
-            ) from None
-        return _resolve(reg.factory)
+            return _resolve(reg.factory)
+        except (ImportError, AttributeError) as e:  # a lazy "module:attr" that does not import
+            raise PluginLoadError(
+                f"{kind.replace('_', ' ')[:-1]} {name!r} from plugin {reg.plugin} ({reg.distribution}) "
+                f"could not be imported from {reg.factory!r}: {type(e).__name__}: {e}"
+            ) from e
 
     def registration(self, kind: str, name: str) -> Registration:
-        self.get(kind, name)  # same error message for a miss
+        if name not in self._items[kind]:
+            raise self._miss(f"no {kind.replace('_', ' ')[:-1]} named {name!r}", kind)
         return self._items[kind][name]
 
     def attention_backend(self, name: str) -> Any:
@@ -156,12 +212,15 @@ class PluginRegistry:
         for arch in architectures:
             if arch in self._items["models"]:
                 return self.get("models", arch)
-        available = ", ".join(self.names("models")) or "none"
-        raise PluginNotFoundError(f"no model registered for architectures {architectures}; available: {available}")
+        shown = ", ".join(repr(a) for a in architectures) or "none (config.json has no `architectures`)"
+        raise self._miss(
+            f"unknown architecture {shown}: no installed plugin registers it (`rxf plugins` lists them)",
+            "models",
+        )
 
     def chat_template(self, name: str) -> Any:
         return self.get("chat_templates", name)
 
     def multimodal_processor(self, architecture: str) -> Any | None:
         reg = self._items["multimodal_processors"].get(architecture)
-        return None if reg is None else _resolve(reg.factory)
+        return None if reg is None else self.get("multimodal_processors", architecture)

@@ -51,14 +51,34 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from rxf.core.registry import KINDS, PluginRegistry
+    """Each loaded plugin with its distribution, version and what it registered; then the plugins
+    that failed to load (with the error) and those the allow/deny lists left out."""
+    from dataclasses import asdict
 
-    registry = PluginRegistry.load()
-    for info in registry.plugins.values():
-        print(f"{info.name}  ({info.distribution} {info.version})")
-        for kind in KINDS:
-            if info.registered.get(kind):
-                print(f"  {kind}: {', '.join(sorted(info.registered[kind]))}")
+    from rxf.core.registry import KINDS, PluginLoadError, PluginRegistry
+
+    try:
+        registry = PluginRegistry.load()
+    except PluginLoadError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.json:
+        report = {
+            "plugins": [asdict(info) for info in registry.plugins.values()],
+            "failed": [asdict(failure) for failure in registry.failed.values()],
+            "skipped": registry.skipped,
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        for info in registry.plugins.values():
+            print(f"{info.name}  ({info.distribution} {info.version})")
+            for kind in KINDS:
+                if info.registered.get(kind):
+                    print(f"  {kind}: {', '.join(sorted(info.registered[kind]))}")
+        for failure in registry.failed.values():
+            print(f"{failure.name}  ({failure.distribution} {failure.version})  FAILED TO LOAD: {failure.error}")
+        if registry.skipped:
+            print(f"skipped by plugins.allow/deny or RXF_PLUGINS: {', '.join(registry.skipped)}")
     if not registry.plugins:
         print("no plugins loaded (is rxf installed? `pip install -e .`)", file=sys.stderr)
         return 1
@@ -134,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--port", type=int, default=None, help="server.port (default 30000; 0 picks a free one)")
     launch.add_argument("--api-key", default=None, help="server.api_key (also RXF_API_KEY)")
     launch.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    sub.add_parser("plugins", help="list loaded plugins and what they register")
+    plugins = sub.add_parser("plugins", help="list installed plugins: distribution, version, what they register")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
     for name, help_text in (("generate", "complete a prompt"), ("chat", "answer one chat message")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", help="TOML config file")
