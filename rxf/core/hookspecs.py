@@ -9,8 +9,8 @@ named after the hooks below, exposed through the ``rxf`` entry-point group::
 Every hook has the ``register_*(register)`` shape: rxf passes a ``register`` callable and the
 plugin calls it once per thing it contributes. Factories may be given as ``"module:attr"`` strings;
 they are imported only when selected, so loading a plugin must stay cheap and must not touch CUDA.
-Plugins load in every rxf process (the caller's process, each scheduler rank and the
-detokenizer), so they must be safe to load more than once.
+Plugins load in each process that builds a registry (the server or `Runtime` caller's process and
+every scheduler rank), so they must be safe to load more than once.
 """
 
 from __future__ import annotations
