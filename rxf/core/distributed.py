@@ -1,22 +1,34 @@
 """Tensor-parallel group access for model code: the seam between layers and torch.distributed.
 
 Model code asks `tp_size()` / `tp_rank()` when it is built and calls `tp_all_reduce` /
-`tp_all_gather` in forward. Until a scheduler process calls `set_tp_group`, rxf runs one rank:
-size 1, rank 0, and both collectives return their input unchanged (no torch.distributed needed).
+`tp_all_gather` in forward. Until a scheduler process calls `set_tp_group` (through
+`init_tensor_parallel`), rxf runs one rank: size 1, rank 0, and both collectives return their input
+unchanged (no torch.distributed needed).
+
+A tensor-parallel group is one data-parallel replica: its own default process group (NCCL on GPU,
+gloo on CPU) plus a gloo group over the same ranks for the scheduler's control traffic (requests
+and sampled token ids are host objects, and a CPU group never waits on GPU work to move them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 _group: dist.ProcessGroup | None = None
+_cpu_group: dist.ProcessGroup | None = None
 
 
-def set_tp_group(group: dist.ProcessGroup | None) -> None:
-    """Install the tensor-parallel process group of this process (None: back to one rank)."""
-    global _group
+def set_tp_group(group: dist.ProcessGroup | None, cpu_group: dist.ProcessGroup | None = None) -> None:
+    """Install the tensor-parallel process group of this process (None: back to one rank), and the
+    gloo group over the same ranks that `broadcast_from_rank0` uses (defaults to `group`)."""
+    global _group, _cpu_group
     _group = group
+    _cpu_group = cpu_group if cpu_group is not None else group
 
 
 def tp_group() -> dist.ProcessGroup | None:
@@ -46,3 +58,67 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x.contiguous(), group=_group)
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank of the group (picklable objects, over the gloo group); with one
+    rank, `obj` itself. Every rank must call it at the same point of its loop."""
+    if _cpu_group is None or tp_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(_cpu_group, 0), group=_cpu_group)
+    return box[0]
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one scheduler process sits: its rank in its replica's group and its device.
+
+    Ranks of a replica are spread evenly over the nodes: node n holds ranks
+    [n * local_size, (n + 1) * local_size). On GPU, a node's devices are handed out replica after
+    replica: replica d's local rank l uses cuda:(d * local_size + l).
+    """
+
+    dp_rank: int
+    tp_size: int
+    nnodes: int
+    node_rank: int
+    local_rank: int
+    init_method: str  # tcp://host:port of this replica's rendezvous
+    backend: str  # "nccl" or "gloo"
+
+    @property
+    def local_size(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def rank(self) -> int:
+        return self.node_rank * self.local_size + self.local_rank
+
+    @property
+    def device_index(self) -> int:
+        return self.dp_rank * self.local_size + self.local_rank
+
+
+def init_tensor_parallel(placement: RankPlacement, timeout_s: float = 1800) -> None:
+    """Join this replica's process group and install it as the tensor-parallel group. On CUDA the
+    caller selects `cuda:<placement.device_index>` first (NCCL binds each rank to one device)."""
+    if placement.tp_size == 1:
+        return
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend=placement.backend,
+        init_method=placement.init_method,
+        world_size=placement.tp_size,
+        rank=placement.rank,
+        timeout=timeout,
+    )
+    world = dist.group.WORLD
+    cpu = world if placement.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    set_tp_group(world, cpu)
+
+
+def destroy_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_tp_group(None)

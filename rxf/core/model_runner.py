@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+from rxf.core import distributed
 from rxf.core.attention import AttentionBackend, AttentionContext
 from rxf.core.config import EngineConfig
 from rxf.core.cuda_graph_runner import CudaGraphRunner, DecodeBuffers, DecodeInputs, capture_sizes
@@ -156,10 +157,12 @@ class ModelRunner:
         )
 
     def _init_memory(self, text: Any) -> None:
-        # KV layout per rank; with tensor parallelism the head counts will be divided by tp_size.
-        num_heads = text.num_attention_heads
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        # KV layout per rank: the heads this rank's attention layers hold (kv heads replicated, one
+        # per rank, when tp_size exceeds them; see QKVParallelLinear).
+        tp = distributed.tp_size()
+        num_heads = text.num_attention_heads // tp
+        num_kv_heads = max(1, (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) // tp)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         num_layers = text.num_hidden_layers
         max_running = self.config.scheduler.max_running_requests
         self.max_total_tokens = self.config.cache.max_total_tokens or self._slots_from_memory(
