@@ -86,6 +86,7 @@ class RankPlacement:
     local_rank: int
     init_method: str  # tcp://host:port of this replica's rendezvous
     backend: str  # "nccl" or "gloo"
+    cuda: bool = False  # the rank runs on cuda:<device_index>
 
     @property
     def local_size(self) -> int:
