@@ -119,7 +119,9 @@ def make_tiny_checkpoint(
 
     `config_overrides` go to the config class on top of `TINY_DEFAULTS`, e.g.
     `head_dim=32`, `attention_bias=True`, `tie_word_embeddings=True`, `sliding_window=None`,
-    `rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, ...}`.
+    `rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, ...}`, and for
+    `MixtralForCausalLM` (per-expert `block_sparse_moe.experts.{e}.w1/w2/w3` tensors, random router)
+    `num_local_experts=6`, `num_experts_per_tok=3` (transformers' defaults: 8 experts, top 2).
     config.eos_token_id is `</s>`; generation_config.json lists `</s>` and `<|im_end|>`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,4 +1,4 @@
-"""Builtin model plugin: Llama-family architectures, registered lazily by Hugging Face name.
+"""Builtin model plugin: Llama-family architectures and Mixtral, registered lazily by Hugging Face name.
 
 Only strings are registered, so loading this plugin imports neither torch nor the model code.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 from rxf.core.hookspecs import RegisterFactory, hookimpl
 
 _LLAMA = "rxf.plugins.models.llama"
+_MIXTRAL = "rxf.plugins.models.mixtral"
 
 
 @hookimpl
@@ -15,3 +16,4 @@ def rxf_register_models(register: RegisterFactory) -> None:
     register("LlamaForCausalLM", f"{_LLAMA}:LlamaForCausalLM")
     register("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
     register("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
+    register("MixtralForCausalLM", f"{_MIXTRAL}:MixtralForCausalLM")

@@ -9,7 +9,7 @@ returns float32 logits for the rows in `batch.logits_indices` only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -89,14 +89,20 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer_id: int, qkv_bias: bool, rotary_emb: RotaryEmbedding, dtype: torch.dtype
+        self,
+        config: Any,
+        layer_id: int,
+        qkv_bias: bool,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias, rotary_emb, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = mlp_cls(config, dtype)  # the feed-forward block: dense, or mixture of experts
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
@@ -113,7 +119,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: Any,
+        qkv_bias: bool,
+        dtype: torch.dtype,
+        mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
         # cos/sin for every position: e.g. 131072 x 128 per table for Llama 3.1, so built once.
@@ -121,7 +133,8 @@ class LlamaModel(nn.Module):
             head_dim_of(config), config.max_position_embeddings, rope_parameters(config), dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -148,6 +161,7 @@ def _sliding_window(config: Any) -> int | None:
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False  # Llama and Mistral: bias only when `attention_bias` says so
+    mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP  # each layer's feed-forward block
 
     def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -162,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
                 window,
             )
         qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
-        self.model = LlamaModel(config, qkv_bias, dtype)
+        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)
         if self.tie_word_embeddings:

@@ -1,0 +1,235 @@
+"""Fused mixture-of-experts for the GPU: two Triton grouped GEMMs over (token, expert) pairs sorted by
+expert, with no Python loop over experts and no host synchronisation (CUDA-graph capturable).
+
+For x `[T, H]` and top-k routing (`topk_weights`, `topk_ids` `[T, k]`) there are P = T * k pairs;
+pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13 `[E, 2I, H]` (rows
+`[gate | up]`), w2 `[E, H, I]`.
+
+1. `align_pairs` (one Triton program) sorts the pairs by expert and pads each expert's run to a
+   multiple of BLOCK_M, so that every block of BLOCK_M rows belongs to one expert (a dozen small torch
+   ops would cost more than the GEMMs' weight reads at decode). Region map of `sorted_pairs`:
+     [start[e], start[e] + count[e])    expert e's pairs, ascending pair id
+     [start[e] + count[e], end[e])      padding, value P (end[e] - start[e] is count[e] rounded up)
+     [total, capacity)                  unused, value P; blocks starting here exit at once
+   `block_expert[b]` is the expert of rows [b * BLOCK_M, (b + 1) * BLOCK_M) (clamped to E - 1 past
+   total). capacity = P + min(P, E) * (BLOCK_M - 1) >= total: at most min(P, E) experts have pairs,
+   each padding at most BLOCK_M - 1 rows. The grid is sized by capacity, known on the host.
+2. `_gate_up_kernel`: act[row] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T) for every row of
+   the sorted order (padding rows: zeros), float32 accumulation, one rounding to x.dtype.
+3. `_down_kernel`: y[pair] = topk_weight[pair] * (act[row] @ down_e^T), float32, for the real rows.
+4. The top-k sum `y.view(T, k, H).sum(1)`, in float32, cast to x.dtype: a fixed order of additions
+   (no atomics), so results do not depend on scheduling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    block_m: int  # rows of the sorted order per block: both kernels use the same alignment
+    block_n: int  # gate_up: columns of the intermediate (for each of gate and up)
+    block_k: int
+    down_block_n: int = 0  # down: columns of the output (0: block_n)
+    group_m: int = 1  # row blocks that walk the columns together (shared weight tiles stay in L2)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def pick_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> BlockConfig:
+    """Block shapes by the expected rows per expert. Few rows (decode): the GEMMs stream the
+    experts' weights, so small row blocks and many column programs; many rows: larger tiles.
+    float32 tiles are twice the bytes: two pipeline stages keep them within shared memory."""
+    rows_per_expert = num_pairs / num_experts
+    if rows_per_expert <= 32:  # down: narrow column blocks, else too few programs to stream w2
+        cfg = BlockConfig(16, 64, 128, down_block_n=32, group_m=4, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 128:
+        cfg = BlockConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=4)
+    else:
+        cfg = BlockConfig(128, 64, 64, down_block_n=128, group_m=8, num_warps=8, num_stages=3)
+    return cfg if itemsize <= 2 else dataclasses.replace(cfg, num_stages=2)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
+def _align_kernel(
+    TopkIds, SortedPairs, BlockExpert, Total, num_pairs, capacity, num_blocks,
+    NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program: count pairs per expert, lay out the padded runs, place each pair, and label the
+    blocks (the module docstring's region map). Lanes of experts >= NUM_EXPERTS count nothing."""
+    experts = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        ids = tl.load(TopkIds + start + lanes, mask=start + lanes < num_pairs, other=E_PAD)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(Total, tl.sum(padded, axis=0))
+    for start in range(0, capacity, CHUNK):
+        rows = start + lanes
+        tl.store(SortedPairs + rows, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=rows < capacity)
+    tl.debug_barrier()  # the padding stores above land before the pair stores below overwrite some
+    next_row = ends - padded  # per expert: where its next pair goes
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + lanes
+        ids = tl.load(TopkIds + pairs, mask=pairs < num_pairs, other=E_PAD)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hit, axis=0) - hit  # pairs of the same expert earlier in this chunk
+        dest = tl.sum(hit * (earlier + next_row[None, :]), axis=1)
+        tl.store(SortedPairs + dest, pairs, mask=pairs < num_pairs)
+        next_row += tl.sum(hit, axis=0)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + lanes
+        # The expert of a block = how many runs end at or before its first row.
+        before = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(BlockExpert + blocks, tl.minimum(before, NUM_EXPERTS - 1), mask=blocks < num_blocks)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """(sorted_pairs int32 `[blocks * block_m]`, block_expert int32 `[blocks]`, total int32 `[1]`),
+    laid out as the module docstring's region map says; one kernel launch."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    blocks = triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    total = torch.empty(1, dtype=torch.int32, device=flat.device)
+    e_pad = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](
+        flat, sorted_pairs, block_expert, total, num_pairs, sorted_pairs.numel(), blocks,
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=max(16, 4096 // e_pad),
+    )
+    return sorted_pairs, block_expert, total
+
+
+@triton.jit
+def _tile(pid, num_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of program `pid`: GROUP_M row blocks sweep the columns together."""
+    n_blocks = tl.cdiv(n_size, BLOCK_N)
+    per_group = GROUP_M * n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _gate_up_kernel(
+    X, W13, Act, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
+    stride_xt, stride_we, stride_wn, stride_at,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(Total):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SortedPairs + rows)
+    real = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = X + tokens[:, None] * stride_xt + ks[None, :]
+    gate_ptrs = W13 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    up_ptrs = gate_ptrs + N * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(x_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        u = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc_gate = tl.dot(a, g, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
+        else:
+            acc_gate = tl.dot(a, g, acc_gate)
+            acc_up = tl.dot(a, u, acc_up)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out_ptrs = Act + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
+    tl.store(out_ptrs, act.to(Act.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _down_kernel(
+    Act, W2, Y, TopkWeights, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
+    stride_at, stride_we, stride_wn, stride_yp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(Total):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(SortedPairs + rows)
+    real = pairs < num_pairs
+    expert = tl.load(BlockExpert + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = Act + rows[:, None].to(tl.int64) * stride_at + ks[None, :]
+    w_ptrs = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc *= tl.load(TopkWeights + pairs, mask=real, other=0.0)[:, None]
+    y_ptrs = Y + pairs[:, None].to(tl.int64) * stride_yp + cols[None, :]
+    tl.store(y_ptrs, acc, mask=real[:, None] & col_ok[None, :])
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: BlockConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as `moe.experts_native`: `[T, H]` in x.dtype, the routing-weighted sum of each
+    token's top-k experts. x, w13 and w2 share a dtype; the weights' last dimension is contiguous."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("fused_experts needs expert weights with a contiguous last dimension")
+    x = x.contiguous()
+    num_pairs = num_tokens * top_k
+    cfg = config or pick_config(num_pairs, num_experts, x.element_size())
+    sorted_pairs, block_expert, total = align_pairs(topk_ids, num_experts, cfg.block_m)
+    num_blocks = block_expert.numel()
+    act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    down_n = cfg.down_block_n or cfg.block_n
+    common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
+              "IEEE": x.dtype == torch.float32, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    _gate_up_kernel[(num_blocks * triton.cdiv(inter, cfg.block_n),)](
+        x, w13, act, sorted_pairs, block_expert, total, num_pairs, num_blocks, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=cfg.block_n, **common,
+    )
+    _down_kernel[(num_blocks * triton.cdiv(hidden, down_n),)](
+        act, w2, y, weights, sorted_pairs, block_expert, total, num_pairs, num_blocks, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_N=down_n, **common,
+    )
+    return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -1,0 +1,119 @@
+"""Mixture-of-experts feed-forward: top-k routing and the experts' weights in a fused layout.
+
+`FusedExperts` holds every expert's gated MLP as two stacked parameters, `w13.weight`
+`[E, 2 * I_rank, H]` (rows `[gate | up]` of each expert) and `w2.weight` `[E, H, I_rank]`, where
+`I_rank = intermediate / tp_size`: tensor parallelism splits each expert's intermediate dimension
+(rank r holds gate/up rows and down columns `[r * I_rank, (r + 1) * I_rank)`), so every rank computes
+a partial sum of each token's output and the caller all-reduces it. Checkpoints store one tensor per
+expert and projection; the loaders take the full tensor with shard id `(expert, j)`, j = 0 for
+gate (w1) and down (w2), 1 for up (w3), and copy this rank's slice. Expert parallelism (whole
+experts per rank) is not implemented.
+
+Forward: on CUDA, the Triton kernels of `fused_moe` (imported on first use: plugins touch no kernel
+library at import); elsewhere `experts_native`, which is also their reference in the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rxf.core import distributed
+from rxf.plugins.models.layers.linear import copy_weight
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights float32 `[T, top_k]`, expert ids int64 `[T, top_k]`): softmax over all experts in
+    float32, the top_k largest, optionally rescaled to sum to 1 per token (Mixtral does)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_native(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` with e = topk_ids[t, j],
+    in torch: the (token, expert) pairs sorted by expert, one pair of matmuls per expert that has
+    pairs (a Python loop over experts, never over tokens), and an index_add back to the tokens."""
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    tokens = order // top_k  # pair p is (token p // top_k, choice p % top_k)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    outs = []
+    for e, rows in enumerate(x[tokens].split(counts)):
+        if rows.shape[0]:
+            gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w2[e]))
+    y = torch.cat(outs) * topk_weights.reshape(-1)[order, None]
+    return torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y).to(x.dtype)
+
+
+class StackedExpertWeight(nn.Module):
+    """One projection of every expert, `weight[E, rows, cols]`, this rank's slice of it.
+
+    Checkpoint shard `(e, j)` is expert e's full `[out, in]` tensor: its slice at this rank along
+    `split_dim` (0: output rows, 1: input columns) fills part j of `weight[e]` along that dimension.
+    """
+
+    def __init__(
+        self, num_experts: int, rows: int, cols: int, split_dim: int, parts: int, tp: tuple[int, int],
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.split_dim, self.parts = split_dim, parts
+        self.tp_size, self.tp_rank = tp
+        self.weight = nn.Parameter(torch.empty(num_experts, rows, cols, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.shard_ids = tuple((e, j) for e in range(num_experts) for j in range(parts))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+        expert, j = shard_id
+        n = param.shape[1 + self.split_dim] // self.parts
+        dst = param.data[expert].narrow(self.split_dim, j * n, n)
+        what = f"expert {expert} part {j}"
+        if loaded.dim() != 2 or loaded.shape[self.split_dim] != n * self.tp_size:
+            raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)} "
+                             f"x tp_size {self.tp_size} along dim {self.split_dim}")
+        copy_weight(dst, loaded.narrow(self.split_dim, self.tp_rank * n, n), what)
+
+
+class FusedExperts(nn.Module):
+    """Every expert's gated MLP (`down(silu(gate(x)) * up(x))`), this rank's share of it; the output
+    is a partial sum when tp_size > 1 (the caller all-reduces)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        tp = (
+            distributed.tp_size() if tp_size is None else tp_size,
+            distributed.tp_rank() if tp_rank is None else tp_rank,
+        )
+        if intermediate_size % tp[0]:
+            raise ValueError(f"intermediate_size {intermediate_size} is not divisible by tp_size {tp[0]}")
+        inter = intermediate_size // tp[0]
+        self.w13 = StackedExpertWeight(num_experts, 2 * inter, hidden_size, 0, 2, tp, dtype)
+        self.w2 = StackedExpertWeight(num_experts, hidden_size, inter, 1, 1, tp, dtype)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from rxf.plugins.models.layers.fused_moe import fused_experts
+
+            return fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
+        return experts_native(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)

@@ -1,0 +1,107 @@
+"""The fused MoE Triton kernels against the torch path (`experts_native`), on CPU under the Triton
+interpreter at tiny shapes (fp32 and fp16), and the pair alignment's region map.
+
+As in test_triton_attention.py, TRITON_INTERPRET is set before the kernel module is imported, and the
+module is skipped where CUDA is present (tests/gpu/test_moe_gpu.py covers the compiled kernels).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_moe_gpu.py covers the compiled kernels", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from rxf.plugins.models.layers.fused_moe import BlockConfig, align_pairs, fused_experts  # noqa: E402
+from rxf.plugins.models.layers.moe import experts_native, select_experts  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+SMALL = BlockConfig(16, 32, 32, down_block_n=16, group_m=2)  # several column and K blocks at tiny shapes
+
+
+def problem(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype)
+    weights, ids = select_experts(torch.randn(tokens, experts, generator=gen), top_k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+def reference(x, w13, w2, weights, ids) -> torch.Tensor:
+    return experts_native(x.float(), w13.float(), w2.float(), weights, ids)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "hidden", "inter", "config"),
+    [
+        (1, 4, 2, 64, 48, None),  # decode: two experts hit, the heuristic's blocks exceed every dim
+        (5, 8, 2, 64, 96, SMALL),  # some experts unused; several K and column blocks
+        (33, 4, 3, 48, 40, SMALL),  # dims that are not block multiples (masked tails)
+        (40, 3, 1, 32, 32, BlockConfig(16, 16, 16, group_m=3)),  # top-1, uneven row groups
+        (80, 4, 2, 64, 48, None),  # the heuristic's middle blocks (40 rows per expert)
+        (300, 4, 2, 32, 40, None),  # its largest blocks (150 rows per expert)
+    ],
+)
+def test_fused_matches_torch_path(tokens, experts, top_k, hidden, inter, config, dtype) -> None:
+    x, w13, w2, weights, ids = problem(tokens, experts, top_k, hidden, inter, dtype)
+    assert_matches(fused_experts(x, w13, w2, weights, ids, config), reference(x, w13, w2, weights, ids), dtype)
+
+
+def test_all_tokens_on_one_expert_and_empty_batch() -> None:
+    x, w13, w2, weights, _ = problem(37, 4, 2, 32, 32, torch.float32, seed=1)
+    ids = torch.tensor([[2, 0]] * 37)  # 37 rows for two experts: several full blocks plus a partial one
+    assert_matches(fused_experts(x, w13, w2, weights, ids, SMALL), reference(x, w13, w2, weights, ids),
+                   torch.float32)
+    assert fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+def align_pairs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """The region map built with torch ops: stable sort by expert, each run padded to block_m."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    blocks = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    rank = torch.arange(num_pairs) - (counts.cumsum(0) - counts)[flat[order]]
+    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32)
+    sorted_pairs[(ends - padded)[flat[order]] + rank] = order.to(torch.int32)
+    block_expert = torch.searchsorted(ends, torch.arange(blocks) * block_m, right=True).clamp(max=num_experts - 1)
+    return sorted_pairs, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
+                         [(1, 8, 2, 16), (300, 8, 2, 16), (300, 64, 6, 32), (700, 3, 1, 64), (50, 6, 4, 16)])
+def test_align_pairs_matches_torch(tokens: int, experts: int, top_k: int, block_m: int) -> None:
+    """Several chunks of the kernel's loops, expert counts that are not powers of two, unused experts."""
+    gen = torch.Generator().manual_seed(tokens)
+    skew = torch.linspace(0, 3, experts)
+    _, ids = torch.topk(torch.randn(tokens, experts, generator=gen) + skew, top_k)
+    for got, want in zip(align_pairs(ids, experts, block_m), align_pairs_torch(ids, experts, block_m), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_align_pairs_region_map() -> None:
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [3, 0]])  # pairs of expert 3: 0 2 5 6 8; 0: 1 4 9
+    block_m, pad = 4, 10  # pad: the pair count marks padding rows
+    sorted_pairs, block_expert, total = align_pairs(ids, 5, block_m)
+    # capacity 10 + min(10, 5) * 3 = 25 rows -> 7 blocks; experts 0, 1, 2 take one block, 3 two, 4 none.
+    assert sorted_pairs.shape == (28,) and total.item() == 20
+    assert block_expert.tolist()[:5] == [0, 1, 2, 3, 3]
+    assert sorted_pairs[:20].tolist() == [1, 4, 9, pad, 3, pad, pad, pad, 7, pad, pad, pad,
+                                          0, 2, 5, 6, 8, pad, pad, pad]
+    assert (sorted_pairs[20:] == pad).all()
