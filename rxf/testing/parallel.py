@@ -122,3 +122,8 @@ def load_and_generate(
 
     runner = ModelRunner(load_config(config), PluginRegistry.load(None, []), model_path)
     return greedy_generate(runner, prompts, new_tokens)
+
+
+def generate_each(jobs: list[tuple[dict[str, Any], str, list[list[int]], int]]) -> list[Any]:
+    """`load_and_generate(*job)` for each job in turn: one group start-up for several models."""
+    return [load_and_generate(*job) for job in jobs]

@@ -1,4 +1,4 @@
-"""Tensor parallelism at the model level: two gloo ranks (spawned processes, one thread each) run
+"""Tensor parallelism at the model level (Llama family and Mixtral): two gloo ranks (spawned processes, one thread each) run
 the same greedy batch as one process, and must produce the same tokens and logits.
 
 The one-rank run is itself checked against transformers in test_models.py; here the reference is
@@ -14,7 +14,7 @@ import torch
 from rxf.core.distributed import tp_all_gather
 from rxf.plugins.models.layers import QKVParallelLinear, RowParallelLinear, VocabEmbedding
 from rxf.testing import make_tiny_checkpoint
-from rxf.testing.parallel import load_and_generate, run_tp
+from rxf.testing.parallel import generate_each, load_and_generate, run_tp
 
 PROMPTS = [[5, 80, 17, 300, 42, 9, 250, 11, 64, 3, 77], [400, 12], [99, 100, 101, 102, 103, 104]]
 NEW_TOKENS = 32
@@ -24,6 +24,8 @@ VARIANTS = {
     # 1 kv head for 2 ranks: replicated; tied embeddings; q/k/v biases; an odd vocabulary that
     # pads to 2 x 256 rows (the padding logit must never be returned).
     "qwen2-kv1": ("Qwen2ForCausalLM", {"num_key_value_heads": 1, "tie_word_embeddings": True, "vocab_size": 511}),
+    # Experts split along their intermediate dimension; the router replicated on both ranks.
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -45,15 +47,21 @@ def checkpoints(tmp_path_factory):
     }
 
 
-def _both(path):
-    """(one-rank result, [rank 0 result, rank 1 result]) of the greedy batch."""
-    args = (_config(path), str(path), PROMPTS, NEW_TOKENS)
-    return load_and_generate(*args), run_tp(load_and_generate, 2, args)
+@pytest.fixture(scope="module")
+def results(checkpoints):
+    """Per variant: (one-rank result, [rank 0 result, rank 1 result]) of the greedy batch. The
+    two-rank runs share one pair of spawned processes."""
+    jobs = [(_config(path), str(path), PROMPTS, NEW_TOKENS) for path in checkpoints.values()]
+    per_rank = run_tp(generate_each, 2, (jobs,))
+    return {
+        name: (load_and_generate(*job), [per_rank[0][i], per_rank[1][i]])
+        for i, (name, job) in enumerate(zip(checkpoints, jobs, strict=True))
+    }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_tp2_matches_tp1(checkpoints, variant):
-    (ref_tokens, ref_logits), ranks = _both(checkpoints[variant])
+def test_tp2_matches_tp1(results, variant):
+    (ref_tokens, ref_logits), ranks = results[variant]
     assert len({t for seq in ref_tokens for t in seq}) > 5  # varied output exercises every position
     for tokens, logits in ranks:
         assert tokens == ref_tokens
