@@ -70,6 +70,15 @@ def broadcast_from_rank0(obj: Any) -> Any:
     return box[0]
 
 
+def tp_min(value: int) -> int:
+    """The smallest of every rank's `value` (over the gloo group): for sizes the ranks must agree on."""
+    if _cpu_group is None or tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_cpu_group)
+    return int(t.item())
+
+
 @dataclass(frozen=True)
 class RankPlacement:
     """Where one scheduler process sits: its rank in its replica's group and its device.
@@ -117,6 +126,10 @@ def init_tensor_parallel(placement: RankPlacement, timeout_s: float = 1800) -> N
     world = dist.group.WORLD
     cpu = world if placement.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     set_tp_group(world, cpu)
+    if placement.backend == "nccl":
+        # NCCL creates its communicator on the first collective; do that now, outside any CUDA-graph
+        # capture (decode graphs capture the layers' all-reduces).
+        tp_all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
 
 
 def destroy_tensor_parallel() -> None:

@@ -168,6 +168,8 @@ class ModelRunner:
         self.max_total_tokens = self.config.cache.max_total_tokens or self._slots_from_memory(
             2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize, max_running
         )
+        # Every rank's scheduler must admit the same requests: all size their pool like the fullest GPU.
+        self.max_total_tokens = distributed.tp_min(self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.dtype, self.device
@@ -210,6 +212,9 @@ class ModelRunner:
             logger.info("CUDA graphs off: backend %s cannot be captured", type(self.attn_backend).__name__)
             return None
         sizes = capture_sizes(cfg, self.config.scheduler.max_running_requests)
+        # With tensor parallelism every rank must capture (and replay) the same sizes, since the
+        # captured forwards meet in collectives; a time budget could cut them at different sizes.
+        budget_s = cfg.capture_budget_s if distributed.tp_size() == 1 else float("inf")
         with torch.inference_mode():
             return CudaGraphRunner(
                 self.model,
@@ -217,7 +222,7 @@ class ModelRunner:
                 self.req_to_token_pool,
                 self.token_to_kv_pool,
                 sizes,
-                cfg.capture_budget_s,
+                budget_s,
                 self.device,
             )
 
