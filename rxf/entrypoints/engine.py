@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -196,3 +197,21 @@ def rank_placements(config: EngineConfig) -> list[RankPlacement | None]:
         for d in range(p.dp_size)
         for rank in range(local)
     ]
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """`rxf launch` on a node other than 0 of a multi-node group: run this node's scheduler ranks
+    (they receive everything from rank 0 over the process group) until one exits or we are stopped."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    engine = EngineProcesses(config, cancel=stop)
+    died: list[str] = []
+    engine.watch(lambda reason: (died.append(reason), stop.set()))
+    logger.info("node %d: %d scheduler ranks running", config.parallel.node_rank, len(engine.procs))
+    stop.wait()
+    engine.shutdown()
+    if died:
+        logger.error("%s", died[0])
+        return 1
+    return 0

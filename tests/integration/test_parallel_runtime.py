@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from rxf import Runtime
 from rxf.core.tokenizer_manager import EngineDeadError
+from rxf.testing.parallel import free_port
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPTS = ["the cat", "a much longer prompt about the dog and the cat", "你好", "numbers 1 2 3"]
@@ -89,3 +92,27 @@ def test_dp2_routes_repeated_prefix_to_the_same_replica(tiny_llama, hf_reference
         assert all(x > y for x, y in zip(after, before, strict=True))
         ok, message = rt.flush_cache()
         assert ok, message
+
+
+def test_two_nodes_simulated_on_localhost(tiny_llama, hf_reference, tmp_path):
+    """nnodes=2 with both "nodes" on this machine: node 1 is `rxf launch` with node_rank = 1 (its
+    scheduler rank only), node 0 the Runtime (rank 0, router, detokenizer). Real multi-node runs
+    differ only in the address."""
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = tmp_path / "node1.toml"
+    node1.write_text(
+        f'[model]\npath = "{tiny_llama}"\n[runtime]\ndevice = "cpu"\ncpu_threads = 1\n'
+        f'[attention]\nbackend = "torch_native"\n[cache]\nmax_total_tokens = 2048\n'
+        f'[parallel]\ntp_size = 2\nnnodes = 2\nnode_rank = 1\ndist_init_addr = "{addr}"\n'
+    )
+    worker = subprocess.Popen([sys.executable, "-m", "rxf.entrypoints.cli", "launch", str(node1)])
+    try:
+        config = _config(tiny_llama, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
+        with Runtime.from_config(config) as rt:
+            assert [p.name for p in rt.engine.procs] == ["rxf-scheduler-dp0-tp0", "rxf-detokenizer"]
+            out = rt.generate(PROMPTS[1], {"max_new_tokens": 16, **GREEDY})
+            assert out["output_ids"] == hf_reference(rt.tokenizer.encode(PROMPTS[1]), 16)
+            assert worker.poll() is None
+    finally:
+        worker.terminate()
+        worker.wait(10)
