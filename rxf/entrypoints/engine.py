@@ -42,6 +42,7 @@ class EngineProcesses:
         start = time.perf_counter()
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer_path = config.model.tokenizer_path or self.model_path
+        check_heads_split(config, self.model_path)
         self.ipc_dir = tempfile.mkdtemp(prefix="rxf-ipc-")  # mkdtemp creates it 0700
         names = [replica_addr_key(d) for d in range(config.parallel.dp_size)] + ["detokenizer", "tokenizer"]
         self.addrs = {name: f"ipc://{self.ipc_dir}/{name}" for name in names}
@@ -124,11 +125,24 @@ class EngineProcesses:
         """Raise if start-up cannot succeed any more: a child died, time ran out, or cancelled."""
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
+            for proc in dead:  # one that reported why it could not start says so
+                error = self._reported_error(proc)
+                if error is not None:
+                    raise EngineStartError(f"{proc.name} failed to start: {error}")
             raise EngineStartError(f"{dead[0].name} exited with code {dead[0].exitcode} during start-up")
         if self._cancel.is_set():
             raise EngineStartError("start-up cancelled")
         if time.monotonic() > deadline:
             raise EngineStartError(f"{what} did not start within {self.config.runtime.startup_timeout_s} s")
+
+    def _reported_error(self, proc: ChildProcess) -> str | None:
+        """The error a child sent on its ready channel before exiting, if it sent one."""
+        _, result = self._ready_channels.get(proc.name, (None, []))
+        try:
+            msg = result[0].recv() if result and result[0].poll() else None
+        except (EOFError, OSError):
+            return None
+        return msg["error"] if isinstance(msg, dict) and "error" in msg else None
 
     def watch(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(reason)` from a daemon thread if a child process dies unexpectedly."""
@@ -215,3 +229,22 @@ def run_worker_node(config: EngineConfig) -> int:
         logger.error("%s", died[0])
         return 1
     return 0
+
+
+def check_heads_split(config: EngineConfig, model_path: str) -> None:
+    """Refuse a tp_size that cannot split the model's attention heads, before any process starts
+    (the layers check it again when they are built)."""
+    tp = config.parallel.tp_size
+    if tp == 1:
+        return
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code).get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise EngineStartError(f"parallel.tp_size {tp}: the model's num_attention_heads {heads} is not divisible by it")
+    if kv_heads % tp and tp % kv_heads:
+        raise EngineStartError(
+            f"parallel.tp_size {tp}: the model's num_key_value_heads {kv_heads} must divide it or be divisible by it"
+        )

@@ -16,6 +16,7 @@ import pytest
 
 from rxf import Runtime
 from rxf.core.tokenizer_manager import EngineDeadError
+from rxf.entrypoints.engine import EngineStartError
 from rxf.testing.parallel import free_port
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -116,3 +117,8 @@ def test_two_nodes_simulated_on_localhost(tiny_llama, hf_reference, tmp_path):
     finally:
         worker.terminate()
         worker.wait(10)
+
+
+def test_indivisible_heads_fail_start_up_with_the_reason(tiny_llama):
+    with pytest.raises(EngineStartError, match="parallel.tp_size 3: the model's num_attention_heads 4 is not"):
+        Runtime.from_config(_config(tiny_llama, tp_size=3))
