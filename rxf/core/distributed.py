@@ -12,6 +12,7 @@ and sampled token ids are host objects, and a CPU group never waits on GPU work 
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -61,13 +62,25 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank of the group (picklable objects, over the gloo group); with one
-    rank, `obj` itself. Every rank must call it at the same point of its loop."""
+    """Rank 0's `obj` on every rank of the group (a picklable object, over the gloo group); with
+    one rank, `obj` itself. Every rank must call it at the same point of its loop.
+
+    One broadcast of the pickled size, then one of the bytes, unless rank 0's `obj` is an empty list
+    (size 0): the scheduler loop's common case of no new messages costs one 8-byte broadcast.
+    """
     if _cpu_group is None or tp_size() == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(_cpu_group, 0), group=_cpu_group)
-    return box[0]
+    src = dist.get_global_rank(_cpu_group, 0)
+    leader = tp_rank() == 0
+    payload = pickle.dumps(obj) if leader and obj != [] else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=_cpu_group)
+    n = int(size.item())
+    if n == 0:
+        return []
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if leader else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=_cpu_group)
+    return obj if leader else pickle.loads(buf.numpy().tobytes())
 
 
 def tp_min(value: int) -> int:

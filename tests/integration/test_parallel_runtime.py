@@ -46,6 +46,8 @@ def test_tp2_runtime_matches_transformers_and_reports_a_dead_rank(tiny_llama, hf
         sampled = {"temperature": 1.0, "top_p": 0.9, "seed": 7, "max_new_tokens": 24, "ignore_eos": True}
         first, again = rt.generate(["sampling test", "sampling test"], [sampled, sampled])
         assert first["output_ids"] == again["output_ids"]
+        unseeded = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": True}
+        assert all(o["meta_info"]["completion_tokens"] == 24 for o in rt.generate(PROMPTS, unseeded))
         stream = list(rt.generate(PROMPTS[1], {"max_new_tokens": 12, **GREEDY}, stream=True))
         assert sum((c["output_ids"] for c in stream), []) == outs[1]["output_ids"][:12]
         assert stream[-1]["meta_info"]["cached_tokens"] > 0  # rank 0's radix cache, shared decisions
