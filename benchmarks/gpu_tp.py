@@ -43,7 +43,7 @@ import gpu_decode as gd  # noqa: E402  (phase guard, Llama-3-8B builder, decode_
 import gpu_moe as gm  # noqa: E402  (Mixtral-8x7B builder, CPU stand-in for cuda.synchronize)
 
 from rxf.testing import make_tiny_checkpoint  # noqa: E402
-from rxf.testing.parallel import load_and_generate, run_tp  # noqa: E402
+from rxf.testing.parallel import generate_each, run_tp  # noqa: E402
 
 RESULTS = gd.RESULTS
 PROMPTS = [[5, 80, 17, 300, 42, 9, 250, 11, 64, 3, 77], [400, 12], [99, 100, 101, 102, 103, 104], [7] * 20]
@@ -56,7 +56,7 @@ SMALL_ARCHS = {"llama": ("LlamaForCausalLM", {}),
 # ---------------------------------------------------------------- equality
 def equality_phase(args: argparse.Namespace, work: Path) -> None:
     dtypes = ["float32"] + ([] if args.device == "cpu" else ["bfloat16"])
-    out: dict[str, Any] = {}
+    keys, jobs = [], []
     for name, (arch, extra) in SMALL_ARCHS.items():
         path = work / f"small-{name}"
         if not (path / "config.json").exists():
@@ -70,14 +70,18 @@ def equality_phase(args: argparse.Namespace, work: Path) -> None:
                 "cache": {"max_total_tokens": 4096},
                 "scheduler": {"max_running_requests": 8},
             }
-            job = (config, str(path), PROMPTS, 32)
-            (ref, _), = run_tp(load_and_generate, 1, job, device=args.device)
-            ranks = run_tp(load_and_generate, args.tp, job, device=args.device)
-            ranks_agree = all(seqs == ranks[0][0] for seqs, _ in ranks)
-            same = sum(a == b for x, y in zip(ref, ranks[0][0], strict=True) for a, b in zip(x, y, strict=True))
-            out[f"{name}_{dtype}"] = {"tokens_equal": ranks[0][0] == ref, "ranks_agree": ranks_agree,
-                                      "equal_fraction": same / sum(map(len, ref)), "tokens": sum(map(len, ref))}
-            print(name, dtype, out[f"{name}_{dtype}"], flush=True)
+            keys.append(f"{name}_{dtype}")
+            jobs.append((config, str(path), PROMPTS, 32))
+    # One start-up of the ranks for all jobs: (tokens, logits) per job, per rank.
+    (ref,) = run_tp(generate_each, 1, (jobs,), device=args.device)
+    ranks = run_tp(generate_each, args.tp, (jobs,), device=args.device)
+    out: dict[str, Any] = {}
+    for i, key in enumerate(keys):
+        want, got = ref[i][0], ranks[0][i][0]
+        same = sum(a == b for x, y in zip(want, got, strict=True) for a, b in zip(x, y, strict=True))
+        out[key] = {"tokens_equal": got == want, "ranks_agree": all(r[i][0] == got for r in ranks),
+                    "equal_fraction": same / sum(map(len, want)), "tokens": sum(map(len, want))}
+        print(key, out[key], flush=True)
     RESULTS["equality"] = out
 
 
