@@ -13,6 +13,7 @@ and sampled token ids are host objects, and a CPU group never waits on GPU work 
 from __future__ import annotations
 
 import pickle
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -81,6 +82,13 @@ def broadcast_from_rank0(obj: Any) -> Any:
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if leader else torch.empty(n, dtype=torch.uint8)
     dist.broadcast(buf, src=src, group=_cpu_group)
     return obj if leader else pickle.loads(buf.numpy().tobytes())
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a local rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tp_min(value: int) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -19,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rxf.core.config import EngineConfig
-from rxf.core.distributed import RankPlacement
+from rxf.core.distributed import RankPlacement, free_port
 from rxf.core.dp_router import replica_addr_key
 from rxf.entrypoints.child import ChildProcess
 from rxf.entrypoints.demo_model import resolve_model_path
@@ -178,12 +177,6 @@ def _scheduler_name(placement: RankPlacement | None) -> str:
     return f"rxf-scheduler-dp{placement.dp_rank}-tp{placement.rank}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_placements(config: EngineConfig) -> list[RankPlacement | None]:
     """The scheduler processes this node runs: [None] for one rank of one replica, else each
     replica's local ranks, replica after replica. Raises EngineStartError when the GPUs are too few."""
@@ -205,7 +198,7 @@ def rank_placements(config: EngineConfig) -> list[RankPlacement | None]:
         host, _, port = p.dist_init_addr.rpartition(":")
         ports = [int(port) + d for d in range(p.dp_size)]
     else:
-        host, ports = "127.0.0.1", [_free_port() for _ in range(p.dp_size)]
+        host, ports = "127.0.0.1", [free_port() for _ in range(p.dp_size)]
     return [
         RankPlacement(d, p.tp_size, p.nnodes, p.node_rank, rank, f"tcp://{host}:{ports[d]}", backend, cuda)
         for d in range(p.dp_size)

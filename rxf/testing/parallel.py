@@ -9,22 +9,15 @@ them into one process group (gloo on CPU, NCCL on CUDA) through `init_tensor_par
 from __future__ import annotations
 
 import pickle
-import socket
 import traceback
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from rxf.core.distributed import RankPlacement, destroy_tensor_parallel, init_tensor_parallel
+from rxf.core.distributed import RankPlacement, destroy_tensor_parallel, free_port, init_tensor_parallel
 from rxf.core.forward import ForwardMode
 from rxf.core.model_runner import ModelInput, ModelRunner
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, tp_size: int, port: int, device: str, threads: int, fn: Any, args: tuple, results: Any) -> None:

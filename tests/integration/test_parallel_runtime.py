@@ -15,9 +15,9 @@ import time
 import pytest
 
 from rxf import Runtime
+from rxf.core.distributed import free_port
 from rxf.core.tokenizer_manager import EngineDeadError
 from rxf.entrypoints.engine import EngineStartError
-from rxf.testing.parallel import free_port
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPTS = ["the cat", "a much longer prompt about the dog and the cat", "你好", "numbers 1 2 3"]
