@@ -62,6 +62,8 @@ def run_scheduler_process(
         if placement is not None:
             if placement.cuda:  # before any CUDA work: "cuda" then means this rank's device
                 torch.cuda.set_device(placement.device_index)
+            elif config.runtime.cpu_threads is None:  # share the cores instead of each taking all
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // (placement.local_size * config.parallel.dp_size)))
             init_tensor_parallel(placement, timeout_s=config.runtime.startup_timeout_s + 1800)
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
         runner = ModelRunner(config, registry, model_path)
