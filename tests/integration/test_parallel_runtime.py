@@ -124,3 +124,33 @@ def test_two_nodes_simulated_on_localhost(tiny_llama, hf_reference, tmp_path):
 def test_indivisible_heads_fail_start_up_with_the_reason(tiny_llama):
     with pytest.raises(EngineStartError, match="parallel.tp_size 3: the model's num_attention_heads 4 is not"):
         Runtime.from_config(_config(tiny_llama, tp_size=3))
+
+
+def test_a_forward_failing_on_one_rank_ends_that_rank(tiny_llama, monkeypatch):
+    """Alone, a failed forward fails its batch and the scheduler serves on; on a tensor-parallel
+    rank it ends the process (its peers are stuck in a collective), so the engine reports dead."""
+    from transformers import AutoTokenizer
+
+    from rxf.core.config import load_config
+    from rxf.core.io_struct import TokenizedGenerateReq
+    from rxf.core.model_runner import ModelRunner
+    from rxf.core.registry import PluginRegistry
+    from rxf.core.sampling import SamplingParams
+    from rxf.core.scheduler import scheduler as scheduler_module
+
+    config = load_config(_config(tiny_llama))
+    runner = ModelRunner(config, PluginRegistry.load(), str(tiny_llama))
+    sched = scheduler_module.Scheduler(config, runner, AutoTokenizer.from_pretrained(tiny_llama))
+
+    def broken(inp):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(runner, "forward", broken)
+    params = SamplingParams.from_dict({"max_new_tokens": 4})
+    sched.add_request(TokenizedGenerateReq("alone", [5, 6, 7], params))
+    (out,) = sched.step()
+    assert out.finished.type == "abort" and "illegal memory access" in out.finished.message
+    monkeypatch.setattr(scheduler_module, "tp_size", lambda: 2)
+    sched.add_request(TokenizedGenerateReq("rank", [5, 6, 7], params))
+    with pytest.raises(SystemExit):
+        sched.step()
