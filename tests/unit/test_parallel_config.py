@@ -74,3 +74,16 @@ def test_combine_replies():
     bad = combine_flush([FlushCacheResult(True, "cache flushed"), FlushCacheResult(False, "busy")])
     assert not bad.ok and bad.message == "replica 1: busy"
     assert replica_addrs({"scheduler": "a", "scheduler_dp1": "b", "tokenizer": "t"}) == ["a", "b"]
+
+
+def test_too_few_gpus_is_refused_before_start(monkeypatch):
+    import torch
+
+    from rxf.entrypoints.engine import EngineStartError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = load_config({"runtime": {"device": "cuda"}, "parallel": {"tp_size": 2, "dp_size": 2}})
+    with pytest.raises(EngineStartError, match="needs 4 GPUs on this node; torch sees 2"):
+        rank_placements(config)
+    placements = rank_placements(load_config({"runtime": {"device": "cuda"}, "parallel": {"tp_size": 2}}))
+    assert [(p.backend, p.cuda, p.device_index) for p in placements] == [("nccl", True, 0), ("nccl", True, 1)]
