@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -100,6 +100,44 @@ class CudaGraphConfig(_Section):
         return sizes
 
 
+class ParallelConfig(_Section):
+    """Tensor parallelism (one scheduler process per rank) and data-parallel replicas (DESIGN §9).
+
+    A replica's `tp_size` ranks are spread evenly over `nnodes` machines; every node runs
+    `tp_size // nnodes` ranks of each replica, and node 0 also runs the server, the router and the
+    detokenizer. Ranks meet at `dist_init_addr` (replica d at its port + d).
+    """
+
+    tp_size: int = Field(1, gt=0, description="tensor-parallel ranks per replica")
+    dp_size: int = Field(1, gt=0, description="data-parallel replicas (each with its own KV cache)")
+    nnodes: int = Field(1, gt=0, description="machines one replica spans")
+    node_rank: int = Field(0, ge=0, description="this machine's index among the nnodes")
+    dist_init_addr: str | None = Field(
+        None, description="host:port of node 0 for the process-group rendezvous; default: a free local port"
+    )
+    dist_backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl on CUDA, gloo on CPU")
+
+    @field_validator("dist_init_addr")
+    @classmethod
+    def _host_port(cls, addr: str | None) -> str | None:
+        if addr is None:
+            return None
+        host, sep, port = addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be host:port with a port in 1..65535")
+        return addr
+
+    @model_validator(mode="after")
+    def _layout(self) -> ParallelConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("dist_init_addr (node 0's host:port) is required when nnodes > 1")
+        return self
+
+
 class PluginsConfig(_Section):
     allow: list[str] | None = Field(None, description="only these plugins load (RXF_PLUGINS too)")
     deny: list[str] = Field(default_factory=list, description="these plugins never load")
@@ -141,6 +179,7 @@ class EngineConfig(BaseSettings):
     runtime: RuntimeConfig = RuntimeConfig()
     cuda_graph: CudaGraphConfig = CudaGraphConfig()
     multimodal: MultimodalConfig = MultimodalConfig()
+    parallel: ParallelConfig = ParallelConfig()
     # NoDecode: RXF_PLUGINS is the filter string "a,b,-c" (see `_plugins_filter`), not this section as JSON.
     plugins: Annotated[PluginsConfig, NoDecode] = PluginsConfig()
 

@@ -1,22 +1,36 @@
 """Tensor-parallel group access for model code: the seam between layers and torch.distributed.
 
 Model code asks `tp_size()` / `tp_rank()` when it is built and calls `tp_all_reduce` /
-`tp_all_gather` in forward. Until a scheduler process calls `set_tp_group`, rxf runs one rank:
-size 1, rank 0, and both collectives return their input unchanged (no torch.distributed needed).
+`tp_all_gather` in forward. Until a scheduler process calls `set_tp_group` (through
+`init_tensor_parallel`), rxf runs one rank: size 1, rank 0, and both collectives return their input
+unchanged (no torch.distributed needed).
+
+A tensor-parallel group is one data-parallel replica: its own default process group (NCCL on GPU,
+gloo on CPU) plus a gloo group over the same ranks for the scheduler's control traffic (requests
+and sampled token ids are host objects, and a CPU group never waits on GPU work to move them).
 """
 
 from __future__ import annotations
+
+import pickle
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 _group: dist.ProcessGroup | None = None
+_cpu_group: dist.ProcessGroup | None = None
 
 
-def set_tp_group(group: dist.ProcessGroup | None) -> None:
-    """Install the tensor-parallel process group of this process (None: back to one rank)."""
-    global _group
+def set_tp_group(group: dist.ProcessGroup | None, cpu_group: dist.ProcessGroup | None = None) -> None:
+    """Install the tensor-parallel process group of this process (None: back to one rank), and the
+    gloo group over the same ranks that `broadcast_from_rank0` uses (defaults to `group`)."""
+    global _group, _cpu_group
     _group = group
+    _cpu_group = cpu_group if cpu_group is not None else group
 
 
 def tp_group() -> dist.ProcessGroup | None:
@@ -46,3 +60,100 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x.contiguous(), group=_group)
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank of the group (a picklable object, over the gloo group); with
+    one rank, `obj` itself. Every rank must call it at the same point of its loop.
+
+    One broadcast of the pickled size, then one of the bytes, unless rank 0's `obj` is an empty list
+    (size 0): the scheduler loop's common case of no new messages costs one 8-byte broadcast.
+    """
+    if _cpu_group is None or tp_size() == 1:
+        return obj
+    src = dist.get_global_rank(_cpu_group, 0)
+    leader = tp_rank() == 0
+    payload = pickle.dumps(obj) if leader and obj != [] else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=_cpu_group)
+    n = int(size.item())
+    if n == 0:
+        return []
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if leader else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=_cpu_group)
+    return obj if leader else pickle.loads(buf.numpy().tobytes())
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a local rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tp_min(value: int) -> int:
+    """The smallest of every rank's `value` (over the gloo group): for sizes the ranks must agree on."""
+    if _cpu_group is None or tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_cpu_group)
+    return int(t.item())
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one scheduler process sits: its rank in its replica's group and its device.
+
+    Ranks of a replica are spread evenly over the nodes: node n holds ranks
+    [n * local_size, (n + 1) * local_size). On GPU, a node's devices are handed out replica after
+    replica: replica d's local rank l uses cuda:(d * local_size + l).
+    """
+
+    dp_rank: int
+    tp_size: int
+    nnodes: int
+    node_rank: int
+    local_rank: int
+    init_method: str  # tcp://host:port of this replica's rendezvous
+    backend: str  # "nccl" or "gloo"
+    cuda: bool = False  # the rank runs on cuda:<device_index>
+
+    @property
+    def local_size(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def rank(self) -> int:
+        return self.node_rank * self.local_size + self.local_rank
+
+    @property
+    def device_index(self) -> int:
+        return self.dp_rank * self.local_size + self.local_rank
+
+
+def init_tensor_parallel(placement: RankPlacement, timeout_s: float = 1800) -> None:
+    """Join this replica's process group and install it as the tensor-parallel group. On CUDA the
+    caller selects `cuda:<placement.device_index>` first (NCCL binds each rank to one device)."""
+    if placement.tp_size == 1:
+        return
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend=placement.backend,
+        init_method=placement.init_method,
+        world_size=placement.tp_size,
+        rank=placement.rank,
+        timeout=timeout,
+    )
+    world = dist.group.WORLD
+    cpu = world if placement.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    set_tp_group(world, cpu)
+    if placement.backend == "nccl":
+        # NCCL creates its communicator on the first collective; do that now, outside any CUDA-graph
+        # capture (decode graphs capture the layers' all-reduces).
+        tp_all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
+
+
+def destroy_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_tp_group(None)

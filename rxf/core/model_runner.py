@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+from rxf.core import distributed
 from rxf.core.attention import AttentionBackend, AttentionContext
 from rxf.core.config import EngineConfig
 from rxf.core.cuda_graph_runner import CudaGraphRunner, DecodeBuffers, DecodeInputs, capture_sizes
@@ -163,15 +164,19 @@ class ModelRunner:
         )
 
     def _init_memory(self, text: Any) -> None:
-        # KV layout per rank; with tensor parallelism the head counts will be divided by tp_size.
-        num_heads = text.num_attention_heads
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        # KV layout per rank: the heads this rank's attention layers hold (kv heads replicated, one
+        # per rank, when tp_size exceeds them; see QKVParallelLinear).
+        tp = distributed.tp_size()
+        num_heads = text.num_attention_heads // tp
+        num_kv_heads = max(1, (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) // tp)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         num_layers = text.num_hidden_layers
         max_running = self.config.scheduler.max_running_requests
         self.max_total_tokens = self.config.cache.max_total_tokens or self._slots_from_memory(
             2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize, max_running
         )
+        # Every rank's scheduler must admit the same requests: all size their pool like the fullest GPU.
+        self.max_total_tokens = distributed.tp_min(self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.dtype, self.device
@@ -214,6 +219,9 @@ class ModelRunner:
             logger.info("CUDA graphs off: backend %s cannot be captured", type(self.attn_backend).__name__)
             return None
         sizes = capture_sizes(cfg, self.config.scheduler.max_running_requests)
+        # With tensor parallelism every rank must capture (and replay) the same sizes, since the
+        # captured forwards meet in collectives; a time budget could cut them at different sizes.
+        budget_s = cfg.capture_budget_s if distributed.tp_size() == 1 else float("inf")
         with torch.inference_mode():
             return CudaGraphRunner(
                 self.model,
@@ -221,7 +229,7 @@ class ModelRunner:
                 self.req_to_token_pool,
                 self.token_to_kv_pool,
                 sizes,
-                cfg.capture_budget_s,
+                budget_s,
                 self.device,
             )
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import zmq
 import zmq.asyncio
 
+from rxf.core.dp_router import DpRouter, combine_flush, combine_stats, replica_addrs
 from rxf.core.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -72,7 +73,8 @@ class RequestLimits:
     @classmethod
     def from_config(cls, config: EngineConfig) -> RequestLimits:
         return cls(
-            max_in_flight=config.scheduler.max_running_requests + config.scheduler.max_queued_requests,
+            max_in_flight=(config.scheduler.max_running_requests + config.scheduler.max_queued_requests)
+            * config.parallel.dp_size,
             timeout_s=config.server.request_timeout_s,
             max_stop_strings=config.server.max_stop_strings,
             max_logit_bias=config.server.max_logit_bias,
@@ -173,8 +175,15 @@ class TokenizerManager:
         self.max_context_len: int = engine_info["max_context_len"]
         self.vocab_size: int = engine_info["vocab_size"]
         self.ctx = zmq.asyncio.Context()
-        self.to_scheduler = self.ctx.socket(zmq.PUSH)
-        self.to_scheduler.connect(addrs["scheduler"])
+        # One PUSH socket per data-parallel replica (replica 0's is `to_scheduler`).
+        self.to_schedulers = []
+        for addr in replica_addrs(addrs):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            self.to_schedulers.append(sock)
+        self.to_scheduler = self.to_schedulers[0]
+        self.router = DpRouter(len(self.to_schedulers))
+        self._admin_lock = asyncio.Lock()
         self.from_engine = self.ctx.socket(zmq.PULL)
         self.from_engine.bind(addrs["tokenizer"])
         self.states: dict[str, _ReqState] = {}
@@ -284,8 +293,9 @@ class TokenizerManager:
         finished = False
         timeout = self.limits.timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        to_scheduler = self.to_schedulers[self.router.route(msg.rid, msg.input_ids, msg.cache_salt)]
         try:
-            await self.to_scheduler.send_pyobj(msg)
+            await to_scheduler.send_pyobj(msg)
             while not finished:
                 item = await _next_output(state, deadline, timeout)
                 if isinstance(item, BaseException):
@@ -304,28 +314,41 @@ class TokenizerManager:
                 yield {"text": "".join(text), "output_ids": ids, "meta_info": _meta(item, msg.rid) | logprobs.total()}
         finally:
             self.states.pop(msg.rid, None)
+            self.router.finished(msg.rid)
             if observer is not None:
                 observer.on_end(msg.rid)
             if not finished and not self._dead:
-                await self.to_scheduler.send_pyobj(AbortReq(msg.rid))
+                await to_scheduler.send_pyobj(AbortReq(msg.rid))
 
     async def abort(self, rid: str) -> None:
-        await self.to_scheduler.send_pyobj(AbortReq(rid))
+        replica = self.router.replica_of(rid)
+        for d, sock in enumerate(self.to_schedulers):
+            if replica is None or d == replica:
+                await sock.send_pyobj(AbortReq(rid))
 
     # ---- admin ----
     async def flush_cache(self) -> FlushCacheResult:
-        return await self._admin(FlushCacheReq())
+        result = combine_flush(await self._admin(FlushCacheReq()))
+        if result.ok:
+            self.router.forget_cache()
+        return result
 
     async def get_stats(self) -> SchedulerStats:
-        return await self._admin(GetStatsReq())
+        return combine_stats(await self._admin(GetStatsReq()))
 
-    async def _admin(self, msg: Any) -> Any:
-        if self._dead:
-            raise EngineDeadError(self._dead)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._admin_waiters.append(fut)
-        await self.to_scheduler.send_pyobj(msg)
-        return await fut
+    async def _admin(self, msg: Any) -> list[Any]:
+        """Each replica's reply, in replica order. One admin message is in flight at a time, so the
+        replies (which carry no replica id) cannot be mistaken for one another."""
+        replies = []
+        async with self._admin_lock:
+            for sock in self.to_schedulers:
+                if self._dead:
+                    raise EngineDeadError(self._dead)
+                fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                self._admin_waiters.append(fut)
+                await sock.send_pyobj(msg)
+                replies.append(await fut)
+        return replies
 
     # ---- engine -> us ----
     async def _recv_loop(self) -> None:

@@ -47,6 +47,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 2
     setup_logging(args.log_level or config.runtime.log_level)
     logging.getLogger(__name__).info("starting the engine for %s", config.model.path)
+    if config.parallel.node_rank > 0:  # multi-node: only node 0 serves; the others run scheduler ranks
+        from rxf.entrypoints.engine import run_worker_node
+
+        return run_worker_node(config)
     return serve(config)
 
 

@@ -1,12 +1,16 @@
-"""Start and stop rxf's child processes: the scheduler (+ model runner) and the detokenizer.
+"""Start and stop rxf's child processes: the schedulers (+ model runners) and the detokenizer.
 
 They talk over ZMQ `ipc://` sockets in a private (0700) directory that is removed on shutdown.
+With `parallel.tp_size` / `dp_size` > 1 there is one scheduler process per tensor-parallel rank of
+every data-parallel replica (this node's share of them when the ranks span `nnodes` machines);
+only node 0 runs the detokenizer, and only each replica's rank 0 has sockets.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -14,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rxf.core.config import EngineConfig
+from rxf.core.distributed import RankPlacement, free_port
+from rxf.core.dp_router import replica_addr_key
 from rxf.entrypoints.child import ChildProcess
 from rxf.entrypoints.demo_model import resolve_model_path
 
@@ -35,23 +41,35 @@ class EngineProcesses:
         start = time.perf_counter()
         self.model_path = resolve_model_path(config.model.path)
         self.tokenizer_path = config.model.tokenizer_path or self.model_path
+        check_heads_split(config, self.model_path)
         self.ipc_dir = tempfile.mkdtemp(prefix="rxf-ipc-")  # mkdtemp creates it 0700
-        self.addrs = {name: f"ipc://{self.ipc_dir}/{name}" for name in ("scheduler", "detokenizer", "tokenizer")}
+        names = [replica_addr_key(d) for d in range(config.parallel.dp_size)] + ["detokenizer", "tokenizer"]
+        self.addrs = {name: f"ipc://{self.ipc_dir}/{name}" for name in names}
         self.procs: list[ChildProcess] = []
+        self._ready_channels: dict[str, tuple[threading.Thread, list[Any]]] = {}
         self._closing = False
         try:
-            scheduler = self._spawn(
-                "rxf-scheduler",
-                "rxf.core.scheduler.process:run_scheduler_process",
-                (config, self.model_path, self.addrs),
-            )
-            detokenizer = self._spawn(
-                "rxf-detokenizer",
-                "rxf.core.detokenizer:run_detokenizer_process",
-                (self.tokenizer_path, self.addrs["detokenizer"], self.addrs["tokenizer"]),
-            )
-            self.info: dict[str, Any] = self._wait_ready(scheduler, "scheduler")
-            self._wait_ready(detokenizer, "detokenizer")
+            schedulers = [
+                self._spawn(
+                    _scheduler_name(placement),
+                    "rxf.core.scheduler.process:run_scheduler_process",
+                    (config, self.model_path, self._replica_addrs(placement), placement),
+                )
+                for placement in rank_placements(config)
+            ]
+            detokenizer = None
+            if config.parallel.node_rank == 0:
+                detokenizer = self._spawn(
+                    "rxf-detokenizer",
+                    "rxf.core.detokenizer:run_detokenizer_process",
+                    (self.tokenizer_path, self.addrs["detokenizer"], self.addrs["tokenizer"]),
+                )
+            # Every rank must be up (a replica's ranks are ready together: they meet in the
+            # process-group rendezvous first); the first replica's rank 0 describes the engine.
+            infos = [self._wait_ready(proc, proc.name) for proc in schedulers]
+            self.info: dict[str, Any] = infos[0]
+            if detokenizer is not None:
+                self._wait_ready(detokenizer, "detokenizer")
         except BaseException:
             self.shutdown()
             raise
@@ -59,9 +77,27 @@ class EngineProcesses:
         self.info["load_time_s"] = round(time.perf_counter() - start, 2)
         logger.info("engine ready in %.1f s: %s", self.info["load_time_s"], self.info)
 
+    def _replica_addrs(self, placement: RankPlacement | None) -> dict[str, str]:
+        """The addresses one scheduler uses: "scheduler" is its own replica's."""
+        dp_rank = 0 if placement is None else placement.dp_rank
+        return dict(self.addrs, scheduler=self.addrs[replica_addr_key(dp_rank)])
+
     def _spawn(self, name: str, target: str, args: tuple) -> ChildProcess:
         proc = ChildProcess(name, target, args, f"{self.ipc_dir}/{name}.ready")
         self.procs.append(proc)
+        # Accept its ready channel at once: a child blocks in connecting until it is accepted, and
+        # the ranks of a replica start only together (rank 0 waits for the others in the rendezvous).
+        result: list[Any] = []
+
+        def accept() -> None:
+            try:
+                result.append(proc.accept_ready())
+            except OSError:  # the channel was closed by a shutdown during start-up
+                pass
+
+        thread = threading.Thread(target=accept, name=f"{name}-ready", daemon=True)
+        thread.start()
+        self._ready_channels[name] = (thread, result)
         return proc
 
     def _wait_ready(self, proc: ChildProcess, what: str) -> dict[str, Any]:
@@ -76,23 +112,36 @@ class EngineProcesses:
 
     def _accept(self, proc: ChildProcess, deadline: float) -> Any:
         """Wait for the child to connect its ready channel, noticing if it dies first."""
-        result: list[Any] = []
-        thread = threading.Thread(target=lambda: result.append(proc.accept_ready()), daemon=True)
-        thread.start()
+        thread, result = self._ready_channels[proc.name]
         while thread.is_alive():
             thread.join(0.2)
             self._check_starting(proc.name, deadline)
+        if not result:
+            raise EngineStartError(f"{proc.name}: its ready channel closed before it connected")
         return result[0]
 
     def _check_starting(self, what: str, deadline: float) -> None:
         """Raise if start-up cannot succeed any more: a child died, time ran out, or cancelled."""
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
+            for proc in dead:  # one that reported why it could not start says so
+                error = self._reported_error(proc)
+                if error is not None:
+                    raise EngineStartError(f"{proc.name} failed to start: {error}")
             raise EngineStartError(f"{dead[0].name} exited with code {dead[0].exitcode} during start-up")
         if self._cancel.is_set():
             raise EngineStartError("start-up cancelled")
         if time.monotonic() > deadline:
             raise EngineStartError(f"{what} did not start within {self.config.runtime.startup_timeout_s} s")
+
+    def _reported_error(self, proc: ChildProcess) -> str | None:
+        """The error a child sent on its ready channel before exiting, if it sent one."""
+        _, result = self._ready_channels.get(proc.name, (None, []))
+        try:
+            msg = result[0].recv() if result and result[0].poll() else None
+        except (EOFError, OSError):
+            return None
+        return msg["error"] if isinstance(msg, dict) and "error" in msg else None
 
     def watch(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(reason)` from a daemon thread if a child process dies unexpectedly."""
@@ -120,3 +169,75 @@ class EngineProcesses:
                 p.join(timeout=5)
         self.procs.clear()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _scheduler_name(placement: RankPlacement | None) -> str:
+    if placement is None:
+        return "rxf-scheduler"
+    return f"rxf-scheduler-dp{placement.dp_rank}-tp{placement.rank}"
+
+
+def rank_placements(config: EngineConfig) -> list[RankPlacement | None]:
+    """The scheduler processes this node runs: [None] for one rank of one replica, else each
+    replica's local ranks, replica after replica. Raises EngineStartError when the GPUs are too few."""
+    p = config.parallel
+    if p.tp_size == 1 and p.dp_size == 1:
+        return [None]
+    import torch
+
+    device = config.runtime.device
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    backend = p.dist_backend if p.dist_backend != "auto" else ("nccl" if cuda else "gloo")
+    local = p.tp_size // p.nnodes
+    if cuda and local * p.dp_size > torch.cuda.device_count():
+        raise EngineStartError(
+            f"parallel: tp_size {p.tp_size} / nnodes {p.nnodes} x dp_size {p.dp_size} needs "
+            f"{local * p.dp_size} GPUs on this node; torch sees {torch.cuda.device_count()}"
+        )
+    if p.dist_init_addr is not None:  # replica d meets at port + d on node 0
+        host, _, port = p.dist_init_addr.rpartition(":")
+        ports = [int(port) + d for d in range(p.dp_size)]
+    else:
+        host, ports = "127.0.0.1", [free_port() for _ in range(p.dp_size)]
+    return [
+        RankPlacement(d, p.tp_size, p.nnodes, p.node_rank, rank, f"tcp://{host}:{ports[d]}", backend, cuda)
+        for d in range(p.dp_size)
+        for rank in range(local)
+    ]
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """`rxf launch` on a node other than 0 of a multi-node group: run this node's scheduler ranks
+    (they receive everything from rank 0 over the process group) until one exits or we are stopped."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    engine = EngineProcesses(config, cancel=stop)
+    died: list[str] = []
+    engine.watch(lambda reason: (died.append(reason), stop.set()))
+    logger.info("node %d: %d scheduler ranks running", config.parallel.node_rank, len(engine.procs))
+    stop.wait()
+    engine.shutdown()
+    if died:
+        logger.error("%s", died[0])
+        return 1
+    return 0
+
+
+def check_heads_split(config: EngineConfig, model_path: str) -> None:
+    """Refuse a tp_size that cannot split the model's attention heads, before any process starts
+    (the layers check it again when they are built)."""
+    tp = config.parallel.tp_size
+    if tp == 1:
+        return
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code).get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise EngineStartError(f"parallel.tp_size {tp}: the model's num_attention_heads {heads} is not divisible by it")
+    if kv_heads % tp and tp % kv_heads:
+        raise EngineStartError(
+            f"parallel.tp_size {tp}: the model's num_key_value_heads {kv_heads} must divide it or be divisible by it"
+        )

@@ -1,7 +1,14 @@
-"""The scheduler process: ModelRunner + Scheduler behind ZMQ sockets.
+"""The scheduler process: ModelRunner + Scheduler behind ZMQ sockets, one process per
+tensor-parallel rank.
 
-PULL from the TokenizerManager (requests, aborts, admin), PUSH token outputs to the detokenizer,
-PUSH admin replies straight back to the TokenizerManager.
+Rank 0 of a replica PULLs from the TokenizerManager (requests, aborts, admin), PUSHes token outputs
+to the detokenizer and admin replies straight back to the TokenizerManager. Every loop iteration it
+broadcasts what it received (possibly nothing) to the other ranks, which have no sockets: all ranks
+then apply the same messages and run the same `step()`, so their schedulers make the same decisions
+and their forwards meet in the same collectives. They also sample the same tokens without talking:
+the logits head all-gathers the vocabulary shards, so every rank holds rank 0's logits bit for bit,
+and sampling draws from generators seeded identically on every rank (the request's seed, else
+`runtime.seed`) in the same order.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any
 import zmq
 
 from rxf.core.config import EngineConfig
+from rxf.core.distributed import RankPlacement
 from rxf.core.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -25,20 +33,38 @@ from rxf.core.io_struct import (
 
 logger = logging.getLogger(__name__)
 
+# Broadcast by rank 0 when it stops (its parent is gone), so that the other ranks stop too.
+_STOP = "stop"
 
-def run_scheduler_process(config: EngineConfig, model_path: str, addrs: dict[str, str], ready_conn: Any) -> None:
+
+def run_scheduler_process(
+    config: EngineConfig,
+    model_path: str,
+    addrs: dict[str, str],
+    placement: RankPlacement | None,
+    ready_conn: Any,
+) -> None:
+    """`placement` None: the only rank of the only replica (no process group)."""
     from rxf.entrypoints.logging_setup import setup_logging
 
-    setup_logging(config.runtime.log_level, prefix="scheduler")
+    where = "" if placement is None else f" dp{placement.dp_rank} tp{placement.rank}"
+    setup_logging(config.runtime.log_level, prefix=f"scheduler{where}")
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     try:
         import torch
         from transformers import AutoTokenizer
 
+        from rxf.core.distributed import init_tensor_parallel
         from rxf.core.model_runner import ModelRunner
         from rxf.core.registry import PluginRegistry
         from rxf.core.scheduler.scheduler import Scheduler
 
+        if placement is not None:
+            if placement.cuda:  # before any CUDA work: "cuda" then means this rank's device
+                torch.cuda.set_device(placement.device_index)
+            elif config.runtime.cpu_threads is None:  # share the cores instead of each taking all
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // (placement.local_size * config.parallel.dp_size)))
+            init_tensor_parallel(placement, timeout_s=config.runtime.startup_timeout_s + 1800)
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
         runner = ModelRunner(config, registry, model_path)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or model_path)
@@ -47,13 +73,8 @@ def run_scheduler_process(config: EngineConfig, model_path: str, addrs: dict[str
         logger.exception("scheduler failed to start")
         ready_conn.send({"error": f"{type(e).__name__}: {e}"})
         return
-    ctx = zmq.Context()
-    recv = ctx.socket(zmq.PULL)
-    recv.bind(addrs["scheduler"])
-    to_detok = ctx.socket(zmq.PUSH)
-    to_detok.connect(addrs["detokenizer"])
-    to_tm = ctx.socket(zmq.PUSH)
-    to_tm.connect(addrs["tokenizer"])
+    leader = placement is None or placement.rank == 0
+    sockets = _Sockets(addrs) if leader else None
     ready_conn.send(
         {
             "max_total_tokens": runner.max_total_tokens,
@@ -64,39 +85,78 @@ def run_scheduler_process(config: EngineConfig, model_path: str, addrs: dict[str
             "attention_backend": type(runner.attn_backend).__name__,
             "architecture": type(runner.model).__name__,
             "torch_threads": torch.get_num_threads(),
+            "tp_size": config.parallel.tp_size,
+            "dp_size": config.parallel.dp_size,
         }
     )
-    _loop(scheduler, recv, to_detok, to_tm)
+    _loop(scheduler, sockets)
 
 
-def _loop(scheduler: Any, recv: zmq.Socket, to_detok: zmq.Socket, to_tm: zmq.Socket) -> None:
-    poller = zmq.Poller()
-    poller.register(recv, zmq.POLLIN)
+class _Sockets:
+    """Rank 0's ZMQ sockets."""
+
+    def __init__(self, addrs: dict[str, str]) -> None:
+        ctx = zmq.Context()
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.bind(addrs["scheduler"])
+        self.to_detok = ctx.socket(zmq.PUSH)
+        self.to_detok.connect(addrs["detokenizer"])
+        self.to_tm = ctx.socket(zmq.PUSH)
+        self.to_tm.connect(addrs["tokenizer"])
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv, zmq.POLLIN)
+
+    def receive(self, timeout_ms: int) -> list[Any]:
+        """Whatever arrived, waiting up to `timeout_ms` for the first message."""
+        msgs = []
+        while self.poller.poll(timeout_ms):
+            timeout_ms = 0
+            msgs.append(self.recv.recv_pyobj())
+        return msgs
+
+
+def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
+    """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies."""
+    from rxf.core.distributed import broadcast_from_rank0
+
     parent = os.getppid()
     while True:
-        if os.getppid() != parent:  # the engine's owner died without stopping us: don't linger
-            logger.warning("parent process exited; scheduler stopping")
+        msgs: Any = None
+        if sockets is not None:
+            if os.getppid() != parent:  # the engine's owner died without stopping us: don't linger
+                logger.warning("parent process exited; scheduler stopping")
+                broadcast_from_rank0(_STOP)
+                return
+            # Block only when idle (the other ranks wait in the broadcast meanwhile); otherwise take
+            # whatever arrived and keep stepping.
+            msgs = sockets.receive(0 if scheduler.has_work else 1000)
+        msgs = broadcast_from_rank0(msgs)
+        if msgs == _STOP:
             return
-        # Block only when idle; otherwise take whatever arrived and keep stepping.
-        timeout = 0 if scheduler.has_work else 1000
-        outs = []
-        while poller.poll(timeout):
-            timeout = 0
-            msg = recv.recv_pyobj()
-            if isinstance(msg, TokenizedGenerateReq):
-                immediate = scheduler.add_request(msg)
-                if immediate is not None:
-                    outs.append(immediate)
-            elif isinstance(msg, AbortReq):
-                outs += scheduler.abort(msg.rid)
-            elif isinstance(msg, FlushCacheReq):
-                ok, text = scheduler.flush_cache()
-                to_tm.send_pyobj(FlushCacheResult(ok, text))
-            elif isinstance(msg, GetStatsReq):
-                to_tm.send_pyobj(scheduler.stats())
-            else:
-                logger.error("scheduler: unexpected message %r", type(msg).__name__)
+        outs = _apply(scheduler, msgs, sockets)
         if scheduler.has_work:
             outs += scheduler.step()
-        if outs:
-            to_detok.send_pyobj(BatchTokenOut(outs))
+        if outs and sockets is not None:
+            sockets.to_detok.send_pyobj(BatchTokenOut(outs))
+
+
+def _apply(scheduler: Any, msgs: list[Any], sockets: _Sockets | None) -> list[Any]:
+    """Apply the received messages in order; admin replies go out from rank 0 only."""
+    outs = []
+    for msg in msgs:
+        if isinstance(msg, TokenizedGenerateReq):
+            immediate = scheduler.add_request(msg)
+            if immediate is not None:
+                outs.append(immediate)
+        elif isinstance(msg, AbortReq):
+            outs += scheduler.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            ok, text = scheduler.flush_cache()
+            if sockets is not None:
+                sockets.to_tm.send_pyobj(FlushCacheResult(ok, text))
+        elif isinstance(msg, GetStatsReq):
+            if sockets is not None:
+                sockets.to_tm.send_pyobj(scheduler.stats())
+        else:
+            logger.error("scheduler: unexpected message %r", type(msg).__name__)
+    return outs

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from rxf.core.config import EngineConfig
+from rxf.core.distributed import tp_size
 from rxf.core.forward import ForwardMode
 from rxf.core.io_struct import FinishReason, SchedulerStats, TokenizedGenerateReq, TokenOut
 from rxf.core.model_runner import ModelInput, ModelRunner
@@ -335,7 +336,16 @@ class Scheduler:
     def _forward(self, inp: ModelInput, reqs: list[Req]) -> torch.Tensor:
         if self.faults is not None:
             self.faults.check("forward", reqs)
-        return self.runner.forward(inp)
+        try:
+            return self.runner.forward(inp)
+        except Exception:
+            if tp_size() == 1:
+                raise
+            # With tensor parallelism a forward that failed on this rank left its peers waiting in
+            # a collective: the ranks are out of step for good, so the process ends (and the engine
+            # reports itself dead) instead of failing the batch and serving on.
+            logger.exception("forward failed on a tensor-parallel rank; scheduler stopping")
+            raise SystemExit(1) from None
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[tuple[Req, int]]:
         """Next token per request, with its output logprobs recorded; changes no request on failure

@@ -1,9 +1,10 @@
-"""Token embedding and the logits head.
+"""Token embedding and the logits head, vocab-parallel across tensor-parallel ranks.
 
-Both hold a `[vocab, hidden]` weight; when a checkpoint ties them, the model makes the head share the
-embedding's Parameter, so one tensor is loaded and `named_parameters()` lists it once. Vocab
-sharding across tensor-parallel ranks would split that first dimension; with tp_size = 1 (all that
-is wired today) each rank holds the whole vocabulary.
+Both hold this rank's rows of the `[vocab, hidden]` weight: the vocabulary is padded up to a
+multiple of tp_size and rank r holds ids [r * shard, (r + 1) * shard); padding rows are zero and
+their logits are cut off after the gather. When a checkpoint ties the two, the model makes the head
+share the embedding's Parameter (same sharding), so one tensor is loaded and `named_parameters()`
+lists it once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rxf.plugins.models.layers.linear import check_tp_size, copy_weight
+from rxf.core import distributed
+from rxf.plugins.models.layers.linear import copy_weight, resolve_tp
 
 
 class VocabEmbedding(nn.Module):
@@ -21,26 +23,46 @@ class VocabEmbedding(nn.Module):
         vocab_size: int,
         hidden_size: int,
         *,
-        tp_size: int = 1,
-        tp_rank: int = 0,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        check_tp_size(tp_size, tp_rank)
+        self.tp_size, self.tp_rank = resolve_tp(tp_size, tp_rank)
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.shard_size = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        # Real (unpadded) ids of this rank: [vocab_start, vocab_start + num_real).
+        self.num_real = max(0, min(self.shard_size, vocab_size - self.vocab_start))
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        copy_weight(param.data, loaded, type(self).__name__)
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(
+                f"{type(self).__name__}: checkpoint has {loaded.shape[0]} rows, the vocabulary {self.vocab_size}"
+            )
+        copy_weight(param.data[: self.num_real], loaded.narrow(0, self.vocab_start, self.num_real), type(self).__name__)
+        param.data[self.num_real :].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids of other ranks look up row 0 and are zeroed; the all-reduce adds the owner's row.
+        local = input_ids - self.vocab_start
+        foreign = (local < 0) | (local >= self.num_real)
+        out = F.embedding(local.masked_fill(foreign, 0), self.weight)
+        out.masked_fill_(foreign.unsqueeze(-1), 0)
+        return distributed.tp_all_reduce(out)
 
 
 class LogitsHead(VocabEmbedding):
-    """hidden `[n, hidden]` -> float32 logits `[n, vocab]`. Only the rows whose logits are returned
-    should reach it: the vocab projection is the widest matmul of a decode step."""
+    """hidden `[n, hidden]` -> float32 logits `[n, vocab]` (every rank gets all of them). Only the
+    rows whose logits are returned should reach it: the vocab projection is the widest matmul of a
+    decode step."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:  # gathered in the model's dtype (half the traffic of float32 for bf16)
+            logits = distributed.tp_all_gather(logits, dim=-1)[:, : self.vocab_size].contiguous()
+        return logits.float()
