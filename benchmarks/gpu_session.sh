@@ -3,9 +3,9 @@
 # benchmark (stage "bench") or the decode profile (stage "profile"). Run from the repo root on the GPU
 # machine; see ../shared/device/README.md. The JIT cache comes back in parts under 15 MB (the limit on
 # returned files); put them in .fi-parts/ (git-ignored, carried) and the next call restores them.
-#   bash benchmarks/gpu_session.sh tests|bench|profile|others [extra script args]
-# Stage "others" runs the other GPU benchmarks (MoE, LLaVA, tensor parallel at the GPUs present,
-# the batch-1 step profile), each bounded, logs under $OUT.
+#   bash benchmarks/gpu_session.sh tests|bench|profile|others [extra script args | benchmark specs]
+# Stage "others" runs the named benchmark scripts (MoE, LLaVA, tensor parallel, the step profile),
+# each bounded, logs under $OUT.
 set -uo pipefail
 stage=$1; shift
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache
@@ -24,6 +24,7 @@ if [ "$stage" = tests ]; then
   wait; echo "jit: $(( $(date +%s) - start )) s"; tail -2 "$out"/jit-*.log
   python3 -m pytest -q -p no:cacheprovider tests/gpu -ra 2>&1 | tee "$out/gpu-tests.log" | tail -40
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
+  [ $# -gt 0 ] && bash benchmarks/gpu_session.sh others "$@"  # then the named benchmarks, if any
 elif [ "$stage" = profile ]; then
   python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
   python3 benchmarks/gpu_profile.py --phases gemv 2>&1 | tee "$out/profile-gemv.log"
@@ -31,13 +32,13 @@ elif [ "$stage" = profile ]; then
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-"
   python3 benchmarks/gpu_profile.py --phases step,attn "$@" 2>&1 | tee "$out/profile.log"
 elif [ "$stage" = others ]; then
-  for script in gpu_moe gpu_llava gpu_tp; do
+  # "others SCRIPT[:ARGS] ...": each benchmark bounded to 240 s, e.g. others gpu_moe gpu_tp:--tp=1
+  for spec in "$@"; do
+    script=${spec%%:*}; args=""; [ "$spec" != "$script" ] && args=${spec#*:}
     start=$(date +%s)
-    timeout 240 python3 benchmarks/$script.py > "$out/$script.log" 2>&1
-    echo "$script: rc $? in $(( $(date +%s) - start )) s"; tail -25 "$out/$script.log"
+    timeout 240 python3 benchmarks/$script.py ${args//,/ } > "$out/$script.log" 2>&1
+    echo "$script $args: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$out/$script.log" | tail -30
   done
-  timeout 120 python3 benchmarks/gpu_profile.py --phases step > "$out/profile-step.log" 2>&1
-  grep -E "gc_|batch 1:" "$out/profile-step.log"
 else
   python3 benchmarks/gpu_decode.py --preset llama3-8b "$@" 2>&1 | tee "$out/bench.log"
 fi
