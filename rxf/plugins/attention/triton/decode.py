@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rxf.plugins.attention.triton.extend import online_step
+
 _LOG2E = 1.0 / math.log(2.0)
 _M_INIT = -1.0e30  # finite running-max start: fully masked steps give weights 0, never NaN
 
@@ -57,6 +59,7 @@ def _decode_split_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -89,14 +92,8 @@ def _decode_split_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * scale_log2
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+        m_i, l_i, acc = online_step(q, k.to(q.dtype), v.to(q.dtype), mask_n[None, :], m_i, l_i, acc,
+                                    scale_log2, IEEE)
 
     # The chunk is non-empty, so l_i > 0 for every head row.
     tl.store(MidO + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
@@ -194,7 +191,7 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n or _block_n(head_dim), BLOCK_D=block_d, M_INIT=_M_INIT,
-        num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(bs, num_heads)](
         mid_o, mid_lse, seq_lens, num_kv_splits, out,

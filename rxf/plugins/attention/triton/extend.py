@@ -32,16 +32,25 @@ _M_INIT = -1.0e30
 
 
 @triton.jit
-def _online_step(q, k, v, mask, m_i, l_i, acc, scale_log2):
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation; IEEE keeps fp32 inputs in full precision (tl.dot would use TF32,
+    ~1e-3 relative error, enough to flip greedy tokens of a float32 model). No effect on fp16/bf16."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def online_step(q, k, v, mask, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
     """Fold one key block into the running (max, sum, weighted-sum) of each query row; masked keys
-    (mask False) contribute nothing."""
-    s = tl.dot(q, tl.trans(k)) * scale_log2
+    (mask False) contribute nothing. Shared by the extend and decode kernels."""
+    s = _dot(q, tl.trans(k), IEEE) * scale_log2
     s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc
 
 
@@ -54,6 +63,7 @@ def _extend_kernel(
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -90,8 +100,8 @@ def _extend_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _online_step(q, k.to(q.dtype), v.to(q.dtype), mask_n[None, :], m_i, l_i, acc,
-                                     scale_log2)
+        m_i, l_i, acc = online_step(q, k.to(q.dtype), v.to(q.dtype), mask_n[None, :], m_i, l_i, acc,
+                                    scale_log2, IEEE)
 
     # New tokens, causal: keys past this block's last row are never needed.
     end_n = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
@@ -105,7 +115,7 @@ def _extend_kernel(
                     mask=kv_mask, other=0.0)
         # cols <= row also implies cols < extend_len for every stored row (rows < extend_len).
         causal = cols[None, :] <= offs_m[:, None]
-        m_i, l_i, acc = _online_step(q, k.to(q.dtype), v.to(q.dtype), causal, m_i, l_i, acc, scale_log2)
+        m_i, l_i, acc = online_step(q, k.to(q.dtype), v.to(q.dtype), causal, m_i, l_i, acc, scale_log2, IEEE)
 
     # Every stored row saw at least its own key, so l_i > 0 there; padding rows are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -164,5 +174,5 @@ def extend_attention(
         k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1), req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        M_INIT=_M_INIT, num_warps=num_warps, num_stages=num_stages,
+        M_INIT=_M_INIT, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
