@@ -10,19 +10,8 @@ import json
 import re
 
 import jsonschema
-from grammar_cases import parse_json, regex_cases, schema_cases
+from grammar_cases import LONG_KEYS_SCHEMA, parse_json, regex_cases, schema_cases
 from test_scheduler import drain, make_scheduler, prompts, request
-
-# Long fixed keys: after `{"` the grammar allows one string up to the value, so jump-forward applies.
-LONG_KEYS_SCHEMA = json.dumps({
-    "type": "object",
-    "properties": {
-        "the_first_very_long_property_name": {"type": "integer", "minimum": 0, "maximum": 9},
-        "and_a_second_rather_long_property_name": {"enum": ["alpha", "beta"]},
-    },
-    "required": ["the_first_very_long_property_name", "and_a_second_rather_long_property_name"],
-    "additionalProperties": False,
-})
 
 
 def _text(sched, ids: list[int]) -> str:
