@@ -30,7 +30,8 @@ SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "min_p": 0.02}
 
 @pytest.fixture(scope="module")
 def rt():
-    with Runtime.from_config(DEMO, **{"scheduler.max_running_requests": 64}) as runtime:
+    # One torch thread: on a shared 2-core machine two spinning OpenMP threads slow everything down.
+    with Runtime.from_config(DEMO, **{"scheduler.max_running_requests": 64, "runtime.cpu_threads": 1}) as runtime:
         yield runtime
 
 
@@ -108,7 +109,7 @@ def test_invalid_constraints_are_request_errors(rt):
 @pytest.mark.slow
 def test_jump_forward_off_gives_valid_outputs_too():
     schemas = [LONG_KEYS_SCHEMA, *schema_cases(2, seed=9)]
-    with Runtime.from_config(DEMO, **{"grammar.jump_forward": False}) as off:
+    with Runtime.from_config(DEMO, **{"grammar.jump_forward": False, "runtime.cpu_threads": 1}) as off:
         params = [{"json_schema": s, "max_new_tokens": 160, **GREEDY} for s in schemas]
         outs = off.generate(PROMPTS[:1] * len(schemas), params)
         assert off.get_stats().extra["jump_forward_tokens"] == 0

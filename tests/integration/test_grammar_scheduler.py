@@ -110,3 +110,10 @@ def test_compiling_request_waits_while_others_decode(tiny_llama, hf_reference):
     got = drain(sched)
     assert got["free"]["ids"] == hf_reference(p_free, 40)
     jsonschema.validate(parse_json(_text(sched, got["json"]["ids"])), json.loads(LONG_KEYS_SCHEMA))
+
+
+def test_min_new_tokens_yields_to_a_complete_grammar(tiny_llama):
+    sched = make_scheduler(tiny_llama)
+    sched.add_request(request("m", prompts(1, seed=17)[0], 20, regex="ok", min_new_tokens=10, ignore_eos=False))
+    got = drain(sched)
+    assert got["m"]["finished"].type == "stop" and _text(sched, got["m"]["ids"]) == "ok"

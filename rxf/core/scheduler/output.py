@@ -23,7 +23,8 @@ class StopChecker:
     def banned_ids(self, req: Req) -> list[int]:
         """Tokens that may not be sampled yet because min_new_tokens is not reached."""
         p = req.sampling_params
-        if len(req.output_ids) >= p.min_new_tokens:
+        # A grammar decides when its output may end: banning its stop tokens could leave no token.
+        if len(req.output_ids) >= p.min_new_tokens or req.grammar is not None:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
