@@ -138,6 +138,19 @@ class ParallelConfig(_Section):
         return self
 
 
+class GrammarConfig(_Section):
+    """Structured output (regex / json_schema / ebnf constraints) through a grammar backend plugin."""
+
+    backend: str = Field(
+        "auto", description="'auto' (xgrammar when installed), 'none' (constraints rejected), or a registered name"
+    )
+    cache_size: int = Field(256, ge=0, description="compiled grammars kept per process (LRU by kind and text)")
+    compile_threads: int = Field(2, gt=0, description="scheduler threads compiling grammars off the loop")
+    jump_forward: bool = Field(
+        True, description="append a grammar's only possible continuation without a forward per token"
+    )
+
+
 class PluginsConfig(_Section):
     allow: list[str] | None = Field(None, description="only these plugins load (RXF_PLUGINS too)")
     deny: list[str] = Field(default_factory=list, description="these plugins never load")
@@ -180,6 +193,7 @@ class EngineConfig(BaseSettings):
     cuda_graph: CudaGraphConfig = CudaGraphConfig()
     multimodal: MultimodalConfig = MultimodalConfig()
     parallel: ParallelConfig = ParallelConfig()
+    grammar: GrammarConfig = GrammarConfig()
     # NoDecode: RXF_PLUGINS is the filter string "a,b,-c" (see `_plugins_filter`), not this section as JSON.
     plugins: Annotated[PluginsConfig, NoDecode] = PluginsConfig()
 

@@ -37,6 +37,7 @@ from rxf.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rxf.core.config import EngineConfig
+    from rxf.core.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -167,9 +168,13 @@ class TokenizerManager:
         engine_info: dict[str, Any],
         limits: RequestLimits | None = None,
         mm_processor: Any = None,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.mm_processor = mm_processor  # None: the model takes no images
+        # Compiles each request's constraint (cached) so an invalid one is a 400 before it is queued
+        # (`make_grammar_backend`); None: not checked here (the scheduler then aborts the request).
+        self.grammar = grammar
         self.limits = limits or RequestLimits()
         self.info = engine_info
         self.max_context_len: int = engine_info["max_context_len"]
@@ -238,6 +243,7 @@ class TokenizerManager:
             self.limits.check_params(params)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        self._check_grammar(params)
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
         salt = req.cache_salt
@@ -256,6 +262,18 @@ class TokenizerManager:
             cache_salt=salt,
             mm_items=mm_items or None,
         )
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        from rxf.core.grammar import GrammarError
+
+        constraint = params.grammar
+        if constraint is None or self.grammar is None:
+            return
+        kind, text = constraint
+        try:
+            self.grammar.compile(kind, text)
+        except GrammarError as e:
+            raise RequestError(f"sampling_params.{kind}: {e}") from None
 
     def check_capacity(self, n: int = 1) -> None:
         """Raise unless `n` more requests may start now: OverloadedError while the server is full,

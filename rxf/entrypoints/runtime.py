@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from rxf.core.config import EngineConfig, load_config
+from rxf.core.grammar import make_grammar_backend
 from rxf.core.registry import PluginRegistry
 from rxf.core.tokenizer_manager import (
     GenerateRequest,
@@ -58,9 +59,10 @@ class Runtime:
             raise
 
     async def _make_tm(self) -> TokenizerManager:
+        grammar = make_grammar_backend(self.config, self.tokenizer, self.engine.info["vocab_size"], self.registry)
         tm = TokenizerManager(
             self.tokenizer, self.engine.addrs, self.engine.info, RequestLimits.from_config(self.config),
-            mm_processor=load_multimodal_processor(self.config, self.engine.info, self.registry),
+            mm_processor=load_multimodal_processor(self.config, self.engine.info, self.registry), grammar=grammar,
         )
         await tm.start()
         return tm

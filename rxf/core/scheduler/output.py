@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from rxf.core.io_struct import FinishReason, TokenOut
-from rxf.core.sampling import SamplingBatch, gather_logprobs, pack_logprobs, unpack_logprobs
+from rxf.core.sampling import GrammarMask, SamplingBatch, gather_logprobs, pack_logprobs, unpack_logprobs
 from rxf.core.scheduler.req import Req
 
 
@@ -23,7 +23,8 @@ class StopChecker:
     def banned_ids(self, req: Req) -> list[int]:
         """Tokens that may not be sampled yet because min_new_tokens is not reached."""
         p = req.sampling_params
-        if len(req.output_ids) >= p.min_new_tokens:
+        # A grammar decides when its output may end: banning its stop tokens could leave no token.
+        if len(req.output_ids) >= p.min_new_tokens or req.grammar is not None:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
@@ -68,7 +69,11 @@ class StepLogprobs:
 
 
 def sample_next(
-    reqs: list[Req], logits: torch.Tensor, stop: StopChecker, vocab_size: int
+    reqs: list[Req],
+    logits: torch.Tensor,
+    stop: StopChecker,
+    vocab_size: int,
+    grammar_mask: GrammarMask | None = None,
 ) -> tuple[list[int], StepLogprobs | None]:
     """Sample one token per request from its row of `logits` ([len(reqs), vocab]).
 
@@ -84,6 +89,7 @@ def sample_next(
         vocab_size,
         logits.device,
         banned_ids=[stop.banned_ids(r) for r in reqs],
+        grammar_mask=grammar_mask,
     )
     out = batch.sample(logits)
     want = [i for i, r in enumerate(reqs) if r.return_logprob]
