@@ -37,6 +37,7 @@ from rxf.entrypoints.openai.sampling import (
     check_model,
     max_new_tokens,
     native_params,
+    output_constraint,
     verify_native,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
@@ -93,6 +94,7 @@ def plan_completion(
 ) -> CompletionPlan:
     """The native requests for `req`; raises APIError(400) naming the field for any bad value."""
     check_completion(req)
+    _, constraint = output_constraint(req)
     prompts = parse_prompts(req.prompt, tokenizer, vocab_size)
     plan = CompletionPlan(gen.new_id("cmpl"), prompts, [], [], req.n, req.echo, req.logprobs)
     with_logprobs = req.logprobs is not None
@@ -100,7 +102,7 @@ def plan_completion(
         budget = max_new_tokens(
             req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, len(prompt.ids), context_len, "prompt"
         )
-        params = native_params(req, budget)
+        params = native_params(req, budget) | constraint
         verify_native(params, vocab_size, limits)
         plan.params.append(params)
         plan.reqs += gen.choice_requests(
