@@ -88,8 +88,7 @@ def inline_tools(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]], syntax: ToolSyntax
 ) -> list[dict[str, Any]]:
     """Plain messages showing `tools` (in the system message), past calls (in the assistant's
-    content) and tool results (as `syntax.result_role` messages; consecutive results as one, so
-    that formats needing alternating turns still take them)."""
+    content) and tool results (as `syntax.result_role` messages)."""
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         msg = {k: v for k, v in msg.items() if k not in ("tool_calls", "tool_call_id", "name")}
@@ -99,9 +98,9 @@ def inline_tools(
             msg["content"] = f"{text}\n{calls}" if text else calls
         elif msg.get("role") == "tool":
             result = syntax.format_result(_text_of(msg.get("content")))
-            previous = out[-1] if out and messages[i - 1].get("role") == "tool" else None
-            if previous is not None and previous["role"] == syntax.result_role:
-                previous["content"] += "\n" + result
+            # Results shown as user turns merge, so that formats needing alternating turns take them.
+            if syntax.result_role == "user" and out and messages[i - 1].get("role") == "tool":
+                out[-1]["content"] += "\n" + result
                 continue
             msg = {"role": syntax.result_role, "content": result}
         out.append(msg)
