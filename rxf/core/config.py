@@ -104,6 +104,19 @@ class CudaGraphConfig(_Section):
         return sizes
 
 
+class GrammarConfig(_Section):
+    """Structured output (regex / json_schema / ebnf constraints) through a grammar backend plugin."""
+
+    backend: str = Field(
+        "auto", description="'auto' (xgrammar when installed), 'none' (constraints rejected), or a registered name"
+    )
+    cache_size: int = Field(256, ge=0, description="compiled grammars kept per process (LRU by kind and text)")
+    compile_threads: int = Field(2, gt=0, description="scheduler threads compiling grammars off the loop")
+    jump_forward: bool = Field(
+        True, description="append a grammar's only possible continuation without a forward per token"
+    )
+
+
 class PluginsConfig(_Section):
     allow: list[str] | None = Field(None, description="only these plugins load (RXF_PLUGINS too)")
     deny: list[str] = Field(default_factory=list, description="these plugins never load")
@@ -132,6 +145,7 @@ class EngineConfig(BaseSettings):
     runtime: RuntimeConfig = RuntimeConfig()
     cuda_graph: CudaGraphConfig = CudaGraphConfig()
     plugins: PluginsConfig = PluginsConfig()
+    grammar: GrammarConfig = GrammarConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -224,6 +224,19 @@ def _column(values: list[float] | list[int], dtype: torch.dtype, device: torch.d
 
 
 @dataclass
+class GrammarMask:
+    """The step's token bitmask for the constrained rows (structured output).
+
+    `bitmask` is already on the logits' device; `apply(logits, bitmask, rows)` sets the disallowed
+    logits of `rows` to -inf in place (the grammar backend's kernel); other rows are untouched.
+    """
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    apply: Callable[[torch.Tensor, torch.Tensor, list[int]], None]
+
+
+@dataclass
 class SamplingBatch:
     """Per-row parameter tensors for one step. A filter is None when no sampled row uses it.
 
@@ -242,6 +255,7 @@ class SamplingBatch:
     any_unseeded: bool  # some sampled row draws from the global RNG
     seeded_rows: torch.Tensor | None  # [n_seeded] int64 row indices, aligned with `generators`
     generators: list[torch.Generator]
+    grammar_mask: GrammarMask | None = None
 
     @classmethod
     def build(
@@ -253,6 +267,7 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         banned_ids: list[list[int]] | None = None,
+        grammar_mask: GrammarMask | None = None,
     ) -> SamplingBatch:
         """Host-side work only (lists to tensors, one copy each); `generators[i]` must live on `device`."""
         bs = len(params)
@@ -289,10 +304,12 @@ class SamplingBatch:
             any_unseeded=len(seeded) < greedy.count(False),
             seeded_rows=_to_device(seeded, torch.int64, device) if seeded else None,
             generators=[gen for gen in (generators[i] for i in seeded) if gen is not None],
+            grammar_mask=grammar_mask,
         )
 
     def sample(self, logits: torch.Tensor) -> SampleOutput:
-        """Order per row: penalties -> (greedy: argmax) -> temperature -> top_k -> top_p -> min_p -> draw."""
+        """Order per row: penalties -> grammar mask -> (greedy: argmax) -> temperature -> top_k -> top_p
+        -> min_p -> draw. A masked token's probability is exactly 0, so no filter or draw can pick it."""
         bs = self.temperatures.shape[0]
         if tuple(logits.shape) != (bs, self.vocab_size):
             raise ValueError(
@@ -300,6 +317,10 @@ class SamplingBatch:
             )
         raw = logits.float().contiguous()  # penalties index it as a flat row-major buffer
         penalized = self.penalties.apply(raw) if self.penalties is not None else raw
+        if self.grammar_mask is not None:
+            if penalized is raw:  # raw_logits stay unmasked: logprobs report the model's distribution
+                penalized = raw.clone()
+            self.grammar_mask.apply(penalized, self.grammar_mask.bitmask, self.grammar_mask.rows)
         if self.all_greedy:
             return SampleOutput(penalized.argmax(dim=-1), raw)
         probs = self._filter(torch.softmax(penalized / self.temperatures, dim=-1))

@@ -35,6 +35,7 @@ from rxf.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rxf.core.config import EngineConfig
+    from rxf.core.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +139,12 @@ class TokenizerManager:
         addrs: dict[str, str],
         engine_info: dict[str, Any],
         limits: RequestLimits | None = None,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # Compiles each request's constraint (cached) so an invalid one is a 400 before it is queued;
+        # None: not checked here (the scheduler still rejects it, as an aborted request).
+        self.grammar = grammar
         self.limits = limits or RequestLimits()
         self.info = engine_info
         self.max_context_len: int = engine_info["max_context_len"]
@@ -191,6 +196,7 @@ class TokenizerManager:
             self.limits.check_params(params)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        self._check_grammar(params)
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
         salt = req.cache_salt
@@ -208,6 +214,18 @@ class TokenizerManager:
             top_logprobs_num=req.top_logprobs_num,
             cache_salt=salt,
         )
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        from rxf.core.grammar import GrammarError
+
+        constraint = params.grammar
+        if constraint is None or self.grammar is None:
+            return
+        kind, text = constraint
+        try:
+            self.grammar.compile(kind, text)
+        except GrammarError as e:
+            raise RequestError(f"sampling_params.{kind}: invalid {kind}: {e}") from None
 
     def check_capacity(self, n: int = 1) -> None:
         """Raise unless `n` more requests may start now: OverloadedError while the server is full,

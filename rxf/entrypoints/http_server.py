@@ -25,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from rxf.core.config import EngineConfig
+from rxf.core.grammar import make_grammar_backend
 from rxf.core.tokenizer_manager import RequestLimits, TokenizerManager
 from rxf.entrypoints.http_errors import APIKeyMiddleware, BodyLimitMiddleware, install_error_handlers
 from rxf.entrypoints.metrics import ServerMetrics
@@ -153,8 +154,9 @@ async def _start_engine(app: FastAPI, state: ServerState, loader: _EngineLoader)
         app.state.on_startup_failure()
         return
     state.engine, state.tokenizer, state.chat_template = loaded.engine, loaded.tokenizer, loaded.chat_template
+    grammar = make_grammar_backend(state.config, loaded.tokenizer, loaded.engine.info["vocab_size"])
     tm = TokenizerManager(
-        loaded.tokenizer, loaded.engine.addrs, loaded.engine.info, RequestLimits.from_config(state.config)
+        loaded.tokenizer, loaded.engine.addrs, loaded.engine.info, RequestLimits.from_config(state.config), grammar
     )
     await tm.start()
     tm.observer = state.metrics

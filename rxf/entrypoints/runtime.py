@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from rxf.core.config import EngineConfig, load_config
+from rxf.core.grammar import make_grammar_backend
 from rxf.core.registry import PluginRegistry
 from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.engine import EngineProcesses
@@ -53,8 +54,9 @@ class Runtime:
             raise
 
     async def _make_tm(self) -> TokenizerManager:
+        grammar = make_grammar_backend(self.config, self.tokenizer, self.engine.info["vocab_size"], self.registry)
         tm = TokenizerManager(
-            self.tokenizer, self.engine.addrs, self.engine.info, RequestLimits.from_config(self.config)
+            self.tokenizer, self.engine.addrs, self.engine.info, RequestLimits.from_config(self.config), grammar
         )
         await tm.start()
         return tm

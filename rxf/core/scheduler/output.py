@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from rxf.core.io_struct import FinishReason, TokenOut
-from rxf.core.sampling import SamplingBatch, gather_logprobs, pack_logprobs, unpack_logprobs
+from rxf.core.sampling import GrammarMask, SamplingBatch, gather_logprobs, pack_logprobs, unpack_logprobs
 from rxf.core.scheduler.req import Req
 
 
@@ -68,7 +68,11 @@ class StepLogprobs:
 
 
 def sample_next(
-    reqs: list[Req], logits: torch.Tensor, stop: StopChecker, vocab_size: int
+    reqs: list[Req],
+    logits: torch.Tensor,
+    stop: StopChecker,
+    vocab_size: int,
+    grammar_mask: GrammarMask | None = None,
 ) -> tuple[list[int], StepLogprobs | None]:
     """Sample one token per request from its row of `logits` ([len(reqs), vocab]).
 
@@ -84,6 +88,7 @@ def sample_next(
         vocab_size,
         logits.device,
         banned_ids=[stop.banned_ids(r) for r in reqs],
+        grammar_mask=grammar_mask,
     )
     out = batch.sample(logits)
     want = [i for i, r in enumerate(reqs) if r.return_logprob]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,7 @@ from rxf.core.io_struct import FinishReason, TokenizedGenerateReq
 from rxf.core.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from rxf.core.grammar import GrammarMatcher
     from rxf.core.radix_cache import TokenKey, TreeNode
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
@@ -56,6 +58,10 @@ class Req:
     pending_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: dict[str, Any] | None = None
     input_logprobs_sent: bool = False
+    # Structured output: the compile in flight (the request waits until it is done), then the
+    # matcher, which has accepted exactly `output_ids` (kept across retraction, like the output).
+    grammar_future: Future[Any] | None = None
+    grammar: GrammarMatcher | None = None
 
     @classmethod
     def from_tokenized(cls, msg: TokenizedGenerateReq) -> Req:

@@ -27,6 +27,7 @@ from rxf.core.radix_cache import RadixCache
 from rxf.core.sampling import make_generator
 from rxf.core.scheduler.admission import admit
 from rxf.core.scheduler.cache_ops import KVCacheManager
+from rxf.core.scheduler.constrained import ConstrainedDecoding
 from rxf.core.scheduler.faults import FaultInjector
 from rxf.core.scheduler.output import (
     StopChecker,
@@ -63,6 +64,7 @@ class Scheduler:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.stop = StopChecker(tokenizer, sorted(eos), runner.max_context_len)
+        self.grammar = ConstrainedDecoding.create(config, tokenizer, runner.vocab_size, self.stop)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # requests with a req_to_token row (decoding or mid-prefill)
         self.new_token_ratio = self.sc.init_new_token_ratio
@@ -81,6 +83,10 @@ class Scheduler:
             return make_token_out(req, finished=True)
         if req.sampling_params.seed is not None:
             req.generator = make_generator(req.sampling_params.seed, self.runner.device)
+        error = self.grammar.submit(req)
+        if error is not None:
+            req.finished_reason = FinishReason("abort", message=error)
+            return make_token_out(req, finished=True)
         self.waiting.append(req)
         return None
 
@@ -123,11 +129,14 @@ class Scheduler:
     # ---- one step ----
     def step(self) -> list[TokenOut]:
         outs = self._release_aborted()
+        outs += [make_token_out(r, finished=True) for r in self.grammar.resolve(self.waiting)]
         extend = self._schedule_extend()
         if extend:
             outs += self._run_extend(extend)
         elif self.running:
             outs += self._run_decode()
+        else:  # only grammars still compiling (if anything): wait for one rather than spin
+            self.grammar.wait(self.waiting, timeout=0.01)
         if self.check_memory:
             self.kv.check(self.running)
         return outs
@@ -147,7 +156,7 @@ class Scheduler:
             return batch
         decoding = [r for r in self.running if r.decoding]
         adm = admit(
-            order_waiting(self.waiting, self.sc.policy, self.kv, self.rng),
+            order_waiting([r for r in self.waiting if self.grammar.ready(r)], self.sc.policy, self.kv, self.rng),
             decoding,
             self.kv,
             new_token_ratio=self.new_token_ratio,
@@ -321,7 +330,7 @@ class Scheduler:
             self.counters.generated_tokens += 1
             req.steps_since_send += 1
             try:
-                req.finished_reason = self.stop.check(req)
+                req.finished_reason = self.grammar.check_token(req)
             except Exception as exc:
                 outs.append(self._fail(req, exc))
                 continue
@@ -341,7 +350,8 @@ class Scheduler:
         (logprobs are recorded last, by a loop that only appends)."""
         if self.faults is not None:
             self.faults.check("sample", reqs)
-        next_ids, logprobs = sample_next(reqs, logits, self.stop, self.runner.vocab_size)
+        grammar_mask = self.grammar.mask(reqs, logits.device)
+        next_ids, logprobs = sample_next(reqs, logits, self.stop, self.runner.vocab_size, grammar_mask)
         if logprobs is not None and any(r.return_logprob for r in reqs):
             record_output_logprobs(reqs, logprobs, next_ids)
         return list(zip(reqs, next_ids, strict=True))
@@ -378,6 +388,7 @@ class Scheduler:
                 "generated_tokens": c.generated_tokens,
                 "retractions": c.retractions,
                 "new_token_ratio": self.new_token_ratio,
+                "jump_forward_tokens": self.grammar.jumped_tokens,
             },
         )
 

@@ -1,0 +1,88 @@
+"""The grammar backend interface (structured output) and how the engine picks one.
+
+A backend plugin (`rxf_register_grammar_backends`) registers a factory called as
+`factory(tokenizer, vocab_size, config: GrammarConfig)`; it returns a `GrammarBackend`. One backend
+lives in the scheduler process (matchers, bitmasks) and one in the process that owns the
+TokenizerManager (it compiles each constraint once to reject invalid ones with a 400).
+`vocab_size` is the model's logits width (padding included), which the bitmask must cover.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from rxf.core.config import EngineConfig
+    from rxf.core.registry import PluginRegistry
+
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
+
+
+class GrammarError(ValueError):
+    """A constraint the backend cannot compile; the message is the compiler's reason."""
+
+
+class GrammarMatcher(ABC):
+    """One request's position in its grammar. Used by the scheduler thread only."""
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (and no change) if the grammar does not allow it."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (a backend-allocated CPU tensor)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and a stop token was accepted."""
+
+    @abstractmethod
+    def jump_forward_string(self) -> str:
+        """The text every continuation must start with ("" when there is a choice)."""
+
+
+class GrammarBackend(ABC):
+    """Compiles constraints for one tokenizer (thread-safe, cached) and masks logits."""
+
+    @abstractmethod
+    def compile(self, kind: str, text: str) -> Any:
+        """A compiled grammar for `kind` in GRAMMAR_KINDS; raises GrammarError when `text` is invalid."""
+
+    @abstractmethod
+    def matcher(self, compiled: Any, stop_token_ids: list[int] | None = None) -> GrammarMatcher:
+        """A fresh matcher at the start of a compiled grammar; once the grammar is complete it allows
+        `stop_token_ids` (default: the tokenizer's EOS)."""
+
+    @abstractmethod
+    def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
+        """A CPU bitmask for `batch_size` rows, every token allowed."""
+
+    @abstractmethod
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Set to -inf, in place, the logits of `rows` that `bitmask` (on logits' device) disallows."""
+
+
+def make_grammar_backend(
+    config: EngineConfig, tokenizer: Any, vocab_size: int, registry: PluginRegistry | None = None
+) -> GrammarBackend | None:
+    """The configured backend, or None when `grammar.backend` is "none" (or "auto" finds none)."""
+    from rxf.core.registry import PluginRegistry
+
+    name = config.grammar.backend
+    if name == "none":
+        return None
+    if registry is None:
+        registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
+    if name == "auto":
+        if "xgrammar" not in registry.names("grammar_backends"):
+            return None
+        name = "xgrammar"
+    return registry.get("grammar_backends", name)(tokenizer, vocab_size, config.grammar)

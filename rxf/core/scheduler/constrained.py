@@ -1,0 +1,170 @@
+"""Structured output in the scheduler: compile off the loop, mask each step, advance, jump forward.
+
+A constrained request enters the waiting queue with its grammar compiling on a thread pool and is
+not admitted until the compile is done; other requests keep running meanwhile. Its matcher then
+accepts every output token. It needs no rollback on retraction: a retracted request keeps its
+output (`Scheduler._ensure_decode_space`), so matcher and `output_ids` still agree.
+
+Jump-forward (the compressed FSM of the SGLang paper): when the grammar allows a single continuation
+string, it is tokenized together with the newest token and appended at once; the request then
+extends those tokens in one EXTEND instead of one DECODE each. Only the newest token is ever
+replaced: it has no KV yet (kv_len == seq_len - 1) and has not been sent to the detokenizer (the
+jump runs before the step's output is built), so no KV and no detokenizer offset needs repair.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Any
+
+import torch
+
+from rxf.core.config import EngineConfig
+from rxf.core.grammar import GrammarBackend, make_grammar_backend
+from rxf.core.io_struct import FinishReason
+from rxf.core.sampling import GrammarMask
+from rxf.core.scheduler.output import StopChecker
+from rxf.core.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+# Tokens before the jump decoded with it, so a tokenizer that needs a neighbour decodes right.
+_CONTEXT_TOKENS = 3
+
+
+class GrammarViolation(RuntimeError):
+    """A token the request's grammar does not allow reached its output (a sampler bug)."""
+
+
+class ConstrainedDecoding:
+    def __init__(self, backend: GrammarBackend | None, config: EngineConfig, tokenizer: Any, stop: StopChecker) -> None:
+        self.backend = backend
+        self.backend_name = config.grammar.backend
+        self.jump_forward = config.grammar.jump_forward
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            config.grammar.compile_threads, thread_name_prefix="rxf-grammar"
+        )
+        self.jumped_tokens = 0
+
+    @classmethod
+    def create(cls, config: EngineConfig, tokenizer: Any, vocab_size: int, stop: StopChecker) -> ConstrainedDecoding:
+        return cls(make_grammar_backend(config, tokenizer, vocab_size), config, tokenizer, stop)
+
+    # ---- before admission ----
+    def submit(self, req: Req) -> str | None:
+        """Start compiling the request's constraint; an error message if it cannot be served."""
+        grammar = req.sampling_params.grammar
+        if grammar is None:
+            return None
+        if self.backend is None:
+            return f"sampling_params.{grammar[0]}: structured output is off (grammar.backend = {self.backend_name!r})"
+        req.grammar_future = self.pool.submit(self.backend.compile, *grammar)
+        return None
+
+    def resolve(self, waiting: list[Req]) -> list[Req]:
+        """Give each waiting request whose compile finished its matcher; returns those whose compile
+        failed (removed from `waiting`, `finished_reason` set)."""
+        failed = []
+        for req in [r for r in waiting if r.grammar_future is not None and r.grammar_future.done()]:
+            future, req.grammar_future = req.grammar_future, None
+            try:
+                compiled = future.result()
+            except Exception as exc:
+                kind = req.sampling_params.grammar[0]
+                req.finished_reason = FinishReason("abort", message=f"sampling_params.{kind}: {exc}")
+                waiting.remove(req)
+                failed.append(req)
+                continue
+            stops = sorted(self.stop.eos_token_ids | set(req.sampling_params.stop_token_ids))
+            req.grammar = self.backend.matcher(compiled, stops)
+        return failed
+
+    @staticmethod
+    def ready(req: Req) -> bool:
+        return req.grammar_future is None
+
+    @staticmethod
+    def wait(waiting: list[Req], timeout: float) -> None:
+        """Block up to `timeout` s for a compile to finish (called only when there is nothing to run)."""
+        pending = [r.grammar_future for r in waiting if r.grammar_future is not None]
+        if pending:
+            concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    # ---- each step ----
+    def mask(self, reqs: list[Req], device: torch.device) -> GrammarMask | None:
+        """The step's bitmask for the constrained rows (filled on the host, one copy to `device`)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        bitmask = self.backend.allocate_bitmask(len(reqs))
+        for i in rows:
+            reqs[i].grammar.fill_bitmask(bitmask, i)
+        return GrammarMask(bitmask.to(device, non_blocking=True), rows, self.backend.apply_bitmask)
+
+    def check_token(self, req: Req) -> FinishReason | None:
+        """Advance the matcher by the newest output token, then check the stop conditions; a
+        complete grammar (stop token accepted) ends the request with "stop"."""
+        if req.grammar is None:
+            return self.stop.check(req)
+        token = req.output_ids[-1]
+        if not req.grammar.accept_token(token):
+            raise GrammarViolation(f"token {token} is not allowed by the request's grammar")
+        reason = self.stop.check(req)
+        if reason is None and req.grammar.is_terminated():
+            reason = FinishReason("stop", matched=token)
+        if reason is None and self.jump_forward and not req.return_logprob and self._jump(req):
+            reason = self.stop.check(req)
+        return reason
+
+    # ---- jump-forward ----
+    def _jump(self, req: Req) -> bool:
+        """Append the grammar's forced continuation; True if any token was added."""
+        forced = req.grammar.jump_forward_string()
+        if not forced or "\ufffd" in forced:
+            return False
+        out = req.output_ids
+        # The newest token is re-tokenized with the forced text (the tokenizer may merge across the
+        # boundary) when it is still unsent and decodes to whole characters.
+        replace = int(req.sent_len < len(out))
+        new_ids = self._tokenize(out, forced, replace) if replace else None
+        if new_ids is None:
+            replace = 0
+            new_ids = self._tokenize(out, forced, 0)
+        if new_ids is None:
+            return False
+        p = req.sampling_params
+        budget = min(p.max_new_tokens - len(out), self.stop.max_context_len - 1 - req.seq_len) + replace
+        new_ids = new_ids[: max(budget, 0)]
+        if len(new_ids) <= replace:  # nothing gained
+            return False
+        req.grammar.rollback(replace)
+        accepted = 0
+        while accepted < len(new_ids) and req.grammar.accept_token(new_ids[accepted]):
+            accepted += 1
+        if accepted < len(new_ids):  # the grammar rejects this tokenization: undo it
+            req.grammar.rollback(accepted)
+            if replace:
+                req.grammar.accept_token(out[-1])
+            return False
+        out[len(out) - replace :] = new_ids
+        self.jumped_tokens += len(new_ids) - replace
+        if req.seq_len - req.kv_len > 1:
+            req.decoding = False  # the next step extends [kv_len, seq_len) (the chunked-prefill path)
+        return True
+
+    def _tokenize(self, out: list[int], forced: str, replace: int) -> list[int] | None:
+        """Tokens for (the newest token's text if `replace`) + `forced`, or None if re-tokenizing
+        would change the text (the window's decode must read exactly as before plus `forced`)."""
+        decode = self.tokenizer.decode
+        head = out[len(out) - replace :]
+        context = out[max(len(out) - replace - _CONTEXT_TOKENS, 0) : len(out) - replace]
+        head_text = decode(head) if head else ""
+        if "\ufffd" in head_text:
+            return None
+        new_ids = self.tokenizer.encode(head_text + forced, add_special_tokens=False)
+        if decode(context + new_ids) != decode(context + head) + forced:
+            return None
+        return new_ids

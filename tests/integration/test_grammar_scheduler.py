@@ -1,0 +1,99 @@
+"""Structured output in the scheduler, in-process on a tiny random Llama (KV ledger checked every step).
+
+References: Python's `re` and the `jsonschema` package judge every output; transformers gives the
+unconstrained requests' greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+from grammar_cases import parse_json, regex_cases, schema_cases
+from test_scheduler import drain, make_scheduler, prompts, request
+
+# Long fixed keys: after `{"` the grammar allows one string up to the value, so jump-forward applies.
+LONG_KEYS_SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {
+        "the_first_very_long_property_name": {"type": "integer", "minimum": 0, "maximum": 9},
+        "and_a_second_rather_long_property_name": {"enum": ["alpha", "beta"]},
+    },
+    "required": ["the_first_very_long_property_name", "and_a_second_rather_long_property_name"],
+    "additionalProperties": False,
+})
+
+
+def _text(sched, ids: list[int]) -> str:
+    return sched.stop.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_regex_and_schema_outputs_match_beside_unconstrained_greedy(tiny_llama, hf_reference):
+    sched = make_scheduler(tiny_llama, **{"scheduler.max_running_requests": 32})
+    ps = prompts(14, seed=11)
+    regexes = regex_cases(6, seed=3)
+    schemas = schema_cases(4, seed=4)
+    for i, (pattern, longest) in enumerate(regexes):
+        sched.add_request(request(f"re{i}", ps[i], longest + 2, regex=pattern))
+    for i, schema in enumerate(schemas):
+        sched.add_request(request(f"js{i}", ps[6 + i], 200, json_schema=schema))
+    for i in range(4):  # unconstrained rows share every batch with the constrained ones
+        sched.add_request(request(f"free{i}", ps[10 + i], 24))
+    got = drain(sched)
+    for i, (pattern, _) in enumerate(regexes):
+        r = got[f"re{i}"]
+        # ignore_eos is set: the matcher's termination ends the request.
+        assert r["finished"].type == "stop", (pattern, r)
+        assert re.fullmatch(pattern, _text(sched, r["ids"])), (pattern, _text(sched, r["ids"]))
+    for i, schema in enumerate(schemas):
+        r = got[f"js{i}"]
+        assert r["finished"].type == "stop", (schema, _text(sched, r["ids"]))
+        jsonschema.validate(parse_json(_text(sched, r["ids"])), json.loads(schema))
+    for i in range(4):
+        assert got[f"free{i}"]["ids"] == hf_reference(ps[10 + i], 24)
+
+
+def test_jump_forward_on_and_off_both_valid_and_on_saves_decode_steps(tiny_llama):
+    steps = {}
+    for jump in (True, False):
+        sched = make_scheduler(tiny_llama, **{"grammar.jump_forward": jump})
+        for i, p in enumerate(prompts(3, seed=12)):
+            sched.add_request(request(f"j{i}", p, 200, json_schema=LONG_KEYS_SCHEMA))
+        got = drain(sched)
+        for r in got.values():
+            assert r["finished"].type == "stop"
+            value = parse_json(_text(sched, r["ids"]))
+            jsonschema.validate(value, json.loads(LONG_KEYS_SCHEMA))
+        jumped = sched.stats().extra["jump_forward_tokens"]
+        assert (jumped > 0) == jump
+        steps[jump] = sched.counters.decode_steps
+    # Each key costs ~10 tokens: jump-forward extends them in one step instead of decoding each.
+    assert steps[True] < steps[False] / 2, steps
+
+
+def test_retraction_keeps_constrained_requests_valid(tiny_llama):
+    sched = make_scheduler(
+        tiny_llama, **{"cache.max_total_tokens": 260, "scheduler.max_running_requests": 8,
+                       "scheduler.init_new_token_ratio": 0.05, "scheduler.min_new_token_ratio": 0.05,
+                       "grammar.jump_forward": False}
+    )
+    pattern = r"[a-z]{20,30}-\d{10,20}"
+    for i, p in enumerate(prompts(8, seed=13, lo=10, hi=20)):
+        sched.add_request(request(f"r{i}", p, 60, regex=pattern))
+    got = drain(sched)
+    assert sched.stats().extra["retractions"] > 0
+    for r in got.values():
+        assert r["finished"].type == "stop"
+        assert re.fullmatch(pattern, _text(sched, r["ids"]))
+
+
+def test_invalid_grammar_aborts_without_holding_kv(tiny_llama):
+    sched = make_scheduler(tiny_llama)
+    sched.add_request(request("bad", prompts(1, seed=14)[0], 8, regex="a(b"))
+    sched.add_request(request("good", prompts(1, seed=15)[0], 8, regex="ok"))
+    got = drain(sched)
+    assert got["bad"]["finished"].type == "abort"
+    assert "regex" in got["bad"]["finished"].message and "parenthesis" in got["bad"]["finished"].message
+    assert _text(sched, got["good"]["ids"]) == "ok"
+    assert sched.runner.token_to_kv_pool.available_size() + sched.tree.total_size() == sched.runner.max_total_tokens
