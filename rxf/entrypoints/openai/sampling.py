@@ -118,6 +118,23 @@ def output_constraint(req: GenerationFields) -> tuple[str, dict[str, str]]:
     return name, {kind: text}
 
 
+def check_constraint(grammar: Any, params: dict[str, Any], param: str | None) -> None:
+    """Compile the request's constraint now (the backend caches it for the engine) so that an
+    invalid one is a 400 naming the OpenAI field `param` before any stream starts. Blocking: run
+    it off the event loop."""
+    from rxf.core.grammar import GRAMMAR_KINDS, GrammarError
+
+    kind = next((k for k in GRAMMAR_KINDS if k in params), None)
+    if kind is None:
+        return
+    if grammar is None:
+        raise bad_request("structured output is not available: this server has no grammar backend", param)
+    try:
+        grammar.compile(kind, params[kind])
+    except GrammarError as exc:
+        raise bad_request(f"{param}: invalid {kind}: {exc}", param) from None
+
+
 def max_new_tokens(
     requested: int | None,
     param: str,

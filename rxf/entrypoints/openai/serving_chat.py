@@ -7,6 +7,7 @@ without adding any) and the template's stop strings are added to the request's o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
@@ -33,6 +34,7 @@ from rxf.entrypoints.openai.protocol import (
 from rxf.entrypoints.openai.sampling import (
     bad_request,
     check_chat,
+    check_constraint,
     check_model,
     max_new_tokens,
     native_params,
@@ -57,6 +59,7 @@ class ChatPlan:
     reqs: list[GenerateRequest]  # request i is choice i
     logprobs: bool
     tools: ToolPlan | None = None
+    constraint_param: str | None = None  # the request field that set the output constraint
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -78,26 +81,24 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render_prompt(
-    messages: list[ChatMessage],
+def render_messages(
+    items: list[dict[str, Any]],
     chat_template: Any,
-    tokenizer: Any,
+    tool_parser: ToolCallParser | None,
     tools: ToolPlan | None = None,
-    tool_parser: ToolCallParser | None = None,
-) -> list[int]:
-    """The prompt's token ids. Messages with tool calls or results, or offered tools, go through
-    the template's tool rendering (in `tool_parser`'s format where the template has none)."""
-    items = template_messages(messages)
+    add_generation_prompt: bool = True,
+) -> str:
+    """The rendered prompt for template messages. Messages with tool calls or results, or offered
+    tools, go through the template's tool rendering (in `tool_parser`'s format where the template
+    has none). Raises APIError(400) naming "messages" for messages the template refuses."""
     with_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in items)
     try:
         if with_tools and tool_parser is not None and tool_parser.syntax is not None:
             offered = tools.tools if tools is not None else []
-            prompt = chat_template.render_with_tools(items, offered, tool_parser.syntax, add_generation_prompt=True)
-        else:
-            prompt = chat_template.render(items, add_generation_prompt=True)
+            return chat_template.render_with_tools(items, offered, tool_parser.syntax, add_generation_prompt)
+        return chat_template.render(items, add_generation_prompt=add_generation_prompt)
     except ValueError as exc:  # the template names the offending message
         raise bad_request(str(exc), "messages") from None
-    return tokenizer.encode(prompt, add_special_tokens=False)
 
 
 def plan_chat(
@@ -116,7 +117,8 @@ def plan_chat(
     if tool_parser is None:
         tool_parser = make_parser(None, chat_template, tokenizer)
     tools = plan_tools(req, tool_parser, constrained_by or None)
-    ids = render_prompt(req.messages, chat_template, tokenizer, tools, tool_parser)
+    prompt = render_messages(template_messages(req.messages), chat_template, tool_parser, tools)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
@@ -125,6 +127,7 @@ def plan_chat(
     params = native_params(req, budget, tuple(chat_template.stop_strings)) | constraint
     if tools is not None and tools.json_schema is not None:
         params["json_schema"] = tools.json_schema
+        constrained_by = "tools"
     elif tools is not None and tools.parser.needs_special_tokens:
         params["skip_special_tokens"] = False
     verify_native(params, vocab_size, limits)
@@ -140,7 +143,7 @@ def plan_chat(
         top_logprobs_num=req.top_logprobs or 0,
         cache_salt=req.cache_salt,
     )
-    return ChatPlan(rid, ids, params, reqs, req.logprobs, tools)
+    return ChatPlan(rid, ids, params, reqs, req.logprobs, tools, constrained_by or None)
 
 
 def _logprobs(plan: ChatPlan, meta: dict[str, Any], token_str: TokenStr) -> ChatLogprobs | None:
@@ -224,7 +227,7 @@ async def chat_events(
         )
 
 
-def _tool_parser(state: ServerState) -> ToolCallParser:
+def tool_parser(state: ServerState) -> ToolCallParser:
     """The server's parser of the model's tool calls (`model.tool_call_parser`), made once."""
     parser = state.extra.get("tool_parser")
     if parser is None:
@@ -241,8 +244,9 @@ async def create_chat_completion(
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
     plan = plan_chat(
-        body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size, tm.limits, _tool_parser(state)
+        body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size, tm.limits, tool_parser(state)
     )
+    await asyncio.to_thread(check_constraint, tm.grammar, plan.params, plan.constraint_param)
     tm.check_capacity(len(plan.reqs))
     if body.n > 1:
         await gen.warm_prefixes(tm, [plan.ids], plan.params, body.cache_salt)
