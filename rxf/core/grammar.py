@@ -70,19 +70,38 @@ class GrammarBackend(ABC):
         """Set to -inf, in place, the logits of `rows` that `bitmask` (on logits' device) disallows."""
 
 
+class UnavailableGrammarBackend(GrammarBackend):
+    """Stands in when no backend is configured or installed: every constraint is rejected with why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def compile(self, kind: str, text: str) -> Any:
+        raise GrammarError(self.reason)
+
+    def matcher(self, compiled: Any, stop_token_ids: list[int] | None = None) -> GrammarMatcher:
+        raise GrammarError(self.reason)
+
+    def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
+        raise GrammarError(self.reason)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        raise GrammarError(self.reason)
+
+
 def make_grammar_backend(
     config: EngineConfig, tokenizer: Any, vocab_size: int, registry: PluginRegistry | None = None
-) -> GrammarBackend | None:
-    """The configured backend, or None when `grammar.backend` is "none" (or "auto" finds none)."""
+) -> GrammarBackend:
+    """The configured backend; an `UnavailableGrammarBackend` for "none" (or "auto" with none installed)."""
     from rxf.core.registry import PluginRegistry
 
     name = config.grammar.backend
     if name == "none":
-        return None
+        return UnavailableGrammarBackend('structured output is off (grammar.backend = "none")')
     if registry is None:
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
     if name == "auto":
         if "xgrammar" not in registry.names("grammar_backends"):
-            return None
+            return UnavailableGrammarBackend("structured output needs a grammar backend: pip install xgrammar")
         name = "xgrammar"
     return registry.get("grammar_backends", name)(tokenizer, vocab_size, config.grammar)

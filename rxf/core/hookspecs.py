@@ -80,4 +80,6 @@ def rxf_register_grammar_backends(register: RegisterFactory) -> None:
     The factory builds the object that compiles ``regex`` / ``json_schema`` / ``ebnf`` constraints
     for a tokenizer and gives the sampler a per-request token bitmask. Called in each scheduler
     process and in the process that owns the TokenizerManager (which rejects invalid grammars).
+    It is called as ``factory(tokenizer, vocab_size, config.grammar)`` and returns a
+    ``rxf.core.grammar.GrammarBackend`` (``vocab_size``: the model's logits width, padding included).
     """

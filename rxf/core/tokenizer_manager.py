@@ -142,8 +142,8 @@ class TokenizerManager:
         grammar: GrammarBackend | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        # Compiles each request's constraint (cached) so an invalid one is a 400 before it is queued;
-        # None: not checked here (the scheduler still rejects it, as an aborted request).
+        # Compiles each request's constraint (cached) so an invalid one is a 400 before it is queued
+        # (`make_grammar_backend`); None: not checked here (the scheduler then aborts the request).
         self.grammar = grammar
         self.limits = limits or RequestLimits()
         self.info = engine_info
@@ -225,7 +225,7 @@ class TokenizerManager:
         try:
             self.grammar.compile(kind, text)
         except GrammarError as e:
-            raise RequestError(f"sampling_params.{kind}: invalid {kind}: {e}") from None
+            raise RequestError(f"sampling_params.{kind}: {e}") from None
 
     def check_capacity(self, n: int = 1) -> None:
         """Raise unless `n` more requests may start now: OverloadedError while the server is full,

@@ -1,7 +1,7 @@
 """Seeded random regexes and JSON schemas for the structured-output tests.
 
 Every generated constraint is finite (bounded repetitions, no `*`/`+`, strings with maxLength, arrays
-with maxItems), so a constrained generation always completes within `max_chars` characters; with
+with maxItems), so a constrained generation always completes within a bounded number of characters; with
 ASCII-only patterns each token adds at least one character, which bounds the tokens too.
 """
 
@@ -14,6 +14,16 @@ from typing import Any
 WORDS = ["cat", "dog", "red", "blue", "yes", "no", "alpha", "beta", "x", "42", "ok", "zeta"]
 CLASSES = ["[a-z]", "[A-Z]", "[a-f0-9]", "[aeiou]", r"\d", "[xyz_]"]
 SEPARATORS = ["-", " ", ":", ", ", "_", "/"]
+# Long fixed keys: after `{"` the grammar allows one string up to the value, so jump-forward applies.
+LONG_KEYS_SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {
+        "the_first_very_long_property_name": {"type": "integer", "minimum": 0, "maximum": 9},
+        "and_a_second_rather_long_property_name": {"enum": ["alpha", "beta"]},
+    },
+    "required": ["the_first_very_long_property_name", "and_a_second_rather_long_property_name"],
+    "additionalProperties": False,
+})
 KEYS = ["name", "id", "color", "size", "tags", "score", "active", "owner", "items", "level", "ratio"]
 
 

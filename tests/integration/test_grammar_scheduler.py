@@ -8,21 +8,11 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
-from grammar_cases import parse_json, regex_cases, schema_cases
+from grammar_cases import LONG_KEYS_SCHEMA, parse_json, regex_cases, schema_cases
 from test_scheduler import drain, make_scheduler, prompts, request
-
-# Long fixed keys: after `{"` the grammar allows one string up to the value, so jump-forward applies.
-LONG_KEYS_SCHEMA = json.dumps({
-    "type": "object",
-    "properties": {
-        "the_first_very_long_property_name": {"type": "integer", "minimum": 0, "maximum": 9},
-        "and_a_second_rather_long_property_name": {"enum": ["alpha", "beta"]},
-    },
-    "required": ["the_first_very_long_property_name", "and_a_second_rather_long_property_name"],
-    "additionalProperties": False,
-})
 
 
 def _text(sched, ids: list[int]) -> str:
@@ -97,3 +87,26 @@ def test_invalid_grammar_aborts_without_holding_kv(tiny_llama):
     assert "regex" in got["bad"]["finished"].message and "parenthesis" in got["bad"]["finished"].message
     assert _text(sched, got["good"]["ids"]) == "ok"
     assert sched.runner.token_to_kv_pool.available_size() + sched.tree.total_size() == sched.runner.max_total_tokens
+
+
+def test_compiling_request_waits_while_others_decode(tiny_llama, hf_reference):
+    sched = make_scheduler(tiny_llama)
+    gate = threading.Event()
+    compile_now = sched.grammar.backend.compile
+
+    def slow_compile(kind: str, text: str):
+        assert gate.wait(30), "the test never opened the gate"
+        return compile_now(kind, text)
+
+    sched.grammar.backend.compile = slow_compile
+    p_free, p_json = prompts(2, seed=16)
+    sched.add_request(request("json", p_json, 200, json_schema=LONG_KEYS_SCHEMA))
+    sched.add_request(request("free", p_free, 40))
+    for _ in range(10):  # the loop runs on: the unconstrained request decodes, the other waits
+        assert sched.step() == []
+    assert [r.rid for r in sched.waiting] == ["json"] and sched.waiting[0].kv_len == 0
+    assert [(r.rid, len(r.output_ids)) for r in sched.running] == [("free", 10)]
+    gate.set()
+    got = drain(sched)
+    assert got["free"]["ids"] == hf_reference(p_free, 40)
+    jsonschema.validate(parse_json(_text(sched, got["json"]["ids"])), json.loads(LONG_KEYS_SCHEMA))

@@ -38,9 +38,8 @@ class GrammarViolation(RuntimeError):
 
 
 class ConstrainedDecoding:
-    def __init__(self, backend: GrammarBackend | None, config: EngineConfig, tokenizer: Any, stop: StopChecker) -> None:
+    def __init__(self, backend: GrammarBackend, config: EngineConfig, tokenizer: Any, stop: StopChecker) -> None:
         self.backend = backend
-        self.backend_name = config.grammar.backend
         self.jump_forward = config.grammar.jump_forward
         self.tokenizer = tokenizer
         self.stop = stop
@@ -54,15 +53,11 @@ class ConstrainedDecoding:
         return cls(make_grammar_backend(config, tokenizer, vocab_size), config, tokenizer, stop)
 
     # ---- before admission ----
-    def submit(self, req: Req) -> str | None:
-        """Start compiling the request's constraint; an error message if it cannot be served."""
+    def submit(self, req: Req) -> None:
+        """Start compiling the request's constraint (a failure aborts it in `resolve`)."""
         grammar = req.sampling_params.grammar
-        if grammar is None:
-            return None
-        if self.backend is None:
-            return f"sampling_params.{grammar[0]}: structured output is off (grammar.backend = {self.backend_name!r})"
-        req.grammar_future = self.pool.submit(self.backend.compile, *grammar)
-        return None
+        if grammar is not None:
+            req.grammar_future = self.pool.submit(self.backend.compile, *grammar)
 
     def resolve(self, waiting: list[Req]) -> list[Req]:
         """Give each waiting request whose compile finished its matcher; returns those whose compile

@@ -83,10 +83,7 @@ class Scheduler:
             return make_token_out(req, finished=True)
         if req.sampling_params.seed is not None:
             req.generator = make_generator(req.sampling_params.seed, self.runner.device)
-        error = self.grammar.submit(req)
-        if error is not None:
-            req.finished_reason = FinishReason("abort", message=error)
-            return make_token_out(req, finished=True)
+        self.grammar.submit(req)
         self.waiting.append(req)
         return None
 

@@ -78,7 +78,7 @@ class XGrammarBackend(GrammarBackend):
                 return self._compiler.compile_json_schema(text, any_whitespace=False)
             return self._compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as e:
-            raise GrammarError(_LOG_PREFIX.sub("", str(e)).strip()) from None
+            raise GrammarError(f"invalid {kind}: " + _LOG_PREFIX.sub("", str(e)).strip()) from None
 
     def matcher(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int] | None = None) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None))
