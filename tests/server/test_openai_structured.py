@@ -141,3 +141,19 @@ def test_invalid_completion_constraint(client, model):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt="x", max_tokens=4, stream=True, extra_body={"json_schema": "{not json"})
     assert info.value.body["param"] == "json_schema" and "invalid json_schema" in info.value.body["message"]
+
+
+def test_no_grammar_backend_is_a_clear_400(server_factory):
+    srv = server_factory({"grammar.backend": "none"})  # the tiny model: only the refusal matters here
+    client = OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=4, response_format={"type": "json_object"})
+    assert info.value.body["param"] == "response_format" and "grammar.backend" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model, messages=ASK, max_tokens=4, tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice="required",
+        )
+    assert info.value.body["param"] == "tools"
+    assert client.chat.completions.create(model=model, messages=ASK, max_tokens=2).usage.completion_tokens == 2

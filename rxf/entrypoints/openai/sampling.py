@@ -131,8 +131,8 @@ def check_constraint(grammar: Any, params: dict[str, Any], param: str | None) ->
         raise bad_request("structured output is not available: this server has no grammar backend", param)
     try:
         grammar.compile(kind, params[kind])
-    except GrammarError as exc:
-        raise bad_request(f"{param}: invalid {kind}: {exc}", param) from None
+    except GrammarError as exc:  # the backend's reason ("invalid regex: ...", or why it has none)
+        raise bad_request(f"{param}: {exc}", param) from None
 
 
 def max_new_tokens(
