@@ -45,7 +45,8 @@ def mistral(calls: list[dict[str, Any]], before: str = "") -> str:
 CASES = [
     ("hermes", hermes([WEATHER]), "", [WEATHER]),
     ("hermes", hermes([WEATHER, NESTED, EMPTY], before="Let me look.\n\n"), "Let me look.", [WEATHER, NESTED, EMPTY]),
-    ("hermes", hermes([EMPTY], before="A", after="\nDone."), "ADone.", [EMPTY]),
+    ("hermes", hermes([EMPTY], before="A", after="\nDone."), "A\nDone.", [EMPTY]),
+    ("hermes", hermes([EMPTY, EMPTY], after=" x ") + " <tool_call>", "x  <tool_call>", [EMPTY, EMPTY]),
     ("hermes", 'Hi <tool_call>{"name": "f"}</tool_call>', "Hi", [{"name": "f", "arguments": {}}]),
     ("hermes", "No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.", []),
     ("hermes", "broken <tool_call>not json</tool_call> end", "broken <tool_call>not json</tool_call> end", []),

@@ -6,7 +6,8 @@ text grows (its content and each call's arguments extend, calls are appended), s
 the difference between successive scans, and the deltas add up to `scan(whole_text, final=True)`,
 which is exactly what a non-streamed response holds. To keep that true while text is arriving:
 - text that may still become markup (a prefix of a marker at the end) or whitespace that may
-  still border a call is held back until it is known;
+  still border a call is held back until it is known (whitespace around calls is dropped; text
+  before and after a call is joined by a newline);
 - a call is reported once its name is known and stays a call from then on; a call object whose
   name never comes (invalid, or closed without one) is plain text after all.
 """
@@ -88,7 +89,10 @@ class ToolCallParser(ABC):
             if isinstance(item, CallScan):
                 scan.calls.append(ParsedCall(item.name or "", item.arguments))
             elif isinstance(item, str):
-                scan.content += self._text(item, after_call=k > 0, before_call=k + 1 < len(merged), final=final)
+                text = self._text(item, after_call=k > 0, before_call=k + 1 < len(merged), final=final)
+                if text and k > 0 and scan.content:
+                    scan.content += "\n"  # text on both sides of a call stays apart
+                scan.content += text
         return scan
 
     def _text(self, text: str, *, after_call: bool, before_call: bool, final: bool) -> str:
