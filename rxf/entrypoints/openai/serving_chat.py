@@ -45,6 +45,7 @@ from rxf.entrypoints.openai.sse import event, sse_response
 from rxf.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, reply_message
 from rxf.entrypoints.openai.tool_parsers import ToolCallParser, make_parser
 from rxf.entrypoints.server_state import ServerState, server_state
+from rxf.plugins.chat_templates.tools import HermesSyntax
 
 router = APIRouter()
 
@@ -90,12 +91,14 @@ def render_messages(
 ) -> str:
     """The rendered prompt for template messages. Messages with tool calls or results, or offered
     tools, go through the template's tool rendering (in `tool_parser`'s format where the template
-    has none). Raises APIError(400) naming "messages" for messages the template refuses."""
+    has none; Hermes' for a parser that gives none). Raises APIError(400) naming "messages" for
+    messages the template refuses."""
     with_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in items)
     try:
-        if with_tools and tool_parser is not None and tool_parser.syntax is not None:
+        if with_tools:
+            syntax = tool_parser.syntax if tool_parser is not None and tool_parser.syntax else HermesSyntax()
             offered = tools.tools if tools is not None else []
-            return chat_template.render_with_tools(items, offered, tool_parser.syntax, add_generation_prompt)
+            return chat_template.render_with_tools(items, offered, syntax, add_generation_prompt)
         return chat_template.render(items, add_generation_prompt=add_generation_prompt)
     except ValueError as exc:  # the template names the offending message
         raise bad_request(str(exc), "messages") from None
