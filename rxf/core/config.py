@@ -26,6 +26,10 @@ class ModelConfig(_Section):
     served_model_name: str | None = Field(None, description="the OpenAI `model` id; defaults to model.path")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     chat_template: str | None = Field(None, description="None: the model's own; a built-in name; a .jinja path")
+    tool_call_parser: str | None = Field(
+        None,
+        description="tool-call format: 'hermes', 'llama3_json', 'mistral' or 'module:Class'; None: from the chat template",
+    )
     context_length: int | None = Field(None, gt=0, description="defaults to the checkpoint's")
     trust_remote_code: bool = False
 

@@ -359,7 +359,7 @@ COMPLETION_ERRORS = [
     ({"prompt": [[1, 10**6]]}, "prompt"),
     ({"prompt": ""}, "prompt"),  # the tiny tokenizer adds no BOS: no tokens at all
     ({"prompt": "word " * 600}, "prompt"),
-    ({"extra_body": {"regex": "[a-z]+"}}, "regex"),
+    ({"extra_body": {"regex": "[a-z]+", "ebnf": 'root ::= "a"'}}, "ebnf"),
     ({"extra_body": {"top_k": -3}}, "top_k"),
     ({"logit_bias": {"99999": 1}}, "logit_bias"),
     ({"frequency_penalty": 9}, "frequency_penalty"),
@@ -380,8 +380,11 @@ def test_completion_errors(client, model, fields, param):
 CHAT_ERRORS = [
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        "tool_choice",
+    ),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}]},
         "messages",

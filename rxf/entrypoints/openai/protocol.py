@@ -59,15 +59,16 @@ class GenerationFields(_Request):
     no_stop_trim: bool = False
     min_tokens: int = 0
     lora_path: str | None = None
-    # Structured output requests: typed loosely because they are refused whatever they hold.
-    regex: Any = None
-    ebnf: Any = None
-    json_schema: Any = None
+    # Structured output (SGLang's and vLLM's extension fields; at most one constraint per request).
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None  # a schema, or its JSON text
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    # Typed loosely because they are refused whatever they hold.
     structural_tag: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
     guided_choice: Any = None
-    guided_grammar: Any = None
 
 
 class CompletionRequest(GenerationFields):
@@ -88,8 +89,47 @@ class ChatMessage(_Request):
     content: str | list[dict[str, Any]] | None = None
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+
 class ResponseFormat(_Request):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a json_schema object with a schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only allowed with type 'json_schema', not {self.type!r}")
+        return self
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -99,8 +139,9 @@ class ChatCompletionRequest(GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto"
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(_Request):
@@ -133,7 +174,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -184,9 +225,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _omit_if_none()
 
 
 class ChatChoice(BaseModel):
@@ -205,9 +258,25 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = _omit_if_none()
+    arguments: str | None = _omit_if_none()
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call: its first delta has id, type and name (arguments ""), later ones argument
+    fragments; the fragments of one index concatenate to its arguments."""
+
+    index: int
+    id: str | None = _omit_if_none()
+    type: Literal["function"] | None = _omit_if_none()
+    function: FunctionCallDelta
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = _omit_if_none()
     content: str | None = _omit_if_none()
+    tool_calls: list[ToolCallDelta] | None = _omit_if_none()
 
 
 class ChatChunkChoice(BaseModel):

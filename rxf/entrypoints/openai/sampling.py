@@ -7,6 +7,7 @@ a stream starts, and translates the native field name in its message back to the
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -21,16 +22,18 @@ MAX_LOGPROBS = MAX_TOP_LOGPROBS
 # engine's 2**64 bound.
 _MAX_SEED = 2**63
 
-_STRUCTURED_FIELDS = (
-    "regex",
-    "ebnf",
-    "json_schema",
-    "structural_tag",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
+# Request field -> the native constraint it sets (at most one per request).
+_CONSTRAINT_FIELDS = {
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "json_schema": "json_schema",
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_grammar": "ebnf",
+}
+_UNSUPPORTED_FIELDS = ("structural_tag", "guided_choice")
+# response_format json_object: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Native names that differ from the OpenAI field they come from.
 _OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _NATIVE_FIELD = re.compile(r"sampling_params\.(\w+)")
@@ -53,9 +56,9 @@ def check_model(requested: str | None, served: str) -> None:
 
 def check_common(req: GenerationFields) -> None:
     """The checks completions and chat share (the engine checks the remaining ranges)."""
-    for name in _STRUCTURED_FIELDS:
+    for name in _UNSUPPORTED_FIELDS:
         if getattr(req, name) is not None:
-            raise bad_request("structured output is not supported yet", name)
+            raise bad_request(f"{name} is not supported; use regex, ebnf, json_schema or response_format", name)
     if req.lora_path is not None:
         raise bad_request("LoRA adapters are not supported", "lora_path")
     if not 0 <= req.temperature <= 2:
@@ -91,11 +94,45 @@ def check_chat(req: ChatCompletionRequest) -> None:
             raise bad_request(
                 f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs"
             )
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("structured output is not supported yet", "response_format")
-    wants_tools = bool(req.tools) and req.tool_choice != "none"
-    if wants_tools or req.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool calling is not supported yet", "tools" if req.tools else "tool_choice")
+
+
+def output_constraint(req: GenerationFields) -> tuple[str, dict[str, str]]:
+    """The request's output constraint as (the field that set it, native params): ("", {}) for
+    none. Two constraints at once are a 400 naming the second."""
+    found: list[tuple[str, str, str]] = []  # (field, native kind, text)
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.type == "json_object":
+        found.append(("response_format", "json_schema", JSON_OBJECT_SCHEMA))
+    elif response_format is not None and response_format.type == "json_schema":
+        found.append(("response_format", "json_schema", json.dumps(response_format.json_schema.schema_)))
+    for name, kind in _CONSTRAINT_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, kind, value if isinstance(value, str) else json.dumps(value)))
+    if not found:
+        return "", {}
+    if len(found) > 1:
+        first, second = found[0][0], found[1][0]
+        raise bad_request(f"at most one output constraint may be set; got {first} and {second}", second)
+    name, kind, text = found[0]
+    return name, {kind: text}
+
+
+def check_constraint(grammar: Any, params: dict[str, Any], param: str | None) -> None:
+    """Compile the request's constraint now (the backend caches it for the engine) so that an
+    invalid one is a 400 naming the OpenAI field `param` before any stream starts. Blocking: run
+    it off the event loop."""
+    from rxf.core.grammar import GRAMMAR_KINDS, GrammarError
+
+    kind = next((k for k in GRAMMAR_KINDS if k in params), None)
+    if kind is None:
+        return
+    if grammar is None:
+        raise bad_request("structured output is not available: this server has no grammar backend", param)
+    try:
+        grammar.compile(kind, params[kind])
+    except GrammarError as exc:  # the backend's reason ("invalid regex: ...", or why it has none)
+        raise bad_request(f"{param}: {exc}", param) from None
 
 
 def max_new_tokens(

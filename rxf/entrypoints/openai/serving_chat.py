@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages rendered by the server's chat template, then native requests.
 
 As `Runtime.chat` does: the rendered prompt already holds its special tokens (so it is tokenized
-without adding any) and the template's stop strings are added to the request's own.
+without adding any) and the template's stop strings are added to the request's own. Tools (see
+`tool_calls`) are shown through the template, and each reply is split into content and calls.
 """
 
 from __future__ import annotations
@@ -33,13 +34,18 @@ from rxf.entrypoints.openai.protocol import (
 from rxf.entrypoints.openai.sampling import (
     bad_request,
     check_chat,
+    check_constraint,
     check_model,
     max_new_tokens,
     native_params,
+    output_constraint,
     verify_native,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
-from rxf.entrypoints.server_state import server_state
+from rxf.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, reply_message
+from rxf.entrypoints.openai.tool_parsers import ToolCallParser, make_parser
+from rxf.entrypoints.server_state import ServerState, server_state
+from rxf.plugins.chat_templates.tools import HermesSyntax
 
 router = APIRouter()
 
@@ -54,6 +60,8 @@ class ChatPlan:
     reqs: list[GenerateRequest]  # request i is choice i
     logprobs: bool
     mm_items: list[Any] | None = None  # the prompt's preprocessed images (their pads are in ids)
+    tools: ToolPlan | None = None
+    constraint_param: str | None = None  # the request field that set the output constraint
 
 
 def template_messages(messages: list[ChatMessage], images: list[Any] | None = None) -> list[dict[str, Any]]:
@@ -91,14 +99,26 @@ def _image_url(part: dict[str, Any], where: str) -> Any:
     return url
 
 
-def render_prompt(
-    messages: list[ChatMessage], chat_template: Any, tokenizer: Any, images: list[Any] | None = None
-) -> list[int]:
+def render_messages(
+    items: list[dict[str, Any]],
+    chat_template: Any,
+    tool_parser: ToolCallParser | None,
+    tools: ToolPlan | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The rendered prompt for template messages. Messages with tool calls or results, or offered
+    tools, go through the template's tool rendering (in `tool_parser`'s format where the template
+    has none; Hermes' for a parser that gives none). Raises APIError(400) naming "messages" for
+    messages the template refuses."""
+    with_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in items)
     try:
-        prompt = chat_template.render(template_messages(messages, images), add_generation_prompt=True)
+        if with_tools:
+            syntax = tool_parser.syntax if tool_parser is not None and tool_parser.syntax else HermesSyntax()
+            offered = tools.tools if tools is not None else []
+            return chat_template.render_with_tools(items, offered, syntax, add_generation_prompt)
+        return chat_template.render(items, add_generation_prompt=add_generation_prompt)
     except ValueError as exc:  # the template names the offending message
         raise bad_request(str(exc), "messages") from None
-    return tokenizer.encode(prompt, add_special_tokens=False)
 
 
 def plan_chat(
@@ -109,13 +129,20 @@ def plan_chat(
     vocab_size: int,
     limits: RequestLimits | None = None,
     mm_processor: Any = None,
+    tool_parser: ToolCallParser | None = None,
 ) -> ChatPlan:
     """The native requests for `req`; raises APIError(400) naming the field for any bad value.
-    With a multimodal processor, images are decoded and preprocessed here (blocking: call it off
-    the event loop when the request has images)."""
+    `tool_parser` reads the model's tool calls (None: the one the chat template suggests). With a
+    multimodal processor, images are decoded and preprocessed here (blocking: call it off the event
+    loop when the request has images)."""
     check_chat(req)
+    constrained_by, constraint = output_constraint(req)
+    if tool_parser is None:
+        tool_parser = make_parser(None, chat_template, tokenizer)
+    tools = plan_tools(req, tool_parser, constrained_by or None)
     images: list[Any] | None = [] if mm_processor is not None else None
-    ids = render_prompt(req.messages, chat_template, tokenizer, images)
+    prompt = render_messages(template_messages(req.messages, images), chat_template, tool_parser, tools)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
     mm_items = None
     if images:
         try:
@@ -127,7 +154,12 @@ def plan_chat(
     else:
         requested, param = req.max_tokens, "max_tokens"
     budget = max_new_tokens(requested, param, None, len(ids), context_len, "messages")
-    params = native_params(req, budget, tuple(chat_template.stop_strings))
+    params = native_params(req, budget, tuple(chat_template.stop_strings)) | constraint
+    if tools is not None and tools.json_schema is not None:
+        params["json_schema"] = tools.json_schema
+        constrained_by = "tools"
+    elif tools is not None and tools.parser.needs_special_tokens:
+        params["skip_special_tokens"] = False
     verify_native(params, vocab_size, limits)
     rid = gen.new_id("chatcmpl")
     reqs = gen.choice_requests(
@@ -142,7 +174,7 @@ def plan_chat(
         cache_salt=req.cache_salt,
         mm_items=mm_items,
     )
-    return ChatPlan(rid, ids, params, reqs, req.logprobs, mm_items)
+    return ChatPlan(rid, ids, params, reqs, req.logprobs, mm_items, tools, constrained_by or None)
 
 
 def _logprobs(plan: ChatPlan, meta: dict[str, Any], token_str: TokenStr) -> ChatLogprobs | None:
@@ -155,18 +187,33 @@ def _logprobs(plan: ChatPlan, meta: dict[str, Any], token_str: TokenStr) -> Chat
     )
 
 
+def _finish(meta: dict[str, Any], called: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" for a reply that ended (not cut short) with calls."""
+    finish = gen.finish_reason(meta)
+    return "tool_calls" if finish == "stop" and called else finish
+
+
+def _message(plan: ChatPlan, text: str) -> ChatMessageOut:
+    if plan.tools is None:
+        return ChatMessageOut(content=text)
+    content, calls = reply_message(plan.tools, text)
+    return ChatMessageOut(content=content, tool_calls=calls)
+
+
 def chat_response(
     plan: ChatPlan, results: list[dict[str, Any]], token_str: TokenStr, model: str
 ) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(
-            index=i,
-            message=ChatMessageOut(content=result["text"]),
-            logprobs=_logprobs(plan, result["meta_info"], token_str),
-            finish_reason=gen.finish_reason(result["meta_info"]),
+    choices = []
+    for i, result in enumerate(results):
+        message = _message(plan, result["text"])
+        choices.append(
+            ChatChoice(
+                index=i,
+                message=message,
+                logprobs=_logprobs(plan, result["meta_info"], token_str),
+                finish_reason=_finish(result["meta_info"], message.tool_calls is not None),
+            )
         )
-        for i, result in enumerate(results)
-    ]
     return ChatCompletionResponse(
         id=plan.id, created=int(time.time()), model=model, choices=choices, usage=gen.usage([results])
     )
@@ -175,9 +222,10 @@ def chat_response(
 async def chat_events(
     tm: TokenizerManager, plan: ChatPlan, token_str: TokenStr, model: str, include_usage: bool
 ) -> AsyncGenerator[str, None]:
-    """Per choice: one chunk with the role and empty content, content chunks, and the
-    finish_reason on that choice's last chunk only."""
+    """Per choice: one chunk with the role and empty content, content (and tool call) chunks, and
+    the finish_reason on that choice's last chunk only."""
     created = int(time.time())
+    streams = [ToolCallStream(plan.tools) if plan.tools is not None else None for _ in plan.reqs]
 
     def chunk(i: int, delta: Delta, logprobs: ChatLogprobs | None = None, finish: str | None = None) -> str:
         choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
@@ -191,17 +239,32 @@ async def chat_events(
             meta = result["meta_info"]
             logprobs = _logprobs(plan, meta, token_str)
             finish = gen.finish_reason(meta)
+            delta = Delta(content=result["text"] or None)
+            stream = streams[i]
+            if stream is not None:
+                content, calls = stream.feed(result["text"], final=finish is not None)
+                delta = Delta(content=content or None, tool_calls=calls or None)
+                finish = _finish(meta, stream.called)
             if finish is not None:
                 finals[i] = result
-            elif not result["text"] and not (logprobs and logprobs.content):
+            elif delta.content is None and delta.tool_calls is None and not (logprobs and logprobs.content):
                 continue  # nothing to tell yet (the detokenizer may hold text back near a stop string)
-            yield chunk(i, Delta(content=result["text"] or None), logprobs, finish)
+            yield chunk(i, delta, logprobs, finish)
     if include_usage:
         yield event(
             ChatCompletionChunk(
                 id=plan.id, created=created, model=model, choices=[], usage=gen.usage([finals])
             )
         )
+
+
+def tool_parser(state: ServerState) -> ToolCallParser:
+    """The server's parser of the model's tool calls (`model.tool_call_parser`), made once."""
+    parser = state.extra.get("tool_parser")
+    if parser is None:
+        name = getattr(state.config.model, "tool_call_parser", None)
+        parser = state.extra["tool_parser"] = make_parser(name, state.chat_template, state.tokenizer)
+    return parser
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -211,9 +274,11 @@ async def create_chat_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    args = (body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size, tm.limits, tm.mm_processor)
     has_images = tm.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
+    args = (body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size, tm.limits,
+            tm.mm_processor, tool_parser(state))
     plan = await asyncio.to_thread(plan_chat, *args) if has_images else plan_chat(*args)
+    await asyncio.to_thread(check_constraint, tm.grammar, plan.params, plan.constraint_param)
     tm.check_capacity(len(plan.reqs))
     if body.n > 1 and plan.mm_items is None:  # a warm-up request would carry no image features
         await gen.warm_prefixes(tm, [plan.ids], plan.params, body.cache_salt)

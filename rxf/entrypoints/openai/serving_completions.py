@@ -7,6 +7,7 @@ choices share its KV through the radix cache.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
@@ -34,9 +35,11 @@ from rxf.entrypoints.openai.protocol import (
 from rxf.entrypoints.openai.sampling import (
     bad_request,
     check_completion,
+    check_constraint,
     check_model,
     max_new_tokens,
     native_params,
+    output_constraint,
     verify_native,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
@@ -63,6 +66,7 @@ class CompletionPlan:
     n: int
     echo: bool
     logprobs: int | None
+    constraint_param: str | None = None  # the request field that set the output constraint
 
 
 PromptField = str | list[str] | list[int] | list[list[int]]
@@ -93,14 +97,17 @@ def plan_completion(
 ) -> CompletionPlan:
     """The native requests for `req`; raises APIError(400) naming the field for any bad value."""
     check_completion(req)
+    constrained_by, constraint = output_constraint(req)
     prompts = parse_prompts(req.prompt, tokenizer, vocab_size)
-    plan = CompletionPlan(gen.new_id("cmpl"), prompts, [], [], req.n, req.echo, req.logprobs)
+    plan = CompletionPlan(
+        gen.new_id("cmpl"), prompts, [], [], req.n, req.echo, req.logprobs, constrained_by or None
+    )
     with_logprobs = req.logprobs is not None
     for p, prompt in enumerate(plan.prompts):
         budget = max_new_tokens(
             req.max_tokens, "max_tokens", DEFAULT_MAX_TOKENS, len(prompt.ids), context_len, "prompt"
         )
-        params = native_params(req, budget)
+        params = native_params(req, budget) | constraint
         verify_native(params, vocab_size, limits)
         plan.params.append(params)
         plan.reqs += gen.choice_requests(
@@ -193,6 +200,7 @@ async def create_completion(
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
     plan = plan_completion(body, state.tokenizer, tm.max_context_len, tm.vocab_size, tm.limits)
+    await asyncio.to_thread(check_constraint, tm.grammar, plan.params[0], plan.constraint_param)
     tm.check_capacity(len(plan.reqs))
     if plan.n > 1:  # the prompts' params differ only in their budget, which warming zeroes
         await gen.warm_prefixes(tm, [p.ids for p in plan.prompts], plan.params[0], body.cache_salt)

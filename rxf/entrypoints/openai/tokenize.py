@@ -7,6 +7,8 @@ writes its own special tokens, so none are added unless asked).
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 
 from rxf.entrypoints.openai.protocol import (
@@ -16,24 +18,21 @@ from rxf.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from rxf.entrypoints.openai.sampling import bad_request, check_model
-from rxf.entrypoints.openai.serving_chat import template_messages
+from rxf.entrypoints.openai.serving_chat import render_messages, template_messages, tool_parser
+from rxf.entrypoints.openai.tool_parsers import ToolCallParser
 from rxf.entrypoints.server_state import server_state
 
 router = APIRouter()
 
 
-def prompt_text(req: TokenizeRequest, chat_template: object) -> tuple[str, bool]:
+def prompt_text(req: TokenizeRequest, chat_template: Any, parser: ToolCallParser | None = None) -> tuple[str, bool]:
     """The text to tokenize and whether to add the tokenizer's special tokens."""
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if req.prompt is not None:
         return req.prompt, req.add_special_tokens is not False
-    try:
-        text = chat_template.render(
-            template_messages(req.messages), add_generation_prompt=req.add_generation_prompt
-        )
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages") from None
+    items = template_messages(req.messages)
+    text = render_messages(items, chat_template, parser, add_generation_prompt=req.add_generation_prompt)
     return text, bool(req.add_special_tokens)
 
 
@@ -42,7 +41,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    text, add_special = prompt_text(body, state.chat_template)
+    text, add_special = prompt_text(body, state.chat_template, tool_parser(state))
     ids = state.tokenizer.encode(text, add_special_tokens=add_special)
     strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=tm.max_context_len, token_strs=strs)

@@ -23,12 +23,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from rxf.plugins.chat_templates.tools import ToolSyntax, inline_tools, tool_messages
+
 if TYPE_CHECKING:
     import jinja2
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "ipython")  # ipython: Llama 3 tool results
 # Joins the parts of a list content (text parts and image placeholders) into one string.
 PART_SEPARATOR = "\n"
 
@@ -42,11 +44,30 @@ class ChatTemplate(ABC):
     name: str
     stop_strings: tuple[str, ...] = ()
     image_placeholder: str | None = None
+    # The tool-call format the template's models write (a `model.tool_call_parser` name).
+    tool_parser: str | None = None
 
     @abstractmethod
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt for `messages`; with `add_generation_prompt`, ending where the assistant's
         reply starts. Raises ValueError for messages the template cannot take."""
+
+    def render_with_tools(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        syntax: ToolSyntax,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt for messages that may hold tool calls and results, offering `tools` (OpenAI
+        tool entries; may be empty). By default written into plain messages in `syntax`'s text
+        form; templates that take tools themselves override this."""
+        return self.render(inline_tools(messages, tools, syntax), add_generation_prompt)
+
+    @property
+    def source_text(self) -> str:
+        """The template's source, where it has one (read to detect its tool-call format)."""
+        return ""
 
 
 class Turn(NamedTuple):
@@ -137,14 +158,33 @@ class HFChatTemplate(ChatTemplate):
     name: str = field(default="hf", kw_only=True)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._apply(hf_messages(messages), add_generation_prompt)
+
+    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any) -> str:
         from jinja2 import TemplateError
 
         try:
             return self.tokenizer.apply_chat_template(
-                hf_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except TemplateError as exc:  # includes the template's own raise_exception(...)
             raise ValueError(f"chat template {self.name!r}: {exc}") from exc
+
+    @property
+    def source_text(self) -> str:
+        source = getattr(self.tokenizer, "chat_template", None) or ""
+        return "\n".join(source.values()) if isinstance(source, dict) else source
+
+    def render_with_tools(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        syntax: ToolSyntax,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        if not takes_tools(self.source_text):
+            return super().render_with_tools(messages, tools, syntax, add_generation_prompt)
+        return self._apply(tool_messages(hf_messages(messages)), add_generation_prompt, tools=tools or None)
 
 
 @dataclass(frozen=True)
@@ -188,17 +228,42 @@ class JinjaChatTemplate(ChatTemplate):
             raise ValueError(f"chat template {self.name!r} is not valid jinja: {exc}") from exc
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._render(hf_messages(messages), add_generation_prompt)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any) -> str:
         from jinja2 import TemplateError
 
         try:
             return self._compiled.render(
-                messages=hf_messages(messages),
+                messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except TemplateError as exc:
             raise ValueError(f"chat template {self.name!r}: {exc}") from exc
+
+    @property
+    def source_text(self) -> str:
+        return self.source
+
+    def render_with_tools(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        syntax: ToolSyntax,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        if not takes_tools(self.source):
+            return super().render_with_tools(messages, tools, syntax, add_generation_prompt)
+        return self._render(tool_messages(hf_messages(messages)), add_generation_prompt, tools=tools or None)
+
+
+def takes_tools(source: str) -> bool:
+    """Whether a jinja chat template reads the tools and tool calls it is given (one that does not
+    would silently drop them)."""
+    return "tools" in source and "tool_calls" in source
 
 
 def _tojson(

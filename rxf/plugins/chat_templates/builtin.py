@@ -97,8 +97,8 @@ class VicunaTemplate(ChatTemplate):
 
 
 BUILTIN_TEMPLATES: tuple[ChatTemplate, ...] = (
-    ChatMLTemplate(name="chatml", stop_strings=("<|im_end|>",)),
+    ChatMLTemplate(name="chatml", stop_strings=("<|im_end|>",), tool_parser="hermes"),
     Llama2Template(name="llama-2", stop_strings=("</s>",)),
-    Llama3Template(name="llama-3", stop_strings=("<|eot_id|>",)),
+    Llama3Template(name="llama-3", stop_strings=("<|eot_id|>",), tool_parser="llama3_json"),
     VicunaTemplate(name="vicuna", stop_strings=("</s>",)),
 )

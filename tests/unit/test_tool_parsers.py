@@ -1,0 +1,195 @@
+"""Tool-call parsers: whole outputs, and the same outputs streamed in random chunk splits, whose
+deltas must add up to exactly the whole output's content and calls. The expected calls are the
+objects the outputs were written from, compared after `json.loads`."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from rxf.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, reply_message
+from rxf.entrypoints.openai.tool_parsers import (
+    PARSERS,
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolCallParser,
+    detect_parser_name,
+    make_parser,
+    parser_class,
+)
+from rxf.entrypoints.openai.tool_parsers.json_scan import scan_call, value_end
+from rxf.plugins.chat_templates.builtin import BUILTIN_TEMPLATES
+
+WEATHER = {"name": "get_weather", "arguments": {"city": "Zürich \"old\" town", "days": [1, 2], "unit": None}}
+NESTED = {"name": "search", "arguments": {"q": "a } ] { [ , : \\ b", "filters": {"tags": ["x"], "n": -1.5e3}}}
+EMPTY = {"name": "ping", "arguments": {}}
+
+
+def hermes(calls: list[dict[str, Any]], before: str = "", after: str = "") -> str:
+    blocks = "\n".join(f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls)
+    return f"{before}{blocks}{after}"
+
+
+def llama3(calls: list[dict[str, Any]]) -> str:
+    return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls)
+
+
+def mistral(calls: list[dict[str, Any]], before: str = "") -> str:
+    return f"{before}[TOOL_CALLS] {json.dumps(calls)}"
+
+
+# (parser, model output, expected content, expected calls)
+CASES = [
+    ("hermes", hermes([WEATHER]), "", [WEATHER]),
+    ("hermes", hermes([WEATHER, NESTED, EMPTY], before="Let me look.\n\n"), "Let me look.", [WEATHER, NESTED, EMPTY]),
+    ("hermes", hermes([EMPTY], before="A", after="\nDone."), "A\nDone.", [EMPTY]),
+    ("hermes", hermes([EMPTY, EMPTY], after=" x ") + " <tool_call>", "x  <tool_call>", [EMPTY, EMPTY]),
+    ("hermes", 'Hi <tool_call>{"name": "f"}</tool_call>', "Hi", [{"name": "f", "arguments": {}}]),
+    ("hermes", "No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.", []),
+    ("hermes", "broken <tool_call>not json</tool_call> end", "broken <tool_call>not json</tool_call> end", []),
+    ("hermes", "ends with <tool", "ends with <tool", []),
+    ("hermes", "  spaced  ", "  spaced  ", []),
+    ("llama3_json", llama3([WEATHER]), "", [WEATHER]),
+    ("llama3_json", " " + llama3([WEATHER, NESTED, EMPTY]), "", [WEATHER, NESTED, EMPTY]),
+    ("llama3_json", "<|python_tag|>" + llama3([NESTED]), "", [NESTED]),
+    ("llama3_json", "The answer is {1}.", "The answer is {1}.", []),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("mistral", mistral([WEATHER, EMPTY]), "", [WEATHER, EMPTY]),
+    ("mistral", mistral([NESTED], before="Sure. "), "Sure.", [NESTED]),
+    ("mistral", "Plain [text] here", "Plain [text] here", []),
+]
+
+
+def collect_stream(parser: ToolCallParser, text: str, rng: random.Random, max_calls: int | None = None):
+    """Feed `text` in random chunks; return (content, calls as [name, arguments], first deltas)."""
+    stream = ToolCallStream(ToolPlan([], parser, max_calls=max_calls))
+    content, calls, firsts = "", {}, []
+    i = 0
+    while True:
+        step = rng.randint(1, 6)
+        final = i + step >= len(text)
+        piece, deltas = stream.feed(text[i : i + step], final=final)
+        i += step
+        content += piece
+        for delta in deltas:
+            if delta.index not in calls:
+                firsts.append(delta)
+                calls[delta.index] = [delta.function.name, ""]
+            else:
+                assert delta.id is None and delta.function.name is None  # only the first delta names it
+            calls[delta.index][1] += delta.function.arguments
+        if final:
+            return content, [calls[k] for k in sorted(calls)], firsts
+
+
+def as_objects(calls: list[Any]) -> list[dict[str, Any]]:
+    return [{"name": name, "arguments": json.loads(arguments)} for name, arguments in calls]
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_whole_output(name, text, content, calls):
+    scan = PARSERS[name]().parse(text)
+    assert scan.content == content
+    assert as_objects([(c.name, c.arguments) for c in scan.calls]) == calls
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_streamed_deltas_add_up_to_the_whole_output(name, text, content, calls):
+    parser = PARSERS[name]()
+    whole = parser.parse(text)
+    for seed in range(40):
+        streamed, streamed_calls, firsts = collect_stream(parser, text, random.Random(seed))
+        assert streamed == whole.content
+        assert streamed_calls == [[c.name, c.arguments] for c in whole.calls]
+        assert [d.index for d in firsts] == list(range(len(calls)))
+        assert all(d.id.startswith("call_") and d.type == "function" for d in firsts)
+        assert len({d.id for d in firsts}) == len(firsts)
+
+
+def test_markup_never_leaks_into_streamed_content():
+    text = hermes([WEATHER, NESTED], before="Checking. ")
+    for seed in range(40):
+        stream = ToolCallStream(ToolPlan([], PARSERS["hermes"]()))
+        rng, i, pieces = random.Random(seed), 0, []
+        while i < len(text):
+            step = rng.randint(1, 3)
+            pieces.append(stream.feed(text[i : i + step], final=i + step >= len(text))[0])
+            i += step
+        assert "".join(pieces) == "Checking." and not any("<" in p or "{" in p for p in pieces)
+
+
+def test_reply_message_shape():
+    plan = ToolPlan([], PARSERS["hermes"]())
+    content, calls = reply_message(plan, hermes([WEATHER, EMPTY], before="Ok "))
+    assert content == "Ok" and [c.function.name for c in calls] == ["get_weather", "ping"]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    assert reply_message(plan, "just text") == ("just text", None)
+    assert reply_message(plan, hermes([EMPTY]))[0] is None  # no text besides the call: null content
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    plan = ToolPlan([], PARSERS["hermes"](), max_calls=1)
+    _, calls = reply_message(plan, hermes([WEATHER, EMPTY]))
+    assert [c.function.name for c in calls] == ["get_weather"]
+    _, streamed, _ = collect_stream(plan.parser, hermes([WEATHER, EMPTY]), random.Random(0), max_calls=1)
+    assert [c[0] for c in streamed] == ["get_weather"]
+
+
+def test_forced_parsers():
+    required = json.dumps([{"name": c["name"], "parameters": c["arguments"]} for c in (WEATHER, NESTED)])
+    assert as_objects([(c.name, c.arguments) for c in RequiredCallsParser().parse(required).calls]) == [WEATHER, NESTED]
+    named = NamedCallParser("get_weather")
+    scan = named.parse("\n" + json.dumps(WEATHER["arguments"]) + " ")
+    assert scan.content == "" and as_objects([(c.name, c.arguments) for c in scan.calls]) == [WEATHER]
+    for seed in range(20):
+        _, calls, _ = collect_stream(named, json.dumps(NESTED["arguments"]), random.Random(seed))
+        assert calls == [["get_weather", json.dumps(NESTED["arguments"])]]
+        _, calls, _ = collect_stream(RequiredCallsParser(), required, random.Random(seed))
+        assert as_objects(calls) == [WEATHER, NESTED]
+
+
+def test_mistral_hides_special_tokens_kept_for_its_marker():
+    class Tok:
+        all_special_tokens = ["<s>", "</s>", "[TOOL_CALLS]"]
+
+    parser = make_parser("mistral", None, Tok())
+    assert parser.needs_special_tokens and parser.hidden == ("<s>", "</s>")
+    text = mistral([WEATHER], before="Hm. ") + "</s>"
+    assert parser.parse(text).content == "Hm." and parser.parse("Hello</s>").content == "Hello"
+    for seed in range(20):
+        content, calls, _ = collect_stream(parser, "Hello there</s>", random.Random(seed))
+        assert content == "Hello there" and calls == []
+
+
+def test_json_scan_is_prefix_stable():
+    text = json.dumps({"name": "f", "arguments": NESTED["arguments"]})
+    whole = scan_call(text, 0)
+    assert whole.name == "f" and json.loads(whole.arguments) == NESTED["arguments"] and whole.end == len(text)
+    for k in range(len(text)):
+        part = scan_call(text[:k], 0)
+        assert part.valid and whole.arguments.startswith(part.arguments)
+        assert part.name in (None, "f") and part.end is None
+    assert value_end('"a\\"b" x', 0) == 6 and value_end("[1, [2]", 0) is None and value_end("12,", 0) == 2
+    assert not scan_call("[1]", 0).valid and not scan_call('{"name": 3}', 0).valid
+
+
+def test_parser_choice():
+    by_name = {t.name: t for t in BUILTIN_TEMPLATES}
+    assert detect_parser_name(by_name["chatml"]) == "hermes"
+    assert detect_parser_name(by_name["llama-3"]) == "llama3_json"
+    assert detect_parser_name(by_name["vicuna"]) == "hermes"  # the default
+
+    class Template:
+        tool_parser = None
+        source_text = "{% if tools %}...[TOOL_CALLS]...{% endif %}"
+
+    assert detect_parser_name(Template()) == "mistral"
+    assert parser_class("hermes") is PARSERS["hermes"]
+    assert parser_class("rxf.entrypoints.openai.tool_parsers.forced:RequiredCallsParser") is RequiredCallsParser
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+        parser_class("nope")
+    with pytest.raises(ValueError, match="not a ToolCallParser"):
+        parser_class("json:JSONDecoder")
