@@ -7,6 +7,7 @@ Greedy tokens are checked against transformers (`hf_reference`); one torch threa
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +54,17 @@ def test_tp2_runtime_matches_transformers_and_reports_a_dead_rank(tiny_llama, hf
         assert stream[-1]["meta_info"]["cached_tokens"] > 0  # rank 0's radix cache, shared decisions
         ok, message = rt.flush_cache()
         assert ok, message
+
+        # Constrained requests beside free ones: grammars compile on every rank and become
+        # admissible at the same step on both (else the ranks' batches would differ and hang).
+        pattern = r"(yes|no)(, (yes|no)){2}\."
+        constrained = {"max_new_tokens": 40, "temperature": 0, "regex": pattern}
+        mixed = rt.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]],
+                            [constrained, {"max_new_tokens": 20, **GREEDY}, constrained])
+        for out in (mixed[0], mixed[2]):
+            assert re.fullmatch(pattern, out["text"]), out["text"]
+            assert out["meta_info"]["finish_reason"]["type"] == "stop"
+        assert mixed[1]["output_ids"] == outs[1]["output_ids"]
 
         # A rank that dies makes the engine report dead, as a lone scheduler does.
         rt.generate("warm", {"max_new_tokens": 1})

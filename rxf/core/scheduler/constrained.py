@@ -2,7 +2,10 @@
 
 A constrained request enters the waiting queue with its grammar compiling on a thread pool and is
 not admitted until the compile is done; other requests keep running meanwhile. Its matcher then
-accepts every output token. It needs no rollback on retraction: a retracted request keeps its
+accepts every output token. With tensor parallelism (tp_size > 1) every rank compiles the same
+grammars and `resolve` waits for all pending compiles, so that which requests are admissible depends
+only on the broadcast request stream, never on one rank's thread timing (ranks that disagreed on a
+batch would deadlock in their collectives). It needs no rollback on retraction: a retracted request keeps its
 output (`Scheduler._ensure_decode_space`), so matcher and `output_ids` still agree.
 
 Jump-forward (the compressed FSM of the SGLang paper): when the grammar allows a single continuation
@@ -47,6 +50,7 @@ class ConstrainedDecoding:
             config.grammar.compile_threads, thread_name_prefix="rxf-grammar"
         )
         self.jumped_tokens = 0
+        self.synchronous = config.parallel.tp_size > 1  # see the module docstring
 
     @classmethod
     def create(cls, config: EngineConfig, tokenizer: Any, vocab_size: int, stop: StopChecker) -> ConstrainedDecoding:
@@ -63,6 +67,8 @@ class ConstrainedDecoding:
         """Give each waiting request whose compile finished its matcher; returns those whose compile
         failed (removed from `waiting`, `finished_reason` set)."""
         failed = []
+        if self.synchronous:
+            concurrent.futures.wait([r.grammar_future for r in waiting if r.grammar_future is not None])
         for req in [r for r in waiting if r.grammar_future is not None and r.grammar_future.done()]:
             future, req.grammar_future = req.grammar_future, None
             try:
