@@ -218,3 +218,12 @@ def module_server_factory(tiny_model_dir: Path, tmp_path_factory: pytest.TempPat
 def server(module_server_factory: ServerFactory) -> ServerHandle:
     """The default server: tiny Llama (512-token context, chatml template), 4096 KV slots."""
     return module_server_factory()
+
+
+@pytest.fixture(scope="session")
+def demo_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The demo model (SmolLM2-135M-Instruct) behind one server shared by every module that asks
+    (structured output and tool calling), stopped and checked at the end of the session."""
+    factory = ServerFactory(tiny_model_dir, tmp_path_factory.mktemp("demo-server"))
+    yield factory({"model.path": "demo", "cache.max_total_tokens": 8192})
+    factory.close()

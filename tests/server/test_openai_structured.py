@@ -38,8 +38,8 @@ PHONE = r"\+1-[0-9]{3}-[0-9]{4}"
 
 
 @pytest.fixture(scope="module")
-def server(module_server_factory):
-    return module_server_factory({"model.path": "demo", "cache.max_total_tokens": 8192})
+def server(demo_server):
+    return demo_server
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def server(module_server_factory):
-    return module_server_factory({"model.path": "demo", "cache.max_total_tokens": 8192})
+def server(demo_server):
+    return demo_server
 
 
 @pytest.fixture(scope="module")
