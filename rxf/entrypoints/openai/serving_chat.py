@@ -50,6 +50,7 @@ from rxf.plugins.chat_templates.tools import HermesSyntax
 router = APIRouter()
 
 _IMAGE_PARTS = ("image_url", "input_image", "image")
+_VIDEO_PARTS = ("video_url", "video")
 
 
 @dataclass
@@ -64,29 +65,49 @@ class ChatPlan:
     constraint_param: str | None = None  # the request field that set the output constraint
 
 
-def template_messages(messages: list[ChatMessage], images: list[Any] | None = None) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[ChatMessage], images: list[Any] | None = None, videos: list[Any] | None = None
+) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: the keys the client sent (nulls dropped),
-    with OpenAI's "developer" role as the "system" role it replaces. Image parts are refused unless
-    `images` is given (the model takes images): then each becomes an `image_url` part and its URL
-    is appended to `images`, in prompt order."""
+    with OpenAI's "developer" role as the "system" role it replaces. Media parts are refused unless
+    `images` / `videos` are given (the model takes them): then each image becomes an `image_url`
+    part with its URL appended to `images`, each video (a list of frame URLs) a `video` part with its
+    frames appended to `videos`, in prompt order."""
     out = []
     for i, msg in enumerate(messages):
         item = msg.model_dump(exclude_unset=True)
         if isinstance(msg.content, list):
             parts = item["content"] = list(item["content"])
             for j, part in enumerate(msg.content):
-                if part.get("type") not in _IMAGE_PARTS:
-                    continue
-                if images is None:
-                    raise bad_request(
-                        f"messages[{i}].content[{j}]: images are not supported by this model", "messages"
-                    )
-                images.append(_image_url(part, f"messages[{i}].content[{j}]"))
-                parts[j] = {"type": "image_url"}
+                kind, where = part.get("type"), f"messages[{i}].content[{j}]"
+                if kind in _IMAGE_PARTS:
+                    if images is None:
+                        raise bad_request(f"{where}: images are not supported by this model", "messages")
+                    images.append(_image_url(part, where))
+                    parts[j] = {"type": "image_url"}
+                elif kind in _VIDEO_PARTS:
+                    if videos is None:
+                        raise bad_request(f"{where}: videos are not supported by this model", "messages")
+                    videos.append(_video_frames(part, where))
+                    parts[j] = {"type": "video"}
         if item["role"] == "developer":
             item["role"] = "system"
         out.append(item)
     return out
+
+
+def _video_frames(part: dict[str, Any], where: str) -> list[Any]:
+    """The frames of a `video` / `video_url` part: a list of image URLs (data:, or http(s)/file when
+    the server allows them), as `{"type": "video", "video": [...]}` or `{"type": "video_url",
+    "video_url": {"url": [...]}}`. Video files are not decoded: a single URL is refused."""
+    value = part.get(part["type"])
+    frames = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
+        raise bad_request(
+            f"{where}: a video is a non-empty list of frame URLs (video files are not decoded); "
+            f"got {type(frames).__name__}", "messages"
+        )
+    return frames
 
 
 def _image_url(part: dict[str, Any], where: str) -> Any:
@@ -141,14 +162,16 @@ def plan_chat(
         tool_parser = make_parser(None, chat_template, tokenizer)
     tools = plan_tools(req, tool_parser, constrained_by or None)
     images: list[Any] | None = [] if mm_processor is not None else None
-    prompt = render_messages(template_messages(req.messages, images), chat_template, tool_parser, tools)
+    videos: list[Any] | None = [] if mm_processor is not None else None
+    prompt = render_messages(template_messages(req.messages, images, videos), chat_template, tool_parser, tools)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     mm_items = None
-    if images:
+    if images or videos:
         try:
-            ids, mm_items = mm_processor.process(ids, images, None)
+            ids, mm_items = mm_processor.process(ids, images, videos)
         except ValueError as exc:
-            raise bad_request("messages: " + str(exc).replace("image_data", "image", 1), "messages") from None
+            message = str(exc).replace("image_data", "image", 1).replace("video_data", "video", 1)
+            raise bad_request("messages: " + message, "messages") from None
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:

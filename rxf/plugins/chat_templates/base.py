@@ -13,6 +13,7 @@ Kinds of template:
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -38,12 +39,13 @@ PART_SEPARATOR = "\n"
 @dataclass(frozen=True, kw_only=True)
 class ChatTemplate(ABC):
     """A named prompt format. `stop_strings` end generation on the format's end-of-turn marker
-    (for models whose EOS token is something else); `image_placeholder` is the text an image part
-    renders as (None: the template takes no images)."""
+    (for models whose EOS token is something else); `image_placeholder` / `video_placeholder` are
+    the text an image / video part renders as (None: the template takes none)."""
 
     name: str
     stop_strings: tuple[str, ...] = ()
     image_placeholder: str | None = None
+    video_placeholder: str | None = None
     # The tool-call format the template's models write (a `model.tool_call_parser` name).
     tool_parser: str | None = None
 
@@ -79,9 +81,22 @@ class Turn(NamedTuple):
     content: str
 
 
-def _validated(messages: object) -> list[tuple[int, Mapping[str, Any], list[str | None]]]:
+class Media(enum.Enum):
+    """A media part of a message's content, in place: its pixels travel separately (preprocessed by
+    the multimodal processor), the template only marks where it goes."""
+
+    IMAGE = "image"
+    VIDEO = "video"
+
+
+# Content part types as they reach the template (the server turns OpenAI's image parts into
+# "image_url" and video/frame-list parts into "video" before rendering).
+_MEDIA_PARTS = {"image_url": Media.IMAGE, "image": Media.IMAGE, "video": Media.VIDEO}
+
+
+def _validated(messages: object) -> list[tuple[int, Mapping[str, Any], list[str | Media]]]:
     """Check roles and content types; return (index, message, parts) where parts are the text
-    parts in order and None for each image part. Errors name the offending message."""
+    parts and `Media` markers in order. Errors name the offending message."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of message objects")
     out = []
@@ -97,7 +112,7 @@ def _validated(messages: object) -> list[tuple[int, Mapping[str, Any], list[str 
     return out
 
 
-def _content_parts(i: int, content: object) -> list[str | None]:
+def _content_parts(i: int, content: object) -> list[str | Media]:
     if content is None:  # an assistant turn that only carries tool calls
         return []
     if isinstance(content, str):
@@ -106,7 +121,7 @@ def _content_parts(i: int, content: object) -> list[str | None]:
         raise ValueError(
             f"messages[{i}]: content must be a string or a list of content parts, got {type(content).__name__}"
         )
-    parts: list[str | None] = []
+    parts: list[str | Media] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind == "text":
@@ -114,38 +129,41 @@ def _content_parts(i: int, content: object) -> list[str | None]:
             if not isinstance(text, str):
                 raise ValueError(f"messages[{i}].content[{j}]: a text part needs a string 'text'")
             parts.append(text)
-        elif kind == "image_url":
-            parts.append(None)
+        elif kind in _MEDIA_PARTS:
+            parts.append(_MEDIA_PARTS[kind])
         else:
             raise ValueError(
-                f"messages[{i}].content[{j}]: unsupported content part {kind!r}; expected 'text' or 'image_url'"
+                f"messages[{i}].content[{j}]: unsupported content part {kind!r}; "
+                "expected 'text', 'image_url' or 'video'"
             )
     return parts
 
 
 def text_turns(messages: list[dict[str, Any]], template: ChatTemplate) -> list[Turn]:
-    """Validated turns for a template that formats plain text; image parts become the template's
-    image placeholder (an error if it has none)."""
+    """Validated turns for a template that formats plain text; image and video parts become the
+    template's placeholders (an error if it has none)."""
+    placeholders = {Media.IMAGE: template.image_placeholder, Media.VIDEO: template.video_placeholder}
     turns = []
     for i, msg, parts in _validated(messages):
-        if None in parts and template.image_placeholder is None:
-            raise ValueError(f"messages[{i}]: chat template {template.name!r} does not take images")
-        text = PART_SEPARATOR.join(template.image_placeholder if p is None else p for p in parts)
+        for p in parts:
+            if isinstance(p, Media) and placeholders[p] is None:
+                raise ValueError(f"messages[{i}]: chat template {template.name!r} does not take {p.value}s")
+        text = PART_SEPARATOR.join(placeholders[p] if isinstance(p, Media) else p for p in parts)
         turns.append(Turn(i, msg["role"], text))
     return turns
 
 
 def hf_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Validated messages for a Hugging Face template: other keys (name, tool_calls, ...) are
-    kept; text-only content becomes one string (what text templates expect); content with images
-    stays a list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts, the form
-    multimodal HF templates read."""
+    kept; text-only content becomes one string (what text templates expect); content with media
+    stays a list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` / ``{"type": "video"}``
+    parts, the form multimodal HF templates read."""
     out = []
     for _, msg, parts in _validated(messages):
-        if None in parts:
-            content: Any = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+        if any(isinstance(p, Media) for p in parts):
+            content: Any = [{"type": p.value} if isinstance(p, Media) else {"type": "text", "text": p} for p in parts]
         else:
-            content = PART_SEPARATOR.join(p for p in parts if p is not None)
+            content = PART_SEPARATOR.join(p for p in parts if isinstance(p, str))
         out.append({**msg, "content": content})
     return out
 
