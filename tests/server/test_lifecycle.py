@@ -155,6 +155,16 @@ def test_failed_start_exits_nonzero(server_factory, tmp_path):
     assert "the engine failed to start" in srv.log()
 
 
+def test_unknown_tool_call_parser_fails_the_launch(server_factory):
+    srv = server_factory({"model.tool_call_parser": "no-such-parser"}, wait=False)
+    try:
+        code = srv.proc.wait(60)
+    finally:
+        server_factory.started.remove(srv)
+    assert code == 1, srv.log_tail()
+    assert "unknown tool call parser 'no-such-parser'" in srv.log()
+
+
 def test_launch_help(capsys):
     from rxf.entrypoints.cli import main
 
