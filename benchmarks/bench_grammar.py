@@ -45,7 +45,7 @@ from rxf.core.grammar import make_grammar_backend
 from rxf.core.io_struct import TokenizedGenerateReq
 from rxf.core.model_runner import ModelRunner
 from rxf.core.registry import PluginRegistry
-from rxf.core.sampling import SamplingParams
+from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.entrypoints.demo_model import resolve_model_path
 

@@ -184,7 +184,7 @@ def _engine(model_dir: Path, backend: str, max_running: int, slots: int) -> Any:
 
 def _add(sched: Any, bs: int, prompt_len: int, new_tokens: int, vocab: int, tag: str) -> None:
     from rxf.core.io_struct import TokenizedGenerateReq
-    from rxf.core.sampling import SamplingParams
+    from rxf.core.sampling_params import SamplingParams
 
     rng = random.Random(bs * 1000 + prompt_len)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)

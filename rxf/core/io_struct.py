@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rxf.core.sampling import SamplingParams
+from rxf.core.sampling_params import SamplingParams
 
 
 @dataclass

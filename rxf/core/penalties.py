@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from rxf.core.sampling import SamplingParams
+    from rxf.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

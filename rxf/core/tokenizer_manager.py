@@ -33,7 +33,7 @@ from rxf.core.io_struct import (
     StrOut,
     TokenizedGenerateReq,
 )
-from rxf.core.sampling import SamplingParams
+from rxf.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from rxf.core.config import EngineConfig

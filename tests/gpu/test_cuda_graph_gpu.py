@@ -29,7 +29,7 @@ from rxf.core.hookspecs import hookimpl
 from rxf.core.io_struct import TokenizedGenerateReq
 from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.registry import PluginRegistry
-from rxf.core.sampling import SamplingParams
+from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.plugins.attention.torch_native import TorchNativeBackend
 from rxf.testing import make_tiny_checkpoint

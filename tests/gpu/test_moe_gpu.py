@@ -26,7 +26,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from rxf.core.io_struct import TokenizedGenerateReq  # noqa: E402
 from rxf.core.model_runner import ModelRunner  # noqa: E402
-from rxf.core.sampling import SamplingParams  # noqa: E402
+from rxf.core.sampling_params import SamplingParams  # noqa: E402
 from rxf.core.scheduler.scheduler import Scheduler  # noqa: E402
 from rxf.plugins.models.layers.fused_moe import fused_experts  # noqa: E402
 from rxf.plugins.models.layers.moe import experts_native, select_experts  # noqa: E402

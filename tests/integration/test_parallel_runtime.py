@@ -147,7 +147,7 @@ def test_a_forward_failing_on_one_rank_ends_that_rank(tiny_llama, monkeypatch):
     from rxf.core.io_struct import TokenizedGenerateReq
     from rxf.core.model_runner import ModelRunner
     from rxf.core.registry import PluginRegistry
-    from rxf.core.sampling import SamplingParams
+    from rxf.core.sampling_params import SamplingParams
     from rxf.core.scheduler import scheduler as scheduler_module
 
     config = load_config(_config(tiny_llama))

@@ -14,7 +14,7 @@ from rxf.core.config import load_config
 from rxf.core.io_struct import TokenizedGenerateReq
 from rxf.core.model_runner import ModelRunner
 from rxf.core.registry import PluginRegistry
-from rxf.core.sampling import SamplingParams
+from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

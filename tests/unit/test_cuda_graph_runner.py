@@ -18,7 +18,8 @@ from rxf.core.cuda_graph_runner import (
 from rxf.core.forward import ForwardMode
 from rxf.core.io_struct import TokenizedGenerateReq
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
-from rxf.core.sampling import SamplingParams, gather_logprobs
+from rxf.core.sampling import gather_logprobs
+from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.output import StopChecker, record_output_logprobs, sample_next
 from rxf.core.scheduler.req import Req
 from rxf.plugins.attention.torch_native import TorchNativeBackend

@@ -22,7 +22,7 @@ from rxf.core.forward import ForwardMode
 from rxf.core.io_struct import TokenizedGenerateReq
 from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.registry import PluginRegistry
-from rxf.core.sampling import SamplingParams
+from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.plugins.multimodal.llava import LlavaProcessor
 from rxf.plugins.multimodal.tiny import make_llava_checkpoint

@@ -13,10 +13,10 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from rxf.core.sampling import (
     SampleOutput,
     SamplingBatch,
-    SamplingParams,
     gather_logprobs,
     make_generator,
 )
+from rxf.core.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rxf.core.io_struct import FinishReason, MultimodalItem, TokenizedGenerateReq
-from rxf.core.sampling import SamplingParams
+from rxf.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from rxf.core.grammar import GrammarMatcher

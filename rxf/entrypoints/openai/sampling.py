@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from rxf.core.sampling import SamplingParams
+from rxf.core.sampling_params import SamplingParams
 from rxf.core.tokenizer_manager import MAX_CACHE_SALT_LEN, MAX_TOP_LOGPROBS, RequestLimits
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from rxf.entrypoints.server_state import APIError
