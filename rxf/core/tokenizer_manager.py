@@ -28,105 +28,26 @@ from rxf.core.io_struct import (
     FlushCacheReq,
     FlushCacheResult,
     GetStatsReq,
-    MultimodalItem,
     SchedulerStats,
     StrOut,
     TokenizedGenerateReq,
 )
+from rxf.core.requests import (
+    MAX_CACHE_SALT_LEN,
+    MAX_TOP_LOGPROBS,
+    EngineDeadError,
+    GenerateRequest,
+    OverloadedError,
+    RequestError,
+    RequestLimits,
+    RequestTimeoutError,
+)
 from rxf.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from rxf.core.config import EngineConfig
     from rxf.core.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
-
-# OpenAI's bound on top logprobs per token, applied to native requests too.
-MAX_TOP_LOGPROBS = 20
-MAX_CACHE_SALT_LEN = 256
-
-
-class RequestError(ValueError):
-    """The request is invalid; the message names the field and the reason (HTTP 400)."""
-
-
-class EngineDeadError(RuntimeError):
-    """A child process died; in-flight and new requests fail with this (HTTP 503)."""
-
-
-class OverloadedError(RuntimeError):
-    """As many requests are in flight as the server may hold; retry later (HTTP 503 + Retry-After)."""
-
-
-class RequestTimeoutError(RuntimeError):
-    """The request ran past `server.request_timeout_s` and was aborted (HTTP 504)."""
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Per-request bounds enforced before anything reaches the scheduler (None: unbounded)."""
-
-    max_in_flight: int | None = None
-    timeout_s: float | None = None
-    max_stop_strings: int = 16
-    max_logit_bias: int = 300
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> RequestLimits:
-        return cls(
-            max_in_flight=(config.scheduler.max_running_requests + config.scheduler.max_queued_requests)
-            * config.parallel.dp_size,
-            timeout_s=config.server.request_timeout_s,
-            max_stop_strings=config.server.max_stop_strings,
-            max_logit_bias=config.server.max_logit_bias,
-        )
-
-    def check_params(self, params: SamplingParams) -> None:
-        """Raises ValueError naming the field (`sampling_params.<name>: ...`) when over a bound."""
-        if len(params.stop) > self.max_stop_strings:
-            raise ValueError(
-                f"sampling_params.stop: at most {self.max_stop_strings} stop strings, got {len(params.stop)}"
-            )
-        n_bias = len(params.logit_bias or {})
-        if n_bias > self.max_logit_bias:
-            raise ValueError(f"sampling_params.logit_bias: at most {self.max_logit_bias} entries, got {n_bias}")
-
-
-@dataclass
-class GenerateRequest:
-    """One native generation request (a batch is a list of these)."""
-
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] | SamplingParams | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    rid: str | None = None
-    cache_salt: str | None = None
-    # Images / videos for the prompt's placeholder tokens, in order (see rxf.plugins.multimodal.media
-    # for the accepted forms); `mm_items` instead when already preprocessed (ids then hold the pads).
-    image_data: list[Any] | None = None
-    video_data: list[Any] | None = None
-    mm_items: list[MultimodalItem] | None = None
-
-
-def load_multimodal_processor(config: EngineConfig, engine_info: dict[str, Any], registry: Any = None) -> Any:
-    """The registered processor for the checkpoint's architecture, or None for a text-only model."""
-    from transformers import AutoConfig
-
-    from rxf.core.registry import PluginRegistry
-
-    registry = registry or PluginRegistry.load(config.plugins.allow, config.plugins.deny)
-    model_path, vocab_size = engine_info["model_path"], engine_info["vocab_size"]
-    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.model.trust_remote_code)
-    for arch in hf_config.architectures or []:
-        factory = registry.multimodal_processor(arch)
-        if factory is not None:
-            return factory(model_path, config.multimodal, vocab_size)
-    return None
-
 
 def _as_list(value: Any) -> list[Any] | None:
     return None if value is None else list(value) if isinstance(value, (list, tuple)) else [value]

@@ -26,7 +26,8 @@ from fastapi import FastAPI
 
 from rxf.core.config import EngineConfig
 from rxf.core.grammar import make_grammar_backend
-from rxf.core.tokenizer_manager import RequestLimits, TokenizerManager, load_multimodal_processor
+from rxf.core.requests import RequestLimits, load_multimodal_processor
+from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.http_errors import APIKeyMiddleware, BodyLimitMiddleware, install_error_handlers
 from rxf.entrypoints.metrics import ServerMetrics
 from rxf.entrypoints.native_routes import router as native_router

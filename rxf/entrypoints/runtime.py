@@ -20,12 +20,8 @@ from typing import Any
 from rxf.core.config import EngineConfig, load_config
 from rxf.core.grammar import make_grammar_backend
 from rxf.core.registry import PluginRegistry
-from rxf.core.tokenizer_manager import (
-    GenerateRequest,
-    RequestLimits,
-    TokenizerManager,
-    load_multimodal_processor,
-)
+from rxf.core.requests import GenerateRequest, RequestLimits, load_multimodal_processor
+from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.engine import EngineProcesses
 
 logger = logging.getLogger(__name__)
