@@ -168,17 +168,37 @@ def hf_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+class _SourceTemplate(ChatTemplate):
+    """A jinja-sourced template (the tokenizer's own, or a .jinja file), rendered by `_render`.
+    Tools go to the template itself when its source reads them, else into plain messages in the
+    parser's syntax (ChatTemplate's default)."""
+
+    @abstractmethod
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any) -> str: ...
+
+    def render_with_tools(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        syntax: ToolSyntax,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        if not takes_tools(self.source_text):
+            return super().render_with_tools(messages, tools, syntax, add_generation_prompt)
+        return self._render(tool_messages(hf_messages(messages)), add_generation_prompt, tools=tools or None)
+
+
 @dataclass(frozen=True)
-class HFChatTemplate(ChatTemplate):
+class HFChatTemplate(_SourceTemplate):
     """The model tokenizer's own chat template. No stop strings: the model's EOS ends its turn."""
 
     tokenizer: Any = field(compare=False, repr=False)
     name: str = field(default="hf", kw_only=True)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self._apply(hf_messages(messages), add_generation_prompt)
+        return self._render(hf_messages(messages), add_generation_prompt)
 
-    def _apply(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any) -> str:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any) -> str:
         from jinja2 import TemplateError
 
         try:
@@ -193,20 +213,10 @@ class HFChatTemplate(ChatTemplate):
         source = getattr(self.tokenizer, "chat_template", None) or ""
         return "\n".join(source.values()) if isinstance(source, dict) else source
 
-    def render_with_tools(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]],
-        syntax: ToolSyntax,
-        add_generation_prompt: bool = True,
-    ) -> str:
-        if not takes_tools(self.source_text):
-            return super().render_with_tools(messages, tools, syntax, add_generation_prompt)
-        return self._apply(tool_messages(hf_messages(messages)), add_generation_prompt, tools=tools or None)
 
 
 @dataclass(frozen=True)
-class JinjaChatTemplate(ChatTemplate):
+class JinjaChatTemplate(_SourceTemplate):
     """A Hugging Face style jinja template, rendered as transformers does: sandboxed, with
     ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, the ``raise_exception``
     and ``strftime_now`` helpers and a non-ASCII-escaping ``tojson``. Compiled on construction, so
@@ -266,16 +276,6 @@ class JinjaChatTemplate(ChatTemplate):
     def source_text(self) -> str:
         return self.source
 
-    def render_with_tools(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]],
-        syntax: ToolSyntax,
-        add_generation_prompt: bool = True,
-    ) -> str:
-        if not takes_tools(self.source):
-            return super().render_with_tools(messages, tools, syntax, add_generation_prompt)
-        return self._render(tool_messages(hf_messages(messages)), add_generation_prompt, tools=tools or None)
 
 
 def takes_tools(source: str) -> bool:
