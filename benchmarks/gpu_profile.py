@@ -1,11 +1,11 @@
 """Where a decode step's time goes on the GPU (issue 4's profile): one call on the GPU machine.
 
-    python benchmarks/gpu_profile.py [--preset llama3-8b] [--phases gemv,step,attn] [--backend triton]
+    python benchmarks/gpu_profile.py [--preset llama3-8b] [--phases gemv,step,attn] [--backends triton,flashinfer]
 
 Phases (each guarded like gpu_decode.py's; figures go to $OUT/gpu_profile.json, traces beside it):
   gemv   each weight matrix of the preset at one token (x [1, hidden] @ W.T, bf16, cuBLAS through
          F.linear), timed as GPU time over rotating copies (so L2 holds none of them): us and GB/s read
-  step   the in-process engine (ModelRunner + Scheduler, `--backend`) at batch 1 with CUDA graphs:
+  step   the in-process engine (ModelRunner + Scheduler, each of `--backends`) at batch 1 with CUDA graphs:
          median wall time of a whole scheduler step, GPU time of the decode graph alone (replayed
          back to back), and a torch.profiler trace of 8 steps summarised as kernel time by category,
          top kernels, idle GPU gaps, and the host calls that fill them
