@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rxf.plugins.attention.triton.extend import online_step
+from rxf.plugins.attention.triton.extend import attend_pool
 
 _LOG2E = 1.0 / math.log(2.0)
 _M_INIT = -1.0e30  # finite running-max start: fully masked steps give weights 0, never NaN
@@ -83,17 +83,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for start_n in range(start, end, BLOCK_N):
-        cols = start_n + offs_n
-        mask_n = cols < end
-        slots = tl.load(row_base + cols, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        m_i, l_i, acc = online_step(q, k.to(q.dtype), v.to(q.dtype), mask_n[None, :], m_i, l_i, acc,
-                                    scale_log2, IEEE)
+    m_i, l_i, acc = attend_pool(q, m_i, l_i, acc, row_base, start, end, KBuf, VBuf, kv_head,
+                                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d,
+                                scale_log2, BLOCK_N, IEEE)
 
     # The chunk is non-empty, so l_i > 0 for every head row.
     tl.store(MidO + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],

@@ -55,6 +55,27 @@ def online_step(q, k, v, mask, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
 
 
 @triton.jit
+def attend_pool(q, m_i, l_i, acc, row_base, start, end, KBuf, VBuf, kv_head,
+                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d, scale_log2,
+                BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Fold the pooled keys of positions [start, end) of one request (slots read through its
+    req_to_token row `row_base`, KV head `kv_head`) into every query row's running state. Shared by
+    extend (the cached prefix) and decode (one split of the context)."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        mask_n = cols < end
+        slots = tl.load(row_base + cols, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        m_i, l_i, acc = online_step(q, k.to(q.dtype), v.to(q.dtype), mask_n[None, :], m_i, l_i, acc,
+                                    scale_log2, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _extend_kernel(
     Q, K, V, Out, KBuf, VBuf, ReqToToken,
     req_pool_indices, prefix_lens, extend_lens, qo_start,
@@ -91,17 +112,9 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Cached prefix: every new query sees every prefix key; slots come through req_to_token.
-    for start_n in range(0, prefix_len, BLOCK_N):
-        cols = start_n + offs_n
-        mask_n = cols < prefix_len
-        slots = tl.load(row_base + cols, mask=mask_n, other=0).to(tl.int64)
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        m_i, l_i, acc = online_step(q, k.to(q.dtype), v.to(q.dtype), mask_n[None, :], m_i, l_i, acc,
-                                    scale_log2, IEEE)
+    m_i, l_i, acc = attend_pool(q, m_i, l_i, acc, row_base, 0, prefix_len, KBuf, VBuf, kv_head,
+                                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d,
+                                scale_log2, BLOCK_N, IEEE)
 
     # New tokens, causal: keys past this block's last row are never needed.
     end_n = tl.minimum(extend_len, (m_block + 1) * BLOCK_M)
