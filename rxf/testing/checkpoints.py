@@ -140,13 +140,19 @@ def make_tiny_checkpoint(
     config = AutoConfig.for_model(_model_type(arch), architectures=[arch], **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    randomize_biases_and_norms(model)
+    model.generation_config.eos_token_id = [ids[EOS], ids[IM_END]]
+    model.to(dtype).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def randomize_biases_and_norms(model: torch.nn.Module) -> None:
+    """transformers initialises biases to 0 and norm weights to 1; drawing them around those values
+    makes a test fail when a model ignores or mis-loads one."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, 0.1)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)
-    model.generation_config.eos_token_id = [ids[EOS], ids[IM_END]]
-    model.to(dtype).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path

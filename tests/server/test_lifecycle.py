@@ -145,24 +145,25 @@ def test_engine_death_fails_requests_and_turns_503(server_factory):
     server_factory.stop(srv)  # still a clean exit: the survivors are stopped, the IPC directory removed
 
 
-def test_failed_start_exits_nonzero(server_factory, tmp_path):
-    srv = server_factory({"model.path": str(tmp_path / "no-such-model")}, wait=False)
+def _failed_launch_log(server_factory, settings: dict) -> str:
+    """Launch with `settings`, expect exit status 1, return the server's log."""
+    srv = server_factory(settings, wait=False)
     try:
         code = srv.proc.wait(60)
     finally:
         server_factory.started.remove(srv)
     assert code == 1, srv.log_tail()
-    assert "the engine failed to start" in srv.log()
+    return srv.log()
+
+
+def test_failed_start_exits_nonzero(server_factory, tmp_path):
+    log = _failed_launch_log(server_factory, {"model.path": str(tmp_path / "no-such-model")})
+    assert "the engine failed to start" in log
 
 
 def test_unknown_tool_call_parser_fails_the_launch(server_factory):
-    srv = server_factory({"model.tool_call_parser": "no-such-parser"}, wait=False)
-    try:
-        code = srv.proc.wait(60)
-    finally:
-        server_factory.started.remove(srv)
-    assert code == 1, srv.log_tail()
-    assert "unknown tool call parser 'no-such-parser'" in srv.log()
+    log = _failed_launch_log(server_factory, {"model.tool_call_parser": "no-such-parser"})
+    assert "unknown tool call parser 'no-such-parser'" in log
 
 
 def test_launch_help(capsys):

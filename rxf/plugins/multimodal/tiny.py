@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rxf.testing.checkpoints import TINY_DEFAULTS, make_tiny_tokenizer
+from rxf.testing.checkpoints import TINY_DEFAULTS, make_tiny_tokenizer, randomize_biases_and_norms
 
 IMAGE, VIDEO = "<image>", "<video>"
 # chatml whose list contents render image parts as "<image>\n" and video parts as "<video>\n".
@@ -120,13 +120,10 @@ def make_llava_checkpoint(
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    randomize_biases_and_norms(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.1)
-            elif "norm" in name:
-                param.normal_(1.0, 0.1)
-            elif name.endswith("image_newline"):
+            if name.endswith("image_newline"):
                 param.normal_(0.0, 1.0)
     model.to(dtype).save_pretrained(path)
     _processor(family, tokenizer, config, pinpoints).save_pretrained(path)
