@@ -4,6 +4,7 @@
 # machine; see ../shared/device/README.md. The JIT cache comes back in parts under 15 MB (the limit on
 # returned files); put them in .fi-parts/ (git-ignored, carried) and the next call restores them.
 #   bash benchmarks/gpu_session.sh tests|bench|profile|others [extra script args | benchmark specs]
+# GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "others" runs the named benchmark scripts (MoE, LLaVA, tensor parallel, the step profile),
 # each bounded, logs under $OUT.
 set -uo pipefail
@@ -25,7 +26,7 @@ if [ "$stage" = tests ]; then
   python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
   python3 benchmarks/gpu_decode.py --preset tiny --phases jit > "$out/jit-tiny.log" 2>&1 &
   wait; echo "jit: $(( $(date +%s) - start )) s"; tail -2 "$out"/jit-*.log
-  python3 -m pytest -q -p no:cacheprovider tests/gpu -ra 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} -ra 2>&1 | tee "$out/gpu-tests.log" | tail -40
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
   [ $# -gt 0 ] && bash benchmarks/gpu_session.sh others "$@"  # then the named benchmarks, if any
 elif [ "$stage" = profile ]; then
