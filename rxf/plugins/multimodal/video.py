@@ -12,8 +12,8 @@ hash and cache hits). Every failure is a `MediaError` naming the field.
 
 from __future__ import annotations
 
-import bisect
 import io
+from array import array
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,7 @@ def sample_indices(total: int, n: int) -> list[int]:
 
 def decode_video(data: bytes, limits: MultimodalConfig, field: str) -> list[Image.Image]:
     """The sampled frames of the encoded video `data`, as RGB images."""
-    import av
+    import av  # on first use: plugins load in every process, and only this one decodes
 
     try:
         with av.open(io.BytesIO(data), options={"format_whitelist": _FORMATS}) as container:
@@ -68,17 +68,17 @@ def _sample(container, limits: MultimodalConfig, field: str) -> list[Image.Image
     stream = container.streams.video[0]
     _check_pixels(stream.codec_context.width, stream.codec_context.height, limits, field)
     pts, keys = _timeline(container, stream, field)
-    if not pts:
+    if len(pts) == 0:
         raise MediaError(f"{field}: the video has no frames")
     wanted = sample_indices(len(pts), min(limits.video_num_frames, limits.max_video_frames))
     frames: list[Image.Image] = []
     decoded, position, frames_iter = 0, -1, None  # position: index of the last frame taken
     for index in wanted:
-        k = bisect.bisect_right(keys, index) - 1
-        key = keys[k] if k >= 0 else -1
+        k = int(np.searchsorted(keys, index, side="right")) - 1  # the last keyframe at or before index
+        key = int(keys[k]) if k >= 0 else -1
         if frames_iter is None or key > position + 1:  # a seek skips frames position+1 .. key-1
             # (The first seek also rewinds after the demux pass; without a keyframe, to the start.)
-            container.seek(pts[max(key, 0)], stream=stream, backward=True)
+            container.seek(int(pts[max(key, 0)]), stream=stream, backward=True)
             frames_iter = container.decode(stream)
         for frame in frames_iter:
             decoded += 1
@@ -97,19 +97,21 @@ def _sample(container, limits: MultimodalConfig, field: str) -> list[Image.Image
     return frames
 
 
-def _timeline(container, stream, field: str) -> tuple[list[int], list[int]]:
+def _timeline(container, stream, field: str) -> tuple[np.ndarray, np.ndarray]:
     """The frames' timestamps in presentation order, and the indices (into them) of keyframes."""
-    entries = []
+    stamps, key_stamps = array("q"), array("q")  # compact: a timeline may list a million frames
     for packet in container.demux(stream):
-        if packet.size == 0:  # the demuxer's end-of-stream marker
+        if packet.size == 0 or packet.is_discard:  # the end-of-stream marker; frames edit lists drop
             continue
         if packet.pts is None:
             raise MediaError(f"{field}: the video's frames carry no timestamps")
-        entries.append((packet.pts, packet.is_keyframe))
-        if len(entries) > _MAX_TIMELINE:
+        stamps.append(packet.pts)
+        if packet.is_keyframe:
+            key_stamps.append(packet.pts)
+        if len(stamps) > _MAX_TIMELINE:
             raise MediaError(f"{field}: the video has more than {_MAX_TIMELINE} frames")
-    entries.sort()
-    return [p for p, _ in entries], [i for i, (_, key) in enumerate(entries) if key]
+    pts = np.sort(np.frombuffer(stamps, dtype=np.int64))
+    return pts, np.unique(np.searchsorted(pts, np.frombuffer(key_stamps, dtype=np.int64)))
 
 
 def _check_pixels(width: int, height: int, limits: MultimodalConfig, field: str) -> None:
