@@ -1,13 +1,13 @@
-"""Videos as RGB frames: a list of frames (images), or a video file (mp4, mov, webm, mkv, avi,
-mpeg-ts, flv) decoded with PyAV.
+"""Videos as RGB frames: a list of frames (images), or a video file (mp4/mov, webm/mkv, avi,
+mpeg-ps/ts, flv; no other container is opened) decoded with PyAV.
 
-A video file is sampled to `multimodal.video_num_frames` frames (at most `max_video_frames`) spread evenly
-over its whole length, first and last frame included; a shorter video gives all its frames.
-Decoding is bounded: a demux-only pass (no decoding) lists the frames' timestamps and keyframes,
-then each wanted frame is reached by seeking to the last keyframe before it when that skips frames,
-so the decoder sees about `video_num_frames` x keyframe interval frames, never more than
-`max_video_decoded_frames`. The same file always yields the same frames (hence the same content
-hash and cache hits). Every failure is a `MediaError` naming the field.
+A video file is sampled to `multimodal.video_num_frames` frames (at most `max_video_frames`)
+spread evenly over its whole length, first and last frame included; a shorter video gives all its
+frames. Decoding is bounded: a demux-only pass (no decoding) lists the frames' timestamps and
+keyframes, then each wanted frame is reached by seeking to the last keyframe before it when that
+skips frames, so the decoder sees about `video_num_frames` x keyframe interval frames, never more
+than `max_video_decoded_frames`. The same file always yields the same frames (hence the same
+content hash and cache hits). Every failure is a `MediaError` naming the field.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from rxf.plugins.multimodal.media import MediaError, load_image, media_bytes
 # Demuxers FFmpeg may pick for the data. Others are refused before they run: some (hls, concat)
 # would open further files or URLs that a playlist names.
 _FORMATS = "mov,matroska,avi,mpegts,mpeg,flv"
+_CONTAINERS = "mp4/mov, webm/mkv, avi, mpeg-ps/ts or flv"
 # Frames listed in one video's timeline (9 h at 30 fps): bounds the demux pass's memory and time.
 _MAX_TIMELINE = 1_000_000
 
@@ -53,12 +54,17 @@ def decode_video(data: bytes, limits: MultimodalConfig, field: str) -> list[Imag
     """The sampled frames of the encoded video `data`, as RGB images."""
     import av  # on first use: plugins load in every process, and only this one decodes
 
+    # FFmpeg's errors surface as several types (av.FFmpegError, OSError, ValueError, ...).
     try:
-        with av.open(io.BytesIO(data), options={"format_whitelist": _FORMATS}) as container:
+        container = av.open(io.BytesIO(data), options={"format_whitelist": _FORMATS})
+    except Exception as exc:
+        raise MediaError(f"{field}: cannot decode the video as {_CONTAINERS} ({exc})") from None
+    try:
+        with container:
             return _sample(container, limits, field)
     except MediaError:
         raise
-    except Exception as exc:  # FFmpeg errors surface as several types (av.FFmpegError, OSError, ...)
+    except Exception as exc:
         raise MediaError(f"{field}: cannot decode the video: {exc}") from None
 
 
