@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 from rxf.core.config import MultimodalConfig
+from rxf.plugins.multimodal import video
 from rxf.plugins.multimodal.media import MediaError
 from rxf.plugins.multimodal.video import load_video, sample_indices
 from rxf.testing.videos import frame_colour, frame_index, make_video
@@ -64,6 +65,13 @@ def test_keyframe_seeks_bound_decoding() -> None:
         load_video(make_video(24, keyframe_interval=24), limits, "v")
     roomy = MultimodalConfig(video_num_frames=4, max_video_decoded_frames=24)
     assert indices(load_video(make_video(24, keyframe_interval=24), roomy, "v")) == [0, 8, 15, 23]
+
+
+def test_timeline_length_is_bounded(monkeypatch) -> None:
+    monkeypatch.setattr(video, "_MAX_TIMELINE", 10)
+    assert indices(load_video(make_video(10), LIMITS, "v")) == list(range(10))
+    with pytest.raises(MediaError, match=r"^v: the video has more than 10 frames"):
+        load_video(make_video(11), LIMITS, "v")
 
 
 def test_video_given_as_data_url_base64_or_path(tmp_path) -> None:
