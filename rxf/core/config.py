@@ -170,6 +170,13 @@ class MultimodalConfig(_Section):
     max_image_pixels: int = Field(40_000_000, gt=0, description="decoded width x height of one image")
     max_items_per_request: int = Field(16, gt=0, description="images + videos in one request")
     max_video_frames: int = Field(64, gt=0)
+    video_num_frames: int = Field(
+        16, gt=0, description="frames sampled evenly from a video file (at most max_video_frames; all if fewer)"
+    )
+    max_video_bytes: int = Field(64 * 2**20, gt=0, description="encoded size of one video file")
+    max_video_decoded_frames: int = Field(
+        4096, gt=0, description="frames decoded to sample one video file (keyframe seeks skip the rest)"
+    )
     feature_cache_mb: int = Field(512, ge=0, description="vision features kept by image hash (scheduler)")
 
 

@@ -78,7 +78,7 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     rid: str | None = None
     cache_salt: str | None = None
-    # Images / videos for the prompt's placeholder tokens, in order (see rxf.plugins.multimodal.media
+    # Images / videos for the prompt's placeholder tokens, in order (see rxf.plugins.multimodal.media, .video
     # for the accepted forms); `mm_items` instead when already preprocessed (ids then hold the pads).
     image_data: list[Any] | None = None
     video_data: list[Any] | None = None

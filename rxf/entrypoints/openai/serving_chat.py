@@ -71,8 +71,8 @@ def template_messages(
     """The messages as the chat template takes them: the keys the client sent (nulls dropped),
     with OpenAI's "developer" role as the "system" role it replaces. Media parts are refused unless
     `images` / `videos` are given (the model takes them): then each image becomes an `image_url`
-    part with its URL appended to `images`, each video (a list of frame URLs) a `video` part with its
-    frames appended to `videos`, in prompt order."""
+    part with its URL appended to `images`, each video (a file URL or a list of frame URLs) a `video`
+    part with it appended to `videos`, in prompt order."""
     out = []
     for i, msg in enumerate(messages):
         item = msg.model_dump(exclude_unset=True)
@@ -88,7 +88,7 @@ def template_messages(
                 elif kind in _VIDEO_PARTS:
                     if videos is None:
                         raise bad_request(f"{where}: videos are not supported by this model", "messages")
-                    videos.append(_video_frames(part, where))
+                    videos.append(_video(part, where))
                     parts[j] = {"type": "video"}
         if item["role"] == "developer":
             item["role"] = "system"
@@ -96,18 +96,20 @@ def template_messages(
     return out
 
 
-def _video_frames(part: dict[str, Any], where: str) -> list[Any]:
-    """The frames of a `video` / `video_url` part: a list of image URLs (data:, or http(s)/file when
-    the server allows them), as `{"type": "video", "video": [...]}` or `{"type": "video_url",
-    "video_url": {"url": [...]}}`. Video files are not decoded: a single URL is refused."""
+def _video(part: dict[str, Any], where: str) -> str | list[str]:
+    """The video of a `video` / `video_url` part: one video file URL (data:, or http(s)/file when
+    the server allows them) or a list of frame image URLs, as `{"type": "video_url", "video_url":
+    {"url": ...}}` or `{"type": "video", "video": ...}`."""
     value = part.get(part["type"])
-    frames = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(frames, list) or not frames or not all(isinstance(f, str) and f for f in frames):
+    video = value.get("url") if isinstance(value, dict) else value
+    if isinstance(video, str) and video:
+        return video
+    if not isinstance(video, list) or not video or not all(isinstance(f, str) and f for f in video):
         raise bad_request(
-            f"{where}: a video is a non-empty list of frame URLs (video files are not decoded); "
-            f"got {type(frames).__name__}", "messages"
+            f"{where}: a video is a video file URL or a non-empty list of frame URLs; "
+            f"got {type(video).__name__}", "messages"
         )
-    return frames
+    return video
 
 
 def _image_url(part: dict[str, Any], where: str) -> Any:

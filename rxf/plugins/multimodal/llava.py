@@ -18,8 +18,9 @@ import torch
 from rxf.core.config import MultimodalConfig
 from rxf.core.io_struct import MultimodalItem
 from rxf.plugins.models.llava_features import grid_shape
-from rxf.plugins.multimodal.media import MediaError, load_image, load_video
+from rxf.plugins.multimodal.media import MediaError, load_image
 from rxf.plugins.multimodal.onevision_lite import OnevisionLiteProcessor, needs_lite
+from rxf.plugins.multimodal.video import load_video
 
 
 def content_hash(modality: str, tensors: list[torch.Tensor], extra: tuple[int, ...]) -> int:
