@@ -13,6 +13,7 @@ from typing import Any
 
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.tokenizer_manager import MAX_CACHE_SALT_LEN, MAX_TOP_LOGPROBS, RequestLimits
+from rxf.entrypoints.chat.prompt import response_format_constraint
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from rxf.entrypoints.server_state import APIError
 
@@ -32,8 +33,6 @@ _CONSTRAINT_FIELDS = {
     "guided_grammar": "ebnf",
 }
 _UNSUPPORTED_FIELDS = ("structural_tag", "guided_choice")
-# response_format json_object: any JSON object.
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Native names that differ from the OpenAI field they come from.
 _OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _NATIVE_FIELD = re.compile(r"sampling_params\.(\w+)")
@@ -101,10 +100,9 @@ def output_constraint(req: GenerationFields) -> tuple[str, dict[str, str]]:
     none. Two constraints at once are a 400 naming the second."""
     found: list[tuple[str, str, str]] = []  # (field, native kind, text)
     response_format = getattr(req, "response_format", None)
-    if response_format is not None and response_format.type == "json_object":
-        found.append(("response_format", "json_schema", JSON_OBJECT_SCHEMA))
-    elif response_format is not None and response_format.type == "json_schema":
-        found.append(("response_format", "json_schema", json.dumps(response_format.json_schema.schema_)))
+    if response_format is not None:
+        found += [("response_format", kind, text) for kind, text in
+                  response_format_constraint(response_format.model_dump(by_alias=True)).items()]
     for name, kind in _CONSTRAINT_FIELDS.items():
         value = getattr(req, name)
         if value is not None:
