@@ -1,5 +1,5 @@
 """A chat request's prompt: messages (with offered tools) rendered, tokenized and their media
-preprocessed, and `response_format` as a native constraint."""
+preprocessed; `response_format` as a native constraint, and the constraint checked up front."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from rxf.core.grammar import GRAMMAR_KINDS, GrammarError
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.messages import render_messages, template_messages
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
@@ -56,3 +57,18 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> dict[s
     if kind == "json_schema":
         return {"json_schema": json.dumps(response_format["json_schema"]["schema"])}
     return {}
+
+
+def check_constraint(grammar: Any, params: dict[str, Any], param: str | None) -> None:
+    """Compile the constraint in native `params` now (the backend caches it for the engine) so that
+    an invalid one is a ChatInputError naming `param`, the field that set it, before the request
+    starts. Blocking (a first compile may take a while)."""
+    kind = next((k for k in GRAMMAR_KINDS if k in params), None)
+    if kind is None:
+        return
+    if grammar is None:
+        raise ChatInputError("structured output is not available: this server has no grammar backend", param)
+    try:
+        grammar.compile(kind, params[kind])
+    except GrammarError as exc:  # the backend's reason ("invalid regex: ...", or why it has none)
+        raise ChatInputError(f"{param}: {exc}", param) from None
