@@ -82,4 +82,5 @@ def rxf_register_grammar_backends(register: RegisterFactory) -> None:
     process and in the process that owns the TokenizerManager (which rejects invalid grammars).
     It is called as ``factory(tokenizer, vocab_size, config.grammar)`` and returns a
     ``rxf.core.grammar.GrammarBackend`` (``vocab_size``: the model's logits width, padding included).
+    The factory runs on the backend's first use (the first constrained request), not at start-up.
     """

@@ -79,7 +79,7 @@ def _load_frontend(config: EngineConfig, tokenizer_path: str) -> tuple[Any, Any]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     template = resolve_chat_template(config.model.chat_template, tokenizer, registry.chat_template)
     if config.model.tool_call_parser is not None:  # a bad name fails the launch, not the first chat
-        from rxf.entrypoints.openai.tool_parsers import make_parser
+        from rxf.entrypoints.chat.tool_parsers import make_parser
 
         make_parser(config.model.tool_call_parser, template, tokenizer)
     return tokenizer, template

@@ -2,6 +2,9 @@
 
     with Runtime.from_config("examples/demo.toml") as rt:
         rt.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        rt.chat([{"role": "user", "content": "Weather in Paris?"}], {"max_new_tokens": 64},
+                tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {...}}}],
+                tool_choice="required")["tool_calls"]
 
 The TokenizerManager runs on an asyncio loop in a background thread of the caller's process; the
 sync methods submit to it, the async ones work from any other event loop.
@@ -22,7 +25,9 @@ from rxf.core.grammar import make_grammar_backend
 from rxf.core.registry import PluginRegistry
 from rxf.core.requests import GenerateRequest, RequestLimits, load_multimodal_processor
 from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.entrypoints.chat.tool_parsers import make_parser
 from rxf.entrypoints.engine import EngineProcesses
+from rxf.entrypoints.runtime_chat import ChatCall, prepare_chat
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ class Runtime:
             self.chat_template = resolve_chat_template(
                 config.model.chat_template, self.tokenizer, self.registry.chat_template
             )
+            self.tool_parser = make_parser(config.model.tool_call_parser, self.chat_template, self.tokenizer)
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="rxf-runtime-loop", daemon=True)
             self._thread.start()
@@ -92,11 +98,21 @@ class Runtime:
 
     def chat(
         self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
+        tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+        response_format: dict[str, Any] | None = None, parallel_tool_calls: bool = True,
         stream: bool = False, **options: Any,
     ) -> dict[str, Any] | Iterator[dict[str, Any]]:
-        """Render `messages` with the chat template (adding its stop strings) and generate."""
-        ids, params = self._chat_prompt(messages, sampling_params)
-        return self.generate(input_ids=ids, sampling_params=params, stream=stream, **options)
+        """Render `messages` (OpenAI's shape; `image_url` parts for a multimodal model) with the chat
+        template (adding its stop strings) and generate. `tools`, `tool_choice` ("none", "auto",
+        "required" or {"type": "function", "function": {"name": ...}}), `parallel_tool_calls` and
+        `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}}}) work as in /v1/chat/completions: with tools, the result's
+        text is the reply without the call markup, plus `tool_calls` when the model made calls.
+        Bad input raises ValueError naming the field."""
+        call = self._chat_call(messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls, stream)
+        out = self.generate(input_ids=call.ids, sampling_params=call.params, stream=stream, mm_items=call.mm_items,
+                            **options)
+        return out if stream else call.reply(out)
 
     def flush_cache(self) -> tuple[bool, str]:
         result = self._call(self.tokenizer_manager.flush_cache())
@@ -120,10 +136,18 @@ class Runtime:
 
     async def async_chat(
         self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
+        tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+        response_format: dict[str, Any] | None = None, parallel_tool_calls: bool = True,
         stream: bool = False, **options: Any,
     ) -> Any:
-        ids, params = self._chat_prompt(messages, sampling_params)
-        return await self.async_generate(input_ids=ids, sampling_params=params, stream=stream, **options)
+        """`chat` for an event loop (images are decoded off it)."""
+        call = await asyncio.to_thread(
+            self._chat_call, messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls, stream
+        )
+        out = await self.async_generate(
+            input_ids=call.ids, sampling_params=call.params, stream=stream, mm_items=call.mm_items, **options
+        )
+        return out if stream else call.reply(out)
 
     # ---- lifetime ----
     def shutdown(self) -> None:
@@ -163,18 +187,18 @@ class Runtime:
         ]
         return reqs, batched
 
-    def _chat_prompt(self, messages: list[dict[str, Any]], params: dict[str, Any] | None) -> tuple[list[int], dict]:
-        """Token ids of the rendered conversation (which already holds any BOS) and the params
-        with the template's stop strings added."""
-        prompt = self.chat_template.render(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        params = dict(params or {})
-        stop = params.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        params["stop"] = stop + [s for s in self.chat_template.stop_strings if s not in stop]
-        if not params["stop"]:
-            del params["stop"]
-        return ids, params
+    def _chat_call(
+        self, messages: Any, params: dict[str, Any] | None, tools: Any, tool_choice: Any, response_format: Any,
+        parallel_tool_calls: bool, stream: bool,
+    ) -> ChatCall:
+        """The prompt ids (the rendered conversation already holds any BOS) and native params."""
+        if stream and tools and tool_choice != "none":
+            raise ValueError("stream: tool calls are read from the whole reply; call chat with tools without stream")
+        return prepare_chat(
+            messages, params, tokenizer=self.tokenizer, chat_template=self.chat_template, tool_parser=self.tool_parser,
+            mm_processor=self.tokenizer_manager.mm_processor, grammar=self.tokenizer_manager.grammar, tools=tools, tool_choice=tool_choice,
+            response_format=response_format, parallel_tool_calls=parallel_tool_calls,
+        )
 
     async def _gather(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
         async def one(req: GenerateRequest) -> dict[str, Any]:

@@ -117,3 +117,28 @@ def test_min_new_tokens_yields_to_a_complete_grammar(tiny_llama):
     sched.add_request(request("m", prompts(1, seed=17)[0], 20, regex="ok", min_new_tokens=10, ignore_eos=False))
     got = drain(sched)
     assert got["m"]["finished"].type == "stop" and _text(sched, got["m"]["ids"]) == "ok"
+
+
+def test_tokenizer_info_is_built_by_the_first_constrained_request_on_a_compile_thread(
+    tiny_llama, hf_reference, monkeypatch
+):
+    import xgrammar as xgr
+
+    builds: list[str] = []  # the thread of each tokenizer-info build
+    build = xgr.TokenizerInfo.from_huggingface
+
+    def spy(*args, **kwargs):
+        builds.append(threading.current_thread().name)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", staticmethod(spy))
+    sched = make_scheduler(tiny_llama)
+    p_free, p_regex = prompts(2, seed=18)
+    sched.add_request(request("free", p_free, 12))
+    assert drain(sched)["free"]["ids"] == hf_reference(p_free, 12)
+    assert builds == []  # free requests only: the backend was never set up
+    sched.add_request(request("re", p_regex, 8, regex="ok"))
+    sched.add_request(request("re2", p_free, 8, regex="ok"))
+    got = drain(sched)
+    assert [_text(sched, got[r]["ids"]) for r in ("re", "re2")] == ["ok", "ok"]
+    assert len(builds) == 1 and builds[0].startswith("rxf-grammar"), builds  # once, off the loop

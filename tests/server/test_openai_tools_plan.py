@@ -14,10 +14,10 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
+from rxf.entrypoints.chat.tool_parsers import PARSERS
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from rxf.entrypoints.openai.serving_chat import chat_events, chat_response, plan_chat
 from rxf.entrypoints.openai.serving_completions import plan_completion
-from rxf.entrypoints.openai.tool_parsers import PARSERS
 from rxf.entrypoints.server_state import APIError
 from rxf.plugins.chat_templates.base import HFChatTemplate, JinjaChatTemplate
 from rxf.plugins.chat_templates.builtin import BUILTIN_TEMPLATES

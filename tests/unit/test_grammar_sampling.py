@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rxf.core.config import GrammarConfig
-from rxf.core.grammar import GrammarError
+from rxf.core.grammar import GrammarError, LazyGrammarBackend
 from rxf.core.sampling import GrammarMask, SamplingBatch, make_generator
 from rxf.core.sampling_params import SamplingParams
 from rxf.plugins.grammar.xgrammar_backend import XGrammarBackend
@@ -110,3 +110,31 @@ def test_matcher_accepts_rolls_back_and_forces_strings(backend):
     for t in tokenizer.encode("hello there", add_special_tokens=False) + [2]:
         assert m.accept_token(t)
     assert m.is_terminated()
+
+
+def test_lazy_backend_builds_once_on_first_use_and_a_failed_build_rejects_constraints():
+    import concurrent.futures
+
+    builds = []
+
+    def build():
+        builds.append(1)
+        return XGrammarBackend(make_tiny_tokenizer(VOCAB), VOCAB, GrammarConfig())
+
+    lazy = LazyGrammarBackend("xgrammar", build)
+    assert builds == []
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # concurrent first compiles build once
+        compiled = list(pool.map(lambda i: lazy.compile("regex", f"a{{{i + 1}}}"), range(8)))
+    assert len(builds) == 1
+    matcher = lazy.matcher(compiled[0])
+    assert matcher.accept_token(make_tiny_tokenizer(VOCAB).convert_tokens_to_ids("a")) is True
+
+    def broken():
+        builds.append(2)
+        raise RuntimeError("no tokenizer tables")
+
+    failed = LazyGrammarBackend("xgrammar", broken)
+    for _ in range(2):  # the failure is kept: no rebuild per request
+        with pytest.raises(GrammarError, match="grammar backend 'xgrammar' failed to start: no tokenizer tables"):
+            failed.compile("regex", "a")
+    assert builds == [1, 2]

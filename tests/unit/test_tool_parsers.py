@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from rxf.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, reply_message
-from rxf.entrypoints.openai.tool_parsers import (
+from rxf.entrypoints.chat.tool_parsers import (
     PARSERS,
     NamedCallParser,
     RequiredCallsParser,
@@ -20,7 +19,9 @@ from rxf.entrypoints.openai.tool_parsers import (
     make_parser,
     parser_class,
 )
-from rxf.entrypoints.openai.tool_parsers.json_scan import scan_call, value_end
+from rxf.entrypoints.chat.tool_parsers.json_scan import scan_call, value_end
+from rxf.entrypoints.chat.tools import ToolPlan
+from rxf.entrypoints.openai.tool_calls import ToolCallStream, reply_message
 from rxf.plugins.chat_templates.builtin import BUILTIN_TEMPLATES
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Zürich \"old\" town", "days": [1, 2], "unit": None}}
@@ -188,7 +189,7 @@ def test_parser_choice():
 
     assert detect_parser_name(Template()) == "mistral"
     assert parser_class("hermes") is PARSERS["hermes"]
-    assert parser_class("rxf.entrypoints.openai.tool_parsers.forced:RequiredCallsParser") is RequiredCallsParser
+    assert parser_class("rxf.entrypoints.chat.tool_parsers.forced:RequiredCallsParser") is RequiredCallsParser
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         parser_class("nope")
     with pytest.raises(ValueError, match="not a ToolCallParser"):

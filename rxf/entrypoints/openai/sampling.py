@@ -13,6 +13,9 @@ from typing import Any
 
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.tokenizer_manager import MAX_CACHE_SALT_LEN, MAX_TOP_LOGPROBS, RequestLimits
+from rxf.entrypoints.chat import ChatInputError
+from rxf.entrypoints.chat.prompt import check_constraint as check_native_constraint
+from rxf.entrypoints.chat.prompt import response_format_constraint
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from rxf.entrypoints.server_state import APIError
 
@@ -32,8 +35,6 @@ _CONSTRAINT_FIELDS = {
     "guided_grammar": "ebnf",
 }
 _UNSUPPORTED_FIELDS = ("structural_tag", "guided_choice")
-# response_format json_object: any JSON object.
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Native names that differ from the OpenAI field they come from.
 _OPENAI_NAME = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _NATIVE_FIELD = re.compile(r"sampling_params\.(\w+)")
@@ -101,10 +102,9 @@ def output_constraint(req: GenerationFields) -> tuple[str, dict[str, str]]:
     none. Two constraints at once are a 400 naming the second."""
     found: list[tuple[str, str, str]] = []  # (field, native kind, text)
     response_format = getattr(req, "response_format", None)
-    if response_format is not None and response_format.type == "json_object":
-        found.append(("response_format", "json_schema", JSON_OBJECT_SCHEMA))
-    elif response_format is not None and response_format.type == "json_schema":
-        found.append(("response_format", "json_schema", json.dumps(response_format.json_schema.schema_)))
+    if response_format is not None:
+        found += [("response_format", kind, text) for kind, text in
+                  response_format_constraint(response_format.model_dump(by_alias=True)).items()]
     for name, kind in _CONSTRAINT_FIELDS.items():
         value = getattr(req, name)
         if value is not None:
@@ -119,20 +119,12 @@ def output_constraint(req: GenerationFields) -> tuple[str, dict[str, str]]:
 
 
 def check_constraint(grammar: Any, params: dict[str, Any], param: str | None) -> None:
-    """Compile the request's constraint now (the backend caches it for the engine) so that an
-    invalid one is a 400 naming the OpenAI field `param` before any stream starts. Blocking: run
-    it off the event loop."""
-    from rxf.core.grammar import GRAMMAR_KINDS, GrammarError
-
-    kind = next((k for k in GRAMMAR_KINDS if k in params), None)
-    if kind is None:
-        return
-    if grammar is None:
-        raise bad_request("structured output is not available: this server has no grammar backend", param)
+    """`rxf.entrypoints.chat.prompt.check_constraint` as a 400 naming the OpenAI field `param`
+    before any stream starts. Blocking: run it off the event loop."""
     try:
-        grammar.compile(kind, params[kind])
-    except GrammarError as exc:  # the backend's reason ("invalid regex: ...", or why it has none)
-        raise bad_request(f"{param}: {exc}", param) from None
+        check_native_constraint(grammar, params, param)
+    except ChatInputError as exc:
+        raise bad_request(str(exc), exc.param) from None
 
 
 def max_new_tokens(

@@ -18,6 +18,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
+from rxf.entrypoints.chat import ChatInputError
+from rxf.entrypoints.chat.prompt import build_chat_prompt
+from rxf.entrypoints.chat.tool_parsers import ToolCallParser, make_parser
+from rxf.entrypoints.chat.tools import ToolPlan, plan_tools, tool_params
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs, token_str_fn
 from rxf.entrypoints.openai.protocol import (
@@ -27,9 +31,9 @@ from rxf.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatMessageOut,
     Delta,
+    NamedToolChoice,
 )
 from rxf.entrypoints.openai.sampling import (
     bad_request,
@@ -42,15 +46,10 @@ from rxf.entrypoints.openai.sampling import (
     verify_native,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
-from rxf.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, reply_message
-from rxf.entrypoints.openai.tool_parsers import ToolCallParser, make_parser
+from rxf.entrypoints.openai.tool_calls import ToolCallStream, reply_message
 from rxf.entrypoints.server_state import ServerState, server_state
-from rxf.plugins.chat_templates.tools import HermesSyntax
 
 router = APIRouter()
-
-_IMAGE_PARTS = ("image_url", "input_image", "image")
-_VIDEO_PARTS = ("video_url", "video")
 
 
 @dataclass
@@ -63,85 +62,6 @@ class ChatPlan:
     mm_items: list[Any] | None = None  # the prompt's preprocessed images (their pads are in ids)
     tools: ToolPlan | None = None
     constraint_param: str | None = None  # the request field that set the output constraint
-
-
-def template_messages(
-    messages: list[ChatMessage], images: list[Any] | None = None, videos: list[Any] | None = None
-) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them: the keys the client sent (nulls dropped),
-    with OpenAI's "developer" role as the "system" role it replaces. Media parts are refused unless
-    `images` / `videos` are given (the model takes them): then each image becomes an `image_url`
-    part with its URL appended to `images`, each video (a file URL or a list of frame URLs) a `video`
-    part with it appended to `videos`, in prompt order."""
-    out = []
-    for i, msg in enumerate(messages):
-        item = msg.model_dump(exclude_unset=True)
-        if isinstance(msg.content, list):
-            parts = item["content"] = list(item["content"])
-            for j, part in enumerate(msg.content):
-                kind, where = part.get("type"), f"messages[{i}].content[{j}]"
-                if kind in _IMAGE_PARTS:
-                    if images is None:
-                        raise bad_request(f"{where}: images are not supported by this model", "messages")
-                    images.append(_image_url(part, where))
-                    parts[j] = {"type": "image_url"}
-                elif kind in _VIDEO_PARTS:
-                    if videos is None:
-                        raise bad_request(f"{where}: videos are not supported by this model", "messages")
-                    videos.append(_video(part, where))
-                    parts[j] = {"type": "video"}
-        if item["role"] == "developer":
-            item["role"] = "system"
-        out.append(item)
-    return out
-
-
-def _video(part: dict[str, Any], where: str) -> str | list[str]:
-    """The video of a `video` / `video_url` part: one video file URL (data:, or http(s)/file when
-    the server allows them) or a list of frame image URLs, as `{"type": "video_url", "video_url":
-    {"url": ...}}` or `{"type": "video", "video": ...}`."""
-    value = part.get(part["type"])
-    video = value.get("url") if isinstance(value, dict) else value
-    if isinstance(video, str) and video:
-        return video
-    if not isinstance(video, list) or not video or not all(isinstance(f, str) and f for f in video):
-        raise bad_request(
-            f"{where}: a video is a video file URL or a non-empty list of frame URLs; "
-            f"got {type(video).__name__}", "messages"
-        )
-    return video
-
-
-def _image_url(part: dict[str, Any], where: str) -> Any:
-    """The image of an `image_url` / `input_image` / `image` part: a URL (data:, or http(s)/file
-    when the server allows them) or base64."""
-    value = part.get(part["type"])
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url:
-        raise bad_request(f"{where}: expected {part['type']!r} to hold a URL string (or {{'url': ...}})", "messages")
-    return url
-
-
-def render_messages(
-    items: list[dict[str, Any]],
-    chat_template: Any,
-    tool_parser: ToolCallParser | None,
-    tools: ToolPlan | None = None,
-    add_generation_prompt: bool = True,
-) -> str:
-    """The rendered prompt for template messages. Messages with tool calls or results, or offered
-    tools, go through the template's tool rendering (in `tool_parser`'s format where the template
-    has none; Hermes' for a parser that gives none). Raises APIError(400) naming "messages" for
-    messages the template refuses."""
-    with_tools = tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in items)
-    try:
-        if with_tools:
-            syntax = tool_parser.syntax if tool_parser is not None and tool_parser.syntax else HermesSyntax()
-            offered = tools.tools if tools is not None else []
-            return chat_template.render_with_tools(items, offered, syntax, add_generation_prompt)
-        return chat_template.render(items, add_generation_prompt=add_generation_prompt)
-    except ValueError as exc:  # the template names the offending message
-        raise bad_request(str(exc), "messages") from None
 
 
 def plan_chat(
@@ -162,29 +82,23 @@ def plan_chat(
     constrained_by, constraint = output_constraint(req)
     if tool_parser is None:
         tool_parser = make_parser(None, chat_template, tokenizer)
-    tools = plan_tools(req, tool_parser, constrained_by or None)
-    images: list[Any] | None = [] if mm_processor is not None else None
-    videos: list[Any] | None = [] if mm_processor is not None else None
-    prompt = render_messages(template_messages(req.messages, images, videos), chat_template, tool_parser, tools)
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    mm_items = None
-    if images or videos:
-        try:
-            ids, mm_items = mm_processor.process(ids, images, videos)
-        except ValueError as exc:
-            message = str(exc).replace("image_data", "image", 1).replace("video_data", "video", 1)
-            raise bad_request("messages: " + message, "messages") from None
+    tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    tool_entries = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
+    messages = [msg.model_dump(exclude_unset=True) for msg in req.messages]
+    try:
+        tools = plan_tools(tool_entries, tool_choice, req.parallel_tool_calls, tool_parser, constrained_by or None)
+        prompt = build_chat_prompt(messages, tokenizer, chat_template, tool_parser, tools, mm_processor)
+    except ChatInputError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    ids = prompt.ids
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = req.max_tokens, "max_tokens"
     budget = max_new_tokens(requested, param, None, len(ids), context_len, "messages")
-    params = native_params(req, budget, tuple(chat_template.stop_strings)) | constraint
+    params = native_params(req, budget, tuple(chat_template.stop_strings)) | constraint | tool_params(tools)
     if tools is not None and tools.json_schema is not None:
-        params["json_schema"] = tools.json_schema
         constrained_by = "tools"
-    elif tools is not None and tools.parser.needs_special_tokens:
-        params["skip_special_tokens"] = False
     verify_native(params, vocab_size, limits)
     rid = gen.new_id("chatcmpl")
     reqs = gen.choice_requests(
@@ -197,9 +111,9 @@ def plan_chat(
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
         cache_salt=req.cache_salt,
-        mm_items=mm_items,
+        mm_items=prompt.mm_items,
     )
-    return ChatPlan(rid, ids, params, reqs, req.logprobs, mm_items, tools, constrained_by or None)
+    return ChatPlan(rid, ids, params, reqs, req.logprobs, prompt.mm_items, tools, constrained_by or None)
 
 
 def _logprobs(plan: ChatPlan, meta: dict[str, Any], token_str: TokenStr) -> ChatLogprobs | None:

@@ -11,6 +11,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from rxf.entrypoints.chat import ChatInputError
+from rxf.entrypoints.chat.messages import render_messages, template_messages
+from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -18,8 +21,7 @@ from rxf.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from rxf.entrypoints.openai.sampling import bad_request, check_model
-from rxf.entrypoints.openai.serving_chat import render_messages, template_messages, tool_parser
-from rxf.entrypoints.openai.tool_parsers import ToolCallParser
+from rxf.entrypoints.openai.serving_chat import tool_parser
 from rxf.entrypoints.server_state import server_state
 
 router = APIRouter()
@@ -31,8 +33,11 @@ def prompt_text(req: TokenizeRequest, chat_template: Any, parser: ToolCallParser
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if req.prompt is not None:
         return req.prompt, req.add_special_tokens is not False
-    items = template_messages(req.messages)
-    text = render_messages(items, chat_template, parser, add_generation_prompt=req.add_generation_prompt)
+    try:
+        items = template_messages([msg.model_dump(exclude_unset=True) for msg in req.messages])
+        text = render_messages(items, chat_template, parser, add_generation_prompt=req.add_generation_prompt)
+    except ChatInputError as exc:
+        raise bad_request(str(exc), exc.param) from None
     return text, bool(req.add_special_tokens)
 
 

@@ -3,8 +3,8 @@ by ";"), optionally after `<|python_tag|>`. A reply that starts otherwise is pla
 
 from __future__ import annotations
 
-from rxf.entrypoints.openai.tool_parsers.base import CallPiece, Piece, ToolCallParser
-from rxf.entrypoints.openai.tool_parsers.json_scan import scan_call, skip_ws
+from rxf.entrypoints.chat.tool_parsers.base import CallPiece, Piece, ToolCallParser
+from rxf.entrypoints.chat.tool_parsers.json_scan import scan_call, skip_ws
 from rxf.plugins.chat_templates.tools import Llama3JsonSyntax
 
 PYTHON_TAG = "<|python_tag|>"

@@ -4,8 +4,8 @@ model's own format."""
 
 from __future__ import annotations
 
-from rxf.entrypoints.openai.tool_parsers.base import CallPiece, Piece, ToolCallParser, array_pieces
-from rxf.entrypoints.openai.tool_parsers.json_scan import CallScan
+from rxf.entrypoints.chat.tool_parsers.base import CallPiece, Piece, ToolCallParser, array_pieces
+from rxf.entrypoints.chat.tool_parsers.json_scan import CallScan
 
 
 class RequiredCallsParser(ToolCallParser):

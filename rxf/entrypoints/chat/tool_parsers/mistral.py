@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from rxf.entrypoints.openai.tool_parsers.base import Piece, ToolCallParser, array_pieces
+from rxf.entrypoints.chat.tool_parsers.base import Piece, ToolCallParser, array_pieces
 from rxf.plugins.chat_templates.tools import MistralSyntax
 
 MARKER = "[TOOL_CALLS]"

@@ -10,11 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rxf.entrypoints.openai.tool_parsers.base import ParsedCall, Scan, ToolCallParser
-from rxf.entrypoints.openai.tool_parsers.forced import NamedCallParser, RequiredCallsParser
-from rxf.entrypoints.openai.tool_parsers.hermes import HermesParser
-from rxf.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonParser
-from rxf.entrypoints.openai.tool_parsers.mistral import MistralParser
+from rxf.entrypoints.chat.tool_parsers.base import ParsedCall, Scan, ToolCallParser
+from rxf.entrypoints.chat.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+from rxf.entrypoints.chat.tool_parsers.hermes import HermesParser
+from rxf.entrypoints.chat.tool_parsers.llama3_json import Llama3JsonParser
+from rxf.entrypoints.chat.tool_parsers.mistral import MistralParser
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser)

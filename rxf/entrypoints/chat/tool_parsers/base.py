@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from rxf.entrypoints.openai.tool_parsers.json_scan import CallScan, scan_call, skip_ws
+from rxf.entrypoints.chat.tool_parsers.json_scan import CallScan, scan_call, skip_ws
 from rxf.plugins.chat_templates.tools import ToolSyntax
 
 

@@ -3,8 +3,8 @@ plain text around them."""
 
 from __future__ import annotations
 
-from rxf.entrypoints.openai.tool_parsers.base import CallPiece, Piece, ToolCallParser
-from rxf.entrypoints.openai.tool_parsers.json_scan import scan_call
+from rxf.entrypoints.chat.tool_parsers.base import CallPiece, Piece, ToolCallParser
+from rxf.entrypoints.chat.tool_parsers.json_scan import scan_call
 from rxf.plugins.chat_templates.tools import HermesSyntax
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

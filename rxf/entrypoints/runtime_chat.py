@@ -1,0 +1,112 @@
+"""What `Runtime.chat` adds to a generation: its inputs in OpenAI's shapes (messages with image parts,
+`tools`, `tool_choice`, `response_format`), validated by the OpenAI protocol's models so that both
+front doors accept the same requests; the prompt and tool plan of `rxf.entrypoints.chat`; and the
+tool calls read from the reply. Every bad input raises `ChatInputError` (a ValueError) naming the
+field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, get_args
+
+from pydantic import TypeAdapter, ValidationError
+
+from rxf.core.grammar import GRAMMAR_KINDS
+from rxf.entrypoints.chat import ChatInputError
+from rxf.entrypoints.chat.prompt import build_chat_prompt, check_constraint, response_format_constraint
+from rxf.entrypoints.chat.tool_parsers import ToolCallParser
+from rxf.entrypoints.chat.tools import ToolPlan, new_call_id, plan_tools, reply_calls, tool_params
+
+
+@dataclass
+class ChatCall:
+    ids: list[int]
+    params: dict[str, Any]  # native sampling params: the caller's, the template's stops, constraints
+    mm_items: list[Any] | None
+    tools: ToolPlan | None
+
+    def reply(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The native result; with tools offered, its text without the call markup and, when the
+        model made calls, `tool_calls`: [{id, type: "function", function: {name, arguments}}]."""
+        if self.tools is None:
+            return result
+        content, calls = reply_calls(self.tools, result["text"])
+        out = {**result, "text": content}
+        if calls:
+            out["tool_calls"] = [
+                {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]
+        return out
+
+
+def prepare_chat(
+    messages: Any,
+    sampling_params: dict[str, Any] | None,
+    *,
+    tokenizer: Any,
+    chat_template: Any,
+    tool_parser: ToolCallParser,
+    mm_processor: Any = None,
+    grammar: Any = None,
+    tools: Any = None,
+    tool_choice: Any = None,
+    response_format: Any = None,
+    parallel_tool_calls: bool = True,
+) -> ChatCall:
+    """The prompt and native params of a chat call. With a multimodal processor its images are
+    decoded and preprocessed here; the constraint that tools or response_format set is compiled
+    with `grammar` (blocking)."""
+    # Imported here, not at the top: the protocol's package loads the whole HTTP layer (FastAPI),
+    # which a Runtime that never chats need not import.
+    from rxf.entrypoints.openai.protocol import ChatMessage, ResponseFormat, Tool
+
+    items = [m.model_dump(exclude_unset=True) for m in _validate(list[ChatMessage], messages, "messages")]
+    entries = None if tools is None else [t.model_dump(exclude_none=True) for t in _validate(list[Tool], tools, "tools")]
+    choice = _tool_choice(tool_choice)
+    fmt = None if response_format is None else _validate(ResponseFormat, response_format, "response_format")
+    params = dict(sampling_params or {})
+    constraints = [f"sampling_params.{kind}" for kind in GRAMMAR_KINDS if params.get(kind) is not None]
+    constraint = response_format_constraint(fmt.model_dump(by_alias=True) if fmt is not None else None)
+    if constraint:
+        constraints.append("response_format")
+    if len(constraints) > 1:
+        raise ChatInputError(
+            f"at most one output constraint may be set; got {constraints[0]} and {constraints[1]}", constraints[1]
+        )
+    plan = plan_tools(entries, choice, parallel_tool_calls, tool_parser, constraints[0] if constraints else None)
+    prompt = build_chat_prompt(items, tokenizer, chat_template, tool_parser, plan, mm_processor)
+    stop = params.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    stop += [s for s in chat_template.stop_strings if s not in stop]
+    params.pop("stop", None)
+    params |= ({"stop": stop} if stop else {}) | constraint | tool_params(plan)
+    if plan is not None and plan.json_schema is not None:
+        check_constraint(grammar, params, "tools")
+    elif constraint:
+        check_constraint(grammar, params, "response_format")
+    return ChatCall(prompt.ids, params, prompt.mm_items, plan)
+
+
+def _tool_choice(tool_choice: Any) -> str | dict[str, Any] | None:
+    from rxf.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
+
+    choices = get_args(get_args(ChatCompletionRequest.model_fields["tool_choice"].annotation)[0])
+    if tool_choice is None or tool_choice in choices:
+        return tool_choice
+    if isinstance(tool_choice, str):
+        raise ChatInputError(
+            f"tool_choice: expected one of {', '.join(map(repr, choices))} or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}", "tool_choice"
+        )
+    return _validate(NamedToolChoice, tool_choice, "tool_choice").model_dump()
+
+
+def _validate(kind: Any, value: Any, field: str) -> Any:
+    """`value` validated as `kind`; the first error names its place (`tools[0].function.name: ...`)."""
+    try:
+        return TypeAdapter(kind).validate_python(value)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = field + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+        raise ChatInputError(f"{where}: {error['msg']}", field) from None
