@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.openai import generation as gen
@@ -44,7 +44,7 @@ from rxf.entrypoints.openai.sampling import (
 from rxf.entrypoints.openai.sse import event, sse_response
 from rxf.entrypoints.openai.tool_calls import ToolCallStream, ToolPlan, plan_tools, reply_message
 from rxf.entrypoints.openai.tool_parsers import ToolCallParser, make_parser
-from rxf.entrypoints.server_state import ServerState, server_state
+from rxf.entrypoints.server_state import ServerState, server_state, until_disconnected
 from rxf.plugins.chat_templates.tools import HermesSyntax
 
 router = APIRouter()
@@ -293,7 +293,7 @@ def tool_parser(state: ServerState) -> ToolCallParser:
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request
-) -> ChatCompletionResponse | StreamingResponse:
+) -> ChatCompletionResponse | StreamingResponse | Response:
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
@@ -309,5 +309,7 @@ async def create_chat_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return sse_response(chat_events(tm, plan, token_str, state.served_model_name, include_usage))
-    results = await gen.collect(tm, plan.reqs)
+    results = await until_disconnected(request, gen.collect(tm, plan.reqs))
+    if results is None:
+        return Response(status_code=499)  # the client left: its requests were aborted, nobody reads this
     return chat_response(plan, results, token_str, state.served_model_name)

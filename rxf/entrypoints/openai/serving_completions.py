@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.openai import generation as gen
@@ -43,7 +43,7 @@ from rxf.entrypoints.openai.sampling import (
     verify_native,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
-from rxf.entrypoints.server_state import server_state
+from rxf.entrypoints.server_state import server_state, until_disconnected
 
 router = APIRouter()
 
@@ -195,7 +195,7 @@ async def completion_events(
 @router.post("/v1/completions", response_model=None)
 async def create_completion(
     body: CompletionRequest, request: Request
-) -> CompletionResponse | StreamingResponse:
+) -> CompletionResponse | StreamingResponse | Response:
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
@@ -208,5 +208,7 @@ async def create_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return sse_response(completion_events(tm, plan, token_str, state.served_model_name, include_usage))
-    results = await gen.collect(tm, plan.reqs)
+    results = await until_disconnected(request, gen.collect(tm, plan.reqs))
+    if results is None:
+        return Response(status_code=499)  # the client left: its requests were aborted, nobody reads this
     return completion_response(plan, results, token_str, state.served_model_name)
