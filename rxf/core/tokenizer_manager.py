@@ -41,6 +41,7 @@ from rxf.core.requests import (
     RequestError,
     RequestLimits,
     RequestTimeoutError,
+    check_prompt_chars,
 )
 from rxf.core.sampling_params import SamplingParams
 
@@ -137,6 +138,7 @@ class TokenizerManager:
         else:
             if not isinstance(req.text, str):
                 raise RequestError("text: expected a string")
+            check_prompt_chars(req.text, self.tokenizer, self.max_context_len, "text")
             ids = self.tokenizer.encode(req.text)
         mm_items = req.mm_items
         images, videos = _as_list(req.image_data), _as_list(req.video_data)

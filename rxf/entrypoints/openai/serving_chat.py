@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from rxf.core.requests import check_prompt_chars
 from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs, token_str_fn
@@ -164,6 +165,7 @@ def plan_chat(
     images: list[Any] | None = [] if mm_processor is not None else None
     videos: list[Any] | None = [] if mm_processor is not None else None
     prompt = render_messages(template_messages(req.messages, images, videos), chat_template, tool_parser, tools)
+    check_prompt_chars(prompt, tokenizer, context_len, "messages")
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     mm_items = None
     if images or videos:

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from rxf.core.requests import check_prompt_chars
 from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import (
@@ -72,9 +73,12 @@ class CompletionPlan:
 PromptField = str | list[str] | list[int] | list[list[int]]
 
 
-def parse_prompts(prompt: PromptField, tokenizer: Any, vocab_size: int) -> list[Prompt]:
+def parse_prompts(
+    prompt: PromptField, tokenizer: Any, vocab_size: int, context_len: int | None = None
+) -> list[Prompt]:
     """One `Prompt` per prompt of the request. Text is tokenized as the native API does (the
-    tokenizer's special tokens, such as BOS, included)."""
+    tokenizer's special tokens, such as BOS, included); with `context_len`, a text that cannot fit
+    it is refused before it is tokenized."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]  # type: ignore[list-item]
     if not prompt:
@@ -82,6 +86,8 @@ def parse_prompts(prompt: PromptField, tokenizer: Any, vocab_size: int) -> list[
     out = []
     for item in prompt:
         if isinstance(item, str):
+            if context_len is not None:
+                check_prompt_chars(item, tokenizer, context_len, "prompt")
             out.append(Prompt(tokenizer.encode(item), item))
         elif all(0 <= t < vocab_size for t in item):
             out.append(Prompt(list(item), tokenizer.decode(item, skip_special_tokens=False)))
@@ -98,7 +104,7 @@ def plan_completion(
     """The native requests for `req`; raises APIError(400) naming the field for any bad value."""
     check_completion(req)
     constrained_by, constraint = output_constraint(req)
-    prompts = parse_prompts(req.prompt, tokenizer, vocab_size)
+    prompts = parse_prompts(req.prompt, tokenizer, vocab_size, context_len)
     plan = CompletionPlan(
         gen.new_id("cmpl"), prompts, [], [], req.n, req.echo, req.logprobs, constrained_by or None
     )
