@@ -242,3 +242,24 @@ def test_a_routing_failure_leaves_nothing_in_flight(tmp_path: Path):
         assert tm.states == {} and tm.router.in_flight == [0]
     finally:
         asyncio.run(tm.close())
+
+
+def test_tokenizing_megabytes_does_not_stall_other_requests(server, http, model):
+    """/v1/tokenize has no context bound, so a 7 MB prompt is tokenized (seconds): off the event loop."""
+    done = threading.Event()
+
+    def tokenize() -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as own:
+            r = own.post("/v1/tokenize", json={"model": model, "prompt": "word " * 1_400_000})
+        assert r.status_code == 200 and r.json()["count"] > 1_000_000, r.text[:200]
+        done.set()
+
+    thread = threading.Thread(target=tokenize)
+    thread.start()
+    latencies = []
+    while not done.is_set() and thread.is_alive():
+        start = time.monotonic()
+        assert http.get("/health").status_code == 200
+        latencies.append(time.monotonic() - start)
+    thread.join()
+    assert done.is_set() and len(latencies) > 3 and max(latencies) < 1.0, latencies
