@@ -103,6 +103,14 @@ def test_native_fields_are_strictly_typed(http):
     assert_clean(http)
 
 
+@pytest.mark.parametrize("key", [" 7 ", "1_0", "\u0663", "7.0"])
+def test_logit_bias_keys_are_decimal_token_ids(http, model, key):
+    assert_400(post_raw(http, "/v1/completions", {"model": model, "prompt": "hi", "logit_bias": {key: 1}}),
+               "logit_bias", "token ids")
+    assert_400(post_raw(http, "/generate", {"text": "hi", "sampling_params": {"logit_bias": {key: 1}}}),
+               "sampling_params.logit_bias", "token ids")
+
+
 def test_unreadable_bodies_say_why(http):
     json_type = {"content-type": "application/json"}
     r = http.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers=json_type)
