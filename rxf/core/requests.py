@@ -5,6 +5,7 @@ of the checkpoint's multimodal processor that preprocesses its images.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,24 @@ class RequestLimits:
         n_bias = len(params.logit_bias or {})
         if n_bias > self.max_logit_bias:
             raise ValueError(f"sampling_params.logit_bias: at most {self.max_logit_bias} entries, got {n_bias}")
+
+
+@functools.cache
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` stands for: its longest vocabulary entry (a
+    byte-level entry has a character per byte, so it never undercounts the text it decodes to)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def check_prompt_chars(text: str, tokenizer: Any, max_context_len: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text too long for any tokenization of it to fit the context:
+    tokenizing megabytes takes seconds of the event loop, which every other client waits for."""
+    limit = max_context_len * max_token_chars(tokenizer)
+    if len(text) > limit:
+        raise RequestError(
+            f"{param}: {len(text)} characters cannot fit the model's context of {max_context_len} tokens "
+            f"(at most {limit} characters)"
+        )
 
 
 @dataclass

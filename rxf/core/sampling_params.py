@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -152,6 +153,19 @@ def _as_int_list(name: str, value: Any) -> list[int]:
     return [_as_int(name, v) for v in value]
 
 
+_DECIMAL = re.compile(r"-?[0-9]+")
+
+
+def token_id_key(key: Any) -> int:
+    """A logit_bias key as a token id: an int, or its decimal digits as a string. Python's `int()`
+    alone would also take " 7 ", "1_0" and non-ASCII digits, which no tokenizer writes."""
+    if isinstance(key, str) and _DECIMAL.fullmatch(key):
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    raise ValueError(f"not a token id: {key!r}")
+
+
 def _as_logit_bias(name: str, value: Any) -> dict[int, float] | None:
     """{"50256": -100} as JSON sends it (string keys) or {50256: -100}."""
     if value is None:
@@ -161,8 +175,8 @@ def _as_logit_bias(name: str, value: Any) -> dict[int, float] | None:
     out: dict[int, float] = {}
     for key, bias in value.items():
         try:
-            token_id = int(key)
-        except (TypeError, ValueError):
+            token_id = token_id_key(key)
+        except ValueError:
             raise _type_error(name, "token ids as keys", key) from None
         out[token_id] = _as_float(name, bias)
     return out

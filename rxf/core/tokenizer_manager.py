@@ -41,6 +41,7 @@ from rxf.core.requests import (
     RequestError,
     RequestLimits,
     RequestTimeoutError,
+    check_prompt_chars,
 )
 from rxf.core.sampling_params import SamplingParams
 
@@ -137,6 +138,7 @@ class TokenizerManager:
         else:
             if not isinstance(req.text, str):
                 raise RequestError("text: expected a string")
+            check_prompt_chars(req.text, self.tokenizer, self.max_context_len, "text")
             ids = self.tokenizer.encode(req.text)
         mm_items = req.mm_items
         images, videos = _as_list(req.image_data), _as_list(req.video_data)
@@ -232,8 +234,11 @@ class TokenizerManager:
         finished = False
         timeout = self.limits.timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        to_scheduler = self.to_schedulers[self.router.route(msg.rid, msg.input_ids, msg.cache_salt)]
+        # Whatever fails once `states` holds the request (routing included) must reach the `finally`
+        # that drops it: a leaked entry would count against max_in_flight for the server's lifetime.
+        to_scheduler = None
         try:
+            to_scheduler = self.to_schedulers[self.router.route(msg.rid, msg.input_ids, msg.cache_salt)]
             await to_scheduler.send_pyobj(msg)
             while not finished:
                 item = await _next_output(state, deadline, timeout)
@@ -256,7 +261,7 @@ class TokenizerManager:
             self.router.finished(msg.rid)
             if observer is not None:
                 observer.on_end(msg.rid)
-            if not finished and not self._dead:
+            if not finished and not self._dead and to_scheduler is not None:
                 await to_scheduler.send_pyobj(AbortReq(msg.rid))
 
     async def abort(self, rid: str) -> None:

@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rxf.core.tokenizer_manager import EngineDeadError, OverloadedError, RequestError, RequestTimeoutError
+from rxf.entrypoints.body_text import InvalidTextError
 from rxf.entrypoints.server_state import APIError, engine_api_error
 
 # Routes answered without the API key: load balancers and orchestrators probe them.
@@ -29,6 +30,9 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
     """One 400 for FastAPI's validation errors: `param` names the field (the part of the location
     that all of its errors share: a union type reports one error per member)."""
     first = errors[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidTextError):  # raised by the body models' own validators
+        return APIError(400, str(cause), param=cause.param or None)
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "JSON decode error")
         return APIError(400, f"malformed JSON body: {detail}")
@@ -52,6 +56,15 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, f"{param}: {'; '.join(reasons)}", param=param)
 
 
+def _body_parse_error(cause: BaseException) -> str:
+    """Why FastAPI could not read a body that is not a JSON syntax error (those are `json_invalid`)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8 (byte {cause.start}): send JSON encoded as UTF-8"
+    if isinstance(cause, RecursionError):
+        return "the request body nests JSON arrays or objects too deeply"
+    return f"the request body could not be read as JSON: {type(cause).__name__}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, APIError)
@@ -73,6 +86,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
         elif e.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
+        elif e.status_code == 400 and e.__cause__ is not None:  # FastAPI's "error parsing the body"
+            message = _body_parse_error(e.__cause__)
         return APIError(e.status_code, message, headers=e.headers).response()
 
     async def unexpected(_: Request, e: Exception) -> JSONResponse:

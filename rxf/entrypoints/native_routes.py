@@ -17,9 +17,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
+from rxf.entrypoints.body_text import check_unicode
 from rxf.entrypoints.server_state import (
     APIError,
     ServerState,
@@ -36,10 +37,21 @@ State = Annotated[ServerState, Depends(server_state)]
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
-class GenerateBody(BaseModel):
-    """The body of POST /generate. Unknown fields are ignored, as SGLang's clients send extras."""
+class _NativeBody(BaseModel):
+    """Strict types (no "yes" for true, no "5" for 5), so a wrong type is a 400 naming the field;
+    every string must be valid Unicode (`check_unicode`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        check_unicode(data)
+        return data
+
+
+class GenerateBody(_NativeBody):
+    """The body of POST /generate. Unknown fields are ignored, as SGLang's clients send extras."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -56,7 +68,7 @@ class GenerateBody(BaseModel):
     video_data: Any = None
 
 
-class AbortBody(BaseModel):
+class AbortBody(_NativeBody):
     rid: str
 
 

@@ -14,9 +14,15 @@ from dataclasses import dataclass, field
 from rxf.core.scheduler.cache_ops import KVCacheManager
 from rxf.core.scheduler.req import Req
 
-# Future tokens of a new request are counted in full, but never more than this: a request asking
-# for a huge max_new_tokens would otherwise block admission long before it could use the space.
+# Future tokens of a request (new or running) are counted in full, but never more than this: a
+# request asking for a huge max_new_tokens would otherwise block admission long before it could use
+# the space (one client's max_new_tokens = 10**9 would stall every other client). A request that
+# does outgrow the estimate is retracted when decode runs out of slots.
 MAX_NEW_TOKENS_ESTIMATE = 4096
+
+
+def _future_tokens(req: Req) -> int:
+    return min(req.remaining_new_tokens, MAX_NEW_TOKENS_ESTIMATE)
 
 
 @dataclass
@@ -42,7 +48,7 @@ def admit(
     A request longer than the chunk size is admitted with only its first chunk; a prompt longer
     than `max_prefill_tokens` is still admitted when it is the batch's first, so it cannot starve.
     """
-    available = kv.available() - sum(r.remaining_new_tokens * new_token_ratio for r in running)
+    available = kv.available() - sum(_future_tokens(r) * new_token_ratio for r in running)
     out = Admission()
     budget = 0.0
     for req in ordered:
@@ -56,7 +62,7 @@ def admit(
             extend_len = min(extend_len, chunk_size)
         if (out.reqs or batch_nonempty) and out.new_tokens + extend_len > max_prefill_tokens:
             break
-        future = min(req.remaining_new_tokens, MAX_NEW_TOKENS_ESTIMATE)
+        future = _future_tokens(req)
         # With nothing else running, the first request only needs room for its prompt: waiting
         # for room it can never get would stall the queue (it may later end "length" if it outgrows
         # the cache).
@@ -66,7 +72,7 @@ def admit(
         if budget + extend_len + future > available:
             break
         kv.lock(req, slots, node)
-        available = kv.available() - sum(r.remaining_new_tokens * new_token_ratio for r in running)
+        available = kv.available() - sum(_future_tokens(r) * new_token_ratio for r in running)
         if budget + extend_len + future > available:
             kv.unlock(req)
             req.prefix_indices, req.kv_len = slots[:0], 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rxf.core.grammar import GRAMMAR_KINDS, GrammarError
+from rxf.core.requests import RequestError, check_prompt_chars
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.messages import render_messages, template_messages
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
@@ -30,13 +31,20 @@ def build_chat_prompt(
     tool_parser: ToolCallParser | None,
     tools: ToolPlan | None = None,
     mm_processor: Any = None,
+    max_context_len: int | None = None,
 ) -> ChatPrompt:
     """The prompt of `messages` offering `tools`. With a multimodal processor, images and videos are
-    decoded and preprocessed here (blocking: call it off an event loop when there are any)."""
+    decoded and preprocessed here (blocking: call it off an event loop when there are any). With
+    `max_context_len`, a rendered text too long to fit it is refused before it is tokenized."""
     images: list[Any] | None = [] if mm_processor is not None else None
     videos: list[Any] | None = [] if mm_processor is not None else None
     offered = tools.tools if tools is not None else None
     text = render_messages(template_messages(messages, images, videos), chat_template, tool_parser, offered)
+    if max_context_len is not None:
+        try:
+            check_prompt_chars(text, tokenizer, max_context_len, "messages")
+        except RequestError as exc:
+            raise ChatInputError(str(exc), "messages") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not (images or videos):
         return ChatPrompt(ids, None)

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rxf.entrypoints.body_text import check_unicode
+
 
 def _omit_if_none() -> Any:
     return Field(default=None, exclude_if=lambda value: value is None)
@@ -24,6 +26,7 @@ class _Request(BaseModel):
     def _null_is_absent(cls, data: Any) -> Any:
         # Clients (and libraries wrapping them) send `"n": null` for "use the default".
         if isinstance(data, dict):
+            check_unicode(data)
             return {key: value for key, value in data.items() if value is not None}
         return data
 

@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from rxf.core.sampling_params import SamplingParams
+from rxf.core.sampling_params import SamplingParams, token_id_key
 from rxf.core.tokenizer_manager import MAX_CACHE_SALT_LEN, MAX_TOP_LOGPROBS, RequestLimits
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.prompt import check_constraint as check_native_constraint
@@ -191,7 +191,7 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
         try:
-            out[int(key)] = value
+            out[token_id_key(key)] = value
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
     return out

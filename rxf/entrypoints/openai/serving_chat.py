@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.chat import ChatInputError
@@ -47,7 +47,7 @@ from rxf.entrypoints.openai.sampling import (
 )
 from rxf.entrypoints.openai.sse import event, sse_response
 from rxf.entrypoints.openai.tool_calls import ToolCallStream, reply_message
-from rxf.entrypoints.server_state import ServerState, server_state
+from rxf.entrypoints.server_state import ServerState, server_state, until_disconnected
 
 router = APIRouter()
 
@@ -87,7 +87,7 @@ def plan_chat(
     messages = [msg.model_dump(exclude_unset=True) for msg in req.messages]
     try:
         tools = plan_tools(tool_entries, tool_choice, req.parallel_tool_calls, tool_parser, constrained_by or None)
-        prompt = build_chat_prompt(messages, tokenizer, chat_template, tool_parser, tools, mm_processor)
+        prompt = build_chat_prompt(messages, tokenizer, chat_template, tool_parser, tools, mm_processor, context_len)
     except ChatInputError as exc:
         raise bad_request(str(exc), exc.param) from None
     ids = prompt.ids
@@ -209,7 +209,7 @@ def tool_parser(state: ServerState) -> ToolCallParser:
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request
-) -> ChatCompletionResponse | StreamingResponse:
+) -> ChatCompletionResponse | StreamingResponse | Response:
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
@@ -225,5 +225,7 @@ async def create_chat_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return sse_response(chat_events(tm, plan, token_str, state.served_model_name, include_usage))
-    results = await gen.collect(tm, plan.reqs)
+    results = await until_disconnected(request, gen.collect(tm, plan.reqs))
+    if results is None:
+        return Response(status_code=499)  # the client left: its requests were aborted, nobody reads this
     return chat_response(plan, results, token_str, state.served_model_name)

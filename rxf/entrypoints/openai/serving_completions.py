@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from rxf.core.requests import check_prompt_chars
 from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import (
@@ -43,7 +44,7 @@ from rxf.entrypoints.openai.sampling import (
     verify_native,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
-from rxf.entrypoints.server_state import server_state
+from rxf.entrypoints.server_state import server_state, until_disconnected
 
 router = APIRouter()
 
@@ -72,9 +73,12 @@ class CompletionPlan:
 PromptField = str | list[str] | list[int] | list[list[int]]
 
 
-def parse_prompts(prompt: PromptField, tokenizer: Any, vocab_size: int) -> list[Prompt]:
+def parse_prompts(
+    prompt: PromptField, tokenizer: Any, vocab_size: int, context_len: int | None = None
+) -> list[Prompt]:
     """One `Prompt` per prompt of the request. Text is tokenized as the native API does (the
-    tokenizer's special tokens, such as BOS, included)."""
+    tokenizer's special tokens, such as BOS, included); with `context_len`, a text that cannot fit
+    it is refused before it is tokenized."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]  # type: ignore[list-item]
     if not prompt:
@@ -82,6 +86,8 @@ def parse_prompts(prompt: PromptField, tokenizer: Any, vocab_size: int) -> list[
     out = []
     for item in prompt:
         if isinstance(item, str):
+            if context_len is not None:
+                check_prompt_chars(item, tokenizer, context_len, "prompt")
             out.append(Prompt(tokenizer.encode(item), item))
         elif all(0 <= t < vocab_size for t in item):
             out.append(Prompt(list(item), tokenizer.decode(item, skip_special_tokens=False)))
@@ -98,7 +104,7 @@ def plan_completion(
     """The native requests for `req`; raises APIError(400) naming the field for any bad value."""
     check_completion(req)
     constrained_by, constraint = output_constraint(req)
-    prompts = parse_prompts(req.prompt, tokenizer, vocab_size)
+    prompts = parse_prompts(req.prompt, tokenizer, vocab_size, context_len)
     plan = CompletionPlan(
         gen.new_id("cmpl"), prompts, [], [], req.n, req.echo, req.logprobs, constrained_by or None
     )
@@ -195,7 +201,7 @@ async def completion_events(
 @router.post("/v1/completions", response_model=None)
 async def create_completion(
     body: CompletionRequest, request: Request
-) -> CompletionResponse | StreamingResponse:
+) -> CompletionResponse | StreamingResponse | Response:
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
@@ -208,5 +214,7 @@ async def create_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return sse_response(completion_events(tm, plan, token_str, state.served_model_name, include_usage))
-    results = await gen.collect(tm, plan.reqs)
+    results = await until_disconnected(request, gen.collect(tm, plan.reqs))
+    if results is None:
+        return Response(status_code=499)  # the client left: its requests were aborted, nobody reads this
     return completion_response(plan, results, token_str, state.served_model_name)

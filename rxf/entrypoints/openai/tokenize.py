@@ -7,6 +7,7 @@ writes its own special tokens, so none are added unless asked).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -47,7 +48,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
     text, add_special = prompt_text(body, state.chat_template, tool_parser(state))
-    ids = state.tokenizer.encode(text, add_special_tokens=add_special)
+    # Off the event loop: this text has no context bound, and megabytes take seconds to tokenize
+    # (the tokenizer releases the GIL meanwhile, so other requests go on).
+    ids = await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=add_special)
     strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=tm.max_context_len, token_strs=strs)
 
