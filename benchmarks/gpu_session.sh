@@ -25,14 +25,14 @@ if [ "$stage" = tests ]; then
   start=$(date +%s)
   python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
   python3 benchmarks/gpu_decode.py --preset tiny --phases jit > "$out/jit-tiny.log" 2>&1 &
-  wait; echo "jit: $(( $(date +%s) - start )) s"; tail -2 "$out"/jit-*.log
+  wait; echo "jit: $(( $(date +%s) - start )) s"; tail -n 2 "$out"/jit-*.log
   python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} -ra 2>&1 | tee "$out/gpu-tests.log" | tail -40
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
   [ $# -gt 0 ] && bash benchmarks/gpu_session.sh others "$@"  # then the named benchmarks, if any
 elif [ "$stage" = profile ]; then
   python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
   python3 benchmarks/gpu_profile.py --phases gemv 2>&1 | tee "$out/profile-gemv.log"
-  wait; tail -2 "$out/jit-8b.log"
+  wait; tail -n 2 "$out/jit-8b.log"
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-"
   python3 benchmarks/gpu_profile.py --phases step,attn "$@" 2>&1 | tee "$out/profile.log"
 elif [ "$stage" = others ]; then
