@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rxf.core.sampling_params import GRAMMAR_KINDS as GRAMMAR_KINDS  # re-exported: the grammar API names it
+
 if TYPE_CHECKING:
     from rxf.core.config import EngineConfig
     from rxf.core.registry import PluginRegistry
 
 logger = logging.getLogger(__name__)
-
-GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 
 
 class GrammarError(ValueError):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rxf.core.io_struct import MultimodalItem
-from rxf.core.sampling_params import SamplingParams
+from rxf.core.sampling_params import GRAMMAR_KINDS, SamplingParams
 
 if TYPE_CHECKING:
     from rxf.core.config import EngineConfig
@@ -102,6 +102,16 @@ class GenerateRequest:
     image_data: list[Any] | None = None
     video_data: list[Any] | None = None
     mm_items: list[MultimodalItem] | None = None
+
+    def slow_to_prepare(self) -> bool:
+        """Media to decode or an output constraint to compile (the first one also builds the grammar
+        backend's tokenizer tables): work that must not hold the server's event loop."""
+        if self.image_data or self.video_data:
+            return True
+        params = self.sampling_params
+        if isinstance(params, SamplingParams):
+            return params.grammar is not None
+        return isinstance(params, dict) and any(params.get(kind) is not None for kind in GRAMMAR_KINDS)
 
 
 def load_multimodal_processor(config: EngineConfig, engine_info: dict[str, Any], registry: Any = None) -> Any:

@@ -14,6 +14,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# The fields that constrain the output through a grammar backend; at most one may be set.
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
+
 _MAX_SEED = 2**64
 
 
@@ -94,7 +97,7 @@ class SamplingParams:
     @property
     def grammar(self) -> tuple[str, str] | None:
         """The constraint as (kind, text), kind in {"regex", "json_schema", "ebnf"}; None if unconstrained."""
-        for kind in ("regex", "json_schema", "ebnf"):
+        for kind in GRAMMAR_KINDS:
             text = getattr(self, kind)
             if text is not None:
                 return kind, text

@@ -217,7 +217,7 @@ class TokenizerManager:
         """
         if self._dead:
             raise EngineDeadError(self._dead)
-        if req.image_data or req.video_data:  # decoding and preprocessing: off the event loop
+        if req.slow_to_prepare():  # media decoding, grammar compiling: off the event loop
             msg = await asyncio.to_thread(self.tokenize_request, req)
         else:
             msg = self.tokenize_request(req)
