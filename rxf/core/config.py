@@ -42,7 +42,9 @@ class SchedulerConfig(_Section):
     max_running_requests: int = Field(64, gt=0)
     max_prefill_tokens: int = Field(4096, gt=0, description="bound on one EXTEND batch's new tokens")
     chunked_prefill_size: int | None = Field(None, gt=0, description="split longer prompts into chunks")
-    policy: Literal["lpm", "fcfs", "random"] = "lpm"
+    policy: Literal["lpm", "fcfs", "random", "priority"] = Field(
+        "lpm", description="waiting-queue order; 'priority': by each request's priority, lower first"
+    )
     stream_interval: int = Field(1, gt=0, description="decode steps between streamed outputs")
     init_new_token_ratio: float = Field(0.7, ge=0, le=1)
     min_new_token_ratio: float = Field(0.1, ge=0, le=1)

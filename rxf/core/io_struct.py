@@ -41,6 +41,8 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     # Tenant isolation: requests share cached prefixes only with requests of the same salt.
     cache_salt: str | None = None
+    # Under scheduler.policy = "priority": lower values are admitted first and retracted last.
+    priority: int = 0
     # Images / videos in prompt order (None: a text-only request).
     mm_items: list[MultimodalItem] | None = None
 

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 # OpenAI's bound on top logprobs per token, applied to native requests too.
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_LEN = 256
+# Request priorities are 32-bit signed integers (lower runs first): room for any tiering scheme,
+# while a value beyond it is a client bug, refused rather than silently honoured.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 class RequestError(ValueError):
@@ -44,6 +47,9 @@ class RequestLimits:
     timeout_s: float | None = None
     max_stop_strings: int = 16
     max_logit_bias: int = 300
+    # scheduler.policy == "priority"; otherwise only priority 0 is accepted, as vLLM does, so a
+    # client never believes a priority is honoured when it is not.
+    priority_scheduling: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> RequestLimits:
@@ -53,6 +59,7 @@ class RequestLimits:
             timeout_s=config.server.request_timeout_s,
             max_stop_strings=config.server.max_stop_strings,
             max_logit_bias=config.server.max_logit_bias,
+            priority_scheduling=config.scheduler.policy == "priority",
         )
 
     def check_params(self, params: SamplingParams) -> None:
@@ -64,6 +71,20 @@ class RequestLimits:
         n_bias = len(params.logit_bias or {})
         if n_bias > self.max_logit_bias:
             raise ValueError(f"sampling_params.logit_bias: at most {self.max_logit_bias} entries, got {n_bias}")
+
+    def check_priority(self, priority: Any) -> None:
+        """Raises RequestError naming `priority` unless it is an integer in PRIORITY_RANGE that the
+        configured policy honours."""
+        lo, hi = PRIORITY_RANGE
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestError(f"priority: expected an integer, got {type(priority).__name__}")
+        if not lo <= priority <= hi:
+            raise RequestError(f"priority: must be in [{lo}, {hi}], got {priority}")
+        if priority != 0 and not self.priority_scheduling:
+            raise RequestError(
+                f"priority: got {priority}, but priority scheduling is off (scheduler.policy is not "
+                "'priority'); send 0 or leave it out"
+            )
 
 
 @functools.cache
@@ -97,6 +118,7 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     rid: str | None = None
     cache_salt: str | None = None
+    priority: int = 0  # lower runs first; honoured (and nonzero allowed) under scheduler.policy = "priority"
     # Images / videos for the prompt's placeholder tokens, in order (see rxf.plugins.multimodal.media, .video
     # for the accepted forms); `mm_items` instead when already preprocessed (ids then hold the pads).
     image_data: list[Any] | None = None

@@ -172,6 +172,7 @@ class TokenizerManager:
         salt = req.cache_salt
         if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_LEN):
             raise RequestError(f"cache_salt: must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters")
+        self.limits.check_priority(req.priority)
         if req.logprob_start_len >= len(ids):
             raise RequestError(f"logprob_start_len: must be < the prompt length {len(ids)}")
         return TokenizedGenerateReq(
@@ -183,6 +184,7 @@ class TokenizerManager:
             logprob_start_len=req.logprob_start_len,
             top_logprobs_num=req.top_logprobs_num,
             cache_salt=salt,
+            priority=req.priority,
             mm_items=mm_items or None,
         )
 

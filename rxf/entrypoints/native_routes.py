@@ -62,6 +62,7 @@ class GenerateBody(_NativeBody):
     top_logprobs_num: int | list[int] = 0
     rid: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    priority: int | list[int] = 0  # one for all prompts, or one per prompt
     # One prompt: an image (base64 / data: URL / allowed URL or path) or a list of them, one per
     # <image> placeholder; a batch: a list with one such entry per prompt. Videos: lists of frames.
     image_data: Any = None
@@ -97,7 +98,8 @@ def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
     n = len(items)
     columns = {
         name: _per_item(name, getattr(body, name), n, batched)
-        for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "cache_salt")
+        for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "cache_salt",
+                     "priority")
     }
     if batched and isinstance(body.rid, str):
         raise APIError(400, "rid: a batch needs a list of request ids, one per prompt", param="rid")
@@ -124,7 +126,7 @@ async def _pretokenized(tm: TokenizerManager, req: GenerateRequest) -> GenerateR
         input_ids=msg.input_ids, sampling_params=msg.sampling_params, stream=msg.stream,
         return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
         top_logprobs_num=msg.top_logprobs_num, rid=msg.rid, cache_salt=msg.cache_salt,
-        mm_items=msg.mm_items,
+        priority=msg.priority, mm_items=msg.mm_items,
     )
 
 

@@ -15,6 +15,10 @@ def order_waiting(waiting: list[Req], policy: str, kv: KVCacheManager, rng: rand
     so shared prefixes are computed once and stay hot; ties keep arrival order. Matching here is
     only for ordering: admission matches again, after locking, because an eviction in between
     may shorten a match.
+
+    `priority` puts lower `Req.priority` values first (vLLM's convention), ties by arrival. Its
+    key holds only request data, so every tensor-parallel rank, given the same requests, picks
+    the same order.
     """
     if policy == "fcfs":
         return list(waiting)
@@ -27,4 +31,6 @@ def order_waiting(waiting: list[Req], policy: str, kv: KVCacheManager, rng: rand
             return list(waiting)
         lengths = {id(r): int(kv.match(r)[0].numel()) for r in waiting}
         return sorted(waiting, key=lambda r: -lengths[id(r)])
-    raise ValueError(f"scheduler.policy: unknown policy {policy!r} (lpm, fcfs, random)")
+    if policy == "priority":
+        return sorted(waiting, key=lambda r: (r.priority, r.arrival))
+    raise ValueError(f"scheduler.policy: unknown policy {policy!r} (lpm, fcfs, random, priority)")

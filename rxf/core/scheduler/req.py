@@ -36,6 +36,10 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     cache_salt: str | None = None
+    priority: int = 0  # lower runs first under the "priority" policy
+    # Position in the order the scheduler received requests (the same on every tensor-parallel rank):
+    # ties in the ordering go by it, never by time or object identity.
+    arrival: int = 0
     mm_items: list[MultimodalItem] | None = None  # their pad ids are part of origin_input_ids
     output_ids: list[int] = field(default_factory=list)
     # KV bookkeeping
@@ -75,6 +79,7 @@ class Req:
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
             cache_salt=msg.cache_salt,
+            priority=msg.priority,
             mm_items=msg.mm_items,
         )
 

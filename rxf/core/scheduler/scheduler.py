@@ -12,6 +12,7 @@ ends the process: its state could no longer be trusted.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -72,12 +73,14 @@ class Scheduler:
         self.rng = random.Random(config.runtime.seed)
         self.check_memory = check_memory
         self.counters = _Counters(last_log_time=time.perf_counter())
+        self._arrivals = itertools.count()
         self.faults = FaultInjector.from_env()  # test-only; None unless RXF_FAULT_INJECT is set
 
     # ---- requests in ----
     def add_request(self, msg: TokenizedGenerateReq) -> TokenOut | None:
         """Queue a request; returns an immediate finished output when it cannot ever run."""
         req = Req.from_tokenized(msg)
+        req.arrival = next(self._arrivals)
         error = self._validate(req)
         if error is not None:
             req.finished_reason = FinishReason("abort", message=error)
@@ -289,7 +292,9 @@ class Scheduler:
         return outs
 
     def _ensure_decode_space(self, decoding: list[Req]) -> list[Req]:
-        """Retract the requests with the least progress until every remaining one gets a slot.
+        """Retract requests until every remaining one gets a slot: the lowest priority first (the
+        largest `priority` value; all are 0 unless the policy is "priority"), then the least
+        progress, then the latest arrival.
 
         A retracted request keeps its output so far: its KV goes into the tree and it waits to be
         re-admitted, where its prefix (prompt + output) matches again, so no work is lost while
@@ -297,7 +302,9 @@ class Scheduler:
         """
         if self.kv.available() >= len(decoding):
             return decoding
-        order = sorted(decoding, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        order = sorted(
+            decoding, key=lambda r: (-r.priority, len(r.output_ids), -len(r.origin_input_ids), -r.arrival)
+        )
         while self.kv.available() < len(decoding) and len(decoding) > 1:
             victim = order.pop(0)
             decoding.remove(victim)
@@ -305,7 +312,10 @@ class Scheduler:
             self.kv.release(victim)
             self.waiting.insert(0, victim)
             self.counters.retractions += 1
-            logger.info("KV cache full: retracted request %s after %d tokens", victim.rid, len(victim.output_ids))
+            logger.info(
+                "KV cache full: retracted request %s (priority %d) after %d tokens",
+                victim.rid, victim.priority, len(victim.output_ids),
+            )
         self.new_token_ratio = self.sc.init_new_token_ratio
         return decoding
 

@@ -80,13 +80,21 @@ async def collect(tm: TokenizerManager, reqs: list[GenerateRequest]) -> list[dic
 
 
 async def warm_prefixes(
-    tm: TokenizerManager, prompts: Iterable[list[int]], params: dict[str, Any], cache_salt: str | None = None
+    tm: TokenizerManager,
+    prompts: Iterable[list[int]],
+    params: dict[str, Any],
+    cache_salt: str | None = None,
+    priority: int = 0,
 ) -> None:
     """Prefill each prompt once (no tokens generated) so its KV is in the radix cache before its n
     choices run concurrently: they then share it instead of each prefilling the prompt."""
     prefill_only = params | {"max_new_tokens": 0, "min_new_tokens": 0}
     await collect(
-        tm, [GenerateRequest(input_ids=ids, sampling_params=prefill_only, cache_salt=cache_salt) for ids in prompts]
+        tm,
+        [
+            GenerateRequest(input_ids=ids, sampling_params=prefill_only, cache_salt=cache_salt, priority=priority)
+            for ids in prompts
+        ],
     )
 
 

@@ -51,6 +51,7 @@ class GenerationFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None  # tenant isolation in the prefix cache (as vLLM's)
+    priority: int = 0  # vLLM's extension: lower runs first under scheduler.policy = "priority"
     # Extensions sent by benchmark tools and other servers' clients.
     top_k: int | None = None
     min_p: float | None = None

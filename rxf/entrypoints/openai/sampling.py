@@ -197,6 +197,14 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
+def check_priority(req: GenerationFields, limits: RequestLimits | None) -> None:
+    """The engine's priority check (range, and nonzero only under the priority policy), as a 400."""
+    try:
+        (limits or RequestLimits()).check_priority(req.priority)
+    except ValueError as exc:
+        raise bad_request(str(exc), "priority") from None
+
+
 def verify_native(params: dict[str, Any], vocab_size: int, limits: RequestLimits | None = None) -> None:
     """The engine's own verification, run now so that it answers 400 before any stream starts."""
     try:

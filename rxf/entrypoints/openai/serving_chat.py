@@ -40,6 +40,7 @@ from rxf.entrypoints.openai.sampling import (
     check_chat,
     check_constraint,
     check_model,
+    check_priority,
     max_new_tokens,
     native_params,
     output_constraint,
@@ -79,6 +80,7 @@ def plan_chat(
     multimodal processor, images are decoded and preprocessed here (blocking: call it off the event
     loop when the request has images)."""
     check_chat(req)
+    check_priority(req, limits)
     constrained_by, constraint = output_constraint(req)
     if tool_parser is None:
         tool_parser = make_parser(None, chat_template, tokenizer)
@@ -111,6 +113,7 @@ def plan_chat(
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
         cache_salt=req.cache_salt,
+        priority=req.priority,
         mm_items=prompt.mm_items,
     )
     return ChatPlan(rid, ids, params, reqs, req.logprobs, prompt.mm_items, tools, constrained_by or None)
@@ -220,7 +223,7 @@ async def create_chat_completion(
     await asyncio.to_thread(check_constraint, tm.grammar, plan.params, plan.constraint_param)
     tm.check_capacity(len(plan.reqs))
     if body.n > 1 and plan.mm_items is None:  # a warm-up request would carry no image features
-        await gen.warm_prefixes(tm, [plan.ids], plan.params, body.cache_salt)
+        await gen.warm_prefixes(tm, [plan.ids], plan.params, body.cache_salt, body.priority)
     token_str = token_str_fn(state.tokenizer)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

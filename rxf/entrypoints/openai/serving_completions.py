@@ -38,6 +38,7 @@ from rxf.entrypoints.openai.sampling import (
     check_completion,
     check_constraint,
     check_model,
+    check_priority,
     max_new_tokens,
     native_params,
     output_constraint,
@@ -103,6 +104,7 @@ def plan_completion(
 ) -> CompletionPlan:
     """The native requests for `req`; raises APIError(400) naming the field for any bad value."""
     check_completion(req)
+    check_priority(req, limits)
     constrained_by, constraint = output_constraint(req)
     prompts = parse_prompts(req.prompt, tokenizer, vocab_size, context_len)
     plan = CompletionPlan(
@@ -128,6 +130,7 @@ def plan_completion(
             logprob_start_len=0 if with_logprobs and req.echo else -1,
             top_logprobs_num=req.logprobs or 0,
             cache_salt=req.cache_salt,
+            priority=req.priority,
         )
     return plan
 
@@ -209,7 +212,7 @@ async def create_completion(
     await asyncio.to_thread(check_constraint, tm.grammar, plan.params[0], plan.constraint_param)
     tm.check_capacity(len(plan.reqs))
     if plan.n > 1:  # the prompts' params differ only in their budget, which warming zeroes
-        await gen.warm_prefixes(tm, [p.ids for p in plan.prompts], plan.params[0], body.cache_salt)
+        await gen.warm_prefixes(tm, [p.ids for p in plan.prompts], plan.params[0], body.cache_salt, body.priority)
     token_str = token_str_fn(state.tokenizer)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
