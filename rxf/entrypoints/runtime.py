@@ -86,7 +86,8 @@ class Runtime:
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (→ dict), a list (→ list of dicts) or stream one (→ chunks).
 
-        `options`: return_logprob, logprob_start_len, top_logprobs_num, rid.
+        `options`: return_logprob, logprob_start_len, top_logprobs_num, rid, cache_salt, priority
+        (an int, lower runs first; nonzero only under scheduler.policy = "priority").
         """
         reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, options)
         if stream:
