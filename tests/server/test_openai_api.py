@@ -365,6 +365,7 @@ COMPLETION_ERRORS = [
     ({"frequency_penalty": 9}, "frequency_penalty"),
     ({"extra_body": {"temperature": "hot"}}, "temperature"),
     ({"extra_body": {"n": "2"}}, "n"),
+    ({"extra_body": {"priority": 1}}, "priority"),  # only under scheduler.policy = "priority", as vLLM
 ]
 
 
