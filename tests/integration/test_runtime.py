@@ -141,6 +141,8 @@ def test_async_api(rt):
         ({"sampling_params": {"top_p": 2}}, "top_p"),
         ({"input_ids": [1, 2, 10**6]}, "input_ids"),
         ({"prompt": "x " * 600}, "context length"),
+        ({"priority": 1}, "priority"),  # nonzero only under scheduler.policy = "priority"
+        ({"priority": "0"}, "priority"),
     ],
 )
 def test_invalid_requests_are_rejected(rt, kwargs, field):
@@ -148,6 +150,13 @@ def test_invalid_requests_are_rejected(rt, kwargs, field):
     with pytest.raises(RequestError, match=field):
         rt.generate(**kwargs)
     assert rt.generate("still serving", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_chat_takes_a_priority_keyword(rt):
+    messages = [{"role": "user", "content": "hi"}]
+    assert rt.chat(messages, {"max_new_tokens": 2}, priority=0)["meta_info"]["completion_tokens"] == 2
+    with pytest.raises(RequestError, match="priority: got -1, but priority scheduling is off"):
+        rt.chat(messages, {"max_new_tokens": 2}, priority=-1)
 
 
 def test_abandoned_stream_is_aborted_and_frees_kv(rt):
