@@ -4,10 +4,12 @@ the KV ledger after every step (`check_memory=True`)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from test_scheduler import make_scheduler, prompts, request
 
+from rxf import Runtime
 from rxf.core.io_struct import TokenizedGenerateReq
 from rxf.core.scheduler.scheduler import Scheduler
 
@@ -90,3 +92,26 @@ def test_retraction_with_equal_priorities_evicts_the_least_progress(tiny_llama):
     # made the most progress, and retract a newcomer first.
     _, retracted, _, _ = _retraction_scenario(tiny_llama, low_priority=0)
     assert retracted and retracted[0] != "lo"
+
+
+def test_tensor_parallel_ranks_agree_under_priority_and_retraction(tiny_llama, hf_reference):
+    # Two gloo ranks each order and retract on their own: had they chosen differently, their
+    # batches would differ and the collectives would hang or fail. Mixed priorities arriving
+    # together, and a pool too small for all of them, exercise both choices.
+    config = {
+        "model": {"path": str(tiny_llama)}, "runtime": {"device": "cpu", "cpu_threads": 1},
+        "attention": {"backend": "torch_native"}, "parallel": {"tp_size": 2},
+        "cache": {"max_total_tokens": 96}, "server": {"request_timeout_s": 60},  # a hang fails, not stalls CI
+        "scheduler": {"policy": "priority", "init_new_token_ratio": 0.05, "min_new_token_ratio": 0.05},
+    }
+    ps = prompts(6, seed=13, lo=6, hi=12)
+    params = {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}
+    with Runtime.from_config(config) as rt:
+
+        async def submit() -> list[dict]:
+            calls = [rt.async_generate(input_ids=p, sampling_params=params, priority=i % 3) for i, p in enumerate(ps)]
+            return list(await asyncio.gather(*calls))
+
+        outs = asyncio.run(submit())
+        assert rt.get_stats().extra["retractions"] > 0
+    assert [o["output_ids"] for o in outs] == [hf_reference(p, 30) for p in ps]
