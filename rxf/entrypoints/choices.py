@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from rxf.core.requests import GenerateRequest
+from rxf.core.tokenizer_manager import TokenizerManager
 
 MAX_N = 128  # choices of one prompt
 
@@ -44,7 +45,7 @@ def prefill_request(req: GenerateRequest) -> GenerateRequest:
     return replace(req, sampling_params=params, stream=False, rid=None, return_logprob=False)
 
 
-async def _pump(tm: Any, index: int, req: GenerateRequest, queue: asyncio.Queue[Any]) -> None:
+async def _pump(tm: TokenizerManager, index: int, req: GenerateRequest, queue: asyncio.Queue[Any]) -> None:
     try:
         async for chunk in tm.generate(req):
             queue.put_nowait((index, chunk))
@@ -54,9 +55,11 @@ async def _pump(tm: Any, index: int, req: GenerateRequest, queue: asyncio.Queue[
     queue.put_nowait((index, _END))
 
 
-async def interleave(tm: Any, reqs: list[GenerateRequest]) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
-    """Runs `reqs` concurrently on `tm` (a TokenizerManager) and yields `(request index, chunk)` as
-    chunks arrive. The first failure is raised, and the other requests are aborted."""
+async def interleave(
+    tm: TokenizerManager, reqs: list[GenerateRequest]
+) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+    """Runs `reqs` concurrently on `tm` and yields `(request index, chunk)` as chunks arrive. The
+    first failure is raised, and the other requests are aborted."""
     queue: asyncio.Queue[Any] = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(tm, i, req, queue)) for i, req in enumerate(reqs)]
     running = len(tasks)

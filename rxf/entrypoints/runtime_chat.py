@@ -1,8 +1,8 @@
 """What `Runtime.chat` adds to a generation: its inputs in OpenAI's shapes (messages with image parts,
 `tools`, `tool_choice`, `response_format`), validated by the OpenAI protocol's models so that both
 front doors accept the same requests; the prompt and tool plan of `rxf.entrypoints.chat`; and the
-tool calls read from the reply, whole or as it streams (`ToolCallStream`, as the server's SSE). Every bad input raises `ChatInputError` (a ValueError) naming the
-field."""
+tool calls read from the reply, whole or as it streams (`ToolCallStream`, as the server's SSE).
+Every bad input raises `ChatInputError` (a ValueError) naming the field."""
 
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ class ChatCall:
 
 
 def _with_finish(result: dict[str, Any], called: bool) -> dict[str, Any]:
+    """`result` with the finish type the server gives: "tool_calls" for a stop after calls."""
     meta = result.get("meta_info") or {}
     finish = meta.get("finish_reason")
     if finish is None or finish_type(finish["type"], called) == finish["type"]:

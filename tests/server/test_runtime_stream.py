@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import Any
 
 import pytest
@@ -165,3 +166,16 @@ def test_bad_n_is_a_value_error_naming_it(rt, n):
     with pytest.raises(ValueError, match=r"^n must"):
         rt.chat(ASK, {"max_new_tokens": 2}, n=n, stream=True)
     assert rt.generate(PROMPT, {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2  # still serving
+
+
+def test_abandoned_streamed_choices_are_aborted_and_free_kv(rt):
+    stream = rt.chat(ASK, {"max_new_tokens": 400, **SAMPLED}, tools=TOOLS, n=2, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while (stats := rt.get_stats()).num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.free_slots + stats.tree_slots == stats.total_slots  # nothing leaked
