@@ -5,6 +5,7 @@
         rt.chat([{"role": "user", "content": "Weather in Paris?"}], {"max_new_tokens": 64},
                 tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {...}}}],
                 tool_choice="required")["tool_calls"]
+        rt.generate("Once upon a time", {"temperature": 0.8, "seed": 7}, n=3)  # three choices
 
 The TokenizerManager runs on an asyncio loop in a background thread of the caller's process; the
 sync methods submit to it, the async ones work from any other event loop.
@@ -13,11 +14,13 @@ sync methods submit to it, the async ones work from any other event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from rxf.core.config import EngineConfig, load_config
@@ -26,6 +29,7 @@ from rxf.core.registry import PluginRegistry
 from rxf.core.requests import GenerateRequest, RequestLimits, load_multimodal_processor
 from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.chat.tool_parsers import make_parser
+from rxf.entrypoints.choices import check_n, choice_params, interleave, prefill_request
 from rxf.entrypoints.engine import EngineProcesses
 from rxf.entrypoints.runtime_chat import ChatCall, prepare_chat
 
@@ -81,39 +85,47 @@ class Runtime:
         sampling_params: Params = None,
         *,
         input_ids: list[int] | list[list[int]] | None = None,
+        n: int = 1,
         stream: bool = False,
         **options: Any,
-    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+    ) -> Any:
         """Generate for one prompt (→ dict), a list (→ list of dicts) or stream one (→ chunks).
 
-        `options`: return_logprob, logprob_start_len, top_logprobs_num, rid, cache_salt, priority
-        (an int, lower runs first; nonzero only under scheduler.policy = "priority").
+        `n` > 1: n choices of each prompt (as OpenAI's `n`; with a seed, choice i samples with seed
+        + i) → a list of n results per prompt; streamed, every chunk carries its choice's `index`.
+        `options`: return_logprob, logprob_start_len, top_logprobs_num, rid (with n > 1, choice i's
+        is rid-i), cache_salt, priority (an int, lower runs first; nonzero only under
+        scheduler.policy = "priority").
         """
-        reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, options)
+        reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, n, options)
         if stream:
             if batched:
                 raise ValueError("stream=True takes a single prompt")
-            return self._iterate(self.tokenizer_manager.generate(reqs[0]))
-        results = self._call(self._gather(reqs))
+            return self._iterate(self._stream(reqs))
+        results = self._call(self._gather(reqs, n))
         return results if batched else results[0]
 
     def chat(
         self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
         tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
         response_format: dict[str, Any] | None = None, parallel_tool_calls: bool = True,
-        stream: bool = False, **options: Any,
-    ) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        n: int = 1, stream: bool = False, **options: Any,
+    ) -> Any:
         """Render `messages` (OpenAI's shape; `image_url` parts for a multimodal model) with the chat
         template (adding its stop strings) and generate. `tools`, `tool_choice` ("none", "auto",
         "required" or {"type": "function", "function": {"name": ...}}), `parallel_tool_calls` and
         `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
         {"name": ..., "schema": {...}}}) work as in /v1/chat/completions: with tools, the result's
         text is the reply without the call markup, plus `tool_calls` when the model made calls.
-        Bad input raises ValueError naming the field."""
-        call = self._chat_call(messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls, stream)
-        out = self.generate(input_ids=call.ids, sampling_params=call.params, stream=stream, mm_items=call.mm_items,
-                            **options)
-        return out if stream else call.reply(out)
+        Streamed with tools, each chunk's `text` is a delta without the markup and `tool_calls` the
+        call deltas parsed so far (as the server's SSE). `n` as in `generate`. Bad input raises
+        ValueError naming the field."""
+        call = self._chat_call(messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls)
+        out = self.generate(input_ids=call.ids, sampling_params=call.params, n=n, stream=stream,
+                            mm_items=call.mm_items, **options)
+        if stream:
+            return call.reply_stream(out)
+        return [call.reply(r) for r in out] if n > 1 else call.reply(out)
 
     def flush_cache(self) -> tuple[bool, str]:
         result = self._call(self.tokenizer_manager.flush_cache())
@@ -125,30 +137,32 @@ class Runtime:
     # ---- async API (usable from any event loop) ----
     async def async_generate(
         self, prompt: Prompt = None, sampling_params: Params = None, *, input_ids: Any = None,
-        stream: bool = False, **options: Any,
+        n: int = 1, stream: bool = False, **options: Any,
     ) -> Any:
-        reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, options)
+        reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, n, options)
         if stream:
             if batched:
                 raise ValueError("stream=True takes a single prompt")
-            return self._aiterate(self.tokenizer_manager.generate(reqs[0]))
-        results = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._gather(reqs), self._loop))
+            return self._aiterate(self._stream(reqs))
+        results = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._gather(reqs, n), self._loop))
         return results if batched else results[0]
 
     async def async_chat(
         self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
         tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
         response_format: dict[str, Any] | None = None, parallel_tool_calls: bool = True,
-        stream: bool = False, **options: Any,
+        n: int = 1, stream: bool = False, **options: Any,
     ) -> Any:
         """`chat` for an event loop (images are decoded off it)."""
         call = await asyncio.to_thread(
-            self._chat_call, messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls, stream
+            self._chat_call, messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls
         )
         out = await self.async_generate(
-            input_ids=call.ids, sampling_params=call.params, stream=stream, mm_items=call.mm_items, **options
+            input_ids=call.ids, sampling_params=call.params, n=n, stream=stream, mm_items=call.mm_items, **options
         )
-        return out if stream else call.reply(out)
+        if stream:
+            return call.areply_stream(out)
+        return [call.reply(r) for r in out] if n > 1 else call.reply(out)
 
     # ---- lifetime ----
     def shutdown(self) -> None:
@@ -166,8 +180,10 @@ class Runtime:
 
     # ---- helpers ----
     def _requests(
-        self, prompt: Prompt, input_ids: Any, params: Params, stream: bool, options: dict[str, Any]
+        self, prompt: Prompt, input_ids: Any, params: Params, stream: bool, n: int, options: dict[str, Any]
     ) -> tuple[list[GenerateRequest], bool]:
+        """The native requests: per prompt, its n choices in order."""
+        check_n(n)
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
         if prompt is not None:
@@ -186,29 +202,56 @@ class Runtime:
             GenerateRequest(**item, sampling_params=p, stream=stream, **options)
             for item, p in zip(items, per_item, strict=True)
         ]
+        if n > 1:
+            reqs = [self._choice(req, i) for req in reqs for i in range(n)]
         return reqs, batched
+
+    @staticmethod
+    def _choice(req: GenerateRequest, index: int) -> GenerateRequest:
+        params = choice_params(dict(req.sampling_params or {}), index)
+        return replace(req, sampling_params=params, rid=None if req.rid is None else f"{req.rid}-{index}")
 
     def _chat_call(
         self, messages: Any, params: dict[str, Any] | None, tools: Any, tool_choice: Any, response_format: Any,
-        parallel_tool_calls: bool, stream: bool,
+        parallel_tool_calls: bool,
     ) -> ChatCall:
         """The prompt ids (the rendered conversation already holds any BOS) and native params."""
-        if stream and tools and tool_choice != "none":
-            raise ValueError("stream: tool calls are read from the whole reply; call chat with tools without stream")
         return prepare_chat(
             messages, params, tokenizer=self.tokenizer, chat_template=self.chat_template, tool_parser=self.tool_parser,
             mm_processor=self.tokenizer_manager.mm_processor, grammar=self.tokenizer_manager.grammar, tools=tools, tool_choice=tool_choice,
             response_format=response_format, parallel_tool_calls=parallel_tool_calls,
         )
 
-    async def _gather(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
-        async def one(req: GenerateRequest) -> dict[str, Any]:
-            # A non-streaming request yields exactly one result; consuming the generator to its end
-            # lets it clean up its state.
-            results = [r async for r in self.tokenizer_manager.generate(req)]
-            return results[-1]
+    async def _gather(self, reqs: list[GenerateRequest], n: int) -> list[Any]:
+        """The final results in order; with n > 1 grouped by prompt (a list of n per prompt)."""
+        await self._start_choices(reqs, n)
+        results: list[Any] = [None] * len(reqs)
+        async with contextlib.aclosing(interleave(self.tokenizer_manager, reqs)) as chunks:
+            async for index, result in chunks:  # a non-streaming request yields one result
+                results[index] = result
+        return results if n == 1 else [results[p : p + n] for p in range(0, len(results), n)]
 
-        return list(await asyncio.gather(*(one(r) for r in reqs)))
+    async def _stream(self, reqs: list[GenerateRequest]) -> AsyncIterator[dict[str, Any]]:
+        """One prompt's chunks; with n > 1 its choices' chunks as they come, each with its `index`."""
+        if len(reqs) == 1:
+            async for chunk in self.tokenizer_manager.generate(reqs[0]):
+                yield chunk
+            return
+        await self._start_choices(reqs, len(reqs))
+        async with contextlib.aclosing(interleave(self.tokenizer_manager, reqs)) as chunks:
+            async for index, chunk in chunks:
+                yield {**chunk, "index": index}
+
+    async def _start_choices(self, reqs: list[GenerateRequest], n: int) -> None:
+        """Before n > 1 choices start: room for all of them, and each prompt prefilled once so
+        that its choices share its cached KV (as the server's `n`; not with media, whose
+        features a prefill-only request would not carry further)."""
+        if n == 1:
+            return
+        self.tokenizer_manager.check_capacity(len(reqs))
+        firsts = reqs[::n]
+        if not any(r.image_data or r.video_data or r.mm_items for r in firsts):
+            await self._gather([prefill_request(r) for r in firsts], 1)
 
     def _call(self, coro: Any) -> Any:
         fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)

@@ -1,12 +1,14 @@
 """What `Runtime.chat` adds to a generation: its inputs in OpenAI's shapes (messages with image parts,
 `tools`, `tool_choice`, `response_format`), validated by the OpenAI protocol's models so that both
 front doors accept the same requests; the prompt and tool plan of `rxf.entrypoints.chat`; and the
-tool calls read from the reply. Every bad input raises `ChatInputError` (a ValueError) naming the
-field."""
+tool calls read from the reply, whole or as it streams (`ToolCallStream`, as the server's SSE).
+Every bad input raises `ChatInputError` (a ValueError) naming the field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from pydantic import TypeAdapter, ValidationError
@@ -15,6 +17,7 @@ from rxf.core.grammar import GRAMMAR_KINDS
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.prompt import build_chat_prompt, check_constraint, response_format_constraint
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
+from rxf.entrypoints.chat.tool_stream import ToolCallStream, finish_type
 from rxf.entrypoints.chat.tools import ToolPlan, new_call_id, plan_tools, reply_calls, tool_params
 
 
@@ -24,20 +27,53 @@ class ChatCall:
     params: dict[str, Any]  # native sampling params: the caller's, the template's stops, constraints
     mm_items: list[Any] | None
     tools: ToolPlan | None
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)  # per choice index, while streaming
 
     def reply(self, result: dict[str, Any]) -> dict[str, Any]:
         """The native result; with tools offered, its text without the call markup and, when the
-        model made calls, `tool_calls`: [{id, type: "function", function: {name, arguments}}]."""
+        model made calls, `tool_calls`: [{id, type: "function", function: {name, arguments}}] (and
+        finish_reason type "tool_calls" if it ended by a stop)."""
         if self.tools is None:
             return result
         content, calls = reply_calls(self.tools, result["text"])
-        out = {**result, "text": content}
+        out = _with_finish({**result, "text": content}, bool(calls))
         if calls:
             out["tool_calls"] = [
                 {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in calls
             ]
         return out
+
+    def reply_chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """A streamed chunk; with tools offered, its text delta without the call markup and its
+        `tool_calls` deltas (`ToolCallStream`'s: a call's first names it, later ones add argument
+        pieces), finish_reason type "tool_calls" on the last chunk of a reply that made calls."""
+        if self.tools is None:
+            return chunk
+        stream = self.streams.setdefault(chunk.get("index", 0), ToolCallStream(self.tools))
+        final = chunk["meta_info"].get("finish_reason") is not None
+        content, calls = stream.feed(chunk["text"], final)
+        out = {**chunk, "text": content, "tool_calls": calls}
+        return _with_finish(out, stream.called) if final else out
+
+    def reply_stream(self, chunks: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        with contextlib.closing(chunks):  # stopping early closes the native stream: an abort
+            for chunk in chunks:
+                yield self.reply_chunk(chunk)
+
+    async def areply_stream(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield self.reply_chunk(chunk)
+
+
+def _with_finish(result: dict[str, Any], called: bool) -> dict[str, Any]:
+    """`result` with the finish type the server gives: "tool_calls" for a stop after calls."""
+    meta = result.get("meta_info") or {}
+    finish = meta.get("finish_reason")
+    if finish is None or finish_type(finish["type"], called) == finish["type"]:
+        return result
+    return {**result, "meta_info": {**meta, "finish_reason": {**finish, "type": "tool_calls"}}}
 
 
 def prepare_chat(

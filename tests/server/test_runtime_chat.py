@@ -106,7 +106,6 @@ def test_tool_result_in_history_is_rendered(rt):
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "json_object"}, "sampling_params": {"regex": "a+"}}, "response_format"),
         ({"messages": [{"content": "hi"}]}, "messages[0].role"),
-        ({"tools": TOOLS, "stream": True}, "stream"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
          "messages[0].content[0]"),
     ],

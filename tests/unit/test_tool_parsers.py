@@ -20,8 +20,9 @@ from rxf.entrypoints.chat.tool_parsers import (
     parser_class,
 )
 from rxf.entrypoints.chat.tool_parsers.json_scan import scan_call, value_end
+from rxf.entrypoints.chat.tool_stream import ToolCallStream
 from rxf.entrypoints.chat.tools import ToolPlan
-from rxf.entrypoints.openai.tool_calls import ToolCallStream, reply_message
+from rxf.entrypoints.openai.tool_calls import reply_message, tool_call_deltas
 from rxf.plugins.chat_templates.builtin import BUILTIN_TEMPLATES
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Zürich \"old\" town", "days": [1, 2], "unit": None}}
@@ -72,7 +73,8 @@ def collect_stream(parser: ToolCallParser, text: str, rng: random.Random, max_ca
     while True:
         step = rng.randint(1, 6)
         final = i + step >= len(text)
-        piece, deltas = stream.feed(text[i : i + step], final=final)
+        piece, calls_delta = stream.feed(text[i : i + step], final=final)
+        deltas = tool_call_deltas(calls_delta)  # the OpenAI layer's models over the core's dicts
         i += step
         content += piece
         for delta in deltas:

@@ -1,11 +1,5 @@
-"""Running several native requests for one OpenAI request (n choices, batch prompts).
-
-Each native request is driven by its own task that feeds one queue. Closing or cancelling the
-consumer cancels those tasks, and cancelling a task inside `TokenizerManager.generate` makes that
-generator's `finally` send the abort to the scheduler. The tasks are separate from the HTTP
-handler's task on purpose: when the server cancels the handler (a client hung up), the handler's
-cancellation scope may keep cancelling every await it makes, but the abort is sent from the
-request's own task, which is outside that scope.
+"""Running several native requests for one OpenAI request (n choices, batch prompts) over
+`rxf.entrypoints.choices`, which says how choices are seeded and driven.
 
 Engine aborts are errors, never a finish_reason: an OpenAI client cannot tell a truncated answer
 from a complete one by "stop", so an abort becomes a 500 (non-streaming) or an error event
@@ -14,17 +8,15 @@ from a complete one by "stop", so an abort becomes a 500 (non-streaming) or an e
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
+from rxf.entrypoints.choices import choice_params, interleave, prefill_request
 from rxf.entrypoints.openai.protocol import PromptTokensDetails, Usage
 from rxf.entrypoints.server_state import APIError
-
-_END = object()
 
 
 def _abort_error(meta: dict[str, Any]) -> APIError:
@@ -35,39 +27,18 @@ def _abort_error(meta: dict[str, Any]) -> APIError:
     )
 
 
-async def _pump(tm: TokenizerManager, index: int, req: GenerateRequest, queue: asyncio.Queue[Any]) -> None:
-    try:
-        async for chunk in tm.generate(req):
-            queue.put_nowait((index, chunk))
-    except Exception as exc:  # CancelledError is not an Exception: it ends the task (and the request)
-        queue.put_nowait((index, exc))
-        return
-    queue.put_nowait((index, _END))
-
-
 async def iterate(
     tm: TokenizerManager, reqs: list[GenerateRequest]
 ) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
     """Runs `reqs` concurrently and yields `(request index, chunk)` as chunks arrive. The first
-    failure is raised (and the other requests are aborted); an engine abort as an `APIError`."""
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(tm, i, req, queue)) for i, req in enumerate(reqs)]
-    running = len(tasks)
-    try:
-        while running:
-            index, item = await queue.get()
-            if item is _END:
-                running -= 1
-                continue
-            if isinstance(item, Exception):
-                raise item  # RequestError, EngineDeadError: the server's handlers know them
+    failure is raised (RequestError, EngineDeadError: the server's handlers know them; the other
+    requests are aborted); an engine abort as an `APIError`."""
+    async with contextlib.aclosing(interleave(tm, reqs)) as chunks:
+        async for index, item in chunks:
             finish = item["meta_info"].get("finish_reason")
             if finish is not None and finish["type"] == "abort":
                 raise _abort_error(item["meta_info"])
             yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 async def collect(tm: TokenizerManager, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
@@ -88,11 +59,10 @@ async def warm_prefixes(
 ) -> None:
     """Prefill each prompt once (no tokens generated) so its KV is in the radix cache before its n
     choices run concurrently: they then share it instead of each prefilling the prompt."""
-    prefill_only = params | {"max_new_tokens": 0, "min_new_tokens": 0}
     await collect(
         tm,
         [
-            GenerateRequest(input_ids=ids, sampling_params=prefill_only, cache_salt=cache_salt, priority=priority)
+            prefill_request(GenerateRequest(input_ids=ids, sampling_params=params, cache_salt=cache_salt, priority=priority))
             for ids in prompts
         ],
     )
@@ -101,14 +71,13 @@ async def warm_prefixes(
 def choice_requests(
     ids: list[int], params: dict[str, Any], n: int, rid_prefix: str, first_index: int, **options: Any
 ) -> list[GenerateRequest]:
-    """The n native requests of one prompt; request i is choice `first_index + i` and, when
-    seeded, uses seed + i (choice 0 keeps the client's seed)."""
+    """The n native requests of one prompt; request i is choice `first_index + i`."""
     reqs = []
     for i in range(n):
-        choice_params = params if i == 0 or "seed" not in params else params | {"seed": params["seed"] + i}
         reqs.append(
             GenerateRequest(
-                input_ids=ids, sampling_params=choice_params, rid=f"{rid_prefix}-{first_index + i}", **options
+                input_ids=ids, sampling_params=choice_params(params, i), rid=f"{rid_prefix}-{first_index + i}",
+                **options,
             )
         )
     return reqs

@@ -16,10 +16,10 @@ from rxf.core.tokenizer_manager import MAX_CACHE_SALT_LEN, MAX_TOP_LOGPROBS, Req
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.prompt import check_constraint as check_native_constraint
 from rxf.entrypoints.chat.prompt import response_format_constraint
+from rxf.entrypoints.choices import MAX_N
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from rxf.entrypoints.server_state import APIError
 
-MAX_N = 128
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
 # Choice i of a seeded request uses seed + i, so seeds stay below 2**63 and the sum below the
 # engine's 2**64 bound.

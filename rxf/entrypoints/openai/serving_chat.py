@@ -21,6 +21,7 @@ from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, Tokenizer
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.prompt import build_chat_prompt
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser, make_parser
+from rxf.entrypoints.chat.tool_stream import ToolCallStream, finish_type
 from rxf.entrypoints.chat.tools import ToolPlan, plan_tools, tool_params
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs, token_str_fn
@@ -47,7 +48,7 @@ from rxf.entrypoints.openai.sampling import (
     verify_native,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
-from rxf.entrypoints.openai.tool_calls import ToolCallStream, reply_message
+from rxf.entrypoints.openai.tool_calls import reply_message, tool_call_deltas
 from rxf.entrypoints.server_state import ServerState, server_state, until_disconnected
 
 router = APIRouter()
@@ -131,8 +132,7 @@ def _logprobs(plan: ChatPlan, meta: dict[str, Any], token_str: TokenStr) -> Chat
 
 def _finish(meta: dict[str, Any], called: bool) -> str | None:
     """OpenAI's finish_reason: "tool_calls" for a reply that ended (not cut short) with calls."""
-    finish = gen.finish_reason(meta)
-    return "tool_calls" if finish == "stop" and called else finish
+    return finish_type(gen.finish_reason(meta), called)
 
 
 def _message(plan: ChatPlan, text: str) -> ChatMessageOut:
@@ -185,7 +185,7 @@ async def chat_events(
             stream = streams[i]
             if stream is not None:
                 content, calls = stream.feed(result["text"], final=finish is not None)
-                delta = Delta(content=content or None, tool_calls=calls or None)
+                delta = Delta(content=content or None, tool_calls=tool_call_deltas(calls) or None)
                 finish = _finish(meta, stream.called)
             if finish is not None:
                 finals[i] = result

@@ -1,12 +1,12 @@
 """OpenAI tool calling: the calls of a reply (planned by `rxf.entrypoints.chat.tools`) in OpenAI's
-shapes, whole or as stream deltas."""
+shapes, whole or as stream deltas (made by `rxf.entrypoints.chat.tool_stream`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Any
 
 from rxf.entrypoints.chat.tools import ToolPlan, new_call_id, reply_calls
-from rxf.entrypoints.openai.protocol import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
+from rxf.entrypoints.openai.protocol import FunctionCall, ToolCall, ToolCallDelta
 
 
 def reply_message(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall] | None]:
@@ -18,35 +18,6 @@ def reply_message(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]
     return content or None, tool_calls
 
 
-@dataclass
-class ToolCallStream:
-    """One choice's reply as it streams: content deltas, and per call a first delta with its id,
-    type, name and the arguments so far, then argument fragments. The deltas add up to
-    `reply_message`."""
-
-    plan: ToolPlan
-    text: str = ""
-    content_sent: int = 0
-    arguments_sent: list[int] = field(default_factory=list)  # per call started
-
-    def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
-        self.text += delta
-        scan = self.plan.parser.scan(self.text, final)
-        content, self.content_sent = scan.content[self.content_sent :], max(self.content_sent, len(scan.content))
-        out = []
-        for index, call in enumerate(scan.calls[: self.plan.max_calls]):
-            first = index == len(self.arguments_sent)
-            if first:
-                self.arguments_sent.append(0)
-            fragment = call.arguments[self.arguments_sent[index] :]
-            self.arguments_sent[index] += len(fragment)
-            if first:
-                function = FunctionCallDelta(name=call.name, arguments=fragment)
-                out.append(ToolCallDelta(index=index, id=new_call_id(), type="function", function=function))
-            elif fragment:
-                out.append(ToolCallDelta(index=index, function=FunctionCallDelta(arguments=fragment)))
-        return content, out
-
-    @property
-    def called(self) -> bool:
-        return bool(self.arguments_sent)
+def tool_call_deltas(calls: list[dict[str, Any]]) -> list[ToolCallDelta]:
+    """`ToolCallStream`'s call deltas as protocol models."""
+    return [ToolCallDelta.model_validate(call) for call in calls]

@@ -1,0 +1,77 @@
+"""Several native requests for one call, whoever makes it: the n choices of a prompt
+(`Runtime.generate(n=...)`, the OpenAI layer's `n`) and batch prompts.
+
+Choice i of a prompt is its own native request; with a seed it samples with seed + i (choice 0 keeps
+the caller's seed), so choice i of a seeded call is the same through either front door. Before n > 1
+choices run, their prompt is prefilled once so that they share its KV in the radix cache instead of
+each prefilling it.
+
+Each native request is driven by its own task that feeds one queue. Closing or cancelling the
+consumer cancels those tasks, and cancelling a task inside `TokenizerManager.generate` makes that
+generator's `finally` send the abort to the scheduler. The tasks are separate from the consumer's
+task on purpose: when a server cancels its handler (a client hung up), the handler's cancellation
+scope may keep cancelling every await it makes, but the abort is sent from the request's own task,
+which is outside that scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+from typing import Any
+
+from rxf.core.requests import GenerateRequest
+from rxf.core.tokenizer_manager import TokenizerManager
+
+MAX_N = 128  # choices of one prompt
+
+_END = object()
+
+
+def check_n(n: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+
+
+def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:
+    """Choice `index`'s sampling params: the seed moves by the choice's index."""
+    return params if index == 0 or params.get("seed") is None else params | {"seed": params["seed"] + index}
+
+
+def prefill_request(req: GenerateRequest) -> GenerateRequest:
+    """`req`'s prompt prefilled into the cache, no token generated."""
+    params = dict(req.sampling_params or {}) | {"max_new_tokens": 0, "min_new_tokens": 0}
+    return replace(req, sampling_params=params, stream=False, rid=None, return_logprob=False)
+
+
+async def _pump(tm: TokenizerManager, index: int, req: GenerateRequest, queue: asyncio.Queue[Any]) -> None:
+    try:
+        async for chunk in tm.generate(req):
+            queue.put_nowait((index, chunk))
+    except Exception as exc:  # CancelledError is not an Exception: it ends the task (and the request)
+        queue.put_nowait((index, exc))
+        return
+    queue.put_nowait((index, _END))
+
+
+async def interleave(
+    tm: TokenizerManager, reqs: list[GenerateRequest]
+) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+    """Runs `reqs` concurrently on `tm` and yields `(request index, chunk)` as chunks arrive. The
+    first failure is raised, and the other requests are aborted."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(tm, i, req, queue)) for i, req in enumerate(reqs)]
+    running = len(tasks)
+    try:
+        while running:
+            index, item = await queue.get()
+            if item is _END:
+                running -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
