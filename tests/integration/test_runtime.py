@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from rxf import Runtime
 from rxf.core.tokenizer_manager import EngineDeadError, RequestError
+from rxf.testing.runtime import assert_drained
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -165,11 +166,7 @@ def test_abandoned_stream_is_aborted_and_frees_kv(rt):
         if i == 2:
             break
     stream.close()
-    deadline = time.monotonic() + 10
-    while (stats := rt.get_stats()).num_running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert stats.num_running == 0 and stats.num_waiting == 0
-    assert stats.free_slots + stats.tree_slots == stats.total_slots  # nothing leaked
+    assert_drained(rt)
     ok, message = rt.flush_cache()
     assert ok, message
     assert rt.get_stats().free_slots == rt.get_stats().total_slots

@@ -227,3 +227,15 @@ def demo_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     factory = ServerFactory(tiny_model_dir, tmp_path_factory.mktemp("demo-server"))
     yield factory({"model.path": "demo", "cache.max_total_tokens": 8192})
     factory.close()
+
+
+@pytest.fixture(scope="session")
+def demo_runtime():
+    """The demo model in a `Runtime` in this process, with `demo_server`'s settings (so the two front
+    doors can be compared token for token), shared by every module that asks."""
+    from rxf import Runtime
+
+    settings = {"model.path": "demo", "attention.backend": "torch_native", "cache.max_total_tokens": 8192,
+                "runtime.device": "cpu", "runtime.cpu_threads": 1}
+    with Runtime.from_config(None, **settings) as runtime:
+        yield runtime

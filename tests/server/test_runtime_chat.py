@@ -15,8 +15,6 @@ import pytest
 from openai import OpenAI
 from test_openai_tools import ASK, NAMED, SCHEMAS, TOOLS
 
-from rxf import Runtime
-
 MAX_TOKENS = 60  # forced calls and the schema finish within it
 FREE_MAX_TOKENS = 20  # unconstrained replies run to the limit: a short one compares as well
 PERSON = {
@@ -44,12 +42,8 @@ def client(demo_server) -> OpenAI:
 
 
 @pytest.fixture(scope="module")
-def rt():
-    # The server's settings (tests/server/conftest.py), in this process.
-    settings = {"model.path": "demo", "attention.backend": "torch_native", "cache.max_total_tokens": 8192,
-                "runtime.device": "cpu", "runtime.cpu_threads": 1}
-    with Runtime.from_config(None, **settings) as runtime:
-        yield runtime
+def rt(demo_runtime):
+    return demo_runtime
 
 
 @pytest.mark.parametrize("case", list(CASES))

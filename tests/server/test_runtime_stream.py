@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from typing import Any
 
 import pytest
 from openai import OpenAI
 from test_openai_tools import ASK, NAMED, TOOLS
 
-from rxf import Runtime
+from rxf.testing.runtime import assert_drained
 
 MAX_TOKENS = 60  # a forced call finishes within it
 FORCED = {"named": {"tool_choice": NAMED}, "required": {"tool_choice": "required", "parallel_tool_calls": False}}
@@ -33,12 +32,8 @@ def model(client) -> str:
 
 
 @pytest.fixture(scope="module")
-def rt():
-    # The server's settings (tests/server/conftest.py), in this process.
-    settings = {"model.path": "demo", "attention.backend": "torch_native", "cache.max_total_tokens": 8192,
-                "runtime.device": "cpu", "runtime.cpu_threads": 1}
-    with Runtime.from_config(None, **settings) as runtime:
-        yield runtime
+def rt(demo_runtime):
+    return demo_runtime
 
 
 def assemble(chunks: list[dict[str, Any]], index: int | None = None) -> tuple[str, list[tuple[str, str]], str]:
@@ -174,8 +169,4 @@ def test_abandoned_streamed_choices_are_aborted_and_free_kv(rt):
         if i == 3:
             break
     stream.close()
-    deadline = time.monotonic() + 10
-    while (stats := rt.get_stats()).num_running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert stats.num_running == 0 and stats.num_waiting == 0
-    assert stats.free_slots + stats.tree_slots == stats.total_slots  # nothing leaked
+    assert_drained(rt)
