@@ -220,6 +220,27 @@ def server(module_server_factory: ServerFactory) -> ServerHandle:
     return module_server_factory()
 
 
+@pytest.fixture(scope="module")
+def http(server: ServerHandle):
+    """An httpx client for the module's `server` (a module picks its server by overriding `server`)."""
+    with server.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerHandle):
+    """The official `openai` client for the module's `server`."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url, api_key=server.api_key or "unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    """The served model's id, as `/v1/models` gives it."""
+    return client.models.list().data[0].id
+
+
 @pytest.fixture(scope="session")
 def demo_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """The demo model (SmolLM2-135M-Instruct) behind one server shared by every module that asks

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
@@ -17,12 +16,6 @@ SCHEMA = {
     "required": ["color", "count"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def http(server) -> Iterator[httpx.Client]:
-    with server.client() as client:
-        yield client
 
 
 def _events(http: httpx.Client, body: dict) -> list:

@@ -26,12 +26,6 @@ def server(module_server_factory, long_context_model_dir):
 
 
 @pytest.fixture(scope="module")
-def http(server) -> Iterator[httpx.Client]:
-    with server.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def tokenizer(long_context_model_dir):
     return AutoTokenizer.from_pretrained(long_context_model_dir)
 

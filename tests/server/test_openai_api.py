@@ -17,22 +17,6 @@ DATA = Path(__file__).parent / "data"
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url, api_key=server.api_key or "unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client() as c:
-        yield c
-
-
 def sse_events(response: httpx.Response) -> list[Any]:
     """The `data:` payloads of an SSE response, JSON-decoded except the final "[DONE]"."""
     body = response.read().decode()

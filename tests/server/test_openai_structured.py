@@ -42,16 +42,6 @@ def server(demo_server):
     return demo_server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def chat_text(client: OpenAI, stream: bool, **kwargs: Any) -> tuple[str, str]:
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]

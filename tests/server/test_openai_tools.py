@@ -44,16 +44,6 @@ def server(demo_server):
     return demo_server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def assert_valid_calls(calls: list[Any], names: Any) -> None:
     for call in calls:
         assert call.id.startswith("call_") and call.type == "function" and call.function.name in names

@@ -9,7 +9,6 @@ from typing import Any
 
 import openai
 import pytest
-from openai import OpenAI
 
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 6}
 
@@ -17,22 +16,6 @@ GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 6}
 @pytest.fixture(scope="module")
 def server(module_server_factory):
     return module_server_factory({"scheduler.policy": "priority"})
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client() as c:
-        yield c
 
 
 def test_openai_client_priority_is_accepted_and_changes_no_tokens(client, model, http):

@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import OpenAI
 
 from rxf.core.requests import GenerateRequest
 from rxf.core.tokenizer_manager import TokenizerManager
@@ -27,22 +26,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def server(demo_server):
     return demo_server
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client(timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def post_raw(http: httpx.Client, path: str, body: Any) -> httpx.Response:

@@ -10,7 +10,6 @@ import re
 from typing import Any
 
 import pytest
-from openai import OpenAI
 from test_openai_tools import ASK, NAMED, TOOLS
 
 from rxf.testing.runtime import assert_drained
@@ -22,13 +21,8 @@ PROMPT = "Three short words about the sea:"
 
 
 @pytest.fixture(scope="module")
-def client(demo_server) -> OpenAI:
-    return OpenAI(base_url=demo_server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
+def server(demo_server):
+    return demo_server
 
 
 @pytest.fixture(scope="module")
