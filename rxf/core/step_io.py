@@ -44,7 +44,8 @@ class StepBatch:
     """
 
     mode: ForwardMode  # PREFILL / EXTEND / DECODE / MIXED (extend rows and decode rows together)
-    reqs: list[Req]
+    reqs: list[Req]  # the runner reads only their immutable fields (params, prompt, media, seed)
+    rows: list[int]  # each request's req_to_token row
     prefix_lens: list[int]
     extend_lens: list[int]
     input_ids: list[int]

@@ -120,7 +120,7 @@ class StepExecutor:
             mode = ForwardMode.EXTEND if any(batch.prefix_lens) else ForwardMode.PREFILL
         inp = ModelInput(
             mode=mode,
-            req_pool_indices=[r.kv.row for r in batch.reqs],
+            req_pool_indices=batch.rows,
             input_ids=batch.input_ids,
             prefix_lens=batch.prefix_lens,
             extend_lens=batch.extend_lens,

@@ -104,7 +104,7 @@ class FakeRunner:
         table = self.req_to_token_pool.req_to_token
         t, sampled = 0, []
         for i, req in enumerate(batch.reqs):
-            row, pre, n = req.kv.row, batch.prefix_lens[i], batch.extend_lens[i]
+            row, pre, n = batch.rows[i], batch.prefix_lens[i], batch.extend_lens[i]
             if batch.row_writes[i] is not None:
                 start, slots = batch.row_writes[i]
                 table[row, start : start + slots.numel()] = slots.to(torch.int32)

@@ -129,7 +129,7 @@ def _decode_step(reqs: list[Req]) -> StepBatch:
         r.kv = KVHandle(i, None, torch.tensor([i + 1, i + 2]))
     n = len(reqs)
     return StepBatch(
-        mode=ForwardMode.DECODE, reqs=reqs, prefix_lens=[2] * n, extend_lens=[1] * n, input_ids=[3] * n,
+        mode=ForwardMode.DECODE, reqs=reqs, rows=list(range(n)), prefix_lens=[2] * n, extend_lens=[1] * n, input_ids=[3] * n,
         prev_rows=[-1] * n, out_cache_loc=torch.arange(n) + 10, row_writes=[None] * n, sample=[True] * n,
         prompt_logits_from=[None] * n, banned_ids=[[] for _ in reqs],
     )

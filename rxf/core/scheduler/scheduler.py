@@ -67,6 +67,7 @@ class _Planned:
     """A batch being built: per request its new tokens, and whether it samples."""
 
     reqs: list[Req] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     input_ids: list[int] = field(default_factory=list)
@@ -214,6 +215,7 @@ class Scheduler:
         batch = StepBatch(
             mode=mode,
             reqs=plan.reqs,
+            rows=plan.rows,
             prefix_lens=plan.prefix_lens,
             extend_lens=plan.extend_lens,
             input_ids=plan.input_ids,
@@ -262,6 +264,7 @@ class Scheduler:
 
     def _add_row(self, plan: _Planned, req: Req, prefix_len: int, ids: list[int], prev_row: int) -> None:
         plan.reqs.append(req)
+        plan.rows.append(req.kv.row)
         plan.prefix_lens.append(prefix_len)
         plan.extend_lens.append(len(ids))
         plan.input_ids += ids
@@ -272,7 +275,8 @@ class Scheduler:
         """The next chunk of each request whose prompt (or jumped-forward text) is only partly
         computed; they keep their row and lock."""
         chunk = self.sc.chunked_prefill_size or self.sc.max_prefill_tokens
-        for req in [r for r in self.running if not r.decoding]:
+        # (A prompt whose last chunk is in flight without sampling, max_new_tokens 0, has none left.)
+        for req in [r for r in self.running if not r.decoding and r.kv_len < r.seq_len]:
             n = min(chunk, req.seq_len - req.kv_len)
             kv_len = req.kv_len
             slots = self.kv.grow(req, n)
