@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 # OpenAI's bound on top logprobs per token, applied to native requests too.
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_LEN = 256
+# A request id travels in every streamed chunk's meta_info: a long one would multiply the output.
+MAX_RID_LEN = 256
 # Request priorities are 32-bit signed integers (lower runs first): room for any tiering scheme,
 # while a value beyond it is a client bug, refused rather than silently honoured.
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)

@@ -35,6 +35,7 @@ from rxf.core.io_struct import (
 )
 from rxf.core.requests import (
     MAX_CACHE_SALT_LEN,
+    MAX_RID_LEN,
     MAX_TOP_LOGPROBS,
     EngineDeadError,
     GenerateRequest,
@@ -175,6 +176,8 @@ class TokenizerManager:
         if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_LEN):
             raise RequestError(f"cache_salt: must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters")
         self.limits.check_priority(req.priority)
+        if req.rid is not None and not (isinstance(req.rid, str) and len(req.rid) <= MAX_RID_LEN):
+            raise RequestError(f"rid: must be a string of at most {MAX_RID_LEN} characters")
         if not -1 <= req.logprob_start_len < len(ids):
             raise RequestError(
                 f"logprob_start_len: must be -1 (output tokens only) or in [0, {len(ids)}) (the prompt's "
