@@ -138,7 +138,7 @@ def _report(path: str, seen: list[int]) -> None:
     assert len(seen) >= 250 and 200 in counts  # enough cases, and some got past validation
 
 
-FUZZ_OPENAPI_EXAMPLES = 300
+FUZZ_OPENAPI_EXAMPLES = 600
 _FUZZ = settings(max_examples=260, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
