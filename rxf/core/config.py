@@ -174,7 +174,14 @@ class MultimodalConfig(_Section):
 
     allow_local_paths: bool = Field(False, description="accept image paths / file:// URLs on this machine")
     allow_urls: bool = Field(False, description="fetch http(s) image URLs")
-    url_timeout_s: float = Field(10.0, gt=0, description="per fetched URL")
+    url_timeout_s: float = Field(10.0, gt=0, description="per fetched URL, redirects included")
+    url_max_redirects: int = Field(3, ge=0, description="redirects followed per URL (each one checked)")
+    url_allow_hosts: list[str] = Field(
+        [], description="host names, addresses or CIDRs fetched although loopback/private/link-local"
+    )
+    local_path_roots: list[str] = Field(
+        [], description="with allow_local_paths, the directories files may come from (empty: anywhere)"
+    )
     max_image_bytes: int = Field(20 * 2**20, gt=0, description="encoded size of one image (or video frame)")
     max_image_pixels: int = Field(40_000_000, gt=0, description="decoded width x height of one image")
     max_items_per_request: int = Field(16, gt=0, description="images + videos in one request")
