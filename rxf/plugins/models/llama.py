@@ -83,8 +83,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q, k = self.rotary_emb(batch.positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+        # The backend rotates q and k inside its K/V store where it can (one launch per layer).
+        return self.o_proj(self.attn(q, k, v, batch, rotary=self.rotary_emb))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -188,8 +188,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]`."""
         x, residual = self.model(batch, input_embeds)
-        idx = batch.logits_indices
-        x, _ = self.model.norm(x[idx], residual[idx])
+        if not batch.mode.is_decode():  # decode returns every row's logits, in order: no gather
+            idx = batch.logits_indices
+            x, residual = x[idx], residual[idx]
+        x, _ = self.model.norm(x, residual)
         return self.lm_head(x)
 
     def _skip(self, name: str) -> bool:
