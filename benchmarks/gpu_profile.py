@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the GPU (issue 4's profile): one call on the GPU machine.
 
     python benchmarks/gpu_profile.py [--preset llama3-8b] [--phases gemv,step,attn] [--backends triton,flashinfer]
+                                     [--gemv suggested|RXF_GEMV-value]
 
 Phases (each guarded like gpu_decode.py's; figures go to $OUT/gpu_profile.json, traces beside it):
   gemv   each projection of the preset at batch 1, 2, 4, 8 (bf16): cuBLAS, cuBLASLt and a sweep of rxf's
