@@ -11,16 +11,13 @@ transformers.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from grammar_cases import LONG_KEYS_SCHEMA
 
 from rxf import Runtime
-from rxf.testing.runtime import assert_drained
-
-GREEDY = {"temperature": 0, "ignore_eos": True}
+from rxf.testing.step_workload import run_step_workload, stop_points
 
 
 def _config(path, overlap: bool, tp: int = 1) -> dict:
@@ -37,56 +34,14 @@ def _config(path, overlap: bool, tp: int = 1) -> dict:
     }
 
 
-def _workload(rt: Runtime, stop_text: str, stop_token: int) -> dict:
-    ids = rt.tokenizer.encode
-    long_prompt = ids(" ".join(["a long prompt that is prefilled in chunks"] * 4))
-
-    async def abort_after(n: int) -> list[int]:
-        got = []
-        stream = await rt.async_generate("the stream that is aborted", {"max_new_tokens": 60, **GREEDY}, stream=True)
-        async for chunk in stream:
-            got += chunk["output_ids"]
-            if len(got) >= n:
-                break
-        await stream.aclose()
-        return got
-
-    async def run() -> dict:
-        jobs = {
-            "stop_text": rt.async_generate("stop here please", {"max_new_tokens": 40, **GREEDY, "stop": [stop_text]}),
-            "stop_token": rt.async_generate("stop here please", {"max_new_tokens": 40, **GREEDY,
-                                                                  "stop_token_ids": [stop_token]}),
-            "eos": rt.async_generate("stop here please", {"max_new_tokens": 40, "temperature": 0}),
-            "json": rt.async_generate("json:", {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA}),
-            "n": rt.async_generate("three choices", {"max_new_tokens": 12, "temperature": 0.9, "seed": 4}, n=3),
-            "long": rt.async_generate(input_ids=long_prompt, sampling_params={"max_new_tokens": 8, **GREEDY}),
-            "aborted": abort_after(5),
-            **{f"load{i}": rt.async_generate(f"load {i} " * (i + 1), {"max_new_tokens": 48, **GREEDY}) for i in range(6)},
-        }
-        results = await asyncio.gather(*jobs.values())
-        return dict(zip(jobs, results, strict=True))
-
-    outs = asyncio.run(run())
-    assert_drained(rt)
-    summary = {k: _summary(v) for k, v in outs.items() if k != "aborted"}
-    return {**summary, "aborted": outs["aborted"], "stats": rt.get_stats(), "long_prompt": long_prompt}
-
-
-def _summary(out: dict | list[dict]) -> dict | list[dict]:
-    if isinstance(out, list):  # n choices
-        return [_summary(o) for o in out]
-    return {"ids": out["output_ids"], "text": out["text"], "finish": out["meta_info"]["finish_reason"]}
-
-
 @pytest.fixture(scope="module")
 def workloads(tiny_llama):
     # The stop text and token come from an unstopped greedy run, so both stops really trigger.
     with Runtime.from_config(_config(tiny_llama, overlap=False)) as rt:
-        free = rt.generate("stop here please", {"max_new_tokens": 40, **GREEDY})
-        stop_text, stop_token = free["text"][10:13], free["output_ids"][9]
-        runs = {False: _workload(rt, stop_text, stop_token)}
+        stop_text, stop_token = stop_points(rt)
+        runs = {False: run_step_workload(rt, stop_text, stop_token, LONG_KEYS_SCHEMA)}
     with Runtime.from_config(_config(tiny_llama, overlap=True)) as rt:
-        runs[True] = _workload(rt, stop_text, stop_token)
+        runs[True] = run_step_workload(rt, stop_text, stop_token, LONG_KEYS_SCHEMA)
     return runs, stop_text, stop_token
 
 
@@ -109,6 +64,6 @@ def test_overlap_changes_no_output(workloads, hf_reference, tiny_llama):
 def test_tensor_parallel_overlap_matches(tiny_llama, workloads):
     runs, stop_text, stop_token = workloads
     with Runtime.from_config(_config(tiny_llama, overlap=True, tp=2)) as rt:
-        tp = _workload(rt, stop_text, stop_token)
+        tp = run_step_workload(rt, stop_text, stop_token, LONG_KEYS_SCHEMA)
     for key in [k for k in runs[False] if k not in ("stats", "aborted")]:
         assert tp[key] == runs[False][key], key
