@@ -42,6 +42,13 @@ class SchedulerConfig(_Section):
     max_running_requests: int = Field(64, gt=0)
     max_prefill_tokens: int = Field(4096, gt=0, description="bound on one EXTEND batch's new tokens")
     chunked_prefill_size: int | None = Field(None, gt=0, description="split longer prompts into chunks")
+    mixed_chunked_prefill: bool = Field(
+        True, description="run a prefill chunk in the same forward as the decoding requests"
+    )
+    overlap: bool | None = Field(
+        None,
+        description="plan and postprocess one step while the device runs the next (None: on for CUDA)",
+    )
     policy: Literal["lpm", "fcfs", "random", "priority"] = Field(
         "lpm", description="waiting-queue order; 'priority': by each request's priority, lower first"
     )

@@ -112,6 +112,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the token history (repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def verify(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the first invalid field. Comparisons are written so NaN fails."""
         for name, bound in NUMERIC_BOUNDS.items():
