@@ -1,6 +1,7 @@
-"""What the TokenizerManager does on the server's event loop: a request whose preparation may take
-long (an output constraint to compile — the first also builds the grammar backend's tables — or
-media to decode) is prepared in a worker thread, so other clients' requests keep flowing."""
+"""What a front door does on the server's event loop: a request whose preparation may take long (an
+output constraint to compile — the first also builds the grammar backend's tables — or media to
+decode) is prepared in a worker thread (`RequestPreparer.prepare_async`), so other clients'
+requests keep flowing; the TokenizerManager then submits it as it is."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def test_constrained_requests_are_prepared_off_the_event_loop(tmp_path: Path, pa
 
     async def run() -> None:
         loop_thread.append(threading.current_thread().name)
+        prepared = await tm.preparer.prepare_async(GenerateRequest(input_ids=[1, 2, 3], sampling_params=params))
         with pytest.raises(_Stop):
-            async for _ in tm.generate(GenerateRequest(input_ids=[1, 2, 3], sampling_params=params)):
+            async for _ in tm.generate(prepared):
                 pass
 
     try:

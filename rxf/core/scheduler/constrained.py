@@ -119,7 +119,7 @@ class ConstrainedDecoding:
         reason = self.stop.check(req)
         if reason is None and req.grammar.is_terminated():
             reason = FinishReason("stop", matched=token)
-        if reason is None and self.jump_forward and not req.return_logprob and self._jump(req):
+        if reason is None and self.jump_forward and not req.options.return_logprob and self._jump(req):
             reason = self.stop.check(req)
         return reason
 
