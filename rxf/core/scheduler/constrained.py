@@ -26,6 +26,7 @@ import torch
 from rxf.core.config import EngineConfig
 from rxf.core.grammar import GrammarBackend, make_grammar_backend
 from rxf.core.io_struct import FinishReason
+from rxf.core.requests import max_token_chars
 from rxf.core.sampling import GrammarMask
 from rxf.core.scheduler.output import StopChecker
 from rxf.core.scheduler.req import Req
@@ -44,6 +45,9 @@ class ConstrainedDecoding:
     def __init__(self, backend: GrammarBackend, config: EngineConfig, tokenizer: Any, stop: StopChecker) -> None:
         self.backend = backend
         self.jump_forward = config.grammar.jump_forward
+        self.max_jump_bytes = config.grammar.max_jump_forward_bytes
+        # A token's text is at most max_token_chars characters of at most 4 UTF-8 bytes each.
+        self.max_token_bytes = 4 * max_token_chars(tokenizer)
         self.tokenizer = tokenizer
         self.stop = stop
         self.pool = concurrent.futures.ThreadPoolExecutor(
@@ -123,10 +127,16 @@ class ConstrainedDecoding:
     # ---- jump-forward ----
     def _jump(self, req: Req) -> bool:
         """Append the grammar's forced continuation; True if any token was added."""
-        forced = req.grammar.jump_forward_string()
+        out = req.output_ids
+        p = req.sampling_params
+        budget = min(p.max_new_tokens - len(out), self.stop.max_context_len - 1 - req.seq_len)  # tokens
+        if budget <= 0:
+            return False
+        # The forced text may be endless (a recursive schema): ask only for what the budget can hold,
+        # at most `max_token_bytes` per token, and at most `max_jump_bytes` per step.
+        forced = req.grammar.jump_forward_string(min(self.max_jump_bytes, budget * self.max_token_bytes))
         if not forced or "\ufffd" in forced:
             return False
-        out = req.output_ids
         # The newest token is re-tokenized with the forced text (the tokenizer may merge across the
         # boundary) when it is still unsent and decodes to whole characters.
         replace = int(req.sent_len < len(out))
@@ -136,9 +146,7 @@ class ConstrainedDecoding:
             new_ids = self._tokenize(out, forced, 0)
         if new_ids is None:
             return False
-        p = req.sampling_params
-        budget = min(p.max_new_tokens - len(out), self.stop.max_context_len - 1 - req.seq_len) + replace
-        new_ids = new_ids[: max(budget, 0)]
+        new_ids = new_ids[: budget + replace]
         if len(new_ids) <= replace:  # nothing gained
             return False
         req.grammar.rollback(replace)
