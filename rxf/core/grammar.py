@@ -68,13 +68,14 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def compile(self, kind: str, text: str) -> Any:
-        """A compiled grammar for `kind` in GRAMMAR_KINDS; raises GrammarError when `text` is invalid
-        or cannot be compiled within the configured limits (`grammar.compile_timeout_s`,
-        `grammar.compile_memory_mb`): `text` comes from a client."""
+        """A compiled grammar for `kind` in GRAMMAR_KINDS; raises GrammarError when `text` is invalid.
+        The scheduler compiles only constraints that `validate` accepted at the front door."""
 
     def validate(self, kind: str, text: str) -> None:
-        """Raise what `compile` would raise, without needing the result here (the front door checks
-        constraints that the scheduler compiles); a backend may do it more cheaply than `compile`."""
+        """Raise GrammarError when `text` is invalid or cannot be compiled within the configured
+        limits (`grammar.compile_timeout_s`, `grammar.compile_memory_mb`). `text` comes from a
+        client: a backend whose compile a constraint can crash or stall must isolate it here (the
+        default compiles in this process)."""
         self.compile(kind, text)
 
     @abstractmethod

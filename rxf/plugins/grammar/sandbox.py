@@ -7,14 +7,19 @@ enum, a 20,000-property object or an array schema nested 3,000 deep each compile
 a compile thread (every constrained request waits behind it), in the HTTP process an executor
 thread; none of it can be interrupted in a thread, and a native crash would end the process.
 
-So a compile runs first in a worker process: its address space is limited to
+So the front door (`validate`, before a request is queued) compiles in a worker process: its
+address space is limited to
 `grammar.compile_memory_mb` over its start-up size, it is killed (and replaced) past
 `grammar.compile_timeout_s`, and a worker that dies costs that constraint a GrammarError, nothing
 else. Only the verdict comes back: shipping the compiled grammar (`serialize_json`) costs more
 than compiling it again (records schema: 9.5 ms to compile, 22 ms to serialize and load back; a
-40-property schema 13 ms against 206 ms), so a caller that needs the grammar compiles it again in
-its own process, now known to fit the limits. Verdicts are cached by the constraint's hash,
-failures included, so a client repeating a slow constraint does not hold a worker each time.
+40-property schema 13 ms against 206 ms), so the scheduler compiles it again in its own process,
+the same deterministic work now known to fit the limits. The scheduler does not check again in
+workers of its own: a verdict that depends on timing could differ between tensor-parallel ranks
+(whose admissions must agree, see `rxf.core.scheduler.constrained`), and each rank would pay a
+worker's memory (~175 MB unique RSS: it imports xgrammar, hence torch) and start-up (seconds).
+Verdicts are cached by the constraint's hash, failures included, so a client repeating a slow
+constraint does not hold a worker each time.
 
 Workers are `python -m rxf.plugins.grammar.sandbox` subprocesses, as rxf's engine children are
 (`rxf.entrypoints.child`), not multiprocessing's spawn: spawn re-imports the caller's `__main__`.
@@ -35,6 +40,7 @@ import threading
 import time
 from collections import OrderedDict
 from multiprocessing.connection import Connection
+from typing import Any
 
 from rxf.core.grammar import GrammarError
 
@@ -84,11 +90,12 @@ class _Worker:
 class CompileSandbox:
     """Checks constraints in up to `workers` processes (started on first use); thread-safe."""
 
-    def __init__(self, tokenizer_info_json: str, workers: int, timeout_s: float, memory_mb: int, cache_size: int) -> None:
+    def __init__(self, tokenizer_info: Any, workers: int, timeout_s: float, memory_mb: int, cache_size: int) -> None:
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
         self.cache_size = cache_size
-        self._init = pickle.dumps((tokenizer_info_json, memory_mb << 20, os.getpid()))
+        self._tokenizer_info = tokenizer_info  # an xgrammar TokenizerInfo, sent to each worker
+        self._init: bytes | None = None  # that message, made when a first worker starts
         self._idle: queue.LifoQueue[_Worker | None] = queue.LifoQueue()  # started workers first
         for _ in range(workers):
             self._idle.put(None)  # a slot whose worker is started when first needed
@@ -116,7 +123,7 @@ class CompileSandbox:
         worker = self._idle.get()  # at most `workers` compiles at once; the others wait here
         try:
             if worker is None:
-                worker = _Worker(self._init)
+                worker = _Worker(self._init_message())
                 with self._lock:
                     self._workers.add(worker)
             verdict = worker.check(kind, text, self.timeout_s)
@@ -135,6 +142,13 @@ class CompileSandbox:
         if verdict == "memory":
             return f"{kind} is too complex: compiling it needs over {self.memory_mb} MiB (grammar.compile_memory_mb)"
         return verdict
+
+    def _init_message(self) -> bytes:
+        with self._lock:
+            if self._init is None:
+                info_json = self._tokenizer_info.serialize_json()
+                self._init = pickle.dumps((info_json, self.memory_mb << 20, os.getpid()))
+            return self._init
 
     def _discard(self, worker: _Worker | None) -> None:
         if worker is not None:
@@ -167,7 +181,9 @@ def _serve() -> None:
     if os.path.exists("/proc/self/statm"):  # the limit is over what the worker already maps (torch)
         with open("/proc/self/statm") as f:
             mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (mapped + memory_bytes, mapped + memory_bytes))
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        limit = mapped + memory_bytes if hard == resource.RLIM_INFINITY else min(mapped + memory_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     send.send("ready")
     while True:
         try:
