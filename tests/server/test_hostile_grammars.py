@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 CAP_BYTES = 4 << 30
-RSS_GROWTH_MB = 150  # measured: the scheduler grows by ~XX MB over this module
+RSS_GROWTH_MB = 150  # measured: 83-88 MB over this module (its first constrained requests build the backend)
 FINISH_S = 60.0  # a request that runs: worker start + compile + 64 tokens on a loaded 2-core box
 REFUSE_S = 40.0  # a request refused at compile: grammar.compile_timeout_s (10 s) + worker start
 
@@ -110,7 +110,9 @@ def test_endless_or_huge_forced_output_finishes_by_length(http, before, params, 
 
 
 def test_a_constraint_too_costly_to_compile_is_400_in_bounded_time(http, before):
-    literal = {"regex": "y" * 1_000_000}  # measured: 20 s and 420 MB to compile in xgrammar 0.2.9
+    # Measured in xgrammar 0.2.9: a 1 MB literal takes 8-20 s and 420 MB to compile, a 4 MB one more
+    # than 60 s and past grammar.compile_memory_mb (1024 MiB), whatever the machine's load.
+    literal = {"regex": "y" * 4_000_000}
     r, elapsed = _generate(http, literal, 4)
     assert r.status_code == 400 and "too complex" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "sampling_params.regex"
