@@ -129,3 +129,17 @@ def test_workers_end_with_the_backend(tokenizer):
     backend.close()
     psutil.wait_procs(workers, timeout=5)
     assert not any(p.is_running() for p in workers)
+
+
+def test_a_worker_that_cannot_start_fails_the_request_but_not_the_constraint(tokenizer, monkeypatch):
+    import sys
+
+    backend = XGrammarBackend(tokenizer, VOCAB, GrammarConfig())
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "executable", "/bin/false")  # a worker that exits at once
+        with pytest.raises(GrammarError, match="the grammar compile worker failed to start"):
+            backend.validate("regex", "a+")
+    backend.validate("regex", "a+")  # no verdict was kept: a real worker now accepts it
+    with pytest.raises(GrammarError, match="^invalid regex"):
+        backend.validate("regex", "a(")
+    backend.close()

@@ -50,6 +50,10 @@ _START_TIMEOUT_S = 300.0  # a worker's start (imports xgrammar and torch): secon
 _UNCHECKED = object()
 
 
+class _StartFailure(RuntimeError):
+    """The worker ended (or hung) before it was ready: no constraint's fault."""
+
+
 class _Worker:
     """One worker process; `check` runs one compile in it."""
 
@@ -68,9 +72,12 @@ class _Worker:
     def check(self, kind: str, text: str, timeout_s: float) -> str | None:
         """The worker's verdict; TimeoutError past `timeout_s`, EOFError if the worker died."""
         if not self.ready:
-            if not self.recv.poll(_START_TIMEOUT_S):
-                raise EOFError("the worker did not start")
-            self.recv.recv()  # "ready" (EOFError if it failed to start)
+            try:
+                if not self.recv.poll(_START_TIMEOUT_S):
+                    raise EOFError
+                self.recv.recv()  # "ready"
+            except (EOFError, OSError) as exc:
+                raise _StartFailure(f"exit code {self.proc.poll()}") from exc
             self.ready = True
         self.send.send((kind, text))
         if not self.recv.poll(timeout_s):
@@ -123,10 +130,19 @@ class CompileSandbox:
         worker = self._idle.get()  # at most `workers` compiles at once; the others wait here
         try:
             if worker is None:
-                worker = _Worker(self._init_message())
+                try:
+                    worker = _Worker(self._init_message())
+                except OSError as exc:  # no process to be had (fds, memory)
+                    raise _StartFailure(str(exc)) from exc
                 with self._lock:
                     self._workers.add(worker)
             verdict = worker.check(kind, text, self.timeout_s)
+        except _StartFailure as exc:
+            self._discard(worker)
+            worker = None
+            logger.error("the grammar compile worker failed to start (%s); see its output above", exc)
+            # Raised, not returned: no verdict on this constraint is kept, the next one starts a worker.
+            raise GrammarError("structured output is unavailable: the grammar compile worker failed to start") from None
         except (TimeoutError, EOFError, OSError) as exc:
             timed_out = isinstance(exc, TimeoutError)
             self._discard(worker)
