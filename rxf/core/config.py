@@ -164,6 +164,9 @@ class GrammarConfig(_Section):
     jump_forward: bool = Field(
         True, description="append a grammar's only possible continuation without a forward per token"
     )
+    max_match_ms: float = Field(
+        50.0, gt=0, description="a request whose grammar takes longer to match one step (mask, accept, jump) ends with an error"
+    )
     max_jump_forward_bytes: int = Field(
         512, gt=0, description="at most this much forced text appended per step (also cut to the request's budget)"
     )

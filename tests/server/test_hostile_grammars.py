@@ -121,6 +121,17 @@ def test_a_constraint_too_costly_to_compile_is_400_in_bounded_time(http, before)
     assert r.status_code == 400 and elapsed < 5
 
 
+def test_an_ambiguous_grammar_ends_with_an_error_once_matching_it_gets_slow(http, before):
+    # Earley matching of `x ::= x x` costs more per byte the longer the output (measured: 4.5 ms
+    # per token after 256 tokens, 32 ms after 512): past grammar.max_match_ms (50 ms) in one step
+    # the request ends, instead of slowing every step of the engine further.
+    r, elapsed = _generate(http, {"ebnf": 'root ::= x root\nx ::= x x | "a"'}, 4000)
+    assert r.status_code == 200, r.text
+    finish = r.json()["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "grammar.max_match_ms" in finish["message"], finish
+    assert elapsed < FINISH_S
+
+
 def test_the_server_is_unchanged_after_the_hostile_requests(server, http, before):
     assert _normal(http) == before["answer"]
     growth_mb = (_scheduler(server).memory_info().rss - before["rss"]) / 2**20

@@ -17,6 +17,7 @@ import pytest
 
 from rxf.core.config import GrammarConfig
 from rxf.core.grammar import GrammarError
+from rxf.plugins.grammar.forced import forced_string
 from rxf.plugins.grammar.xgrammar_backend import XGrammarBackend
 from rxf.testing.checkpoints import make_tiny_tokenizer
 
@@ -31,7 +32,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def backend(tokenizer):
-    backend = XGrammarBackend(tokenizer, VOCAB, GrammarConfig(compile_timeout_s=2.0, compile_memory_mb=256))
+    config = GrammarConfig(compile_timeout_s=2.0, compile_memory_mb=256, max_match_ms=10_000)  # time: not the bound here
+    backend = XGrammarBackend(tokenizer, VOCAB, config)
     yield backend
     backend.close()
 
@@ -92,6 +94,13 @@ def test_forced_text_of_an_endless_grammar_stops_at_the_bound(backend, kind, tex
     after = backend.allocate_bitmask(1)
     m.fill_bitmask(after, 0)
     assert after.equal(before)  # rolled back
+
+
+def test_forced_text_stops_at_the_time_budget(backend):
+    m = backend.matcher(backend.compile("ebnf", 'root ::= "ab" root'), stop_token_ids=[EOS])
+    start = time.perf_counter()
+    forced = forced_string(m._m, m._first_bytes, m._scratch, [EOS], 10**9, budget_s=0.02)
+    assert time.perf_counter() - start < 0.5 and 0 < len(forced) < 10**6
 
 
 def _workers(sandbox) -> list[psutil.Process]:

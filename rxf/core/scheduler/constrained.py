@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ class ConstrainedDecoding:
         self.backend = backend
         self.jump_forward = config.grammar.jump_forward
         self.max_jump_bytes = config.grammar.max_jump_forward_bytes
+        self.max_match_s = config.grammar.max_match_ms / 1e3
+        self._fill_s: dict[str, float] = {}  # rid -> this step's bitmask fill time
         # A token's text is at most max_token_chars characters of at most 4 UTF-8 bytes each.
         self.max_token_bytes = 4 * max_token_chars(tokenizer)
         self.tokenizer = tokenizer
@@ -105,15 +108,20 @@ class ConstrainedDecoding:
         if not rows:
             return None
         bitmask = self.backend.allocate_bitmask(len(reqs))
+        self._fill_s.clear()  # only this step's rows: bounded by the batch
         for i in rows:
+            start = time.perf_counter()
             reqs[i].grammar.fill_bitmask(bitmask, i)
+            self._fill_s[reqs[i].rid] = time.perf_counter() - start
         return GrammarMask(bitmask.to(device, non_blocking=True), rows, self.backend.apply_bitmask)
 
     def check_token(self, req: Req) -> FinishReason | None:
         """Advance the matcher by the newest output token, then check the stop conditions; a
-        complete grammar (stop token accepted) ends the request with "stop"."""
+        complete grammar (stop token accepted) ends the request with "stop", one that took over
+        `grammar.max_match_ms` this step (mask, accept, jump) with "abort"."""
         if req.grammar is None:
             return self.stop.check(req)
+        start = time.perf_counter()
         token = req.output_ids[-1]
         if not req.grammar.accept_token(token):
             raise GrammarViolation(f"token {token} is not allowed by the request's grammar")
@@ -122,6 +130,14 @@ class ConstrainedDecoding:
             reason = FinishReason("stop", matched=token)
         if reason is None and self.jump_forward and not req.return_logprob and self._jump(req):
             reason = self.stop.check(req)
+        spent = self._fill_s.pop(req.rid, 0.0) + time.perf_counter() - start
+        if reason is None and spent > self.max_match_s:
+            # An ambiguous grammar (`x ::= x x | "a"`) costs more per token the longer its output:
+            # it ends here rather than slow every step of its neighbours further.
+            kind = req.sampling_params.grammar[0]
+            reason = FinishReason("abort", message=(
+                f"sampling_params.{kind}: the grammar took {spent * 1e3:.0f} ms to match one step's output, "
+                f"over grammar.max_match_ms = {self.max_match_s * 1e3:g}"))
         return reason
 
     # ---- jump-forward ----

@@ -17,6 +17,8 @@ text; a byte no token can start is not a choice the model has either.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 import xgrammar as xgr
@@ -41,15 +43,22 @@ class FirstByteTable:
 
 
 def forced_string(
-    matcher: xgr.GrammarMatcher, table: FirstByteTable, scratch: torch.Tensor, stop_ids: list[int], max_bytes: int
+    matcher: xgr.GrammarMatcher,
+    table: FirstByteTable,
+    scratch: torch.Tensor,
+    stop_ids: list[int],
+    max_bytes: int,
+    budget_s: float,
 ) -> str:
-    """The forced text at `matcher`'s position, at most `max_bytes` bytes of it, cut to whole UTF-8
+    """The forced text at `matcher`'s position, at most `max_bytes` bytes of it and what `budget_s`
+    seconds find (a byte of an ambiguous grammar can cost milliseconds), cut to whole UTF-8
     characters ("" when it starts inside a character). `scratch` is a 1-row bitmask; the matcher is
     left where it was."""
     words = scratch.numpy()[0]
     forced = bytearray()
+    deadline = time.perf_counter() + budget_s
     try:
-        while len(forced) < max_bytes:
+        while len(forced) < max_bytes and time.perf_counter() < deadline:
             matcher.fill_next_token_bitmask(scratch, 0)
             if any(words[s >> 5] >> (s & 31) & 1 for s in stop_ids):
                 break  # the grammar may end here

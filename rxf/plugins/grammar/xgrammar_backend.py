@@ -45,9 +45,10 @@ def compile_constraint(compiler: xgr.GrammarCompiler, kind: str, text: str) -> x
 
 
 class XGrammarMatcher(GrammarMatcher):
-    def __init__(self, matcher: xgr.GrammarMatcher, first_bytes: FirstByteTable, vocab_size: int) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, first_bytes: FirstByteTable, vocab_size: int, budget_s: float) -> None:
         self._m = matcher
         self._first_bytes = first_bytes
+        self._budget_s = budget_s  # the most one jump_forward_string may take
         self._stop_ids = list(matcher.stop_token_ids)
         self._scratch = xgr.allocate_token_bitmask(1, vocab_size)
 
@@ -65,7 +66,7 @@ class XGrammarMatcher(GrammarMatcher):
 
     def jump_forward_string(self, max_bytes: int) -> str:
         # Never xgrammar's find_jump_forward_string: it has no bound (see forced.py).
-        return forced_string(self._m, self._first_bytes, self._scratch, self._stop_ids, max_bytes)
+        return forced_string(self._m, self._first_bytes, self._scratch, self._stop_ids, max_bytes, self._budget_s)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -73,6 +74,7 @@ class XGrammarBackend(GrammarBackend):
         self.vocab_size = vocab_size
         self.cache_size = config.cache_size
         self.cache_bytes = config.cache_memory_mb << 20
+        self.match_budget_s = config.max_match_ms / 1e3
         # vocab_size covers the model's padded rows too: padding ids are never allowed.
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._info = info
@@ -112,7 +114,7 @@ class XGrammarBackend(GrammarBackend):
     def matcher(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int] | None = None) -> XGrammarMatcher:
         assert self._first_bytes is not None, "a matcher needs a compile first"
         m = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
-        return XGrammarMatcher(m, self._first_bytes, self.vocab_size)
+        return XGrammarMatcher(m, self._first_bytes, self.vocab_size, self.match_budget_s)
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(batch_size, self.vocab_size)
