@@ -10,9 +10,10 @@ and no stop token is allowed. That is read off the next-token bitmask with one A
 of tokens starting with b (precomputed per byte value). The byte is then accepted (`accept_string`)
 and the test repeated, at most `max_bytes` times; the matcher is rolled back before returning, so
 the cost is bounded by `max_bytes` bitmask fills (measured on the demo model's 49k vocabulary:
-about 8 us per forced byte, against 57 ms for a decode step). Where the vocabulary has a token for
-every allowed byte (byte-level and byte-fallback vocabularies) this is exactly the grammar's forced
-text; a byte no token can start is not a choice the model has either.
+7-8 us per forced byte, against 57 ms for a decode step; `benchmarks/bench_grammar_limits.py`).
+Where the vocabulary has a token for every allowed byte (byte-level and byte-fallback
+vocabularies) this is exactly the grammar's forced text; a byte no token can start is not a choice
+the model has either.
 """
 
 from __future__ import annotations
