@@ -23,7 +23,7 @@ import torch
 from rxf.core.config import EngineConfig
 from rxf.core.distributed import tp_size
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import FinishReason, SchedulerStats, TokenizedGenerateReq, TokenOut
+from rxf.core.io_struct import ABORT_REQUESTED, FinishReason, SchedulerStats, TokenizedGenerateReq, TokenOut
 from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.radix_cache import RadixCache
 from rxf.core.sampling import make_generator
@@ -108,7 +108,7 @@ class Scheduler:
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
-                req.finished_reason = FinishReason("abort", message="aborted")
+                req.finished_reason = FinishReason("abort", message=ABORT_REQUESTED)
                 return [make_token_out(req, finished=True)]
         for req in self.running:
             if req.rid == rid:
@@ -145,7 +145,7 @@ class Scheduler:
     def _release_aborted(self) -> list[TokenOut]:
         outs = []
         for req in [r for r in self.running if r.to_abort]:
-            req.finished_reason = FinishReason("abort", message="aborted")
+            req.finished_reason = FinishReason("abort", message=ABORT_REQUESTED)
             outs.append(self._finish(req))
         return outs
 

@@ -178,7 +178,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length", "tool_calls"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]  # "abort": cut short on request
 
 
 class CompletionLogprobs(BaseModel):
