@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import signal
 import socket
@@ -178,6 +179,11 @@ async def _start_engine(app: FastAPI, state: ServerState, loader: _EngineLoader)
     state.tokenizer_manager = tm
     loop = asyncio.get_running_loop()
     loaded.engine.watch(lambda reason: loop.call_soon_threadsafe(_on_engine_death, app, reason))
+    # The heap as it stands (torch, transformers, the tokenizer: hundreds of thousands of objects)
+    # is kept out of the collector's sight, as vLLM does: an allocation-heavy request (10,000 chat
+    # messages) triggers full collections, which traversed all of it on the event loop (180 ms).
+    gc.collect()
+    gc.freeze()
     state.ready = True
     app.state.on_ready()
 

@@ -153,10 +153,10 @@ def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
         if stepped:
             outs += scheduler.step()
         if sockets is not None:
+            if msgs or stepped:  # else nothing changed since the last snapshot
+                sockets.publish_stats(scheduler)  # first: it then usually lands before the outputs
             if outs:
                 sockets.to_detok.send_pyobj(BatchTokenOut(outs))
-            if msgs or stepped:  # else nothing changed since the last snapshot
-                sockets.publish_stats(scheduler)
 
 
 def _apply(scheduler: Any, msgs: list[Any], sockets: _Sockets | None) -> list[Any]:
@@ -171,7 +171,8 @@ def _apply(scheduler: Any, msgs: list[Any], sockets: _Sockets | None) -> list[An
             outs += scheduler.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
             ok, text = scheduler.flush_cache()
-            if sockets is not None:
+            if sockets is not None:  # the snapshot first: a caller of the flush then reads its effect
+                sockets.publish_stats(scheduler, force=True)
                 sockets.to_tm.send_pyobj(FlushCacheResult(ok, text))
         elif isinstance(msg, GetStatsReq):
             if sockets is not None:

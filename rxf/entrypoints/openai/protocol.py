@@ -7,7 +7,7 @@ out. Range checks and every engine capability live in the translation modules an
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,13 +20,16 @@ def _omit_if_none() -> Any:
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    # A whole request body: its text is checked once, here (the models nested in it are covered).
+    _body: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
         # Clients (and libraries wrapping them) send `"n": null` for "use the default".
         if isinstance(data, dict):
-            check_unicode(data)
+            if cls._body:
+                check_unicode(data)
             return {key: value for key, value in data.items() if value is not None}
         return data
 
@@ -76,6 +79,7 @@ class GenerationFields(_Request):
 
 
 class CompletionRequest(GenerationFields):
+    _body = True
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = None  # None: 16 (OpenAI's default), less if the context is shorter
     logprobs: int | None = None
@@ -137,6 +141,7 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(GenerationFields):
+    _body = True
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # wins over max_tokens (OpenAI's newer name)
@@ -150,6 +155,7 @@ class ChatCompletionRequest(GenerationFields):
 
 class TokenizeRequest(_Request):
     """vLLM's /tokenize body: a prompt or chat messages."""
+    _body = True
 
     model: str | None = None
     prompt: str | None = None
@@ -160,6 +166,7 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
+    _body = True
     model: str | None = None
     tokens: list[int]
 
