@@ -27,6 +27,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -272,8 +273,13 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.state = state
 
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # At the signal, not when uvicorn's main loop next looks at `should_exit` (within 0.1 s).
         self.state.draining = True  # from now on DrainMiddleware answers every new request 503
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.draining = True  # (also when shut down for another reason than a signal)
         await self._drain(DRAIN_S)
         await super().shutdown(sockets)
 
