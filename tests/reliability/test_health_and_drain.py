@@ -1,7 +1,8 @@
 """Health and shutdown: /health turns 503 within 100 ms of a child's death; on SIGTERM the server
 keeps its listener open for the drain and answers every new request 503 + Retry-After (no
-connection refused) while the streams in flight run on, then aborts them: a native stream ends
-with finish_reason "abort", an OpenAI one with a chunk whose finish_reason is "abort"."""
+connection refused) while the requests in flight run on, then aborts them: a native stream ends
+with finish_reason "abort", an OpenAI one with a chunk whose finish_reason is "abort", and an
+unstreamed OpenAI request answers what it has with finish_reason "abort"."""
 
 from __future__ import annotations
 
@@ -61,18 +62,29 @@ def _openai_stream(base_url: str, model: str, started: threading.Event, finishes
         started.set()
 
 
+def _openai_unary(base_url: str, model: str, out: list) -> None:
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    out.append(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=15000, extra_body={"ignore_eos": True}))
+
+
 def test_sigterm_drains_with_503_and_retry_after_then_aborts_the_streams(server_factory, long_context_model_dir):
     srv = server_factory({"model.path": str(long_context_model_dir), "cache.max_total_tokens": 65536})
+    model = str(long_context_model_dir)
     native: list[str] = []
     finishes: list = []
+    unary: list = []
     started = [threading.Event(), threading.Event()]
     readers = [
         threading.Thread(target=_native_stream, args=(srv.url, started[0], native)),
-        threading.Thread(target=_openai_stream, args=(srv.base_url, str(long_context_model_dir), started[1], finishes)),
+        threading.Thread(target=_openai_stream, args=(srv.base_url, model, started[1], finishes)),
+        threading.Thread(target=_openai_unary, args=(srv.base_url, model, unary)),
     ]
     for reader in readers:
         reader.start()
     assert all(s.wait(30) for s in started)
+    while httpx.get(f"{srv.url}/get_server_info").json()["stats"]["in_flight"] < 3:
+        time.sleep(0.02)
     srv.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     answers = []
@@ -92,5 +104,6 @@ def test_sigterm_drains_with_503_and_retry_after_then_aborts_the_streams(server_
     assert {(a[1], a[2], a[3]) for a in answers} == {(503, "1", "close")}, answers
     assert native[-1] == "[DONE]" and json.loads(native[-2])["meta_info"]["finish_reason"]["type"] == "abort"
     assert finishes[-1] == "abort" and all(f is None for f in finishes[:-1])
+    assert unary[0].choices[0].finish_reason == "abort" and unary[0].usage.completion_tokens > 0
     survivors = [p for p in srv.children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert code == 0 and not survivors and not os.path.exists(srv.ipc_dir), (code, survivors)
