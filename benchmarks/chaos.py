@@ -37,6 +37,7 @@ def main() -> int:
     parser.add_argument("--slow-body", type=int, default=10)
     parser.add_argument("--disconnecting", type=int, default=4)
     parser.add_argument("--hostile-cases", default=None, help="a JSON file of more hostile cases")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds before a request counts as an error")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-series", action="store_true", help="print every RSS sample, not just start/max/end")
@@ -53,7 +54,7 @@ def main() -> int:
         run_chaos(
             args.url, duration_s=args.duration, server_pid=args.pid, normal=args.normal, hostile=args.hostile,
             slow_header=args.slow_header, slow_body=args.slow_body, disconnecting=args.disconnecting,
-            hostile_cases=cases, api_key=args.api_key, seed=args.seed,
+            hostile_cases=cases, api_key=args.api_key, request_timeout_s=args.timeout, seed=args.seed,
         )
     )
     summary = result.summary()

@@ -295,16 +295,19 @@ async def run_chaos(
     hostile_cases: list[HostileCase] | None = None,
     api_key: str | None = None,
     health_interval_s: float = 0.05,
+    request_timeout_s: float = 30.0,
     seed: int = 0,
 ) -> ChaosResult:
     """Run the mix for `duration_s`, then measure leaks (idle stats, /flush_cache). `server_pid`:
-    the server's main process, whose tree's RSS is sampled every second."""
+    the server's main process, whose tree's RSS is sampled every second. A request unanswered
+    after `request_timeout_s` is an error (a hostile one the server runs instead of refusing); the
+    run ends when each client's current request has ended, at most that long after `duration_s`."""
     clients = {"normal": normal, "hostile": hostile, "slow_header": slow_header, "slow_body": slow_body,
                "disconnecting": disconnecting}
     result = ChaosResult(duration_s, clients)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=normal + hostile + disconnecting + 4)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=120) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=request_timeout_s) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         cases = hostile_cases if hostile_cases is not None else default_hostile_cases(model)
         start = time.monotonic()
