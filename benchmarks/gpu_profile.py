@@ -1,14 +1,18 @@
 """Where a decode step's time goes on the GPU (issue 4's profile): one call on the GPU machine.
 
     python benchmarks/gpu_profile.py [--preset llama3-8b] [--phases gemv,step,attn] [--backends triton,flashinfer]
+                                     [--gemv suggested|RXF_GEMV-value]
 
 Phases (each guarded like gpu_decode.py's; figures go to $OUT/gpu_profile.json, traces beside it):
-  gemv   each weight matrix of the preset at one token (x [1, hidden] @ W.T, bf16, cuBLAS through
-         F.linear), timed as GPU time over rotating copies (so L2 holds none of them): us and GB/s read
+  gemv   each projection of the preset at batch 1, 2, 4, 8 (bf16): cuBLAS, cuBLASLt and a sweep of rxf's
+         Triton GEMV settings, GPU time over rotating weight copies (`gpu_gemv.py`); prints the
+         RXF_GEMV value the figures favour
   step   the in-process engine (ModelRunner + Scheduler, each of `--backends`) at batch 1 with CUDA graphs:
          median wall time of a whole scheduler step, GPU time of the decode graph alone (replayed
          back to back), and a torch.profiler trace of 8 steps summarised as kernel time by category,
-         top kernels, idle GPU gaps, and the host calls that fill them
+         top kernels, idle GPU gaps, and the host calls that fill them; with `--gemv VALUE` (or
+         `--gemv suggested`: the gemv phase's choice in this call) each backend runs again with
+         RXF_GEMV=VALUE
   attn   decode attention kernel time (GPU time from the profiler, no launch overhead: the engine
          replays it from CUDA graphs) for triton launch settings vs flashinfer, at realistic shapes
 """
@@ -16,6 +20,7 @@ Phases (each guarded like gpu_decode.py's; figures go to $OUT/gpu_profile.json, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import gzip
@@ -32,100 +37,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_decode as gd  # noqa: E402  (the sibling benchmark: presets, checkpoint, engine, cases)
+import gpu_gemv  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 RESULTS: dict[str, Any] = {}
 
 
-# ---------------------------------------------------------------- gemv
-def _time_gemv(n: int, k: int, variant: str = "linear") -> tuple[float, dict[str, float]]:
-    copies = max(2, min(8, (2 << 30) // (n * k * 2)))  # >= 2 GiB in flight where it fits: no L2 hits
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    turn = iter(range(10**9))
-    fns = {
-        "linear": lambda w: torch.nn.functional.linear(x, w),
-        "mv": lambda w: torch.mv(w, x[0]),
-        "w_at_xt": lambda w: torch.matmul(w, x.t()),
-    }
-    if variant.startswith("triton"):
-        _, bn, bk, st = variant.split("_")
-        fns[variant] = functools.partial(_triton_gemv, x, block_n=int(bn), block_k=int(bk), stages=int(st))
-    fn = fns[variant]
-    ref = torch.nn.functional.linear(x, ws[0]).float()
-    err = ((fn(ws[0]).float().view_as(ref) - ref).norm() / ref.norm()).item()
-
-    def call() -> None:
-        fn(ws[next(turn) % copies])
-
-    us, kernels = gd.kernel_time_us(call, iters=4 * copies)
-    return (us if err < 1e-2 else float("nan")), kernels
-
-
-def _triton_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, stages: int) -> torch.Tensor:
-    """y = x @ w.T for one row x: each program owns block_n outputs and streams their rows of w."""
-    import triton
-
-    n, k = w.shape
-    out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    _gemv_kernel()[(triton.cdiv(n, block_n),)](x, w, out, n, k, w.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                                num_warps=4, num_stages=stages)
-    return out
-
-
-@functools.cache
-def _gemv_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def gemv(X, W, Out, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
-            w = tl.load(W + rows[:, None] * stride_w + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
-                        other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-        tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=rows < N)
-
-    return gemv
-
-
-def gemv_phase(p: gd.Preset) -> None:
-    hd = p.hidden // p.heads
-    shapes = {"qkv": (p.hidden + 2 * p.kv_heads * hd, p.hidden), "o": (p.hidden, p.hidden),
-              "gate_up": (2 * p.intermediate, p.hidden), "down": (p.hidden, p.intermediate),
-              "lm_head": (p.vocab, p.hidden)}
-    out: dict[str, Any] = {}
-    total_us = 0.0
-    for name, (n, k) in shapes.items():
-        us, kernels = _time_gemv(n, k)
-        gbps = n * k * 2 / (us * 1e-6) / 1e9
-        out[name] = {"shape": [n, k], "us": us, "GBps": gbps, "kernels": list(kernels)}
-        variants = {}
-        for variant in ("mv", "w_at_xt", *(f"triton_{bn}_{bk}_{st}" for bn in (8, 16, 32)
-                                           for bk in (256, 512) for st in (3, 4))):
-            try:
-                variants[variant] = round(_time_gemv(n, k, variant)[0], 2)
-            except Exception as e:
-                variants[variant] = f"failed: {type(e).__name__}"
-        best = min((v, key) for key, v in variants.items() if isinstance(v, float) and v == v)
-        out[name]["variants"] = variants
-        print(f"  {name}: best variant {best[1]} {best[0]:.1f} us ({n * k * 2 / best[0] / 1e3:.0f} GB/s)", flush=True)
-        per_step = p.layers if name != "lm_head" else 1
-        total_us += us * per_step
-        print(f"gemv {name:8s} {n}x{k}: {us:7.1f} us  {gbps:6.0f} GB/s  {list(kernels)[:2]}", flush=True)
-    out["step_gemm_us"] = total_us
-    print(f"GEMMs of one batch-1 step: {total_us / 1e3:.3f} ms", flush=True)
-    RESULTS["gemv"] = out
-
-
 # ---------------------------------------------------------------- step + profile
 _CATEGORIES = (("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk", "sm90")),
                ("attention", ("_decode", "attention", "batch")),
-               ("norm", ("norm",)), ("rope", ("rope", "rotary")), ("activation", ("silu", "act_and_mul")),
+               ("norm", ("norm",)), ("rope", ("rope", "rotary")), ("rope+kv store", ("store_kv",)),
+               ("activation", ("silu", "act_and_mul")),
                ("copy/index", ("copy", "index", "scatter", "gather", "fill", "cat")),
                ("sampling", ("argmax", "softmax", "topk", "sort", "reduce", "max")))
 
@@ -177,7 +99,25 @@ def summarise_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     }
 
 
-def step_phase(p: gd.Preset, model_dir: Path, backend: str) -> None:
+@contextlib.contextmanager
+def gemv_env(value: str | None):
+    """RXF_GEMV=value for the engines built inside (the layers read it once per process: reset)."""
+    from rxf.plugins.models.layers import gemv
+
+    before = os.environ.get(gemv.ENV)
+    if value is not None:
+        os.environ[gemv.ENV] = value
+    gemv._from_env.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ.pop(gemv.ENV, None)
+        if before is not None:
+            os.environ[gemv.ENV] = before
+        gemv._from_env.cache_clear()
+
+
+def step_phase(p: gd.Preset, model_dir: Path, backend: str, label: str) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     sched = gd._engine(model_dir, backend, 64, 64 * 512 + 4096)
@@ -220,7 +160,7 @@ def step_phase(p: gd.Preset, model_dir: Path, backend: str) -> None:
     end_evt.synchronize()
     graph_us = start_evt.elapsed_time(end_evt) * 1e3 / 50
     res.update(step_wall_us=wall_us, graph_replay_us=graph_us, outside_graph_us=wall_us - graph_us, tok_s=1e6 / wall_us)
-    print(f"{backend} batch 1: step {wall_us:.0f} us, graph alone {graph_us:.0f} us "
+    print(f"{label} batch 1: step {wall_us:.0f} us, graph alone {graph_us:.0f} us "
           f"({1e6 / wall_us:.1f} tok/s)", flush=True)
     steps = 8
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
@@ -228,7 +168,7 @@ def step_phase(p: gd.Preset, model_dir: Path, backend: str) -> None:
             with record_function("scheduler.step"):
                 sched.step()
         torch.cuda.synchronize()
-    path = OUT / f"trace-{backend}-b1.json"
+    path = OUT / f"trace-{label}-b1.json"
     prof.export_chrome_trace(str(path))
     trace = json.loads(path.read_text())
     with gzip.open(str(path) + ".gz", "wt") as f:
@@ -239,7 +179,7 @@ def step_phase(p: gd.Preset, model_dir: Path, backend: str) -> None:
         {"name": e.key[:80], "self_cpu_us_per_step": e.self_cpu_time_total / steps, "calls": e.count / steps}
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]
     ]
-    RESULTS[f"step_{backend}"] = res
+    RESULTS[f"step_{label}"] = res
     print(json.dumps(res, indent=1)[:6000], flush=True)
     while sched.has_work:
         for r in sched.running:
@@ -309,18 +249,33 @@ def main() -> None:
     ap.add_argument("--phases", default="gemv,step,attn")
     ap.add_argument("--backends", default="triton")
     ap.add_argument("--model-dir", type=Path, default=None)
+    ap.add_argument("--gemv", default=None, help="step phase: also run with RXF_GEMV=this ('suggested': the "
+                    "gemv phase's choice)")
     args = ap.parse_args()
     p, phases = gd.PRESETS[args.preset], args.phases.split(",")
     model_dir = args.model_dir or Path(f"/tmp/rxf-bench-{args.preset}")
     OUT.mkdir(parents=True, exist_ok=True)
     RESULTS.update(command=" ".join(sys.argv), device=torch.cuda.get_device_name(), torch=torch.__version__)
+    suggested: list[str] = []
     if "gemv" in phases:
-        gd.phase("gemv", lambda: gemv_phase(p))
+        gd.phase("gemv", lambda: suggested.append(gpu_gemv.gemv_phase(p, RESULTS)))
     if "step" in phases:
         if not (model_dir / "model.safetensors").exists():
             gd.phase("build", lambda: gd.build_checkpoint(p, model_dir))
+        variants = {"": None}  # label suffix -> RXF_GEMV (None: as the environment says)
+        if args.gemv == "suggested" and suggested:
+            variants["+gemv"] = suggested[0]
+        elif args.gemv not in (None, "suggested"):
+            variants["+gemv"] = args.gemv
         for backend in args.backends.split(","):
-            gd.phase(f"step {backend}", lambda b=backend: step_phase(p, model_dir, b))
+            for suffix, value in variants.items():
+                RESULTS[f"step_{backend}{suffix}_RXF_GEMV"] = value if value is not None else os.environ.get("RXF_GEMV")
+
+                def run(b: str = backend, s: str = suffix, v: str | None = value) -> None:
+                    with gemv_env(v):
+                        step_phase(p, model_dir, b, b + s)
+
+                gd.phase(f"step {backend}{suffix}", run)
     if "attn" in phases:
         gd.phase("attn", lambda: attn_phase(p))
     RESULTS["failed"] = gd.RESULTS.get("failed", [])

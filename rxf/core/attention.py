@@ -3,6 +3,10 @@
 A backend receives a narrow view of the engine (`AttentionContext`), never the model runner. It owns
 the write of each layer's new K/V into the pool: `forward` stores k/v at `batch.out_cache_loc` and then
 attends over the request's whole sequence, read through `req_to_token`.
+
+A model may hand its rotary embedding to `forward` instead of applying it: a backend that can fold the
+rotation into its K/V store (one launch instead of two per layer) says so in `fuses_rope`; for every
+other backend `forward` applies the embedding first, so backends that know nothing of it work unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +30,22 @@ class AttentionLayer(Protocol):
     num_kv_heads: int  # kv heads on this rank
     head_dim: int
     scaling: float  # softmax scale, usually head_dim ** -0.5
+
+
+class Rotary(Protocol):
+    """What `forward` may receive as `rotary`: the model's rotary embedding (shared by its layers)."""
+
+    # float32 [max_position, head_dim]: row p is cos(p * theta_j) | sin(p * theta_j), j < head_dim / 2,
+    # for a NeoX rotate-half rotation of the whole head; None when the rotation has another form (a
+    # backend must then not fuse it).
+    cos_sin_cache: torch.Tensor | None
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q `[n, heads * head_dim]` and k `[n, kv_heads * head_dim]` by `positions` [n]; may work
+        in place (callers keep only the returned tensors)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -63,12 +83,22 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:  # noqa: B027 - optional hook
         """Plan once per batch (shared by all layers). Default: nothing to plan."""
 
+    def fuses_rope(self, rotary: Rotary) -> bool:
+        """Whether this backend rotates q and k itself with `rotary` (the model then hands it over
+        instead of rotating). If so, `forward` and with it `forward_extend` / `forward_decode` receive it
+        as the keyword argument `rotary`, and must rotate q and k by `batch.positions` before attending
+        and storing k (the pool holds rotated keys). Default: no; nothing receives the keyword."""
+        return False
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
+        """`rotary` is given only where `fuses_rope(rotary)` is True: q and k are then still unrotated."""
+        fused = {} if rotary is None else {"rotary": rotary}
         if batch.mode.is_decode():
-            return self.forward_decode(q, k, v, layer, batch)
-        return self.forward_extend(q, k, v, layer, batch)
+            return self.forward_decode(q, k, v, layer, batch, **fused)
+        return self.forward_extend(q, k, v, layer, batch, **fused)
 
     @abstractmethod
     def forward_extend(

@@ -42,6 +42,13 @@ class SchedulerConfig(_Section):
     max_running_requests: int = Field(64, gt=0)
     max_prefill_tokens: int = Field(4096, gt=0, description="bound on one EXTEND batch's new tokens")
     chunked_prefill_size: int | None = Field(None, gt=0, description="split longer prompts into chunks")
+    mixed_chunked_prefill: bool = Field(
+        True, description="run a prefill chunk in the same forward as the decoding requests"
+    )
+    overlap: bool | None = Field(
+        None,
+        description="plan and postprocess one step while the device runs the next (None: on for CUDA)",
+    )
     policy: Literal["lpm", "fcfs", "random", "priority"] = Field(
         "lpm", description="waiting-queue order; 'priority': by each request's priority, lower first"
     )
@@ -186,7 +193,14 @@ class MultimodalConfig(_Section):
 
     allow_local_paths: bool = Field(False, description="accept image paths / file:// URLs on this machine")
     allow_urls: bool = Field(False, description="fetch http(s) image URLs")
-    url_timeout_s: float = Field(10.0, gt=0, description="per fetched URL")
+    url_timeout_s: float = Field(10.0, gt=0, description="per fetched URL, redirects included")
+    url_max_redirects: int = Field(3, ge=0, description="redirects followed per URL (each one checked)")
+    url_allow_hosts: list[str] = Field(
+        [], description="host names, addresses or CIDRs fetched although loopback/private/link-local"
+    )
+    local_path_roots: list[str] = Field(
+        [], description="with allow_local_paths, the directories files may come from (empty: anywhere)"
+    )
     max_image_bytes: int = Field(20 * 2**20, gt=0, description="encoded size of one image (or video frame)")
     max_image_pixels: int = Field(40_000_000, gt=0, description="decoded width x height of one image")
     max_items_per_request: int = Field(16, gt=0, description="images + videos in one request")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -210,9 +211,12 @@ class CudaGraphRunner:
         assert bucket is not None, "pack() needs a batch that can_run()"
         return DecodeInputs.pack(input_ids, prefix_lens, rows, slots, bucket, self.width)
 
-    def replay(self, host: DecodeInputs) -> torch.Tensor:
-        """float32 logits `[host.bs, vocab]`: a view into graph memory, valid until the next replay."""
+    def replay(self, host: DecodeInputs, patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """float32 logits `[host.bs, vocab]`: a view into graph memory, valid until the next replay.
+        `patch(input_ids)` may then rewrite input ids on the device (tokens the host does not know)."""
         self.buffers.fill(host)
+        if patch is not None:
+            patch(self.buffers.ints[INPUT_IDS])
         self.buffers.write_req_to_token(self.req_to_token_pool.req_to_token, host.bs)
         batch = self._batch(host)
         self.attn_backend.init_forward_metadata_replay(batch)

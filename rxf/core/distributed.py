@@ -6,8 +6,8 @@ Model code asks `tp_size()` / `tp_rank()` when it is built and calls `tp_all_red
 unchanged (no torch.distributed needed).
 
 A tensor-parallel group is one data-parallel replica: its own default process group (NCCL on GPU,
-gloo on CPU) plus a gloo group over the same ranks for the scheduler's control traffic (requests
-and sampled token ids are host objects, and a CPU group never waits on GPU work to move them).
+gloo on CPU) plus a second gloo group over the same ranks for the scheduler's control traffic
+(requests are host objects, and a CPU group never waits on GPU work to move them).
 """
 
 from __future__ import annotations
@@ -145,8 +145,10 @@ def init_tensor_parallel(placement: RankPlacement, timeout_s: float = 1800) -> N
         timeout=timeout,
     )
     world = dist.group.WORLD
-    cpu = world if placement.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    set_tp_group(world, cpu)
+    # Control traffic gets a gloo group of its own even when the model's is gloo too: with overlap
+    # scheduling on the CPU the model's collectives run in the runner's worker thread while the
+    # scheduler thread broadcasts, and each group then sees one thread's calls in program order.
+    set_tp_group(world, dist.new_group(backend="gloo", timeout=timeout))
     if placement.backend == "nccl":
         # NCCL creates its communicator on the first collective; do that now, outside any CUDA-graph
         # capture (decode graphs capture the layers' all-reduces).

@@ -21,11 +21,13 @@ from transformers import AutoConfig, GenerationConfig
 from rxf.core import distributed
 from rxf.core.attention import AttentionBackend, AttentionContext
 from rxf.core.config import EngineConfig
-from rxf.core.cuda_graph_runner import CudaGraphRunner, DecodeBuffers, DecodeInputs, capture_sizes
+from rxf.core.cuda_graph_runner import INPUT_IDS, CudaGraphRunner, DecodeBuffers, DecodeInputs, capture_sizes
 from rxf.core.forward import ForwardBatch, ForwardMode
 from rxf.core.io_struct import MultimodalItem
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 from rxf.core.registry import PluginRegistry
+from rxf.core.step_io import StepBatch, StepResult
+from rxf.core.step_runner import StepExecutor, StepHandle
 from rxf.core.weight_loader import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -35,10 +37,11 @@ logger = logging.getLogger(__name__)
 class ModelInput:
     """One forward as the scheduler describes it: requests, token counts and slots, all on the CPU.
 
-    Extend: request i computes its tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]); its
-    prefix's slots are `prefix_slots[i]`, or, when `prefix_slots` is None, already in its
-    req_to_token row (e.g. the earlier chunks of a chunked prefill). Decode: extend_lens are all 1
-    and the row already holds the slots of the request's first prefix_lens[i] tokens.
+    Extend: request i computes its tokens [prefix_lens[i], prefix_lens[i] + extend_lens[i]). Decode:
+    extend_lens are all 1. Either way its req_to_token row already holds the slots of its first
+    prefix_lens[i] tokens, except where `row_writes[i]` = (start, slots) gives the slots of
+    positions [start, start + len(slots)) (a new request's cached prefix, or entries the radix cache
+    re-pointed); the runner writes them before the forward.
     """
 
     mode: ForwardMode  # PREFILL/EXTEND or DECODE
@@ -47,11 +50,27 @@ class ModelInput:
     prefix_lens: list[int]  # tokens already in the KV pool
     extend_lens: list[int]  # new tokens per request (all 1 for decode)
     out_cache_loc: torch.Tensor  # CPU int64 [num_tokens]: the slot of each new token
-    prefix_slots: list[torch.Tensor] | None = None  # extend: CPU int64 [prefix_len] per request
+    row_writes: list[tuple[int, torch.Tensor] | None] | None = None  # per request: (start, CPU slots)
     logits_start: list[int] | None = None  # extend: first new-token index with logits (default: last)
     # extend: each request's images/videos (None for text-only ones), whose features the model
     # writes over the pad tokens that fall in this forward's new tokens.
     mm_items: list[list[MultimodalItem] | None] | None = None
+    # Input tokens the previous step sampled and the host has not read (their input_ids entries
+    # are placeholders): overlap scheduling.
+    pending: PendingTokens | None = None
+
+
+@dataclass
+class PendingTokens:
+    """`input_ids[index[j]] = source[rows[j]]` on the device, before the forward reads them."""
+
+    index: list[int]
+    rows: list[int]
+    source: torch.Tensor  # device int64: the previous step's sampled ids
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        pairs = torch.tensor([self.index, self.rows], dtype=torch.int64).to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, pairs[0], self.source.index_select(0, pairs[1]))
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -62,6 +81,13 @@ def _resolve_device(name: str) -> torch.device:
             raise RuntimeError("runtime.device = 'cuda' but torch sees no CUDA device")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
+
+
+def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
+    """`scheduler.overlap`, or by default: on for CUDA, off on the CPU."""
+    if config.scheduler.overlap is not None:
+        return config.scheduler.overlap
+    return device.type == "cuda"
 
 
 def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -151,6 +177,10 @@ class ModelRunner:
             self._attention_context
         )
         self.cuda_graphs = self._init_cuda_graphs()
+        # Overlap scheduling: `launch` returns before the step is done (CUDA: the work is only
+        # enqueued; CPU: it runs in a worker thread) and the scheduler plans the next one meanwhile.
+        self.overlap = overlap_enabled(config, self.device)
+        self._steps = StepExecutor(self, background=self.overlap and self.device.type != "cuda")
         logger.info(
             "loaded %s (%s, %s) on %s in %.1fs; KV pool: %d slots (%.2f GiB), context %d",
             model_path,
@@ -233,6 +263,13 @@ class ModelRunner:
                 self.device,
             )
 
+    # ---- one scheduler step (the `StepRunner` protocol) ----
+    def launch(self, batch: StepBatch) -> StepHandle:
+        return self._steps.launch(batch)
+
+    def resolve(self, handle: StepHandle) -> StepResult:
+        return self._steps.resolve(handle)
+
     # ---- forward ----
     def _validate(self, inp: ModelInput) -> None:
         bs = len(inp.req_pool_indices)
@@ -253,28 +290,38 @@ class ModelRunner:
             raise ValueError(
                 f"a sequence of {longest} tokens exceeds the context length {self.max_context_len}"
             )
-        if inp.prefix_slots is not None:
-            if [s.numel() for s in inp.prefix_slots] != list(inp.prefix_lens):
-                raise ValueError("prefix_slots[i] must hold exactly prefix_lens[i] slots")
+        if inp.row_writes is not None:
+            if len(inp.row_writes) != bs or any(
+                w is not None and not 0 <= w[0] <= w[0] + w[1].numel() <= p
+                for w, p in zip(inp.row_writes, inp.prefix_lens, strict=True)
+            ):
+                raise ValueError("row_writes[i] must give slots of positions within request i's prefix")
         if inp.logits_start is not None and not all(
             0 <= s < e for s, e in zip(inp.logits_start, inp.extend_lens, strict=True)
         ):
             raise ValueError(f"logits_start {inp.logits_start} must lie within extend_lens {inp.extend_lens}")
 
-    def _write_req_to_token(self, inp: ModelInput, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """req_to_token[row, pos] = slot for every new token (and every given prefix slot)."""
-        table = self.req_to_token_pool.req_to_token
-        new_rows = rows.repeat_interleave(torch.tensor(inp.extend_lens))
-        r, c, v = [new_rows], [positions], [inp.out_cache_loc]
-        if inp.prefix_slots is not None and sum(inp.prefix_lens):
-            prefix_lens = torch.tensor(inp.prefix_lens)
-            starts = prefix_lens.cumsum(0) - prefix_lens
-            r.append(rows.repeat_interleave(prefix_lens))
-            c.append(torch.arange(int(prefix_lens.sum())) - starts.repeat_interleave(prefix_lens))
-            v.append(torch.cat(inp.prefix_slots))
+    def _write_req_to_token(
+        self, inp: ModelInput, rows: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> None:
+        """req_to_token[row, pos] = slot for every row write and, when `positions` is given, every
+        new token; one index_put."""
+        r, c, v = [], [], []
+        if positions is not None and rows is not None:
+            r.append(rows.repeat_interleave(torch.tensor(inp.extend_lens)))
+            c.append(positions)
+            v.append(inp.out_cache_loc)
+        for row, write in zip(inp.req_pool_indices, inp.row_writes or [], strict=False):
+            if write is not None and write[1].numel():
+                start, slots = write
+                r.append(torch.full((slots.numel(),), row, dtype=torch.int64))
+                c.append(torch.arange(start, start + slots.numel()))
+                v.append(slots)
+        if not r:
+            return
         # non_blocking from pageable memory: staged before the call returns, and the host does not wait.
         index = (torch.cat(r).to(self.device, non_blocking=True), torch.cat(c).to(self.device, non_blocking=True))
-        table.index_put_(index, torch.cat(v).to(self.device, torch.int32, non_blocking=True))
+        self.req_to_token_pool.req_to_token.index_put_(index, torch.cat(v).to(self.device, torch.int32, non_blocking=True))
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """float32 logits `[num_logits, vocab]` on the device: per request in order, its requested
@@ -306,10 +353,13 @@ class ModelRunner:
         dev, nb = self.device, True  # non_blocking: see _write_req_to_token
         with torch.inference_mode():
             self._write_req_to_token(inp, rows, positions)
+            input_ids = torch.tensor(inp.input_ids, dtype=torch.int64).to(dev, non_blocking=nb)
+            if inp.pending is not None:
+                inp.pending.apply(input_ids)
             batch = ForwardBatch(
                 mode=inp.mode,
                 batch_size=bs,
-                input_ids=torch.tensor(inp.input_ids, dtype=torch.int64).to(dev, non_blocking=nb),
+                input_ids=input_ids,
                 positions=positions.to(dev, non_blocking=nb),
                 req_pool_indices=rows.to(dev, non_blocking=nb),
                 seq_lens=seq_lens.to(dev, torch.int32, non_blocking=nb),
@@ -331,12 +381,17 @@ class ModelRunner:
     def _forward_decode(self, inp: ModelInput) -> torch.Tensor:
         """Replayed from a CUDA graph when a captured bucket holds the batch, else eager; either way the
         inputs reach the device in two non-blocking copies and only real rows write req_to_token."""
-        args = (inp.input_ids, inp.prefix_lens, inp.req_pool_indices, inp.out_cache_loc.tolist())
+        self._write_req_to_token(inp)  # row writes only: new tokens' slots go with the packed inputs
+        ids = [0 if t < 0 else t for t in inp.input_ids]  # placeholders of pending tokens, patched below
+        args = (ids, inp.prefix_lens, inp.req_pool_indices, inp.out_cache_loc.tolist())
+        patch = inp.pending.apply if inp.pending is not None else None
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inp.mode, len(inp.input_ids)):
-            return graphs.replay(graphs.pack(*args))
+            return graphs.replay(graphs.pack(*args), patch)
         host = DecodeInputs.pack(*args, padded_bs=len(inp.input_ids))
         dev = DecodeBuffers.upload(host, self.device)
+        if patch is not None:
+            patch(dev.ints[INPUT_IDS])
         dev.write_req_to_token(self.req_to_token_pool.req_to_token, host.bs)
         batch = dev.forward_batch(host, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend)
         self.attn_backend.init_forward_metadata(batch)

@@ -9,6 +9,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rxf.core.echo import echo
 from rxf.core.io_struct import MultimodalItem
 from rxf.core.sampling_params import GRAMMAR_KINDS, SamplingParams
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 # OpenAI's bound on top logprobs per token, applied to native requests too.
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_LEN = 256
+# A request id travels in every streamed chunk's meta_info: a long one would multiply the output.
+MAX_RID_LEN = 256
 # Request priorities are 32-bit signed integers (lower runs first): room for any tiering scheme,
 # while a value beyond it is a client bug, refused rather than silently honoured.
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
@@ -79,10 +82,10 @@ class RequestLimits:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise RequestError(f"priority: expected an integer, got {type(priority).__name__}")
         if not lo <= priority <= hi:
-            raise RequestError(f"priority: must be in [{lo}, {hi}], got {priority}")
+            raise RequestError(f"priority: must be in [{lo}, {hi}], got {echo(priority)}")
         if priority != 0 and not self.priority_scheduling:
             raise RequestError(
-                f"priority: got {priority}, but priority scheduling is off (scheduler.policy is not "
+                f"priority: got {echo(priority)}, but priority scheduling is off (scheduler.policy is not "
                 "'priority'); send 0 or leave it out"
             )
 

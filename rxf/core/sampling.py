@@ -1,10 +1,10 @@
 """The batched sampler run once per scheduler step (a request's parameters: `sampling_params.py`).
 
-`SamplingBatch` is built by
-the scheduler each step from its running requests and turns the model's last-position logits into
-next tokens without any device-to-host synchronisation: its host-to-device copies are non-blocking
-(from pageable memory they are staged before the call returns) and nothing is read back. The caller
-reads the step's results in one transfer (`rxf.core.scheduler.output.sample_next`).
+`SamplingBatch` is built by the model runner each step from the step's sampled requests and turns
+the model's last-position logits into next tokens without any device-to-host synchronisation: its
+host-to-device copies are non-blocking (from pageable memory they are staged before the call
+returns) and nothing is read back. The runner reads the step's results in one transfer
+(`rxf.core.step_runner`).
 """
 
 from __future__ import annotations
@@ -56,10 +56,12 @@ def _column(values: list[float] | list[int], dtype: torch.dtype, device: torch.d
 
 @dataclass
 class GrammarMask:
-    """The step's token bitmask for the constrained rows (structured output).
+    """A step's token bitmask for its constrained rows (structured output): the scheduler fills it
+    on the host, the runner moves it to the logits' device before sampling.
 
-    `bitmask` is already on the logits' device; `apply(logits, bitmask, rows)` sets the disallowed
-    logits of `rows` to -inf in place (the grammar backend's kernel); other rows are untouched.
+    When sampling, `bitmask` is on the logits' device; `apply(logits, bitmask, rows)` sets the
+    disallowed logits of `rows` to -inf in place (the grammar backend's kernel); other rows are
+    untouched.
     """
 
     bitmask: torch.Tensor

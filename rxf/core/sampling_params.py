@@ -14,10 +14,58 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from rxf.core.echo import echo
+
 # The fields that constrain the output through a grammar backend; at most one may be set.
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 
-_MAX_SEED = 2**64
+# Counts are 32-bit: beyond that no context holds them (the context rule, `fit_max_new_tokens`,
+# refuses far less), and the scheduler's int tensors stay in range.
+MAX_COUNT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A closed range, open at an end where `low_open` / `high_open` (`(0, 1]`)."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def json_schema(self) -> dict[str, float]:
+        return {
+            "exclusiveMinimum" if self.low_open else "minimum": self.low,
+            "exclusiveMaximum" if self.high_open else "maximum": self.high,
+        }
+
+    def __str__(self) -> str:
+        high = "2**64" if self.high == 2**64 else self.high
+        return f"{'(' if self.low_open else '['}{self.low}, {high}{')' if self.high_open else ']'}"
+
+
+# The range of every numeric field, the one place they are checked (both front doors and the
+# Python API verify through here) and documented (`json_schema`). SGLang's native bounds where it
+# has them; where it has none, bounds that keep float32 sampling finite: a temperature or a
+# repetition penalty that rounds to inf or 0 in float32 turns a row's probabilities into NaN.
+NUMERIC_BOUNDS: dict[str, Bound] = {
+    "max_new_tokens": Bound(0, MAX_COUNT),
+    "min_new_tokens": Bound(0, MAX_COUNT),  # and at most max_new_tokens
+    "temperature": Bound(0, 100),
+    "top_p": Bound(0, 1, low_open=True),
+    "top_k": Bound(-1, MAX_COUNT),  # -1 or 0: off; beyond the vocabulary: all of it
+    "min_p": Bound(0, 1),
+    "repetition_penalty": Bound(0.01, 2),  # float32 logits / 1e-300 would be inf
+    "frequency_penalty": Bound(-2, 2),
+    "presence_penalty": Bound(-2, 2),
+    "seed": Bound(0, 2**64, high_open=True),
+}
+LOGIT_BIAS_BOUND = Bound(-100, 100)
 
 
 @dataclass
@@ -64,32 +112,30 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the token history (repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def verify(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the first invalid field. Comparisons are written so NaN fails."""
-        _require(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0", self.max_new_tokens)
-        min_ok = 0 <= self.min_new_tokens <= self.max_new_tokens
-        _require(min_ok, "min_new_tokens", "must be in [0, max_new_tokens]", self.min_new_tokens)
-        _require(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
-        _require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _require(self.top_k >= -1, "top_k", "must be -1 or 0 (off) or a positive integer", self.top_k)
-        _require(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        _require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty)
-        for name in ("frequency_penalty", "presence_penalty"):
+        for name, bound in NUMERIC_BOUNDS.items():
             value = getattr(self, name)
-            _require(-2 <= value <= 2, name, "must be in [-2, 2]", value)
+            if value is not None:
+                _require(bound.contains(value), name, f"must be in {bound}", value)
+        min_ok = self.min_new_tokens <= self.max_new_tokens
+        _require(min_ok, "min_new_tokens", "must be in [0, max_new_tokens]", self.min_new_tokens)
         for token_id in self.stop_token_ids:
             in_vocab = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
             bound = "vocab_size" if vocab_size is None else vocab_size
             _require(in_vocab, "stop_token_ids", f"ids must be in [0, {bound})", token_id)
         for stop in self.stop:
             _require(stop != "", "stop", "stop strings must be non-empty", stop)
-        if self.seed is not None:
-            _require(0 <= self.seed < _MAX_SEED, "seed", "must be in [0, 2**64)", self.seed)
         for token_id, bias in (self.logit_bias or {}).items():
             in_vocab = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
             bound = "vocab_size" if vocab_size is None else vocab_size
             _require(in_vocab, "logit_bias", f"token ids must be in [0, {bound})", token_id)
-            _require(-100 <= bias <= 100, "logit_bias", "values must be in [-100, 100]", bias)
+            _require(LOGIT_BIAS_BOUND.contains(bias), "logit_bias", f"values must be in {LOGIT_BIAS_BOUND}", bias)
         constraints = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
         _require(len(constraints) <= 1, constraints[-1] if constraints else "regex",
                  "at most one of regex, json_schema and ebnf may be set", constraints)
@@ -106,11 +152,11 @@ class SamplingParams:
 
 def _require(ok: bool, name: str, reason: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"sampling_params.{name}: {reason}, got {value!r}")
+        raise ValueError(f"sampling_params.{name}: {reason}, got {echo(value)}")
 
 
 def _type_error(name: str, expected: str, value: Any) -> ValueError:
-    return ValueError(f"sampling_params.{name}: expected {expected}, got {value!r}")
+    return ValueError(f"sampling_params.{name}: expected {expected}, got {echo(value)}")
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -166,7 +212,7 @@ def token_id_key(key: Any) -> int:
         return int(key)
     if isinstance(key, int) and not isinstance(key, bool):
         return key
-    raise ValueError(f"not a token id: {key!r}")
+    raise ValueError(f"not a token id: {echo(key)}")
 
 
 def _as_logit_bias(name: str, value: Any) -> dict[int, float] | None:
@@ -198,3 +244,51 @@ _COERCER_BY_TYPE: dict[str, Callable[[str, Any], Any]] = {
     "str | None": _as_optional_str,
 }
 _COERCERS = {f.name: _COERCER_BY_TYPE[str(f.type)] for f in fields(SamplingParams)}
+
+# The JSON Schema of each annotation, for the API document (`json_schema`), beside its coercer.
+_JSON_TYPE_BY_TYPE: dict[str, dict[str, Any]] = {
+    "int": {"type": "integer"},
+    "int | None": {"type": ["integer", "null"]},
+    "float": {"type": "number"},
+    "bool": {"type": "boolean"},
+    "list[str]": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "list[int]": {"type": "array", "items": {"type": "integer"}},
+    "dict[int, float] | None": {
+        "type": ["object", "null"],
+        "propertyNames": {"pattern": _DECIMAL.pattern.join("^$")},
+        "additionalProperties": {"type": "number", **LOGIT_BIAS_BOUND.json_schema()},
+    },
+    "str | None": {"type": ["string", "null"]},
+}
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a `sampling_params` object as `from_dict` takes it: each field's type and
+    range (unknown fields are refused). Integers are JSON integers: `1.0` is refused."""
+    properties = {}
+    for f in fields(SamplingParams):
+        schema = dict(_JSON_TYPE_BY_TYPE[str(f.type)])
+        bound = NUMERIC_BOUNDS.get(f.name)
+        if bound is not None:
+            schema |= bound.json_schema()
+        properties[f.name] = schema
+    return {"type": "object", "properties": properties, "additionalProperties": False}
+
+
+def fit_max_new_tokens(requested: int | None, default: int | None, prompt_len: int, context_len: int,
+                       param: str) -> int:
+    """The completion budget of a prompt of `prompt_len` tokens: the one rule of both front doors.
+
+    A budget the client gave (`requested`) must fit the context next to the prompt, else
+    ValueError naming `param`: vLLM's OpenAI server and SGLang's /generate both refuse it (SGLang
+    unless --allow-auto-truncate), and a silent cut would hide the client's mistake. None (not
+    given) takes `default` (None: the whole remaining context), cut to what fits."""
+    room = context_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise ValueError(
+            f"{param}: the prompt has {prompt_len} tokens and {param} is {echo(requested)}, which exceeds "
+            f"the model's context length {context_len} (at most {room} new tokens fit)"
+        )
+    return requested

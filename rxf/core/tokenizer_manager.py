@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from rxf.core.dp_router import DpRouter, combine_flush, combine_stats, replica_addrs
+from rxf.core.echo import echo
 from rxf.core.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -41,6 +42,7 @@ from rxf.core.io_struct import (
 )
 from rxf.core.requests import (
     MAX_CACHE_SALT_LEN,
+    MAX_RID_LEN,
     MAX_TOP_LOGPROBS,
     EngineDeadError,
     GenerateRequest,
@@ -50,7 +52,7 @@ from rxf.core.requests import (
     RequestTimeoutError,
     check_prompt_chars,
 )
-from rxf.core.sampling_params import SamplingParams
+from rxf.core.sampling_params import SamplingParams, fit_max_new_tokens
 
 if TYPE_CHECKING:
     from rxf.core.grammar import GrammarBackend
@@ -223,17 +225,23 @@ class TokenizerManager:
             )
             params.verify(self.vocab_size)
             self.limits.check_params(params)
+            self._fit_context(req, params, len(ids))
         except ValueError as e:
             raise RequestError(str(e)) from None
         self._check_grammar(params)
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs_num}")
+            raise RequestError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {echo(req.top_logprobs_num)}")
         salt = req.cache_salt
         if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_LEN):
             raise RequestError(f"cache_salt: must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters")
         self.limits.check_priority(req.priority)
-        if req.logprob_start_len >= len(ids):
-            raise RequestError(f"logprob_start_len: must be < the prompt length {len(ids)}")
+        if req.rid is not None and not (isinstance(req.rid, str) and len(req.rid) <= MAX_RID_LEN):
+            raise RequestError(f"rid: must be a string of at most {MAX_RID_LEN} characters")
+        if not -1 <= req.logprob_start_len < len(ids):
+            raise RequestError(
+                f"logprob_start_len: must be -1 (output tokens only) or in [0, {len(ids)}) (the prompt's "
+                f"tokens), got {echo(req.logprob_start_len)}"
+            )
         return TokenizedGenerateReq(
             rid=req.rid or uuid.uuid4().hex,
             input_ids=ids,
@@ -250,6 +258,17 @@ class TokenizerManager:
     def _check_prompt_len(self, n: int) -> None:
         if n >= self.max_context_len:
             raise RequestError(f"the prompt has {n} tokens; the model's context length is {self.max_context_len}")
+
+    def _fit_context(self, req: GenerateRequest, params: SamplingParams, prompt_len: int) -> None:
+        """`fit_max_new_tokens` for the native request: a max_new_tokens it gave (or a whole
+        SamplingParams) must fit the context; the default is cut to fit."""
+        given = req.sampling_params
+        explicit = isinstance(given, SamplingParams) or (given is not None and "max_new_tokens" in given)
+        params.max_new_tokens = fit_max_new_tokens(
+            params.max_new_tokens if explicit else None, params.max_new_tokens, prompt_len, self.max_context_len,
+            "sampling_params.max_new_tokens",
+        )
+        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
 
     def _check_grammar(self, params: SamplingParams) -> None:
         from rxf.core.grammar import GrammarError
@@ -287,7 +306,7 @@ class TokenizerManager:
         else:
             msg = self.tokenize_request(req)
         if msg.rid in self.states:
-            raise RequestError(f"rid: a request with id {msg.rid!r} is already running")
+            raise RequestError(f"rid: a request with id {echo(msg.rid)} is already running")
         self.check_capacity()
         state = self.states[msg.rid] = _ReqState()  # no await since the check: the bound holds
         observer = self.observer

@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
+from rxf.core.echo import echo
 from rxf.core.requests import GenerateRequest
 from rxf.core.tokenizer_manager import TokenizerManager
 
@@ -31,7 +32,7 @@ _END = object()
 
 def check_n(n: Any) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {echo(n)}")
 
 
 def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:

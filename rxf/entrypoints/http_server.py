@@ -42,6 +42,7 @@ from rxf.entrypoints.http_transport import DrainMiddleware, GuardedH11Protocol, 
 from rxf.entrypoints.metrics import ServerMetrics
 from rxf.entrypoints.native_routes import router as native_router
 from rxf.entrypoints.openai import router as openai_router
+from rxf.entrypoints.openapi_doc import install_openapi
 from rxf.entrypoints.server_state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -246,6 +247,7 @@ def create_app(
     app.state.on_startup_failure = on_startup_failure
     app.state.on_engine_death = on_engine_death
     install_error_handlers(app)
+    install_openapi(app, with_key=bool(config.server.api_key))
     app.include_router(native_router)
     app.include_router(openai_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)

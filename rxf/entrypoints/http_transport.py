@@ -186,7 +186,8 @@ class _OverCapacity:
 
 class DrainMiddleware:
     """While the server shuts down, every new request gets 503 + Retry-After and its connection is
-    closed (a load balancer then sends the client elsewhere), while the requests in flight finish."""
+    closed (a load balancer then sends the client elsewhere), while the requests in flight finish.
+    `/metrics` still answers: monitoring sees the drain."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -194,7 +195,7 @@ class DrainMiddleware:
         self.error = _unavailable("the server is shutting down")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.state.draining:
+        if scope["type"] == "http" and self.state.draining and scope["path"] != "/metrics":
             await self.error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -17,8 +17,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
+from rxf.core import sampling_params
+from rxf.core.requests import MAX_CACHE_SALT_LEN, MAX_RID_LEN, MAX_TOP_LOGPROBS, PRIORITY_RANGE
 from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
 from rxf.entrypoints.body_text import check_unicode
 from rxf.entrypoints.server_state import (
@@ -51,19 +53,29 @@ class _NativeBody(BaseModel):
         return data
 
 
+# A `sampling_params` object: parsed and range-checked by SamplingParams.from_dict (the engine's one
+# validation), documented by its JSON schema.
+SamplingParamsObject = Annotated[dict[str, Any], WithJsonSchema(sampling_params.json_schema())]
+
+
+def _documented(default: int, bound: tuple[int, int], description: str) -> Any:
+    """A field's range for the document only: the TokenizerManager checks it, for every front door."""
+    return Field(default, json_schema_extra={"minimum": bound[0], "maximum": bound[1]}, description=description)
+
+
 class GenerateBody(_NativeBody):
     """The body of POST /generate. Unknown fields are ignored, as SGLang's clients send extras."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: SamplingParamsObject | list[SamplingParamsObject] | None = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
-    rid: str | list[str] | None = None
-    cache_salt: str | list[str] | None = None
-    priority: int | list[int] = 0  # one for all prompts, or one per prompt
+    logprob_start_len: int | list[int] = Field(-1, description="-1: output tokens only; else a prompt position")
+    top_logprobs_num: int | list[int] = _documented(0, (0, MAX_TOP_LOGPROBS), "alternatives per token")
+    rid: str | list[str] | None = Field(None, description=f"at most {MAX_RID_LEN} characters, unique among running requests")
+    cache_salt: str | list[str] | None = Field(None, description=f"1 to {MAX_CACHE_SALT_LEN} characters")
+    priority: int | list[int] = _documented(0, PRIORITY_RANGE, "lower runs first; one for all prompts or one each")
     # One prompt: an image (base64 / data: URL / allowed URL or path) or a list of them, one per
     # <image> placeholder; a batch: a list with one such entry per prompt. Videos: lists of frames.
     image_data: Any = None

@@ -13,6 +13,7 @@ from typing import Any, get_args
 
 from pydantic import TypeAdapter, ValidationError
 
+from rxf.core.echo import echo
 from rxf.core.grammar import GRAMMAR_KINDS
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.prompt import build_chat_prompt, check_constraint, response_format_constraint
@@ -95,9 +96,9 @@ def prepare_chat(
     with `grammar` (blocking)."""
     # Imported here, not at the top: the protocol's package loads the whole HTTP layer (FastAPI),
     # which a Runtime that never chats need not import.
-    from rxf.entrypoints.openai.protocol import ChatMessage, ResponseFormat, Tool
+    from rxf.entrypoints.openai.protocol import ChatMessages, ResponseFormat, Tool
 
-    items = [m.model_dump(exclude_unset=True) for m in _validate(list[ChatMessage], messages, "messages")]
+    items = [m.model_dump(exclude_unset=True) for m in _validate(ChatMessages, messages, "messages")]
     entries = None if tools is None else [t.model_dump(exclude_none=True) for t in _validate(list[Tool], tools, "tools")]
     choice = _tool_choice(tool_choice)
     fmt = None if response_format is None else _validate(ResponseFormat, response_format, "response_format")
@@ -133,7 +134,7 @@ def _tool_choice(tool_choice: Any) -> str | dict[str, Any] | None:
     if isinstance(tool_choice, str):
         raise ChatInputError(
             f"tool_choice: expected one of {', '.join(map(repr, choices))} or "
-            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}", "tool_choice"
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {echo(tool_choice)}", "tool_choice"
         )
     return _validate(NamedToolChoice, tool_choice, "tool_choice").model_dump()
 

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from rxf.core.config import EngineConfig
+from rxf.core.echo import cut
 from rxf.core.tokenizer_manager import (
     EngineDeadError,
     OverloadedError,
@@ -23,6 +24,9 @@ from rxf.core.tokenizer_manager import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# The longest error message and `param` (a field's path) an error response carries.
+MAX_MESSAGE_CHARS = 1000
+MAX_PARAM_CHARS = 200
 
 
 class APIError(Exception):
@@ -32,11 +36,14 @@ class APIError(Exception):
         self, status: int, message: str, *, type: str | None = None, param: str | None = None,
         code: str | int | None = None, headers: dict[str, str] | None = None,
     ) -> None:
+        # Bounded whatever the message quotes (each echo is bounded where it is written; this
+        # holds for the ones that are not): an error never grows with the input it refuses.
+        message = cut(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or _DEFAULT_TYPES.get(status, "server_error")
-        self.param = param
+        self.param = None if param is None else cut(param, MAX_PARAM_CHARS)
         self.code = code if code is not None else status
         self.headers = headers
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from transformers import AutoTokenizer
 
 from rxf.core.config import load_config
@@ -51,8 +52,14 @@ def prompts(n: int, seed: int, vocab: int = 500, lo: int = 3, hi: int = 40) -> l
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def test_greedy_matches_transformers_with_prefix_cache(tiny_llama, hf_reference):
-    sched = make_scheduler(tiny_llama)
+# Overlap scheduling (the next step planned while the forward runs in the runner's worker thread)
+# must give the same tokens as the synchronous step.
+overlap = pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+
+
+@overlap
+def test_greedy_matches_transformers_with_prefix_cache(tiny_llama, hf_reference, overlap):
+    sched = make_scheduler(tiny_llama, **{"scheduler.overlap": overlap})
     first = prompts(4, seed=0)
     expected = {f"a{i}": hf_reference(p, 32) for i, p in enumerate(first)}
     for i, p in enumerate(first):
@@ -83,10 +90,11 @@ def test_disabled_cache_gives_same_tokens(tiny_llama, hf_reference):
     assert sched.runner.token_to_kv_pool.available_size() == sched.runner.token_to_kv_pool.num_slots
 
 
-def test_randomized_workload_keeps_ledger_and_flushes(tiny_llama):
+@overlap
+def test_randomized_workload_keeps_ledger_and_flushes(tiny_llama, overlap):
     rng = random.Random(3)
     sched = make_scheduler(
-        tiny_llama, **{"cache.max_total_tokens": 400, "scheduler.max_running_requests": 6,
+        tiny_llama, **{"cache.max_total_tokens": 400, "scheduler.max_running_requests": 6, "scheduler.overlap": overlap,
                        "scheduler.chunked_prefill_size": 16, "scheduler.max_prefill_tokens": 48}
     )
     base = prompts(4, seed=4, hi=30)
@@ -111,13 +119,15 @@ def test_randomized_workload_keeps_ledger_and_flushes(tiny_llama):
     assert pool.available_size() == pool.num_slots and sched.tree.total_size() == 0
 
 
-def test_retraction_under_small_kv_budget_keeps_outputs(tiny_llama, hf_reference):
+@overlap
+def test_retraction_under_small_kv_budget_keeps_outputs(tiny_llama, hf_reference, overlap):
     ps = prompts(8, seed=5, lo=10, hi=20)
     # ~8 x (15 + 40) tokens of demand for 200 slots, and an optimistic estimate of future tokens
     # (ratio 0.05), so admission lets too many in and decode must retract.
     sched = make_scheduler(
         tiny_llama, **{"cache.max_total_tokens": 200, "scheduler.max_running_requests": 8,
-                       "scheduler.init_new_token_ratio": 0.05, "scheduler.min_new_token_ratio": 0.05}
+                       "scheduler.init_new_token_ratio": 0.05, "scheduler.min_new_token_ratio": 0.05,
+                       "scheduler.overlap": overlap}
     )
     for i, p in enumerate(ps):
         sched.add_request(request(f"k{i}", p, 40))
@@ -126,8 +136,9 @@ def test_retraction_under_small_kv_budget_keeps_outputs(tiny_llama, hf_reference
     assert sched.stats().extra["retractions"] > 0
 
 
-def test_prompt_logprobs_and_invalid_requests(tiny_llama):
-    sched = make_scheduler(tiny_llama)
+@overlap
+def test_prompt_logprobs_and_invalid_requests(tiny_llama, overlap):
+    sched = make_scheduler(tiny_llama, **{"scheduler.overlap": overlap})
     p = prompts(1, seed=6, lo=12, hi=12)[0]
     msg = request("lp", p, 4)
     msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num = True, 0, 2

@@ -87,12 +87,13 @@ def test_sigterm_drains_with_503_and_retry_after_then_aborts_the_streams(server_
         time.sleep(0.02)
     srv.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
-    answers = []
+    answers, metrics = [], []
     while time.monotonic() - signalled < DRAIN_S - 0.5:  # new clients, each on a new connection
         for method, path, body in (("POST", "/generate", {"text": "late"}), ("GET", "/health", None),
                                    ("GET", "/v1/models", None)):
             r = httpx.request(method, f"{srv.url}{path}", json=body, timeout=5)
             answers.append((path, r.status_code, r.headers.get("retry-after"), r.headers.get("connection")))
+        metrics.append(httpx.get(f"{srv.url}/metrics", timeout=5).status_code)  # monitoring sees the drain
         time.sleep(0.1)
     assert all(s.is_alive() for s in readers), "the streams must run on during the drain"
     code = srv.proc.wait(20)
@@ -102,6 +103,7 @@ def test_sigterm_drains_with_503_and_retry_after_then_aborts_the_streams(server_
     print(f"\nSIGTERM drain: {len(answers)} new requests over {DRAIN_S - 0.5:.1f} s, statuses "
           f"{sorted({a[1] for a in answers})}; exit code {code}")
     assert {(a[1], a[2], a[3]) for a in answers} == {(503, "1", "close")}, answers
+    assert set(metrics) == {200}
     assert native[-1] == "[DONE]" and json.loads(native[-2])["meta_info"]["finish_reason"]["type"] == "abort"
     assert finishes[-1] == "abort" and all(f is None for f in finishes[:-1])
     assert unary[0].choices[0].finish_reason == "abort" and unary[0].usage.completion_tokens > 0

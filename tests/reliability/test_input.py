@@ -1,6 +1,7 @@
 """Hostile and oversized input against one tiny server with an API key: (3) a hypothesis fuzz of
-the OpenAI bodies never gets a 5xx; (6) every route but /health needs the key; the body size
-limit; the per-field limits; cache_salt isolation."""
+the OpenAI bodies never gets a 5xx; a schemathesis fuzz of every route from the server's own
+OpenAPI document gets no 5xx and only responses the document describes; (6) every route but
+/health needs the key; the body size limit; the per-field limits; cache_salt isolation."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import re
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi import checks as openapi_checks
 
 from rxf.core.config import load_config
 from rxf.entrypoints.http_server import create_app
@@ -134,6 +138,7 @@ def _report(path: str, seen: list[int]) -> None:
     assert len(seen) >= 250 and 200 in counts  # enough cases, and some got past validation
 
 
+FUZZ_OPENAPI_EXAMPLES = 600
 _FUZZ = settings(max_examples=260, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
@@ -161,6 +166,41 @@ def test_fuzz_chat_completions(http):
 
     run()
     _report("/v1/chat/completions", seen)
+    _normal_request_works(http)
+
+
+# The document's promises, checked on every response: no 5xx; each status, content type, header and
+# body as documented; a request without the key refused (the document declares bearer auth).
+_CONFORMANCE = [
+    not_a_server_error,
+    openapi_checks.status_code_conformance,
+    openapi_checks.content_type_conformance,
+    openapi_checks.response_headers_conformance,
+    openapi_checks.response_schema_conformance,
+    openapi_checks.ignored_auth,
+    openapi_checks.negative_data_rejection,
+]
+
+
+def test_fuzz_every_route_from_the_openapi_document(srv, http):
+    """Valid and invalid requests generated from /openapi.json for every route (schemathesis)."""
+    api = schemathesis.openapi.from_url(f"{srv.url}/openapi.json", headers=srv.headers)
+    cases = st.one_of(api.as_strategy(schemathesis.GenerationMode.POSITIVE),
+                      api.as_strategy(schemathesis.GenerationMode.NEGATIVE))
+    seen: list[tuple[str, int]] = []
+
+    # No shrinking: a failure is reported as found (schemathesis' message has the request to replay).
+    @settings(max_examples=FUZZ_OPENAPI_EXAMPLES, deadline=None, derandomize=True, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=cases)
+    def run(case) -> None:
+        response = case.call_and_validate(headers=srv.headers, checks=_CONFORMANCE, timeout=60)
+        seen.append((case.operation.path, response.status_code))
+
+    run()
+    statuses = {code: [c for _, c in seen].count(code) for code in sorted({c for _, c in seen})}
+    print(f"\nopenapi fuzz: {len(seen)} cases over {len({p for p, _ in seen})} routes, statuses {statuses}")
+    assert len({p for p, _ in seen}) >= 10 and 200 in statuses and 400 in statuses
     _normal_request_works(http)
 
 

@@ -127,7 +127,7 @@ def test_engine_death_fails_requests_and_turns_503(server_factory):
     # Kept serving 503 (a supervisor may probe it); the default, exiting, is in tests/reliability.
     srv = server_factory({"server.exit_on_engine_death": False})
     scheduler = next(p for p in srv.children if "rxf-scheduler" in " ".join(p.cmdline()))
-    body = {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+    body = {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
     with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=30) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))

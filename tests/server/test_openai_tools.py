@@ -139,7 +139,7 @@ def test_auto_stream_matches_non_stream(client, model):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}],
-          "tool_choice": "required"}, "tools"),
+          "tool_choice": "required"}, "tools[0].function.parameters"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ],

@@ -124,11 +124,18 @@ def _stream_until(server, body: dict[str, Any], started: threading.Event, stop: 
                 return  # leaving closes the connection mid-stream: the request is aborted
 
 
+def _hog(http: httpx.Client) -> dict[str, Any]:
+    """A stream asking for the whole context (the largest max_new_tokens accepted)."""
+    context = http.get("/get_model_info").json()["context_length"]
+    room = context - len(http.post("/v1/tokenize", json={"prompt": "hog"}).json()["tokens"])
+    return {"text": "hog", "stream": True, "sampling_params": {"max_new_tokens": room, **GREEDY}}
+
+
 def test_a_huge_max_new_tokens_does_not_block_other_clients(server, http, client, model):
     ask = {"model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
     alone = client.completions.create(**ask).choices[0].text
     started, stop = threading.Event(), threading.Event()
-    hog = {"text": "hog", "stream": True, "sampling_params": {"max_new_tokens": 10**12, **GREEDY}}
+    hog = _hog(http)
     thread = threading.Thread(target=_stream_until, args=(server, hog, started, stop))
     thread.start()
     try:
@@ -201,7 +208,7 @@ def test_bad_neighbours_do_not_change_greedy_outputs(server, http, client, model
         bad_futures = [pool.submit(bad, path, body) for path, body in BAD_NEIGHBOURS]
         good_futures = [pool.submit(good, p) for p in prompts]
         hog_stop, hog_started = threading.Event(), threading.Event()
-        hog = {"text": "hog", "stream": True, "sampling_params": {"max_new_tokens": 10**12, **GREEDY}}
+        hog = _hog(http)
         hog_future = pool.submit(_stream_until, server, hog, hog_started, hog_stop)
         together = [f.result() for f in good_futures]
         hog_stop.set()

@@ -1,5 +1,5 @@
 """The decode hot path's host-side logic, on CPU: the CUDA-graph runner's buckets, padding, budget,
-can_run and config; and the sampler's one packed read-back per step with logprobs only on demand."""
+can_run and config; and a step's one packed read-back with logprobs only on demand."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from rxf.core.io_struct import TokenizedGenerateReq
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 from rxf.core.sampling import gather_logprobs
 from rxf.core.sampling_params import SamplingParams
-from rxf.core.scheduler.output import StopChecker, record_output_logprobs, sample_next
+from rxf.core.scheduler.kv_manager import KVHandle
 from rxf.core.scheduler.req import Req
+from rxf.core.step_io import StepBatch
+from rxf.core.step_runner import StepExecutor
 from rxf.plugins.attention.torch_native import TorchNativeBackend
 
 
@@ -109,20 +111,46 @@ def _req(rid: str, logprobs: bool, top: int = 0) -> Req:
     return Req.from_tokenized(TokenizedGenerateReq(rid, [1, 2], params, return_logprob=logprobs, top_logprobs_num=top))
 
 
-def test_sample_next_packs_logprobs_and_skips_them_when_unasked(monkeypatch: pytest.MonkeyPatch) -> None:
+class _LogitsRunner:
+    """Just enough of a ModelRunner for StepExecutor: its forward returns fixed logits."""
+
+    device = torch.device("cpu")
+    vocab_size = 10
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+    def forward(self, inp) -> torch.Tensor:
+        return self.logits
+
+
+def _decode_step(reqs: list[Req]) -> StepBatch:
+    for i, r in enumerate(reqs):
+        r.kv = KVHandle(i, None, torch.tensor([i + 1, i + 2]))
+    n = len(reqs)
+    return StepBatch(
+        mode=ForwardMode.DECODE, reqs=reqs, rows=list(range(n)), prefix_lens=[2] * n, extend_lens=[1] * n, input_ids=[3] * n,
+        prev_rows=[-1] * n, out_cache_loc=torch.arange(n) + 10, row_writes=[None] * n, sample=[True] * n,
+        prompt_logits_from=[None] * n, banned_ids=[[] for _ in reqs],
+    )
+
+
+def test_step_packs_logprobs_in_one_readback_and_skips_them_when_unasked(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     log_softmax = torch.log_softmax
     monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: calls.append(1) or log_softmax(*a, **k))
-    stop = StopChecker(None, [0], 100)
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
-    ids, step = sample_next([_req("a", False), _req("b", False), _req("c", False)], logits, stop, 10)
-    assert ids == logits.argmax(-1).tolist() and step is None and not calls
+    steps = StepExecutor(_LogitsRunner(logits), background=False)
+    result = steps.resolve(steps.launch(_decode_step([_req("a", False), _req("b", False), _req("c", False)])))
+    assert result.next_ids == logits.argmax(-1).tolist() and result.logprobs == [None] * 3 and not calls
 
-    reqs = [_req("a", False), _req("b", True, top=3), _req("c", True)]
-    ids, step = sample_next(reqs, logits, stop, 10)
-    assert ids == logits.argmax(-1).tolist() and step is not None and step.rows == [1, 2]
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    result = steps.resolve(steps.launch(_decode_step([_req("a", False), _req("b", True, top=3), _req("c", True)])))
+    assert len(reads) == 1  # ids and logprobs come back in one transfer
+    ids = result.next_ids
+    assert ids == logits.argmax(-1).tolist() and result.logprobs[0] is None
     want_chosen, want_top = gather_logprobs(log_softmax(logits[1:], -1), torch.tensor(ids[1:]), [3, 0])
-    assert step.chosen == pytest.approx(want_chosen) and step.top == want_top and len(step.top[0]) == 3
-    record_output_logprobs(reqs, step, ids)
-    assert reqs[0].pending_logprobs == [] and reqs[1].pending_logprobs == pytest.approx(want_chosen[:1])
-    assert reqs[2].pending_top_logprobs == [[]]
+    assert [result.logprobs[1][0], result.logprobs[2][0]] == pytest.approx(want_chosen)
+    assert [result.logprobs[1][1], result.logprobs[2][1]] == want_top and len(want_top[0]) == 3

@@ -78,7 +78,7 @@ def test_req_to_token_after_extend_and_decode(ckpt: Path) -> None:
     slots_b = runner.token_to_kv_pool.alloc(2)
     runner.forward(
         ModelInput(
-            ForwardMode.EXTEND, [b], [20, 21], [3], [2], slots_b, prefix_slots=[slots_a[:3]], logits_start=[0]
+            ForwardMode.EXTEND, [b], [20, 21], [3], [2], slots_b, row_writes=[(0, slots_a[:3])], logits_start=[0]
         )
     )
     assert table[b, :5].tolist() == slots_a[:3].tolist() + slots_b.tolist()

@@ -152,7 +152,7 @@ def test_decode_and_cached_prefix_extend_match_hf(pair) -> None:
             [shared],
             [len(suffix)],
             new_slots,
-            prefix_slots=[reqs.slots[0][:shared]],
+            row_writes=[(0, reqs.slots[0][:shared])],
             logits_start=[0],
         )
     )

@@ -16,7 +16,7 @@ from rxf.core.sampling import (
     gather_logprobs,
     make_generator,
 )
-from rxf.core.sampling_params import SamplingParams
+from rxf.core.sampling_params import SamplingParams, fit_max_new_tokens
 
 CPU = torch.device("cpu")
 
@@ -99,6 +99,15 @@ def test_from_dict_coerces() -> None:
 def test_invalid_fields_name_the_field(d: dict, field_name: str) -> None:
     with pytest.raises(ValueError, match=f"sampling_params(\\.|: unknown field ){field_name}"):
         SamplingParams.from_dict(d)
+
+
+def test_one_max_new_tokens_rule() -> None:
+    assert fit_max_new_tokens(None, 128, prompt_len=10, context_len=100, param="p") == 90  # the default, cut
+    assert fit_max_new_tokens(None, None, prompt_len=10, context_len=100, param="p") == 90  # the whole room
+    assert fit_max_new_tokens(None, 16, prompt_len=10, context_len=100, param="p") == 16
+    assert fit_max_new_tokens(90, 128, prompt_len=10, context_len=100, param="p") == 90
+    with pytest.raises(ValueError, match=r"^p: .*context length 100 \(at most 90 new tokens fit\)"):
+        fit_max_new_tokens(91, 128, prompt_len=10, context_len=100, param="p")
 
 
 def test_verify_with_vocab() -> None:

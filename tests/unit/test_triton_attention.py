@@ -250,3 +250,73 @@ def test_store_kv_matches_pool_set_kv(dtype: torch.dtype) -> None:
     for a, b in zip(ref.get_kv_buffer(0), ours.get_kv_buffer(0), strict=True):
         assert torch.equal(a, b)
     assert ours.k_buffer[0][loc].abs().sum() > 0  # rows were written
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("separate_q_out", [False, True], ids=["q_in_place", "q_out"])
+@DTYPES
+def test_rope_store_kv_matches_rotary_then_set_kv(dtype: torch.dtype, separate_q_out: bool) -> None:
+    """One launch = RotaryEmbedding's torch rotation + pool.set_kv: a GQA group of 3 (not a power of
+    two, masked) and head_dim 24 (halves of 12, masked), q/k/v as strided views of one projection."""
+    from rxf.plugins.attention.triton.store_kv import rope_store_kv
+    from rxf.plugins.models.layers import RotaryEmbedding
+
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, n = 6, 2, 24, 5
+    rope = RotaryEmbedding(head_dim, MAX_CONTEXT, LLAMA3_ROPE, dtype)
+    positions = torch.tensor([0, 3, 17, 40, 47])
+    loc = torch.randperm(NUM_SLOTS - 1)[:n].add_(1)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q_ref, k_ref = rope.forward_native(positions, qkv[:, : heads * head_dim], qkv[:, heads * head_dim : -kv_heads * head_dim])
+    v = qkv[:, -kv_heads * head_dim :].unflatten(-1, (kv_heads, head_dim))
+    ref = TokenToKVPool(NUM_SLOTS, 1, kv_heads, head_dim, dtype, torch.device("cpu"))
+    ref.set_kv(0, loc, k_ref.unflatten(-1, (kv_heads, head_dim)), v)
+
+    ours = TokenToKVPool(NUM_SLOTS, 1, kv_heads, head_dim, dtype, torch.device("cpu"))
+    views = qkv.clone().unflatten(-1, (heads + 2 * kv_heads, head_dim))
+    q, k, v_view = views[:, :heads], views[:, heads : heads + kv_heads], views[:, heads + kv_heads :]
+    q_out = torch.full(q.shape, float("nan"), dtype=dtype) if separate_q_out else None
+    q_rot = rope_store_kv(*ours.get_kv_buffer(0), loc, q, k, v_view, positions, rope.cos_sin_cache, q_out=q_out)
+
+    tol = TOL[dtype]
+    assert (q_rot is q_out) if separate_q_out else (q_rot.data_ptr() == q.data_ptr())
+    torch.testing.assert_close(q_rot.flatten(-2), q_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(k.flatten(-2), k_ref, rtol=tol, atol=tol)  # k rotated in place
+    for a, b in zip(ours.get_kv_buffer(0), ref.get_kv_buffer(0), strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert torch.equal(v_view, v), "v must not change"
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+@DTYPES
+def test_rotary_fused_into_store_matches_torch_native(mode: ForwardMode, dtype: torch.dtype) -> None:
+    """RadixAttention handed the rotary embedding: torch_native gets q and k rotated by the module's
+    torch code first, triton rotates them inside its K/V store; outputs and pools agree."""
+    from rxf.plugins.models.layers import RadixAttention, RotaryEmbedding
+
+    prefix_lens, extend_lens = ([0, 5, 9], [1, 4, 7]) if mode == ForwardMode.EXTEND else ([4, 17, 30], [1, 1, 1])
+    heads, kv_heads, head_dim = 4, 2, 16
+    case = build(mode, prefix_lens, extend_lens, heads, kv_heads, head_dim, dtype)
+    positions = torch.cat([p + torch.arange(e) for p, e in zip(prefix_lens, extend_lens, strict=True)])
+    rope = RotaryEmbedding(head_dim, MAX_CONTEXT, LLAMA3_ROPE, dtype)
+    attn = RadixAttention(case.layer.layer_id, heads, kv_heads, head_dim, case.layer.scaling)
+    qkv = torch.cat([case.q.flatten(-2), case.k.flatten(-2), case.v.flatten(-2)], dim=-1)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    outs = []
+    for batch in (case.native, case.triton):
+        batch.positions = positions
+        batch.attn_backend.init_forward_metadata(batch)
+        q, k, v = qkv.clone().split(sizes, dim=-1)
+        outs.append(attn(q, k, v, batch, rotary=rope))
+        if batch is case.triton:  # the fused path rotated q in place (the torch path does not)
+            assert batch.attn_backend.fuses_rope(rope)
+            q_ref, _ = rope.forward_native(positions, *qkv.split(sizes, dim=-1)[:2])
+            torch.testing.assert_close(q, q_ref, rtol=TOL[dtype], atol=TOL[dtype])
+    tol = TOL[dtype]
+    torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)
+    for a, b in zip(case.triton.token_to_kv_pool.k_buffer + case.triton.token_to_kv_pool.v_buffer,
+                    case.native.token_to_kv_pool.k_buffer + case.native.token_to_kv_pool.v_buffer, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)

@@ -1,4 +1,5 @@
-"""Which waiting requests join the next EXTEND batch.
+"""Which waiting requests join the next prefill, each reserved in full (prefix locked, row and slots
+taken) or not at all.
 
 The seeds' rule: available = free + evictable - sum over running requests of
 (remaining max_new_tokens x new_token_ratio). A request fits if its uncached prompt plus its own
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rxf.core.scheduler.cache_ops import KVCacheManager
+from rxf.core.scheduler.kv_manager import KVManager
 from rxf.core.scheduler.req import Req
 
 # Future tokens of a request (new or running) are counted in full, but never more than this: a
@@ -35,50 +36,48 @@ class Admission:
 def admit(
     ordered: list[Req],
     running: list[Req],
-    kv: KVCacheManager,
+    kv: KVManager,
     *,
     new_token_ratio: float,
     max_prefill_tokens: int,
     chunk_size: int | None,
-    free_rows: int,
     batch_nonempty: bool = False,
 ) -> Admission:
-    """Lock and return the requests to prefill now (their prefixes matched and locked).
+    """Reserve and return the requests to prefill now (`Req.kv` set: prefix locked, row and their
+    first `extend_lens[i]` slots taken).
 
     A request longer than the chunk size is admitted with only its first chunk; a prompt longer
     than `max_prefill_tokens` is still admitted when it is the batch's first, so it cannot starve.
     """
-    available = kv.available() - sum(_future_tokens(r) * new_token_ratio for r in running)
+
+    def available() -> float:
+        return kv.available() - sum(_future_tokens(r) * new_token_ratio for r in running)
+
     out = Admission()
-    budget = 0.0
+    futures = 0.0  # future tokens of the requests admitted so far (their prompt slots are taken)
     for req in ordered:
-        if len(out.reqs) >= free_rows:
+        if kv.free_rows() == 0:
             break
         limit = req.prompt_logits_from() if req.wants_prompt_logprobs() else None
-        slots, node = kv.match(req, limit)
-        prefix_len = int(slots.numel())
-        extend_len = req.seq_len - prefix_len
+        res = kv.reserve(req, limit)
+        extend_len = req.seq_len - res.prefix_len
         if chunk_size is not None and not req.wants_prompt_logprobs():
             extend_len = min(extend_len, chunk_size)
-        if (out.reqs or batch_nonempty) and out.new_tokens + extend_len > max_prefill_tokens:
-            break
         future = _future_tokens(req)
         # With nothing else running, the first request only needs room for its prompt: waiting
         # for room it can never get would stall the queue (it may later end "length" if it outgrows
         # the cache).
-        alone = not running and not out.reqs and not batch_nonempty
-        if alone:
+        if not running and not out.reqs and not batch_nonempty:
             future = 0
-        if budget + extend_len + future > available:
+        too_many = bool(out.reqs or batch_nonempty) and out.new_tokens + extend_len > max_prefill_tokens
+        # `available()` counts the prefix as locked now.
+        if too_many or futures + extend_len + future > available():
+            res.cancel()
             break
-        kv.lock(req, slots, node)
-        available = kv.available() - sum(_future_tokens(r) * new_token_ratio for r in running)
-        if budget + extend_len + future > available:
-            kv.unlock(req)
-            req.prefix_indices, req.kv_len = slots[:0], 0
+        if not res.allocate(extend_len):  # eviction freed less than counted on (it cancelled)
             break
         out.reqs.append(req)
         out.extend_lens.append(extend_len)
         out.new_tokens += extend_len
-        budget += extend_len + future
+        futures += future
     return out

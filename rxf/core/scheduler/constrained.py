@@ -8,6 +8,9 @@ only on the broadcast request stream, never on one rank's thread timing (ranks t
 batch would deadlock in their collectives). It needs no rollback on retraction: a retracted request keeps its
 output (`Scheduler._ensure_decode_space`), so matcher and `output_ids` still agree.
 
+With overlap scheduling, a step that samples for a constrained request is resolved before the next
+step is planned (`Scheduler.step`): its matcher must accept the token before it can mask the next.
+
 Jump-forward (the compressed FSM of the SGLang paper): when the grammar allows a single continuation
 string, it is tokenized together with the newest token and appended at once; the request then
 extends those tokens in one EXTEND instead of one DECODE each. Only the newest token is ever
@@ -20,8 +23,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from typing import Any
-
-import torch
 
 from rxf.core.config import EngineConfig
 from rxf.core.grammar import GrammarBackend, make_grammar_backend
@@ -95,15 +96,17 @@ class ConstrainedDecoding:
             concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     # ---- each step ----
-    def mask(self, reqs: list[Req], device: torch.device) -> GrammarMask | None:
-        """The step's bitmask for the constrained rows (filled on the host, one copy to `device`)."""
+    def mask(self, reqs: list[Req]) -> GrammarMask | None:
+        """The step's bitmask for the constrained ones of `reqs` (the sampled rows), on the host;
+        every constrained request has its output resolved (the scheduler sees to it)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
         bitmask = self.backend.allocate_bitmask(len(reqs))
         for i in rows:
+            assert reqs[i].inflight == 0, "a constrained request's mask needs its output known"
             reqs[i].grammar.fill_bitmask(bitmask, i)
-        return GrammarMask(bitmask.to(device, non_blocking=True), rows, self.backend.apply_bitmask)
+        return GrammarMask(bitmask, rows, self.backend.apply_bitmask)
 
     def check_token(self, req: Req) -> FinishReason | None:
         """Advance the matcher by the newest output token, then check the stop conditions; a

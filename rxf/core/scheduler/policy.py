@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
-from rxf.core.scheduler.cache_ops import KVCacheManager
+from rxf.core.scheduler.kv_manager import KVManager
 from rxf.core.scheduler.req import Req
 
 
-def order_waiting(waiting: list[Req], policy: str, kv: KVCacheManager, rng: random.Random) -> list[Req]:
+def order_waiting(waiting: list[Req], policy: str, kv: KVManager, rng: random.Random) -> list[Req]:
     """Return the queue in admission order.
 
     `lpm` (longest prefix match, the default) puts requests that reuse the most cached KV first,
@@ -29,7 +29,7 @@ def order_waiting(waiting: list[Req], policy: str, kv: KVCacheManager, rng: rand
     if policy == "lpm":
         if kv.tree.disable or len(waiting) > 128:  # matching is O(queue x prompt): cap its cost
             return list(waiting)
-        lengths = {id(r): int(kv.match(r)[0].numel()) for r in waiting}
+        lengths = {id(r): kv.match_len(r) for r in waiting}
         return sorted(waiting, key=lambda r: -lengths[id(r)])
     if policy == "priority":
         return sorted(waiting, key=lambda r: (r.priority, r.arrival))

@@ -1,4 +1,4 @@
-"""A request as the scheduler sees it: token ids, KV bookkeeping and finish state (all CPU-side)."""
+"""A request as the scheduler sees it: token ids, its KV handle and finish state (all host-side)."""
 
 from __future__ import annotations
 
@@ -6,26 +6,28 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from rxf.core.io_struct import FinishReason, MultimodalItem, TokenizedGenerateReq
 from rxf.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from rxf.core.grammar import GrammarMatcher
-    from rxf.core.radix_cache import TokenKey, TreeNode
+    import torch
 
-_EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
+    from rxf.core.grammar import GrammarMatcher
+    from rxf.core.radix_cache import TokenKey
+    from rxf.core.scheduler.kv_manager import KVHandle
 
 
 @dataclass(eq=False)
 class Req:
-    """Region map of the request's tokens `fill_ids = prompt + output`:
+    """Region map of the request's tokens `fill_ids = prompt + output`, then `inflight` more:
 
-    - `[0, cached_len)`: KV held by the radix tree (slots `prefix_indices`, node `last_node` locked);
-    - `[cached_len, kv_len)`: KV in slots the request owns (listed in its req_to_token row);
-    - `[kv_len, len(fill_ids))`: no KV yet (the uncomputed prompt part, or the last sampled token).
-    `req_to_token[req_pool_idx, :kv_len]` lists the slots of both KV regions.
+    - `[0, cached_len)`: KV held by the radix tree (locked through `kv`);
+    - `[cached_len, kv_len)`: KV in slots the request owns (computed, or being computed by a step
+      in flight);
+    - `[kv_len, seq_len)`: no KV yet: the uncomputed prompt part, the newest token, and the
+      `inflight` tokens a launched step samples whose values the host does not know yet.
+    Invariant when a step is scheduled: kv_len <= len(fill_ids), i.e. every token with KV is known
+    on the host; only tokens without KV may be in flight (overlap scheduling, one step deep).
     """
 
     rid: str
@@ -42,19 +44,18 @@ class Req:
     arrival: int = 0
     mm_items: list[MultimodalItem] | None = None  # their pad ids are part of origin_input_ids
     output_ids: list[int] = field(default_factory=list)
-    # KV bookkeeping
-    req_pool_idx: int | None = None
-    prefix_indices: torch.Tensor = _EMPTY_SLOTS
-    last_node: TreeNode | None = None
-    kv_len: int = 0
-    # True once the whole prompt is computed and a token sampled (then kv_len == seq_len - 1);
-    # False while waiting or between prefill chunks.
+    # Tokens sampled by launched steps that the host has not read yet (0, 1, or 2 between a launch
+    # and the previous step's postprocessing).
+    inflight: int = 0
+    kv: KVHandle | None = None  # the KV reservation (see kv_manager); None while it holds no KV
+    # True once the whole prompt is scheduled and its last step samples a token: its next forward
+    # is a decode of its newest token. False while waiting or between prefill chunks.
     decoding: bool = False
     # Tokens matched in the tree when the request was first admitted (reported as cached_tokens).
     cached_tokens: int | None = None
     finished_reason: FinishReason | None = None
     to_abort: bool = False
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # created by the runner, on its device, at the first draw
     # Streaming state: how many output ids were already sent, decode steps since the last send.
     sent_len: int = 0
     steps_since_send: int = 0
@@ -97,12 +98,27 @@ class Req:
         return key
 
     @property
-    def seq_len(self) -> int:
+    def known_len(self) -> int:
+        """Tokens whose values the host knows: prompt + output so far."""
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def seq_len(self) -> int:
+        """Tokens of the sequence, counting those still in flight."""
+        return self.known_len + self.inflight
+
+    @property
+    def generated(self) -> int:
+        """Output tokens, counting those still in flight."""
+        return len(self.output_ids) + self.inflight
+
+    @property
+    def kv_len(self) -> int:
+        return self.kv.length if self.kv is not None else 0
+
+    @property
     def cached_len(self) -> int:
-        return int(self.prefix_indices.numel())
+        return self.kv.cached if self.kv is not None else 0
 
     @property
     def owned_slots(self) -> int:
@@ -114,7 +130,7 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+        return max(self.sampling_params.max_new_tokens - self.generated, 0)
 
     def wants_prompt_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0 and self.input_logprobs is None

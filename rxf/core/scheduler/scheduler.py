@@ -1,13 +1,27 @@
-"""The scheduler: one `step()` = receive, pick an EXTEND or a DECODE batch, run it, emit outputs.
+"""The scheduler: one `step()` = schedule -> run -> postprocess.
 
-It deals in requests, slot indices and token counts; `ModelRunner` alone builds tensors. Usable
-in-process (tests drive `add_request` / `step` directly) and from the scheduler process loop.
+- schedule (`_schedule`): plain bookkeeping. Pick the batch (unfinished prefill chunks and newly
+  admitted requests, with the decoding requests in the same forward when mixed chunked prefill is
+  on; else a DECODE of the running requests), reserve its KV (`KVManager`) and describe it as a
+  `StepBatch`: requests, token counts, slots, token ids. No device tensor is touched here.
+- run: `runner.launch(batch)`; the runner builds the tensors, runs the forward and samples.
+- postprocess (`_postprocess`): `runner.resolve` gives the sampled ids and logprobs on the host;
+  append them, check stop conditions, cache prefixes, build the outputs.
+
+Overlap (`runner.overlap`): step N is scheduled and launched before step N-1 is postprocessed, so
+the host's work runs while the device computes. A request in step N-1 then enters step N with its
+newest token unknown (`Req.inflight`); the runner feeds it from step N-1's sampled ids on the
+device. If step N-1 ends the request (EOS, a stop string), its row in step N is discarded when step
+N is postprocessed and its KV was released already. A request whose length will end it is not
+scheduled again. Steps that sample for constrained or penalised requests are resolved before the
+next one is planned, since their next mask or penalty needs the token. Every decision depends only
+on the request stream and the sampled tokens, so tensor-parallel ranks stay in lockstep.
 
 Faults: a forward that raises fails the requests of its batch; an exception in one request's own
-processing after the forward (its sampling, prompt logprobs or stop check) fails that request only.
-Either way the failed requests end with an "abort" carrying the error and their KV is released at
-once, and the scheduler keeps serving the others. Anything else (a bookkeeping bug) propagates and
-ends the process: its state could no longer be trusted.
+processing (its sampling, prompt logprobs or stop check) fails that request only. Either way the
+failed requests end with an "abort" carrying the error and their KV is released at once, and the
+scheduler keeps serving the others. Anything else (a bookkeeping bug) propagates and ends the
+process: its state could no longer be trusted.
 """
 
 from __future__ import annotations
@@ -16,7 +30,8 @@ import itertools
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,22 +39,14 @@ from rxf.core.config import EngineConfig
 from rxf.core.distributed import tp_size
 from rxf.core.forward import ForwardMode
 from rxf.core.io_struct import ABORT_REQUESTED, FinishReason, SchedulerStats, TokenizedGenerateReq, TokenOut
-from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.radix_cache import RadixCache
-from rxf.core.sampling import make_generator
 from rxf.core.scheduler.admission import admit
-from rxf.core.scheduler.cache_ops import KVCacheManager
 from rxf.core.scheduler.constrained import ConstrainedDecoding
-from rxf.core.scheduler.faults import FaultInjector
-from rxf.core.scheduler.output import (
-    StopChecker,
-    make_token_out,
-    record_output_logprobs,
-    record_prompt_logprobs,
-    sample_next,
-)
+from rxf.core.scheduler.kv_manager import KVManager
+from rxf.core.scheduler.output import StopChecker, make_token_out
 from rxf.core.scheduler.policy import order_waiting
 from rxf.core.scheduler.req import Req
+from rxf.core.step_io import PENDING, StepBatch, StepResult, StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -55,26 +62,51 @@ class _Counters:
     last_log_tokens: int = 0
 
 
+@dataclass
+class _Planned:
+    """A batch being built: per request its new tokens, and whether it samples."""
+
+    reqs: list[Req] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    prev_rows: list[int] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    row_writes: list[tuple[int, torch.Tensor] | None] = field(default_factory=list)
+    sample: list[bool] = field(default_factory=list)
+    prompt_logits_from: list[int | None] = field(default_factory=list)
+    decode_rows: int = 0
+    extend_rows: int = 0
+
+
+@dataclass
+class _Launched:
+    batch: StepBatch
+    handle: Any
+    decode: list[bool]  # per request: a decode row (its streamed token need not go out at once)
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, check_memory: bool = False) -> None:
+    def __init__(self, config: EngineConfig, runner: StepRunner, tokenizer, check_memory: bool = False) -> None:
         self.config = config
         self.sc = config.scheduler
         self.runner = runner
         self.tree = RadixCache(runner.token_to_kv_pool, disable=config.cache.disable_radix_cache)
-        self.kv = KVCacheManager(runner.req_to_token_pool, runner.token_to_kv_pool, self.tree)
+        self.kv = KVManager(runner.req_to_token_pool, runner.token_to_kv_pool, self.tree)
         eos = set(runner.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.stop = StopChecker(tokenizer, sorted(eos), runner.max_context_len)
         self.grammar = ConstrainedDecoding.create(config, tokenizer, runner.vocab_size, self.stop)
         self.waiting: list[Req] = []
-        self.running: list[Req] = []  # requests with a req_to_token row (decoding or mid-prefill)
+        self.running: list[Req] = []  # requests holding KV (decoding, or between prefill chunks)
         self.new_token_ratio = self.sc.init_new_token_ratio
         self.rng = random.Random(config.runtime.seed)
         self.check_memory = check_memory
         self.counters = _Counters(last_log_time=time.perf_counter())
         self._arrivals = itertools.count()
-        self.faults = FaultInjector.from_env()  # test-only; None unless RXF_FAULT_INJECT is set
+        self._inflight: _Launched | None = None  # launched, not yet postprocessed (overlap)
 
     # ---- requests in ----
     def add_request(self, msg: TokenizedGenerateReq) -> TokenOut | None:
@@ -85,8 +117,6 @@ class Scheduler:
         if error is not None:
             req.finished_reason = FinishReason("abort", message=error)
             return make_token_out(req, finished=True)
-        if req.sampling_params.seed is not None:
-            req.generator = make_generator(req.sampling_params.seed, self.runner.device)
         self.grammar.submit(req)
         self.waiting.append(req)
         return None
@@ -112,184 +142,189 @@ class Scheduler:
                 return [make_token_out(req, finished=True)]
         for req in self.running:
             if req.rid == rid:
-                req.to_abort = True  # released at the end of the current step
+                req.to_abort = True  # released at the start of the next step
         return []
 
     def flush_cache(self) -> tuple[bool, str]:
-        if self.running or self.waiting:
-            return False, f"cannot flush the cache while {len(self.running) + len(self.waiting)} requests are in flight"
-        self.tree.reset()
-        self.runner.token_to_kv_pool.clear()
-        self.runner.req_to_token_pool.clear()
+        if self.has_work:
+            n = len(self.running) + len(self.waiting)
+            return False, f"cannot flush the cache while {n} requests are in flight"
+        self.kv.clear()
         return True, "cache flushed"
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     # ---- one step ----
     def step(self) -> list[TokenOut]:
-        outs = self._release_aborted()
+        outs: list[TokenOut] = []
+        if self._inflight is not None and self._needs_tokens(self._inflight.batch):
+            outs += self._postprocess(self._take_inflight())
+        outs += self._release_aborted()
         outs += [make_token_out(r, finished=True) for r in self.grammar.resolve(self.waiting)]
-        extend = self._schedule_extend()
-        if extend:
-            outs += self._run_extend(extend)
-        elif self.running:
-            outs += self._run_decode()
-        else:  # only grammars still compiling (if anything): wait for one rather than spin
+        batch = self._schedule(outs)
+        prev = self._take_inflight()
+        if batch is not None:
+            self._inflight = _Launched(batch[0], self.runner.launch(batch[0]), batch[1])
+            self._after_launch(batch[0])
+        if prev is not None:  # overlap: the device runs `batch` meanwhile
+            outs += self._postprocess(prev)
+        if self._inflight is not None and not self.runner.overlap:
+            outs += self._postprocess(self._take_inflight())
+        if batch is None and prev is None:  # only grammars still compiling (if anything)
             self.grammar.wait(self.waiting, timeout=0.01)
         if self.check_memory:
-            self.kv.check(self.running)
+            self.kv.check(self.running + self.waiting)
         return outs
+
+    def _take_inflight(self) -> _Launched | None:
+        launched, self._inflight = self._inflight, None
+        return launched
+
+    @staticmethod
+    def _needs_tokens(batch: StepBatch) -> bool:
+        """Whether the next step must see this step's tokens before it is planned: a constrained
+        request's next mask, or a penalised request's next penalty, reads them."""
+        return any(r.grammar is not None or r.sampling_params.reads_history for r in batch.sampled)
 
     def _release_aborted(self) -> list[TokenOut]:
-        outs = []
-        for req in [r for r in self.running if r.to_abort]:
-            req.finished_reason = FinishReason("abort", message=ABORT_REQUESTED)
-            outs.append(self._finish(req))
-        return outs
+        aborted = [r for r in self.running if r.to_abort]
+        return [self._finish(r, FinishReason("abort", message=ABORT_REQUESTED)) for r in aborted]
 
-    # ---- extend ----
-    def _schedule_extend(self) -> list[tuple[Req, torch.Tensor]]:
-        """The next EXTEND batch: unfinished chunked prefills first, then newly admitted requests."""
-        batch = self._continue_chunked()
-        if not self.waiting:
-            return batch
-        decoding = [r for r in self.running if r.decoding]
+    # ---- schedule ----
+    def _schedule(self, outs: list[TokenOut]) -> tuple[StepBatch, list[bool]] | None:
+        """The next batch: prefill work (unfinished chunks first, then admissions), with the
+        decoding requests in the same forward when mixed chunked prefill is on; else a decode.
+        Returns it with, per request, whether it is a decode row."""
+        plan = _Planned()
+        decoding = [r for r in self.running if r.decoding and not self._ends_by_length(r)]
+        if self.sc.mixed_chunked_prefill and decoding:
+            self._plan_decode(plan, decoding, outs)
+        self._plan_chunks(plan)
+        self._plan_admissions(plan)
+        if not plan.reqs and decoding:  # no prefill work could run: decode alone
+            self._plan_decode(plan, decoding, outs)
+        if not plan.reqs:
+            return None
+        if plan.extend_rows:
+            mode = ForwardMode.MIXED if plan.decode_rows else ForwardMode.EXTEND
+        else:
+            mode = ForwardMode.DECODE
+        sampled = [r for r, s in zip(plan.reqs, plan.sample, strict=True) if s]
+        batch = StepBatch(
+            mode=mode,
+            reqs=plan.reqs,
+            rows=plan.rows,
+            prefix_lens=plan.prefix_lens,
+            extend_lens=plan.extend_lens,
+            input_ids=plan.input_ids,
+            prev_rows=plan.prev_rows,
+            out_cache_loc=torch.cat(plan.slots) if len(plan.slots) > 1 else plan.slots[0],
+            row_writes=plan.row_writes,
+            sample=plan.sample,
+            prompt_logits_from=plan.prompt_logits_from,
+            banned_ids=[self.stop.banned_ids(r) for r in sampled],
+            grammar=self.grammar.mask(sampled),
+        )
+        return batch, [i < plan.decode_rows for i in range(len(plan.reqs))]
+
+    def _admissible(self, req: Req) -> bool:
+        return self.grammar.ready(req) and req.inflight == 0
+
+    def _ends_by_length(self, req: Req) -> bool:
+        """Whether the tokens in flight already end the request by length (no step needed)."""
+        p = req.sampling_params
+        return req.inflight > 0 and (req.generated >= p.max_new_tokens or req.seq_len >= self.runner.max_context_len)
+
+    def _plan_decode(self, plan: _Planned, decoding: list[Req], outs: list[TokenOut]) -> None:
+        """One new token for each decoding request, retracting some if the KV runs out; a lone
+        request that outgrew the whole cache ends here."""
+        decoding = self._ensure_decode_space(decoding)
+        slots = self.kv.alloc_slots(len(decoding))
+        if slots is None:
+            outs.append(self._finish(decoding[0], FinishReason("length", message="the KV cache is full")))
+            return
+        prev = self._prev_rows()
+        for req, slot in zip(decoding, slots.split(1), strict=True):
+            kv_len = req.kv_len
+            self.kv.grow_with(req, slot)
+            row = prev.get(id(req), -1) if req.inflight else -1
+            self._add_row(plan, req, kv_len, [req.output_ids[-1] if row < 0 else PENDING], row)
+            plan.sample.append(True)
+            plan.prompt_logits_from.append(None)
+        plan.slots.append(slots)
+        plan.decode_rows = len(decoding)
+
+    def _prev_rows(self) -> dict[int, int]:
+        """Sampled-row index in the step in flight, per request (by id)."""
+        if self._inflight is None:
+            return {}
+        return {id(r): j for j, r in enumerate(self._inflight.batch.sampled)}
+
+    def _add_row(self, plan: _Planned, req: Req, prefix_len: int, ids: list[int], prev_row: int) -> None:
+        plan.reqs.append(req)
+        plan.rows.append(req.kv.row)
+        plan.prefix_lens.append(prefix_len)
+        plan.extend_lens.append(len(ids))
+        plan.input_ids += ids
+        plan.prev_rows.append(prev_row)
+        plan.row_writes.append(self.kv.row_writes(req, prefix_len))
+
+    def _plan_chunks(self, plan: _Planned) -> None:
+        """The next chunk of each request whose prompt (or jumped-forward text) is only partly
+        computed; they keep their row and lock."""
+        chunk = self.sc.chunked_prefill_size or self.sc.max_prefill_tokens
+        # (A prompt whose last chunk is in flight without sampling, max_new_tokens 0, has none left.)
+        for req in [r for r in self.running if not r.decoding and r.kv_len < r.seq_len]:
+            n = min(chunk, req.seq_len - req.kv_len)
+            kv_len = req.kv_len
+            slots = self.kv.grow(req, n)
+            if slots is None:
+                break
+            self._add_extend(plan, req, kv_len, n, slots)
+
+    def _plan_admissions(self, plan: _Planned) -> None:
+        if not self.waiting or self.kv.free_rows() == 0:
+            return
+        ready = [r for r in self.waiting if self._admissible(r)]
         adm = admit(
-            order_waiting([r for r in self.waiting if self.grammar.ready(r)], self.sc.policy, self.kv, self.rng),
-            decoding,
+            order_waiting(ready, self.sc.policy, self.kv, self.rng),
+            [r for r in self.running if r.decoding],
             self.kv,
             new_token_ratio=self.new_token_ratio,
-            max_prefill_tokens=self.sc.max_prefill_tokens - sum(int(s.numel()) for _, s in batch),
+            max_prefill_tokens=self.sc.max_prefill_tokens - sum(plan.extend_lens[plan.decode_rows :]),
             chunk_size=self.sc.chunked_prefill_size,
-            free_rows=self.runner.req_to_token_pool.available_size(),
-            batch_nonempty=bool(batch),
+            batch_nonempty=bool(plan.extend_rows),
         )
         for req, extend_len in zip(adm.reqs, adm.extend_lens, strict=True):
-            slots = self.kv.alloc_slots(extend_len)
-            if slots is None:  # eviction freed less than admission counted on: retry next step
-                for late in adm.reqs[adm.reqs.index(req) :]:
-                    self.kv.unlock(late)
-                    late.prefix_indices, late.kv_len = late.prefix_indices[:0], 0
-                break
-            req.req_pool_idx = self.runner.req_to_token_pool.alloc()
             self.waiting.remove(req)
+            self.running.append(req)
             if req.cached_tokens is None:
                 req.cached_tokens = req.cached_len
                 self.counters.prompt_tokens += len(req.origin_input_ids)
                 self.counters.cached_tokens += req.cached_len
-            batch.append((req, slots))
-        return batch
+            kv_len = req.kv_len - extend_len
+            self._add_extend(plan, req, kv_len, extend_len, req.kv.slots()[kv_len:].clone())
 
-    def _continue_chunked(self) -> list[tuple[Req, torch.Tensor]]:
-        """Next chunk of each request whose prompt is only partly prefilled (they keep row and lock)."""
-        batch = []
-        chunk = self.sc.chunked_prefill_size or self.sc.max_prefill_tokens
-        for req in [r for r in self.running if not r.decoding]:
-            slots = self.kv.alloc_slots(min(chunk, req.seq_len - req.kv_len))
-            if slots is None:
-                break
-            self.running.remove(req)  # re-added after the forward
-            batch.append((req, slots))
-        return batch
+    def _add_extend(self, plan: _Planned, req: Req, kv_len: int, n: int, slots: torch.Tensor) -> None:
+        self._add_row(plan, req, kv_len, req.fill_ids[kv_len : kv_len + n], -1)
+        plan.slots.append(slots)
+        completes = kv_len + n == req.seq_len
+        plan.sample.append(completes and req.sampling_params.max_new_tokens > 0)
+        plan.prompt_logits_from.append(req.prompt_logits_from() if req.wants_prompt_logprobs() else None)
+        plan.extend_rows += 1
 
-    def _run_extend(self, batch: list[tuple[Req, torch.Tensor]]) -> list[TokenOut]:
-        reqs = [r for r, _ in batch]
-        input_ids: list[int] = []
-        logits_start = []
-        for req, slots in batch:
-            input_ids += req.fill_ids[req.kv_len : req.kv_len + slots.numel()]
-            start = req.prompt_logits_from() - req.kv_len if req.wants_prompt_logprobs() else slots.numel() - 1
-            logits_start.append(start)
-        inp = ModelInput(
-            mode=ForwardMode.EXTEND if any(r.kv_len for r in reqs) else ForwardMode.PREFILL,
-            req_pool_indices=[r.req_pool_idx for r in reqs],
-            input_ids=input_ids,
-            prefix_lens=[r.kv_len for r in reqs],
-            extend_lens=[int(s.numel()) for _, s in batch],
-            out_cache_loc=torch.cat([s for _, s in batch]),
-            prefix_slots=[self._prefix_slots(r) for r in reqs],
-            logits_start=logits_start,
-            mm_items=[r.mm_items for r in reqs] if any(r.mm_items for r in reqs) else None,
-        )
-        try:
-            logits = self._forward(inp, reqs)
-        except Exception as exc:
-            logger.exception("EXTEND forward of %d requests failed; failing them", len(reqs))
-            for req, slots in batch:
-                self._free_slots(slots)  # this forward's slots: not yet part of the request's KV
-                self.running.append(req)
-            return [self._finish(r, _internal_error(exc)) for r in reqs]
-        # Bookkeeping first (it cannot fail per request), then each request's own processing.
-        spans, row = [], 0  # per request: first logits row, rows, absolute position of the first
-        for (req, slots), start in zip(batch, logits_start, strict=True):
-            n_rows = int(slots.numel()) - start
-            spans.append((row, n_rows, req.kv_len + start))
-            req.kv_len += int(slots.numel())
-            row += n_rows
-            self.running.append(req)
-        for req in reqs:
-            self.kv.cache_unfinished(req)
-        # Only requests whose prompt is now complete sample.
-        outs, ready, last_rows = [], [], []
-        for req, (first, n_rows, abs_start) in zip(reqs, spans, strict=True):
-            if req.wants_prompt_logprobs():
-                try:
-                    record_prompt_logprobs(req, logits[first : first + n_rows], abs_start)
-                except Exception as exc:
-                    outs.append(self._fail(req, exc))
-                    continue
-            if req.kv_len == req.seq_len:
-                ready.append(req)
-                last_rows.append(first + n_rows - 1)
-        # max_new_tokens = 0 (prefill only: prompt logprobs, or warming the cache for n > 1).
-        outs += [self._finish(r, FinishReason("length")) for r in ready if r.sampling_params.max_new_tokens == 0]
-        last_rows = [row for r, row in zip(ready, last_rows, strict=True) if r.sampling_params.max_new_tokens]
-        ready = [r for r in ready if r.sampling_params.max_new_tokens]
-        if ready:
-            outs += self._sample_and_emit(ready, logits[torch.tensor(last_rows, device=logits.device)], force_send=True)
-        return outs
-
-    def _prefix_slots(self, req: Req) -> torch.Tensor:
-        """Slots of the request's KV before this forward, for its req_to_token row."""
-        if req.kv_len == req.cached_len:
-            return req.prefix_indices
-        return self.kv.row_slots(req)
-
-    # ---- decode ----
-    def _run_decode(self) -> list[TokenOut]:
-        decoding = [r for r in self.running if r.decoding]
-        if not decoding:
-            return []
-        decoding = self._ensure_decode_space(decoding)
-        slots = self.kv.alloc_slots(len(decoding))
-        if slots is None:  # a lone request that outgrew the whole cache
-            req = decoding[0]
-            req.finished_reason = FinishReason("length", message="the KV cache is full")
-            return [self._finish(req)]
-        inp = ModelInput(
-            mode=ForwardMode.DECODE,
-            req_pool_indices=[r.req_pool_idx for r in decoding],
-            input_ids=[r.output_ids[-1] for r in decoding],
-            prefix_lens=[r.kv_len for r in decoding],
-            extend_lens=[1] * len(decoding),
-            out_cache_loc=slots,
-        )
-        try:
-            logits = self._forward(inp, decoding)
-        except Exception as exc:
-            logger.exception("DECODE forward of %d requests failed; failing them", len(decoding))
-            self._free_slots(slots)
-            return [self._finish(r, _internal_error(exc)) for r in decoding]
-        for req in decoding:
-            req.kv_len += 1
-        self.counters.decode_steps += 1
-        self.new_token_ratio = max(self.new_token_ratio - self.sc.new_token_ratio_decay, self.sc.min_new_token_ratio)
-        outs = self._sample_and_emit(decoding, logits, force_send=False)
-        if self.counters.decode_steps % self.sc.log_interval == 0:
-            self._log_stats()
-        return outs
+    def _after_launch(self, batch: StepBatch) -> None:
+        for req, samples in zip(batch.reqs, batch.sample, strict=True):
+            if samples:
+                req.inflight += 1
+                req.decoding = True  # its prompt is complete: its next forward decodes
+        if batch.mode in (ForwardMode.DECODE, ForwardMode.MIXED):
+            self.counters.decode_steps += 1
+            self.new_token_ratio = max(self.new_token_ratio - self.sc.new_token_ratio_decay, self.sc.min_new_token_ratio)
+            if self.counters.decode_steps % self.sc.log_interval == 0:
+                self._log_stats()
 
     def _ensure_decode_space(self, decoding: list[Req]) -> list[Req]:
         """Retract requests until every remaining one gets a slot: the lowest priority first (the
@@ -303,7 +338,7 @@ class Scheduler:
         if self.kv.available() >= len(decoding):
             return decoding
         order = sorted(
-            decoding, key=lambda r: (-r.priority, len(r.output_ids), -len(r.origin_input_ids), -r.arrival)
+            decoding, key=lambda r: (-r.priority, r.generated, -len(r.origin_input_ids), -r.arrival)
         )
         while self.kv.available() < len(decoding) and len(decoding) > 1:
             victim = order.pop(0)
@@ -314,78 +349,84 @@ class Scheduler:
             self.counters.retractions += 1
             logger.info(
                 "KV cache full: retracted request %s (priority %d) after %d tokens",
-                victim.rid, victim.priority, len(victim.output_ids),
+                victim.rid, victim.priority, victim.generated,
             )
         self.new_token_ratio = self.sc.init_new_token_ratio
         return decoding
 
-    # ---- after sampling ----
-    def _sample_and_emit(self, reqs: list[Req], logits: torch.Tensor, force_send: bool) -> list[TokenOut]:
+    # ---- postprocess ----
+    def _postprocess(self, launched: _Launched) -> list[TokenOut]:
+        batch = launched.batch
+        result = self.runner.resolve(launched.handle)
+        for req, samples in zip(batch.reqs, batch.sample, strict=True):
+            if samples:
+                req.inflight -= 1
+        if result.error is not None:
+            return self._fail_step(batch, result.error)
         outs: list[TokenOut] = []
-        try:
-            sampled = self._sample(reqs, logits)
-        except Exception:
-            # One request's parameters may be at fault: sample each alone so that only it fails.
-            logger.warning("sampling a batch of %d failed; retrying one by one", len(reqs), exc_info=True)
-            sampled = []
-            for i, req in enumerate(reqs):
-                try:
-                    sampled += self._sample([req], logits[i : i + 1])
-                except Exception as exc:
-                    outs.append(self._fail(req, exc))
-        for req, token in sampled:
-            req.output_ids.append(token)
-            req.decoding = True
-            self.counters.generated_tokens += 1
-            req.steps_since_send += 1
-            try:
-                req.finished_reason = self.grammar.check_token(req)
-            except Exception as exc:
-                outs.append(self._fail(req, exc))
-                continue
+        live = [i for i, r in enumerate(batch.reqs) if not r.finished and r.kv is not None]
+        for i in live:
+            self.kv.commit(batch.reqs[i], batch.prefix_lens[i] + batch.extend_lens[i])
+        j = -1
+        for i, req in enumerate(batch.reqs):
+            j += batch.sample[i]
             if req.finished:
-                outs.append(self._finish(req))
-            elif req.stream and (force_send or req.steps_since_send >= self.sc.stream_interval):
-                outs.append(make_token_out(req, finished=False))
+                continue  # ended (or aborted) while this step ran: its row is discarded
+            if i in result.row_errors:
+                outs.append(self._fail(req, result.row_errors[i]))
+                continue
+            if i in result.prompt_logprobs:
+                req.input_logprobs = result.prompt_logprobs[i]
+            if not launched.decode[i] and req.kv is not None:
+                self.kv.cache(req)  # share the computed prompt with other requests while it runs
+            if batch.sample[i]:
+                outs += self._accept(req, result, j, force_send=not launched.decode[i])
+            elif req.kv_len == req.seq_len and req.sampling_params.max_new_tokens == 0:
+                outs.append(self._finish(req, FinishReason("length")))  # prefill only
         return outs
 
-    def _forward(self, inp: ModelInput, reqs: list[Req]) -> torch.Tensor:
-        if self.faults is not None:
-            self.faults.check("forward", reqs)
+    def _accept(self, req: Req, result: StepResult, j: int, force_send: bool) -> list[TokenOut]:
+        """The request's newly sampled token: record it, check the stop conditions, stream it."""
+        req.output_ids.append(result.next_ids[j])
+        logprob = result.logprobs[j] if j < len(result.logprobs) else None
+        if logprob is not None:
+            req.pending_logprobs.append(logprob[0])
+            req.pending_top_logprobs.append(logprob[1])
+        self.counters.generated_tokens += 1
+        req.steps_since_send += 1
         try:
-            return self.runner.forward(inp)
-        except Exception:
-            if tp_size() == 1:
-                raise
+            req.finished_reason = self.grammar.check_token(req)
+        except Exception as exc:
+            return [self._fail(req, exc)]
+        if req.finished:
+            return [self._finish(req)]
+        if req.stream and (force_send or req.steps_since_send >= self.sc.stream_interval):
+            return [make_token_out(req, finished=False)]
+        return []
+
+    def _fail_step(self, batch: StepBatch, exc: BaseException) -> list[TokenOut]:
+        if tp_size() > 1:
             # With tensor parallelism a forward that failed on this rank left its peers waiting in
             # a collective: the ranks are out of step for good, so the process ends (and the engine
             # reports itself dead) instead of failing the batch and serving on.
-            logger.exception("forward failed on a tensor-parallel rank; scheduler stopping")
-            raise SystemExit(1) from None
+            logger.error("forward failed on a tensor-parallel rank; scheduler stopping", exc_info=exc)
+            raise SystemExit(1)
+        logger.error("%s forward of %d requests failed; failing them", batch.mode.name, len(batch.reqs), exc_info=exc)
+        # Their KV from this step was never computed: `release` caches only committed KV.
+        return [self._finish(r, _internal_error(exc)) for r in batch.reqs if not r.finished and r.kv is not None]
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> list[tuple[Req, int]]:
-        """Next token per request, with its output logprobs recorded; changes no request on failure
-        (logprobs are recorded last, by a loop that only appends)."""
-        if self.faults is not None:
-            self.faults.check("sample", reqs)
-        grammar_mask = self.grammar.mask(reqs, logits.device)
-        next_ids, logprobs = sample_next(reqs, logits, self.stop, self.runner.vocab_size, grammar_mask)
-        if logprobs is not None and any(r.return_logprob for r in reqs):
-            record_output_logprobs(reqs, logprobs, next_ids)
-        return list(zip(reqs, next_ids, strict=True))
-
-    def _free_slots(self, slots: torch.Tensor) -> None:
-        self.runner.token_to_kv_pool.free(slots)
-
-    def _fail(self, req: Req, exc: Exception) -> TokenOut:
-        """One running request's processing raised: end it alone, its KV released now."""
+    def _fail(self, req: Req, exc: BaseException) -> TokenOut:
+        """One request's processing raised: end it alone, its KV released now."""
         logger.error("request %s failed; aborting it", req.rid, exc_info=exc)
         return self._finish(req, _internal_error(exc))
 
     def _finish(self, req: Req, reason: FinishReason | None = None) -> TokenOut:
         if reason is not None:
             req.finished_reason = reason
-        self.running.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:  # retracted while its last step ran
+            self.waiting.remove(req)
         self.kv.release(req)
         return make_token_out(req, finished=True)
 
@@ -423,5 +464,5 @@ class Scheduler:
         )
 
 
-def _internal_error(exc: Exception) -> FinishReason:
+def _internal_error(exc: BaseException) -> FinishReason:
     return FinishReason("abort", message=f"internal error: {type(exc).__name__}: {exc}"[:500])

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from rxf.core.echo import cut, echo
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.tool_parsers import NamedCallParser, ParsedCall, RequiredCallsParser, ToolCallParser
 
@@ -30,6 +31,21 @@ class ToolPlan:
     parser: ToolCallParser  # how each reply is read
     json_schema: str | None = None  # the constraint that forces calls ("required", named)
     max_calls: int | None = None  # 1 when parallel_tool_calls is false
+
+
+def check_json_schema(schema: dict[str, Any]) -> None:
+    """Raises ValueError (the reason, bounded) unless `schema` is a JSON Schema by the 2020-12
+    meta-schema."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        where = ".".join(map(str, exc.path))
+        raise ValueError(f"not a valid JSON schema{' at ' + where if where else ''}: {cut(exc.message)}") from None
+    except RecursionError:
+        raise ValueError("the JSON schema nests too deeply") from None
 
 
 def plan_tools(
@@ -52,18 +68,18 @@ def plan_tools(
     names = [tool["function"]["name"] for tool in tools]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ChatInputError(f"tools: function names must be unique; repeated: {', '.join(duplicates)}", "tools")
+        raise ChatInputError(f"tools: function names must be unique; repeated: {cut(', '.join(duplicates))}", "tools")
     max_calls = None if parallel_tool_calls else 1
     if not forced:
         return ToolPlan(tools, markup_parser, max_calls=max_calls)
     if constraint is not None:
-        described = f"{{function: {named!r}}}" if named is not None else repr(tool_choice)
+        described = f"{{function: {echo(named)}}}" if named is not None else repr(tool_choice)
         raise ChatInputError(f"tool_choice {described} cannot be combined with {constraint}", "tool_choice")
     parameters = {tool["function"]["name"]: tool["function"].get("parameters") or _NO_PARAMETERS for tool in tools}
     if named is not None:
         if named not in parameters:
             raise ChatInputError(
-                f"tool_choice names the function {named!r}, which is not in tools ({', '.join(names)})", "tool_choice"
+                f"tool_choice names the function {echo(named)}, which is not in tools ({cut(', '.join(names))})", "tool_choice"
             )
         return ToolPlan(tools, NamedCallParser(named), json.dumps(parameters[named]), 1)
     return ToolPlan(tools, RequiredCallsParser(), json.dumps(required_calls_schema(parameters, max_calls)), max_calls)

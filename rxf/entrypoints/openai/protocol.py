@@ -7,11 +7,13 @@ out. Range checks and every engine capability live in the translation modules an
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rxf.entrypoints.body_text import check_unicode
+from rxf.entrypoints.chat.tools import check_json_schema
 
 
 def _omit_if_none() -> Any:
@@ -88,13 +90,51 @@ class CompletionRequest(GenerationFields):
     best_of: int | None = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str  # JSON text of the arguments object, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            decoded = json.loads(value)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"arguments must be the JSON text of an object; it is not JSON: {exc}") from None
+        if not isinstance(decoded, dict):
+            raise ValueError(f"arguments must be the JSON text of an object, got a JSON {type(decoded).__name__}")
+        return value
+
+
+class ToolCallIn(_Request):
+    """A call an assistant message made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
-    """One message; other keys (name, tool_calls, tool_call_id, ...) reach the chat template."""
+    """One message; other keys (name, ...) reach the chat template."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    # A tool result answers one call: validated even when absent (validate_default), after `role`.
+    tool_call_id: str | None = Field(None, validate_default=True)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_result_names_its_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not value:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return value
+
+
+# A conversation: at least one message (a template renders nothing worth generating from none).
+ChatMessages = Annotated[list[ChatMessage], Field(min_length=1)]
 
 
 class JsonSchemaFormat(_Request):
@@ -125,6 +165,16 @@ class FunctionDefinition(_Request):
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _a_json_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # As SGLang: every tool's schema is checked against JSON Schema's own (2020-12) schema,
+        # whatever tool_choice is. Only a forced choice compiles it into a grammar: with "auto" it
+        # is shown to the model, and a valid schema the grammar backend cannot compile still serves.
+        if value is not None:
+            check_json_schema(value)
+        return value
+
 
 class Tool(_Request):
     type: Literal["function"]
@@ -142,7 +192,7 @@ class NamedToolChoice(_Request):
 
 class ChatCompletionRequest(GenerationFields):
     _body = True
-    messages: list[ChatMessage]
+    messages: ChatMessages
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # wins over max_tokens (OpenAI's newer name)
     logprobs: bool = False
@@ -159,7 +209,7 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: ChatMessages | None = None
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False

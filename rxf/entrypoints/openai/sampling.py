@@ -11,7 +11,8 @@ import json
 import re
 from typing import Any
 
-from rxf.core.sampling_params import SamplingParams, token_id_key
+from rxf.core.echo import echo
+from rxf.core.sampling_params import SamplingParams, fit_max_new_tokens, token_id_key
 from rxf.core.tokenizer_manager import MAX_CACHE_SALT_LEN, MAX_TOP_LOGPROBS, RequestLimits
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.prompt import check_constraint as check_native_constraint
@@ -48,7 +49,7 @@ def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise APIError(
             404,
-            f"the model {requested!r} does not exist; this server serves {served!r}",
+            f"the model {echo(requested)} does not exist; this server serves {served!r}",
             type="invalid_request_error",
             param="model",
             code="model_not_found",
@@ -63,13 +64,13 @@ def check_common(req: GenerationFields) -> None:
     if req.lora_path is not None:
         raise bad_request("LoRA adapters are not supported", "lora_path")
     if not 0 <= req.temperature <= 2:
-        raise bad_request(f"temperature must be in [0, 2], got {req.temperature}", "temperature")
+        raise bad_request(f"temperature must be in [0, 2], got {echo(req.temperature)}", "temperature")
     if not 0 < req.top_p <= 1:
-        raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+        raise bad_request(f"top_p must be in (0, 1], got {echo(req.top_p)}", "top_p")
     if not 1 <= req.n <= MAX_N:
-        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
+        raise bad_request(f"n must be in [1, {MAX_N}], got {echo(req.n)}", "n")
     if req.seed is not None and not 0 <= req.seed < _MAX_SEED:
-        raise bad_request(f"seed must be in [0, 2**63), got {req.seed}", "seed")
+        raise bad_request(f"seed must be in [0, 2**63), got {echo(req.seed)}", "seed")
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= MAX_CACHE_SALT_LEN:
         raise bad_request(f"cache_salt must be 1 to {MAX_CACHE_SALT_LEN} characters", "cache_salt")
     if req.stream_options is not None and not req.stream:
@@ -83,7 +84,7 @@ def check_completion(req: CompletionRequest) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (server-side ranking is not supported)", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {echo(req.logprobs)}", "logprobs")
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
@@ -93,7 +94,7 @@ def check_chat(req: ChatCompletionRequest) -> None:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs"
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {echo(req.top_logprobs)}", "top_logprobs"
             )
 
 
@@ -135,24 +136,18 @@ def max_new_tokens(
     context_len: int,
     prompt_param: str,
 ) -> int:
-    """The completion budget. An explicit value must fit the context next to the prompt; the
-    default (None: the whole remaining context) is cut to fit."""
-    room = context_len - prompt_len
-    if room <= 0:
+    """The completion budget by the engine's rule (`fit_max_new_tokens`), as 400s naming `param`
+    (or `prompt_param` for a prompt that fills the context alone)."""
+    if prompt_len >= context_len:
         raise bad_request(
             f"the prompt has {prompt_len} tokens; the model's context length is {context_len}", prompt_param
         )
-    if requested is None:
-        return room if default is None else min(default, room)
-    if requested < 0:
-        raise bad_request(f"{param} must be >= 0, got {requested}", param)
-    if requested > room:
-        raise bad_request(
-            f"the prompt has {prompt_len} tokens and {param} is {requested}: {prompt_len + requested} "
-            f"exceeds the model's context length {context_len}",
-            param,
-        )
-    return requested
+    if requested is not None and requested < 0:
+        raise bad_request(f"{param} must be >= 0, got {echo(requested)}", param)
+    try:
+        return fit_max_new_tokens(requested, default, prompt_len, context_len, param)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
 
 
 def native_params(req: GenerationFields, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -193,7 +188,7 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
         try:
             out[token_id_key(key)] = value
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            raise bad_request(f"logit_bias keys must be token ids, got {echo(key)}", "logit_bias") from None
     return out
 
 

@@ -5,6 +5,12 @@ viewed as `[slots, page_size=1, Hkv, D]` (NHD), and a request's page list is its
 `[0, seq_len)`. Plans are made once per batch, on the first layer's call (which also gives the
 softmax scale), and shared by all layers. Host-side lengths come from the ForwardBatch's `*_cpu`
 lists, so planning never waits on the GPU.
+
+Rotary embeddings are fused into the K/V store (rxf's Triton kernel, `fuses_rope`), which also writes
+the rotated q into the contiguous buffer FlashInfer's `run` takes (saving the copy `q.contiguous()`
+made of the strided view). FlashInfer's own fused rope + append kernels do not fit this pool:
+`rope.rope_quantize_fp8_append_paged_kv_cache` writes FP8 caches only, and the `cake_fused_qk_rope_append`
+family (newer releases) takes head_dim 128 with 8/1 or 64/8 query/kv heads only.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer
+from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer, Rotary
 
 if TYPE_CHECKING:
     from rxf.core.forward import ForwardBatch
@@ -53,10 +59,11 @@ class FlashInferBackend(AttentionBackend):
 
         # Triton is installed wherever FlashInfer is (torch's CUDA builds ship it): K and V are
         # written to the pool in one launch instead of pool.set_kv's two.
-        from rxf.plugins.attention.triton.store_kv import store_kv
+        from rxf.plugins.attention.triton.store_kv import rope_store_kv, store_kv
 
         self._fi = flashinfer
         self._store = store_kv
+        self._rope_store = rope_store_kv
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=ctx.device)
         self.use_tensor_cores = ctx.num_heads // ctx.num_kv_heads >= _TENSOR_CORE_MIN_GROUP
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -129,29 +136,44 @@ class FlashInferBackend(AttentionBackend):
             )
 
     # ---- attention ----
-    def _store_kv(self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._store(*batch.token_to_kv_pool.get_kv_buffer(layer.layer_id), batch.out_cache_loc, k, v)
+    def fuses_rope(self, rotary: Rotary) -> bool:
+        return rotary.cos_sin_cache is not None
+
+    def _store_kv(
+        self, layer: AttentionLayer, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        rotary: Rotary | None,
+    ) -> torch.Tensor:
+        """Store k/v (rotating q and k first, with `rotary`); returns q as `run` takes it (contiguous)."""
+        bufs = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        if rotary is None:
+            self._store(*bufs, batch.out_cache_loc, k, v)
+            return q.contiguous()
+        assert rotary.cos_sin_cache is not None, "fuses_rope said no to this rotary embedding"
+        return self._rope_store(*bufs, batch.out_cache_loc, q, k, v, batch.positions, rotary.cos_sin_cache,
+                                q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
 
     def _paged_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.ctx.token_to_kv_pool.get_kv_buffer(layer_id)
         return k.unsqueeze(1), v.unsqueeze(1)  # [slots, page_size=1, Hkv, D]
 
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        self._store_kv(layer, batch, k, v)
+        q = self._store_kv(layer, batch, q, k, v, rotary)
         self._plan(layer, q.dtype)
         if sum(batch.prefix_lens_cpu) == 0:
             # No cached prefix: attend over the new tokens' own K/V (no pool gather needed).
-            return self.ragged_prefill.run(q.contiguous(), k.contiguous(), v.contiguous())
-        return self.paged_prefill.run(q.contiguous(), self._paged_kv(layer.layer_id))
+            return self.ragged_prefill.run(q, k.contiguous(), v.contiguous())
+        return self.paged_prefill.run(q, self._paged_kv(layer.layer_id))
 
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        self._store_kv(layer, batch, k, v)
+        q = self._store_kv(layer, batch, q, k, v, rotary)
         self._plan(layer, q.dtype)
-        return self._active_decode.run(q.contiguous(), self._paged_kv(layer.layer_id))
+        return self._active_decode.run(q, self._paged_kv(layer.layer_id))
 
     # ---- CUDA graphs (decode) ----
     def init_cuda_graph_state(self, max_bs: int) -> None:

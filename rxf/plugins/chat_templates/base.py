@@ -24,6 +24,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from rxf.core.echo import echo
 from rxf.plugins.chat_templates.tools import ToolSyntax, inline_tools, tool_messages
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def _validated(messages: object) -> list[tuple[int, Mapping[str, Any], list[str 
             )
         role = msg.get("role")
         if role not in ROLES:
-            raise ValueError(f"messages[{i}]: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+            raise ValueError(f"messages[{i}]: unknown role {echo(role)}; expected one of {', '.join(ROLES)}")
         out.append((i, msg, _content_parts(i, msg.get("content"))))
     return out
 

@@ -29,6 +29,7 @@ from rxf.plugins.models.layers import (
     VocabEmbedding,
     rope_parameters,
 )
+from rxf.plugins.models.layers.gemv import decode_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype=dtype)
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype=dtype)
+        # Where RXF_GEMV asks for it, small batches get gate_up and SiLU·mul in one GEMV launch.
+        self.gate_up_act = decode_gemv("gate_up_proj", self.gate_up_proj.weight, gated=True)
+        self.down_proj.use_decode_gemv("down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_act is not None and self.gate_up_act.applies(x):
+            return self.down_proj(self.gate_up_act(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -80,11 +86,13 @@ class LlamaAttention(nn.Module):
         self.qkv_sizes = [s * head_dim for s in (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)]
         self.qkv_sizes.append(self.qkv_sizes[1])
         self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim)
+        self.qkv_proj.use_decode_gemv("qkv_proj")
+        self.o_proj.use_decode_gemv("o_proj")
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q, k = self.rotary_emb(batch.positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+        # The backend rotates q and k inside its K/V store where it can (one launch per layer).
+        return self.o_proj(self.attn(q, k, v, batch, rotary=self.rotary_emb))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -184,12 +192,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head.use_decode_gemv()
 
     def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]`."""
         x, residual = self.model(batch, input_embeds)
-        idx = batch.logits_indices
-        x, _ = self.model.norm(x[idx], residual[idx])
+        if not batch.mode.is_decode():  # decode returns every row's logits, in order: no gather
+            idx = batch.logits_indices
+            x, residual = x[idx], residual[idx]
+        x, _ = self.model.norm(x, residual)
         return self.lm_head(x)
 
     def _skip(self, name: str) -> bool:

@@ -19,6 +19,8 @@ from typing import Any
 from PIL import Image
 
 from rxf.core.config import MultimodalConfig
+from rxf.core.echo import echo
+from rxf.plugins.multimodal import url_fetch
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.S)
 
@@ -36,31 +38,31 @@ _PATH_NAME = {
 
 
 def _fetch_url(url: str, limits: MultimodalConfig, field: str, kind: str, max_bytes: int) -> bytes:
-    import httpx
-
     try:
-        with httpx.stream("GET", url, timeout=limits.url_timeout_s, follow_redirects=True) as resp:
-            if resp.status_code != 200:
-                raise MediaError(f"{field}: fetching {url} answered HTTP {resp.status_code}")
-            data = bytearray()
-            for chunk in resp.iter_bytes():
-                data += chunk
-                if len(data) > max_bytes:
-                    raise MediaError(f"{field}: the {kind} at {url} exceeds {max_bytes} bytes")
-            return bytes(data)
-    except httpx.HTTPError as exc:
-        raise MediaError(f"{field}: cannot fetch {url}: {type(exc).__name__}") from None
+        return url_fetch.fetch(url, limits, max_bytes)
+    except url_fetch.URLNotAllowed as exc:
+        raise MediaError(f"{field}: this {kind} URL is not allowed: {exc}") from None
+    except ValueError as exc:
+        raise MediaError(f"{field}: {exc}") from None
 
 
 def _read_path(path: str, limits: MultimodalConfig, field: str, kind: str, max_bytes: int) -> bytes:
+    """The file's bytes. Missing, unreadable, not a file, or outside `local_path_roots`: one
+    error, so a client cannot learn which files exist where it may not read."""
     if not limits.allow_local_paths:
         raise MediaError(f"{field}: local {kind} paths are not allowed (multimodal.allow_local_paths)")
-    p = Path(path)
-    if not p.is_file():
-        raise MediaError(f"{field}: no {kind} file at {path}")
-    if p.stat().st_size > max_bytes:
-        raise MediaError(f"{field}: the {kind} file exceeds {max_bytes} bytes")
-    return p.read_bytes()
+    p = Path(path).resolve()  # symlinks and ".." resolved before the roots are compared
+    roots = [Path(root).resolve() for root in limits.local_path_roots]
+    try:
+        if (roots and not any(p.is_relative_to(root) for root in roots)) or not p.is_file():
+            raise OSError
+        if p.stat().st_size > max_bytes:
+            raise MediaError(f"{field}: the {kind} file exceeds {max_bytes} bytes")
+        return p.read_bytes()
+    except OSError:
+        raise MediaError(
+            f"{field}: no readable {kind} file at {echo(path)} (or not under multimodal.local_path_roots)"
+        ) from None
 
 
 def media_bytes(spec: Any, limits: MultimodalConfig, field: str, kind: str = "image") -> bytes:
@@ -84,7 +86,7 @@ def media_bytes(spec: Any, limits: MultimodalConfig, field: str, kind: str = "im
     elif spec.startswith(("/", "./", "~")) or _PATH_NAME[kind].match(spec):
         data = _read_path(str(Path(spec).expanduser()), limits, field, kind, max_bytes)
     elif re.match(r"^[a-z][a-z0-9+.-]*://", spec, re.I):
-        raise MediaError(f"{field}: URL scheme not allowed: {spec.split(':', 1)[0]}")
+        raise MediaError(f"{field}: URL scheme not allowed: {echo(spec.split(':', 1)[0])}")
     else:
         data = _b64decode(spec, field, kind, max_bytes)
     if len(data) > max_bytes:

@@ -11,6 +11,9 @@ Per-batch metadata, planned once in `init_forward_metadata` and shared by all la
           (`init_cuda_graph_state`); capture and replay refill them in place, and grid_splits depends
           only on the batch size, so one captured graph per size stays valid for any sequence lengths.
 
+Rotary embeddings are fused into the K/V store (`fuses_rope`): one launch per layer rotates q and k
+in place and writes the rotated k and v to the pool, for extend and decode alike.
+
 Decode split policy: with bs requests and P = num_kv_heads * head_blocks stage-1 programs per request
 per split, a batch may use up to cap(bs) = clamp(cdiv(target_programs, bs * P), 1, max_kv_splits)
 splits, enough to occupy the GPU at small batch and none at large batch; request b uses
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer
+from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer, Rotary
 
 if TYPE_CHECKING:
     from rxf.core.forward import ForwardBatch
@@ -69,11 +72,12 @@ class TritonAttnBackend(AttentionBackend):
         super().__init__(ctx)
         from rxf.plugins.attention.triton.decode import decode_attention, head_block_size
         from rxf.plugins.attention.triton.extend import extend_attention
-        from rxf.plugins.attention.triton.store_kv import store_kv
+        from rxf.plugins.attention.triton.store_kv import rope_store_kv, store_kv
 
         self._extend_attention = extend_attention
         self._decode_attention = decode_attention
         self._store = store_kv
+        self._rope_store = rope_store_kv
         group = ctx.num_heads // ctx.num_kv_heads
         self._programs_per_split = ctx.num_kv_heads * _cdiv(group, head_block_size(group))
         sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if (
@@ -137,19 +141,29 @@ class TritonAttnBackend(AttentionBackend):
         self._decode = _DecodeMeta(g.num_kv_splits[:bs], cap, g.mid_o, g.mid_lse)
 
     # ---- forward ----
+    def fuses_rope(self, rotary: Rotary) -> bool:
+        return rotary.cos_sin_cache is not None
+
     def _store_kv(
-        self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+        self, layer: AttentionLayer, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        rotary: Rotary | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # One launch for K and V (pool.set_kv takes two); same writes, cast to the pool dtype.
+        """One launch for K and V (pool.set_kv takes two), cast to the pool dtype; with `rotary`, the
+        same launch first rotates q and k in place."""
         k_buf, v_buf = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        self._store(k_buf, v_buf, batch.out_cache_loc, k, v)
+        if rotary is None:
+            self._store(k_buf, v_buf, batch.out_cache_loc, k, v)
+        else:
+            assert rotary.cos_sin_cache is not None, "fuses_rope said no to this rotary embedding"
+            self._rope_store(k_buf, v_buf, batch.out_cache_loc, q, k, v, batch.positions, rotary.cos_sin_cache)
         return k_buf, v_buf
 
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         assert self._extend is not None, "init_forward_metadata was not called for this batch"
-        k_buf, v_buf = self._store_kv(layer, batch, k, v)
+        k_buf, v_buf = self._store_kv(layer, batch, q, k, v, rotary)
         out = q.new_empty(q.shape)
         self._extend_attention(
             q, k, v, out, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
@@ -159,11 +173,12 @@ class TritonAttnBackend(AttentionBackend):
         return out
 
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         meta = self._decode
         assert meta is not None, "init_forward_metadata was not called for this batch"
-        k_buf, v_buf = self._store_kv(layer, batch, k, v)
+        k_buf, v_buf = self._store_kv(layer, batch, q, k, v, rotary)
         out = q.new_empty(q.shape)
         self._decode_attention(
             q, k_buf, v_buf, out, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,

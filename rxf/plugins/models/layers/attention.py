@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from rxf.core.attention import Rotary
     from rxf.core.forward import ForwardBatch
 
 
@@ -28,9 +29,21 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = head_dim**-0.5 if scaling is None else scaling
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q `[n, heads * head_dim]`, k/v `[n, kv_heads * head_dim]` -> `[n, heads * head_dim]`."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, rotary: Rotary | None = None
+    ) -> torch.Tensor:
+        """q `[n, heads * head_dim]`, k/v `[n, kv_heads * head_dim]` -> `[n, heads * head_dim]`.
+
+        With `rotary`, q and k are unrotated: the backend rotates them inside its K/V store when it
+        can (`fuses_rope`), else they are rotated here first. Either way q and k may be overwritten.
+        """
+        backend = batch.attn_backend
+        if rotary is not None and not backend.fuses_rope(rotary):
+            q, k = rotary(batch.positions, q, k)
+            rotary = None
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return batch.attn_backend.forward(q, k, v, self, batch).flatten(-2)
+        if rotary is None:
+            return backend.forward(q, k, v, self, batch).flatten(-2)
+        return backend.forward(q, k, v, self, batch, rotary=rotary).flatten(-2)

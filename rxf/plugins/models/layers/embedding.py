@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rxf.core import distributed
+from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
 from rxf.plugins.models.layers.linear import copy_weight, resolve_tp
 
 
@@ -59,10 +60,19 @@ class VocabEmbedding(nn.Module):
 class LogitsHead(VocabEmbedding):
     """hidden `[n, hidden]` -> float32 logits `[n, vocab]` (every rank gets all of them). Only the
     rows whose logits are returned should reach it: the vocab projection is the widest matmul of a
-    decode step."""
+    decode step. `use_decode_gemv()`: small CUDA batches through the Triton GEMV when `RXF_GEMV`
+    asks for it for `lm_head`, writing float32 directly at tp_size 1 (no separate cast)."""
+
+    gemv: DecodeGemv | None = None
+
+    def use_decode_gemv(self) -> None:
+        self.gemv = decode_gemv("lm_head", self.weight, out_dtype=torch.float32 if self.tp_size == 1 else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.gemv is not None and self.gemv.applies(hidden):
+            logits = self.gemv(hidden, self.weight, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:  # gathered in the model's dtype (half the traffic of float32 for bf16)
             logits = distributed.tp_all_gather(logits, dim=-1)[:, : self.vocab_size].contiguous()
         return logits.float()

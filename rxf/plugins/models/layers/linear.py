@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rxf.core import distributed
+from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
 
 
 def resolve_tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:
@@ -36,7 +37,9 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 class _TPLinear(nn.Module):
     """`y = x @ weight.T + bias` with weight `[out_per_rank, in_per_rank]`; subclasses define
-    `weight_loader`, which says how a full checkpoint tensor maps onto this rank's slice."""
+    `weight_loader`, which says how a full checkpoint tensor maps onto this rank's slice.
+    `use_decode_gemv(role)` lets small CUDA batches go through rxf's Triton GEMV when `RXF_GEMV`
+    asks for it (`layers/gemv.py`); cuBLAS otherwise."""
 
     def __init__(
         self,
@@ -56,9 +59,19 @@ class _TPLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_per_rank, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.gemv: DecodeGemv | None = None
+
+    def use_decode_gemv(self, role: str) -> None:
+        """Serve small CUDA batches with the GEMV that `RXF_GEMV` gives `role` (if any)."""
+        self.gemv = decode_gemv(role, self.weight)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gemv is not None and self.gemv.applies(x):
+            return self.gemv(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ColumnParallelLinear(_TPLinear):
@@ -202,6 +215,6 @@ class RowParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = distributed.tp_all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        out = distributed.tp_all_reduce(self._matmul(x, None))
         return out if self.bias is None else out + self.bias

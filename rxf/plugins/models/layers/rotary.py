@@ -3,7 +3,9 @@
 The cos/sin tables are precomputed for every position up to `max_position` and indexed by
 `batch.positions`, so the forward is a gather plus elementwise math: no data-dependent branching,
 which keeps the decode path capturable by CUDA graphs. On CUDA in fp16/bf16 with flashinfer, one
-fused kernel rotates q and k in place from a float32 cos|sin table.
+fused kernel rotates q and k in place from a float32 cos|sin table. The same table
+(`cos_sin_cache`, `rxf.core.attention.Rotary`) lets an attention backend fold the rotation into its
+K/V store: models pass this module to `RadixAttention` rather than calling it.
 """
 
 from __future__ import annotations
@@ -83,11 +85,9 @@ class RotaryEmbedding(nn.Module):
         dtype = dtype or torch.get_default_dtype()
         self.register_buffer("cos_cache", angles.cos().to(dtype), persistent=False)
         self.register_buffer("sin_cache", angles.sin().to(dtype), persistent=False)
-        # FlashInfer's layout: float32 [max_position, head_dim], cos in the first half, sin in the second.
-        # Built only where the fused path can run (it costs max_position * head_dim * 4 bytes).
-        fused = flashinfer_for(self.cos_cache) is not None
-        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) if fused else None
-        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+        # The fused kernels' table (FlashInfer's layout): float32 [max_position, head_dim], cos in the
+        # first half, sin in the second; max_position * head_dim * 4 bytes (64 MB for Llama 3.1).
+        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x.unflatten(-1, (-1, self.head_dim))
@@ -105,7 +105,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         fi = flashinfer_for(q)
-        if fi is None or self.cos_sin_cache is None or k.dtype != q.dtype or q.stride(-1) != 1 or k.stride(-1) != 1:
+        if fi is None or k.dtype != q.dtype or q.stride(-1) != 1 or k.stride(-1) != 1:
             return self.forward_native(positions, q, k)
         fi.rope.apply_rope_with_cos_sin_cache_inplace(
             positions, q, k, self.head_dim, self.cos_sin_cache, is_neox=True

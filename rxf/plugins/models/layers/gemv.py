@@ -1,0 +1,123 @@
+"""Which decode projections use rxf's Triton GEMV (`gemv_kernel.py`) instead of cuBLAS, and how.
+
+The choice is made per projection role from measurements (`benchmarks/gpu_profile.py --phases gemv`
+times every candidate against cuBLAS on the GPU) and given in the environment variable `RXF_GEMV`,
+read once per process: a comma-separated list of `role=setting`, e.g.
+
+    RXF_GEMV="qkv_proj=n32k256s2st4w4,o_proj=n32k256s4st4w4,gate_up_proj=cublas"
+
+Roles: `qkv_proj`, `o_proj`, `gate_up_proj` (the GEMV then also applies SiLU·mul, one launch),
+`down_proj`, `lm_head` (then writes float32 logits directly). A setting is `cublas` (the default for
+every role), `triton` (default tile sizes, split over K to fill the GPU), or a label
+`n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as the benchmark prints it. The GEMV runs
+only on CUDA for at most `MAX_ROWS` rows (decode at batch 1-8, or an extend of that few tokens);
+larger batches keep cuBLAS.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+MAX_ROWS = 8  # batch sizes the GEMV serves; the kernel's tile holds up to 16 rows
+ENV = "RXF_GEMV"
+_LABEL = re.compile(r"n(\d+)k(\d+)s(\d+)st(\d+)w(\d+)")
+# Programs wanted per SM when `triton` picks the split itself: enough weight tiles in flight.
+_PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class GemvSettings:
+    block_n: int = 32  # output columns per program
+    block_k: int = 256  # K per pipelined tile
+    split_k: int = 0  # programs along K (0: chosen from the shape and the SM count)
+    num_stages: int = 4
+    num_warps: int = 4
+
+    @property
+    def label(self) -> str:
+        return f"n{self.block_n}k{self.block_k}s{self.split_k}st{self.num_stages}w{self.num_warps}"
+
+    @classmethod
+    def parse(cls, text: str) -> GemvSettings:
+        match = _LABEL.fullmatch(text)
+        if match is None:
+            raise ValueError(f"{text!r} is not 'cublas', 'triton' or a label like n32k256s4st4w4")
+        block_n, block_k, split_k, stages, warps = map(int, match.groups())
+        for name, value in (("block_n", block_n), ("block_k", block_k)):
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{text!r}: {name} {value} is not a power of two >= 16")
+        if split_k < 1 or stages < 1 or warps not in (1, 2, 4, 8):
+            raise ValueError(f"{text!r}: split_k and stages must be >= 1 and warps 1, 2, 4 or 8")
+        return cls(block_n, block_k, split_k, stages, warps)
+
+    def resolve(self, n_out: int, k: int, device: torch.device) -> GemvSettings:
+        """With split_k 0: the split that gives about _PROGRAMS_PER_SM programs per SM (at most
+        one K tile per program); block_k shrinks to a divisor of K if needed."""
+        block_k = self.block_k
+        while k % block_k:
+            block_k //= 2
+        if block_k < 16:
+            raise ValueError(f"K {k} has no power-of-two divisor >= 16 for the GEMV")
+        split_k = self.split_k
+        if split_k == 0:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+            n_blocks = -(-n_out // self.block_n)
+            split_k = max(1, min(-(-_PROGRAMS_PER_SM * sms // n_blocks), k // block_k))
+        return GemvSettings(self.block_n, block_k, split_k, self.num_stages, self.num_warps)
+
+
+@functools.cache
+def _from_env() -> dict[str, GemvSettings | None]:
+    plan: dict[str, GemvSettings | None] = dict.fromkeys(ROLES)
+    for item in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
+        role, sep, setting = item.partition("=")
+        if not sep or role not in ROLES:
+            raise ValueError(f"{ENV}: {item!r} is not ROLE=SETTING with ROLE one of {', '.join(ROLES)}")
+        try:
+            plan[role] = None if setting == "cublas" else GemvSettings() if setting == "triton" else (
+                GemvSettings.parse(setting))
+        except ValueError as e:
+            raise ValueError(f"{ENV}: {role}: {e}") from None
+    return plan
+
+
+class DecodeGemv:
+    """One projection's GEMV: resolved settings, the epilogue, and the split-K counters (allocated on
+    `device` at model construction, so never inside a CUDA-graph capture)."""
+
+    def __init__(
+        self, settings: GemvSettings, weight: torch.Tensor, *, gated: bool = False,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
+        n, k = weight.shape
+        n_out = n // 2 if gated else n
+        self.settings = settings.resolve(n_out, k, weight.device)
+        self.gated, self.out_dtype = gated, out_dtype
+        self.counters = torch.zeros(-(-n_out // self.settings.block_n), dtype=torch.int32, device=weight.device)
+
+    @staticmethod
+    def applies(x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from rxf.plugins.models.layers.gemv_kernel import gemv
+
+        s = self.settings
+        return gemv(x, weight, bias, self.counters, s.block_n, s.block_k, s.split_k, s.num_stages, s.num_warps,
+                    gated=self.gated, out_dtype=self.out_dtype)
+
+
+def decode_gemv(
+    role: str, weight: torch.Tensor, *, gated: bool = False, out_dtype: torch.dtype | None = None
+) -> DecodeGemv | None:
+    """The GEMV `RXF_GEMV` asks for `role` over `weight`, or None (cuBLAS)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown GEMV role {role!r} (roles: {', '.join(ROLES)})")
+    settings = _from_env()[role]
+    return None if settings is None else DecodeGemv(settings, weight, gated=gated, out_dtype=out_dtype)

@@ -1,0 +1,146 @@
+"""A skinny GEMM for decode, `out[m] = x[m] @ W.T` with m <= 16 rows, in one launch, split over K with
+the reduction fused; optionally SiLU·mul of a fused `[gate | up]` projection, or float32 output.
+
+At batch 1-8 a projection is a pure weight stream. cuBLAS reads the narrow ones (qkv 6144x4096, o_proj
+4096x4096) well below the copy bandwidth, and splits o_proj over K with a separate reduce kernel.
+Here W streams through `tl.dot` tiles (so Triton's software pipeline keeps `num_stages` tiles in
+flight per program); the rows of x are padded to one 16-row tile, which costs no extra weight traffic.
+
+Grid: (n_blocks, SPLIT_K). Program (b, s) owns output columns [b * BLOCK_N, (b + 1) * BLOCK_N) and the
+K range [s * k_span, (s + 1) * k_span) (k_span a multiple of BLOCK_K; the last range may be shorter
+or empty). With SPLIT_K > 1 each program writes its float32 partial tile to
+`partials[b, s]`, then increments `counters[b]`; the program that sees the count reach SPLIT_K - 1
+is the last of its column block: it sums the SPLIT_K partials in a fixed order (results do not depend
+on which program finishes last), applies the epilogue, and resets `counters[b]` to 0 for the next
+launch. Invariant between launches: every counter is 0 (they start zeroed and each launch restores
+them), so one buffer serves every call of a layer, eager or replayed from a CUDA graph.
+
+Memory ordering of that hand-off: the block's threads finish their partial stores, a CTA barrier
+orders them before the counter's acq_rel atomic (release for the writer, acquire for the last
+program), and the last program reads the partials with `.cg` loads (from L2, not a stale L1).
+
+GATED (for `[gate | up]` weights of 2 * n_out rows): each program streams the gate rows of its
+columns and the matching up rows (offset n_out), and the epilogue writes silu(gate) * up.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS = 16  # rows of x per tile: the smallest tl.dot tile; rows past M are masked to zero
+BLOCK_M = tl.constexpr(ROWS)  # the same, as the kernels see it (a global must be a constexpr there)
+
+
+@triton.jit
+def _mma(w, x_t, acc, IEEE: tl.constexpr):
+    """acc + w @ x_t; IEEE keeps float32 inputs in full precision (tl.dot would use TF32)."""
+    if IEEE:
+        return tl.dot(w, x_t, acc, input_precision="ieee")
+    return tl.dot(w, x_t, acc)
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, Bias, Out, Partials, Counters, M, N_OUT, K,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    rows = tl.arange(0, BLOCK_M)  # rows of x
+    mask_n = cols < N_OUT
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_span
+    k_hi = tl.minimum(k_lo + k_span, K)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = X + rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    up_offset = N_OUT.to(tl.int64) * stride_wn
+    for _ in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
+        x_t = tl.trans(tl.load(x_ptrs, mask=(rows < M)[:, None], other=0.0))
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+        acc = _mma(w, x_t, acc, IEEE)
+        if GATED:
+            if EVEN_N:
+                u = tl.load(w_ptrs + up_offset)
+            else:
+                u = tl.load(w_ptrs + up_offset, mask=mask_n[:, None], other=0.0)
+            acc_up = _mma(u, x_t, acc_up, IEEE)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+
+    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rows[None, :]  # a partial tile's layout
+    if SPLIT_K > 1:
+        TILES: tl.constexpr = 2 if GATED else 1
+        base = Partials + (pid_n * SPLIT_K + pid_k).to(tl.int64) * (TILES * BLOCK_N * BLOCK_M)
+        tl.store(base + tile, acc)
+        if GATED:
+            tl.store(base + BLOCK_N * BLOCK_M + tile, acc_up)
+        tl.debug_barrier()  # every thread's partial stores precede the counter update
+        arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last program of this column block reduces
+            first = Partials + pid_n.to(tl.int64) * (SPLIT_K * TILES * BLOCK_N * BLOCK_M)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                part = first + s * (TILES * BLOCK_N * BLOCK_M)
+                acc += tl.load(part + tile, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part + BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
+            tl.store(Counters + pid_n, 0)
+            _epilogue(acc, acc_up, Bias, Out, cols, rows, mask_n, M, N_OUT, stride_om, GATED, HAS_BIAS)
+    else:
+        _epilogue(acc, acc_up, Bias, Out, cols, rows, mask_n, M, N_OUT, stride_om, GATED, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, Bias, Out, cols, rows, mask_n, M, N_OUT, stride_om,
+              GATED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out[rows, cols] = acc.T (+ bias), or silu(gate) * up; float32 until the one rounding."""
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if GATED:
+            acc_up += tl.load(Bias + N_OUT + cols, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    out_ptrs = Out + rows[None, :] * stride_om + cols[:, None]
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=(rows < M)[None, :] & mask_n[:, None])
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor,
+    block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
+    gated: bool = False, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`x @ weight.T + bias` for x [m <= 16, K] (contiguous rows), weight [N, K] (K contiguous), in
+    out_dtype (default x's); gated: weight is `[gate | up]` and the result silu(gate) * up, [m, N / 2].
+    `counters`: int32, at least cdiv(N_out, block_n) zeros, left zeroed (see the module docstring)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    n_out = n // 2 if gated else n
+    assert m <= ROWS, f"{m} rows: the GEMV takes at most {ROWS}"
+    assert weight.shape[1] == k and k % block_k == 0, f"K {k} must be a multiple of block_k {block_k}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight need contiguous rows"
+    n_blocks = triton.cdiv(n_out, block_n)
+    assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
+    out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    tiles = 2 if gated else 1
+    partials = (torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=x.device)
+                if split_k > 1 else out)  # unused without a split
+    _gemv_kernel[(n_blocks, split_k)](
+        x, weight, bias if bias is not None else out, out, partials, counters, m, n_out, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None,
+        EVEN_N=n_out % block_n == 0, IEEE=x.dtype == torch.float32,
+        num_stages=num_stages, num_warps=num_warps,
+    )
+    return out
