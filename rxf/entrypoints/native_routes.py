@@ -237,7 +237,7 @@ _PUBLIC_ENGINE_INFO = (
     "architecture", "max_context_len", "max_total_tokens", "vocab_size", "dtype", "device", "attention_backend",
     "tp_size", "dp_size",
 )
-_PUBLIC_CONFIG_SECTIONS = ("scheduler", "cache", "grammar", "multimodal")
+_PUBLIC_CONFIG_SECTIONS = ("scheduler", "cache", "grammar")  # not multimodal: its allowed roots and hosts
 
 
 @router.get("/get_model_info")

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 import psutil
@@ -136,8 +137,8 @@ class ChaosResult:
 class _Run:
     def __init__(self, url: str, deadline: float, result: ChaosResult, model: str, seed: int) -> None:
         self.url = url
-        self.host, _, port = url.removeprefix("http://").partition(":")
-        self.port = int(port.rstrip("/"))
+        parsed = urlparse(url)
+        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
         self.deadline = deadline
         self.result = result
         self.model = model

@@ -97,7 +97,7 @@ def test_info_routes_show_no_paths_by_default(http, long_context_model_dir):
     assert model_info["context_length"] == 16384 and "model_path" not in model_info
     info = http.get("/get_server_info").json()
     assert "ipc_dir" not in info["engine"] and "model_path" not in info["engine"]
-    assert set(info["config"]) == {"scheduler", "cache", "grammar", "multimodal"}
+    assert set(info["config"]) == {"scheduler", "cache", "grammar"}
     assert info["engine"]["max_context_len"] == 16384 and "free_slots" in info["stats"]
     for body in (model_info, info):
         text = json.dumps(body)
