@@ -175,9 +175,24 @@ class GrammarConfig(_Section):
         "auto", description="'auto' (xgrammar when installed), 'none' (constraints rejected), or a registered name"
     )
     cache_size: int = Field(256, ge=0, description="compiled grammars kept per process (LRU by kind and text)")
-    compile_threads: int = Field(2, gt=0, description="scheduler threads compiling grammars off the loop")
+    cache_memory_mb: int = Field(512, ge=0, description="at most this much memory of compiled grammars kept per process")
+    compile_threads: int = Field(
+        2, gt=0, description="scheduler threads compiling grammars off the loop; also the compile worker processes"
+    )
+    compile_timeout_s: float = Field(
+        10.0, gt=0, description="a constraint whose compile takes longer is refused (its worker process is killed)"
+    )
+    compile_memory_mb: int = Field(
+        1024, gt=0, description="a constraint whose compile needs more memory is refused (worker address-space limit)"
+    )
     jump_forward: bool = Field(
         True, description="append a grammar's only possible continuation without a forward per token"
+    )
+    max_match_ms: float = Field(
+        50.0, gt=0, description="a request whose grammar takes longer to match one step (mask, accept, jump) ends with an error"
+    )
+    max_jump_forward_bytes: int = Field(
+        512, gt=0, description="at most this much forced text appended per step (also cut to the request's budget)"
     )
 
 

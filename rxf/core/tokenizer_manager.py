@@ -189,6 +189,8 @@ class TokenizerManager:
         if self._recv_task is not None:
             self._recv_task.cancel()
         self.ctx.destroy(linger=0)
+        if self.grammar is not None:
+            self.grammar.close()  # its compile workers
 
     # ---- requests ----
     def tokenize_request(self, req: GenerateRequest) -> TokenizedGenerateReq:
@@ -278,7 +280,7 @@ class TokenizerManager:
             return
         kind, text = constraint
         try:
-            self.grammar.compile(kind, text)
+            self.grammar.validate(kind, text)
         except GrammarError as e:
             raise RequestError(f"sampling_params.{kind}: {e}") from None
 

@@ -20,13 +20,16 @@ from rxf.testing import make_tiny_tokenizer
 
 
 class _RecordingGrammar:
-    """Stands in for the grammar backend: records the thread of each compile."""
+    """Stands in for the grammar backend: records the thread of each check of a constraint."""
 
     def __init__(self) -> None:
         self.threads: list[str] = []
 
-    def compile(self, kind: str, text: str) -> Any:
+    def validate(self, kind: str, text: str) -> None:
         self.threads.append(threading.current_thread().name)
+
+    def close(self) -> None:
+        pass
 
 
 class _Stop(Exception):

@@ -77,6 +77,6 @@ def check_constraint(grammar: Any, params: dict[str, Any], param: str | None) ->
     if grammar is None:
         raise ChatInputError("structured output is not available: this server has no grammar backend", param)
     try:
-        grammar.compile(kind, params[kind])
+        grammar.validate(kind, params[kind])
     except GrammarError as exc:  # the backend's reason ("invalid regex: ...", or why it has none)
         raise ChatInputError(f"{param}: {exc}", param) from None
