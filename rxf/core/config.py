@@ -83,6 +83,23 @@ class ServerConfig(_Section):
     )
     max_stop_strings: int = Field(16, ge=0, description="stop strings per request")
     max_logit_bias: int = Field(300, ge=0, description="logit_bias entries per request")
+    # Slow clients. nginx's client_header_timeout, client_body_timeout and send_timeout are 60 s too:
+    # a client behind a reverse proxy never meets them (the proxy sends a request at once and reads
+    # the answer as it comes).
+    header_timeout_s: float = Field(
+        60.0, gt=0, description="a request's headers must be in within this (from the connection or its first byte): else 408"
+    )
+    body_timeout_s: float = Field(60.0, gt=0, description="a request's body must be in within this after its headers: else 408")
+    send_timeout_s: float = Field(
+        60.0, gt=0, description="a client reading nothing of its answer this long is disconnected (its request aborted)"
+    )
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this")
+    max_connections: int = Field(
+        2048, gt=0, description="open client connections; a request on one beyond them gets 503 + Retry-After"
+    )
+    expose_internals: bool = Field(
+        False, description="without an api_key: paths, the IPC directory and the whole config in the info routes"
+    )
 
 
 class RuntimeConfig(_Section):

@@ -27,6 +27,7 @@ from rxf.entrypoints.server_state import (
     APIError,
     ServerState,
     engine_api_error,
+    prepare,
     server_state,
     until_disconnected,
 )
@@ -128,18 +129,20 @@ def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
     return reqs, batched
 
 
-async def _pretokenized(tm: TokenizerManager, req: GenerateRequest) -> GenerateRequest:
+def _pretokenized(tm: TokenizerManager, reqs: list[GenerateRequest]) -> list[GenerateRequest]:
     """Validate and tokenize now, so a bad request is a 400 before any prompt reaches the scheduler
     (and before a stream's headers are sent); the engine then gets the ids, not the text again.
-    Images are decoded and preprocessed here too, off the event loop."""
-    media = req.image_data is not None or req.video_data is not None
-    msg = await asyncio.to_thread(tm.tokenize_request, req) if media else tm.tokenize_request(req)
-    return GenerateRequest(
-        input_ids=msg.input_ids, sampling_params=msg.sampling_params, stream=msg.stream,
-        return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-        top_logprobs_num=msg.top_logprobs_num, rid=msg.rid, cache_salt=msg.cache_salt,
-        priority=msg.priority, mm_items=msg.mm_items,
-    )
+    Images are decoded and preprocessed here too."""
+    out = []
+    for req in reqs:
+        msg = tm.tokenize_request(req)
+        out.append(GenerateRequest(
+            input_ids=msg.input_ids, sampling_params=msg.sampling_params, stream=msg.stream,
+            return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num, rid=msg.rid, cache_salt=msg.cache_salt,
+            priority=msg.priority, mm_items=msg.mm_items,
+        ))
+    return out
 
 
 async def _one(tm: TokenizerManager, req: GenerateRequest) -> dict[str, Any]:
@@ -192,7 +195,7 @@ async def _stream(tm: TokenizerManager, req: GenerateRequest) -> AsyncIterator[s
 async def generate(body: GenerateBody, request: Request, state: State) -> Response:
     tm = state.require_ready()
     reqs, batched = _requests(body)
-    reqs = [await _pretokenized(tm, r) for r in reqs]
+    reqs = await prepare(request, _pretokenized, tm, reqs, off_loop=any(r.slow_to_prepare() for r in reqs))
     tm.check_capacity(len(reqs))  # before a stream's 200 goes out; generate() checks again
     if body.stream:
         return StreamingResponse(_stream(tm, reqs[0]), media_type="text/event-stream")
@@ -222,13 +225,26 @@ async def health_generate(state: State) -> dict[str, Any]:
     return {"status": "ok", "output_ids": result["output_ids"]}
 
 
+def _internals_shown(state: ServerState) -> bool:
+    """Filesystem paths, the IPC directory and the whole config are shown to a caller who sent the
+    API key (every caller, when one is set) or when `server.expose_internals` allows it."""
+    return bool(state.config.server.api_key) or state.config.server.expose_internals
+
+
+# What anyone may read of the engine and its config: what a client needs to use the model and what
+# monitoring needs, but no path, address or secret.
+_PUBLIC_ENGINE_INFO = (
+    "architecture", "max_context_len", "max_total_tokens", "vocab_size", "dtype", "device", "attention_backend",
+    "tp_size", "dp_size",
+)
+_PUBLIC_CONFIG_SECTIONS = ("scheduler", "cache", "grammar")  # not multimodal: its allowed roots and hosts
+
+
 @router.get("/get_model_info")
 async def get_model_info(state: State) -> dict[str, Any]:
     state.require_ready()
     info = state.engine.info
-    return {
-        "model_path": state.engine.model_path,
-        "tokenizer_path": state.engine.tokenizer_path,
+    out = {
         "served_model_name": state.served_model_name,
         "architecture": info.get("architecture"),
         "context_length": info["max_context_len"],
@@ -237,6 +253,9 @@ async def get_model_info(state: State) -> dict[str, Any]:
         "device": info.get("device"),
         "is_generation": True,
     }
+    if _internals_shown(state):
+        out |= {"model_path": state.engine.model_path, "tokenizer_path": state.engine.tokenizer_path}
+    return out
 
 
 def _stats_json(stats: Any) -> dict[str, Any]:
@@ -256,18 +275,28 @@ def _stats_json(stats: Any) -> dict[str, Any]:
 
 @router.get("/get_server_info")
 async def get_server_info(state: State) -> dict[str, Any]:
+    """The stats are the scheduler's latest snapshot (`stats_age_s` old), answered at once: asking
+    the scheduler would wait for its current step, seconds under a long prefill."""
     tm = state.require_ready()
     config = state.config.model_dump(mode="json")
-    if config["server"].get("api_key"):
-        config["server"]["api_key"] = "<set>"  # never echo the secret
+    engine = state.engine.info
+    if _internals_shown(state):
+        if config["server"].get("api_key"):
+            config["server"]["api_key"] = "<set>"  # never echo the secret
+        engine = {**engine, "ipc_dir": state.engine.ipc_dir}
+    else:
+        config = {name: config[name] for name in _PUBLIC_CONFIG_SECTIONS}
+        engine = {key: engine[key] for key in _PUBLIC_ENGINE_INFO if key in engine}
     from rxf import __version__
 
+    stats, age = await tm.latest_stats()
     return {
         "version": __version__,
         "served_model_name": state.served_model_name,
         "config": config,
-        "engine": {**state.engine.info, "ipc_dir": state.engine.ipc_dir},
-        "stats": _stats_json(await tm.get_stats()) | {"in_flight": len(tm.states)},
+        "engine": engine,
+        "stats": _stats_json(stats) | {"in_flight": len(tm.states)},
+        "stats_age_s": round(age, 3),
     }
 
 
@@ -294,5 +323,5 @@ async def metrics(state: State) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 
     if state.ready and state.tokenizer_manager is not None:
-        state.metrics.refresh(await state.tokenizer_manager.get_stats())
+        state.metrics.refresh((await state.tokenizer_manager.latest_stats())[0])
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,9 +1,10 @@
 """Running several native requests for one OpenAI request (n choices, batch prompts) over
 `rxf.entrypoints.choices`, which says how choices are seeded and driven.
 
-Engine aborts are errors, never a finish_reason: an OpenAI client cannot tell a truncated answer
-from a complete one by "stop", so an abort becomes a 500 (non-streaming) or an error event
-(streaming) carrying the engine's message.
+An abort that was asked for (`/abort_request`, the drain of a shutdown) ends its choice with
+finish_reason "abort", as vLLM's do: the answer so far, marked as cut short. An abort that reports a
+failure (an internal error, a request the scheduler cannot run) is an error: a 500 (non-streaming)
+or an error event (streaming) carrying the engine's message.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
+from rxf.core.io_struct import ABORT_REQUESTED
 from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
 from rxf.entrypoints.choices import choice_params, interleave, prefill_request
 from rxf.entrypoints.openai.protocol import PromptTokensDetails, Usage
@@ -36,7 +38,7 @@ async def iterate(
     async with contextlib.aclosing(interleave(tm, reqs)) as chunks:
         async for index, item in chunks:
             finish = item["meta_info"].get("finish_reason")
-            if finish is not None and finish["type"] == "abort":
+            if finish is not None and finish["type"] == "abort" and finish.get("message") != ABORT_REQUESTED:
                 raise _abort_error(item["meta_info"])
             yield index, item
 
@@ -102,8 +104,8 @@ def usage(prompt_results: list[list[dict[str, Any]]]) -> Usage:
 
 
 def finish_reason(meta: dict[str, Any]) -> str | None:
-    """OpenAI's finish_reason for a chunk: "stop" (EOS, stop token or string), "length", or None
-    while running. Aborts never get here: `iterate` raises them."""
+    """OpenAI's finish_reason for a chunk: "stop" (EOS, stop token or string), "length", "abort"
+    (asked for; `iterate` raises the others), or None while running."""
     finish = meta.get("finish_reason")
     return None if finish is None else finish["type"]
 

@@ -49,7 +49,7 @@ from rxf.entrypoints.openai.sampling import (
 )
 from rxf.entrypoints.openai.sse import event, sse_response
 from rxf.entrypoints.openai.tool_calls import reply_message, tool_call_deltas
-from rxf.entrypoints.server_state import ServerState, server_state, until_disconnected
+from rxf.entrypoints.server_state import ServerState, prepare, server_state, until_disconnected
 
 router = APIRouter()
 
@@ -219,7 +219,7 @@ async def create_chat_completion(
     has_images = tm.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
     args = (body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size, tm.limits,
             tm.mm_processor, tool_parser(state))
-    plan = await asyncio.to_thread(plan_chat, *args) if has_images else plan_chat(*args)
+    plan = await prepare(request, plan_chat, *args, off_loop=has_images)
     await asyncio.to_thread(check_constraint, tm.grammar, plan.params, plan.constraint_param)
     tm.check_capacity(len(plan.reqs))
     if body.n > 1 and plan.mm_items is None:  # a warm-up request would carry no image features

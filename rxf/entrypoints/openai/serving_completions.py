@@ -45,7 +45,7 @@ from rxf.entrypoints.openai.sampling import (
     verify_native,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
-from rxf.entrypoints.server_state import server_state, until_disconnected
+from rxf.entrypoints.server_state import prepare, server_state, until_disconnected
 
 router = APIRouter()
 
@@ -208,7 +208,7 @@ async def create_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    plan = plan_completion(body, state.tokenizer, tm.max_context_len, tm.vocab_size, tm.limits)
+    plan = await prepare(request, plan_completion, body, state.tokenizer, tm.max_context_len, tm.vocab_size, tm.limits)
     await asyncio.to_thread(check_constraint, tm.grammar, plan.params[0], plan.constraint_param)
     tm.check_capacity(len(plan.reqs))
     if plan.n > 1:  # the prompts' params differ only in their budget, which warming zeroes
