@@ -239,6 +239,11 @@ def decode_phase(p: Preset, model_dir: Path, backend: str) -> None:
     out: dict[str, float] = {}
     decode_rate(sched, 1, 16, p.vocab, graphs=True)  # first-use compilation out of the figures
     out["b1_graphs"] = decode_rate(sched, 1, 256, p.vocab, graphs=True)
+    if getattr(sched.runner, "overlap", False):  # the same with overlap scheduling off
+        sched.runner.overlap = False
+        out["b1_graphs_no_overlap"] = decode_rate(sched, 1, 256, p.vocab, graphs=True)
+        out["b64_graphs_no_overlap"] = decode_rate(sched, 64, 64, p.vocab, graphs=True)
+        sched.runner.overlap = True
     out["b1_eager"] = decode_rate(sched, 1, 64, p.vocab, graphs=False)
     for bs in p.decode_batches:
         out[f"b{bs}_graphs"] = decode_rate(sched, bs, 64, p.vocab, graphs=True)

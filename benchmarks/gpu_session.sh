@@ -3,20 +3,27 @@
 # benchmark (stage "bench") or the decode profile (stage "profile"). Run from the repo root on the GPU
 # machine; see ../shared/device/README.md. The JIT cache comes back in parts under 15 MB (the limit on
 # returned files); put them in .fi-parts/ (git-ignored, carried) and the next call restores them.
-#   bash benchmarks/gpu_session.sh tests|bench|profile|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|bench|profile|gemv|compare|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
+# Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
+# Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
+# triton backend) over an older tree copied into the checkout (`git archive COMMIT | tar -x -C DIR`,
+# left untracked so that it travels) and then over this tree, on one checkpoint: a speed-up measured
+# against the previous commit in the same call.
 # Stage "others" runs the named benchmark scripts (MoE, LLaVA, tensor parallel, the step profile),
 # each bounded, logs under $OUT.
 set -uo pipefail
 stage=$1; shift
 export PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=$PWD/.fi-cache
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$HOME/site" .whl/*.whl || exit 1
-export PYTHONPATH=$HOME/site:$PWD
-# pip stamps the installed headers with the install time, newer than the restored JIT objects, so
-# ninja's dependency check rebuilt every FlashInfer kernel on each call; give them a fixed old time.
-find "$HOME/site/flashinfer" "$HOME/site/tvm_ffi" -exec touch -h -d @946684800 {} + 2> /dev/null
-# Editable install for rxf's entry points (its builtins load through them); dependencies are above.
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
+if [ -z "${RXF_INSTALLED:-}" ]; then  # a second stage in the same call skips the install
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$HOME/site" .whl/*.whl || exit 1
+  # pip stamps the installed headers with the install time, newer than the restored JIT objects, so
+  # ninja's dependency check rebuilt every FlashInfer kernel on each call; give them a fixed old time.
+  find "$HOME/site/flashinfer" "$HOME/site/tvm_ffi" -exec touch -h -d @946684800 {} + 2> /dev/null
+  # Editable install for rxf's entry points (its builtins load through them); dependencies are above.
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
+fi
+export PYTHONPATH=$HOME/site:$PWD RXF_INSTALLED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -35,6 +42,19 @@ elif [ "$stage" = profile ]; then
   wait; tail -n 2 "$out/jit-8b.log"
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-"
   python3 benchmarks/gpu_profile.py --phases step,attn "$@" 2>&1 | tee "$out/profile.log"
+elif [ "$stage" = gemv ]; then
+  python3 benchmarks/gpu_profile.py --phases gemv "$@" 2>&1 | tee "$out/gemv.log"
+elif [ "$stage" = compare ]; then
+  base=$1; phases=${2:-bandwidth,decode,offline}
+  python3 benchmarks/gpu_decode.py --preset llama3-8b --phases build --model-dir /tmp/rxf-8b > "$out/build.log" 2>&1 \
+    || { tail -n 20 "$out/build.log"; exit 1; }
+  for tree in "$base" .; do
+    name=new; [ "$tree" = . ] || name=base
+    start=$(date +%s)
+    (cd "$tree" && PYTHONPATH=$HOME/site:$PWD timeout 400 python3 benchmarks/gpu_decode.py --preset llama3-8b \
+      --model-dir /tmp/rxf-8b --phases "$phases" --backends triton --output "$out/$name.json") > "$out/$name.log" 2>&1
+    echo "$name: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$out/$name.log" | tail -n 40
+  done
 elif [ "$stage" = others ]; then
   # "others SCRIPT[:ARGS] ...": each benchmark bounded to 400 s, e.g. others gpu_moe gpu_tp:--tp=1
   for spec in "$@"; do

@@ -83,6 +83,23 @@ class ServerConfig(_Section):
     )
     max_stop_strings: int = Field(16, ge=0, description="stop strings per request")
     max_logit_bias: int = Field(300, ge=0, description="logit_bias entries per request")
+    # Slow clients. nginx's client_header_timeout, client_body_timeout and send_timeout are 60 s too:
+    # a client behind a reverse proxy never meets them (the proxy sends a request at once and reads
+    # the answer as it comes).
+    header_timeout_s: float = Field(
+        60.0, gt=0, description="a request's headers must be in within this (from the connection or its first byte): else 408"
+    )
+    body_timeout_s: float = Field(60.0, gt=0, description="a request's body must be in within this after its headers: else 408")
+    send_timeout_s: float = Field(
+        60.0, gt=0, description="a client reading nothing of its answer this long is disconnected (its request aborted)"
+    )
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this")
+    max_connections: int = Field(
+        2048, gt=0, description="open client connections; a request on one beyond them gets 503 + Retry-After"
+    )
+    expose_internals: bool = Field(
+        False, description="without an api_key: paths, the IPC directory and the whole config in the info routes"
+    )
 
 
 class RuntimeConfig(_Section):
@@ -158,9 +175,24 @@ class GrammarConfig(_Section):
         "auto", description="'auto' (xgrammar when installed), 'none' (constraints rejected), or a registered name"
     )
     cache_size: int = Field(256, ge=0, description="compiled grammars kept per process (LRU by kind and text)")
-    compile_threads: int = Field(2, gt=0, description="scheduler threads compiling grammars off the loop")
+    cache_memory_mb: int = Field(512, ge=0, description="at most this much memory of compiled grammars kept per process")
+    compile_threads: int = Field(
+        2, gt=0, description="scheduler threads compiling grammars off the loop; also the compile worker processes"
+    )
+    compile_timeout_s: float = Field(
+        10.0, gt=0, description="a constraint whose compile takes longer is refused (its worker process is killed)"
+    )
+    compile_memory_mb: int = Field(
+        1024, gt=0, description="a constraint whose compile needs more memory is refused (worker address-space limit)"
+    )
     jump_forward: bool = Field(
         True, description="append a grammar's only possible continuation without a forward per token"
+    )
+    max_match_ms: float = Field(
+        50.0, gt=0, description="a request whose grammar takes longer to match one step (mask, accept, jump) ends with an error"
+    )
+    max_jump_forward_bytes: int = Field(
+        512, gt=0, description="at most this much forced text appended per step (also cut to the request's budget)"
     )
 
 

@@ -56,8 +56,11 @@ class GrammarMatcher(ABC):
         """True once the grammar is complete and a stop token was accepted."""
 
     @abstractmethod
-    def jump_forward_string(self) -> str:
-        """The text every continuation must start with ("" when there is a choice)."""
+    def jump_forward_string(self, max_bytes: int) -> str:
+        """The text every continuation must start with, at most `max_bytes` UTF-8 bytes of it and
+        whole characters only ("" when there is a choice); the matcher's position is unchanged.
+        Runs on the scheduler loop for client-sent grammars, whose forced text may be endless
+        (`root ::= "a" root`): its time and memory must be bounded by `max_bytes`."""
 
 
 class GrammarBackend(ABC):
@@ -65,7 +68,15 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def compile(self, kind: str, text: str) -> Any:
-        """A compiled grammar for `kind` in GRAMMAR_KINDS; raises GrammarError when `text` is invalid."""
+        """A compiled grammar for `kind` in GRAMMAR_KINDS; raises GrammarError when `text` is invalid.
+        The scheduler compiles only constraints that `validate` accepted at the front door."""
+
+    def validate(self, kind: str, text: str) -> None:
+        """Raise GrammarError when `text` is invalid or cannot be compiled within the configured
+        limits (`grammar.compile_timeout_s`, `grammar.compile_memory_mb`). `text` comes from a
+        client: a backend whose compile a constraint can crash or stall must isolate it here (the
+        default compiles in this process)."""
+        self.compile(kind, text)
 
     @abstractmethod
     def matcher(self, compiled: Any, stop_token_ids: list[int] | None = None) -> GrammarMatcher:
@@ -79,6 +90,9 @@ class GrammarBackend(ABC):
     @abstractmethod
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Set to -inf, in place, the logits of `rows` that `bitmask` (on logits' device) disallows."""
+
+    def close(self) -> None:  # noqa: B027 - optional: most backends start nothing
+        """Release what the backend started (worker processes); called once, when the engine stops."""
 
 
 class UnavailableGrammarBackend(GrammarBackend):
@@ -130,6 +144,9 @@ class LazyGrammarBackend(GrammarBackend):
     def compile(self, kind: str, text: str) -> Any:
         return self._get().compile(kind, text)
 
+    def validate(self, kind: str, text: str) -> None:
+        self._get().validate(kind, text)
+
     def matcher(self, compiled: Any, stop_token_ids: list[int] | None = None) -> GrammarMatcher:
         return self._get().matcher(compiled, stop_token_ids)
 
@@ -138,6 +155,12 @@ class LazyGrammarBackend(GrammarBackend):
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         self._get().apply_bitmask(logits, bitmask, rows)
+
+    def close(self) -> None:
+        with self._lock:  # never built: nothing to close (and nothing is built now)
+            backend = self._backend
+        if backend is not None:
+            backend.close()
 
 
 def make_grammar_backend(

@@ -90,14 +90,34 @@ class SchedulerStats:
 
 
 @dataclass
+class StatsSnapshot:
+    """Sent unasked by each replica's rank 0 after its steps (at most every `STATS_INTERVAL_S` while
+    busy, and at once when it goes idle), so that monitoring reads the latest figures without
+    waiting for a step to end."""
+
+    dp_rank: int
+    stats: SchedulerStats
+
+
+# Seconds between two stats snapshots of a busy scheduler.
+STATS_INTERVAL_S = 0.1
+
+
+@dataclass
 class FlushCacheResult:
     ok: bool
     message: str = ""
 
 
+# The message of an abort that was asked for (the client left, /abort_request, a shutdown's drain), as
+# opposed to one that reports a failure (an internal error, a request the scheduler cannot run).
+ABORT_REQUESTED = "aborted"
+
+
 @dataclass
 class FinishReason:
-    """Why a request ended. type: "stop" (EOS, a stop token or a stop string), "length" or "abort"."""
+    """Why a request ended. type: "stop" (EOS, a stop token or a stop string), "length" or "abort"
+    (`message` says why: ABORT_REQUESTED, or the failure)."""
 
     type: str
     matched: int | str | None = None  # the stop token id or stop string that ended it

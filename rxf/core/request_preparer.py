@@ -187,8 +187,8 @@ class RequestPreparer:
             raise RequestError(f"{name}: the prompt has {n} tokens; the KV cache holds only {self.max_total_tokens}")
 
     def _check_grammar(self, params: SamplingParams) -> None:
-        """Compile the constraint now (the backend caches it for the scheduler), so an invalid one
-        is a 400 before the request is queued."""
+        """Validate the constraint now (the backend compiles it within its limits, isolated when a
+        compile could crash or stall), so an invalid one is a 400 before the request is queued."""
         from rxf.core.grammar import GrammarError
 
         constraint = params.grammar
@@ -196,6 +196,6 @@ class RequestPreparer:
             return
         kind, text = constraint
         try:
-            self.grammar.compile(kind, text)
+            self.grammar.validate(kind, text)
         except GrammarError as exc:  # the backend's reason ("invalid regex: ...", or why it has none)
             raise RequestError(f"sampling_params.{kind}: {exc}") from None

@@ -112,6 +112,10 @@ def max_token_chars(tokenizer: Any) -> int:
     return max(map(len, tokenizer.get_vocab()), default=1)
 
 
+# Texts longer than this are tokenized off the event loop (about a millisecond of tokenizing).
+LONG_TEXT_CHARS = 8192
+
+
 def check_prompt_chars(text: str, tokenizer: Any, max_context_len: int, param: str) -> None:
     """Refuse, before tokenizing it, a text too long for any tokenization of it to fit the context:
     tokenizing megabytes takes seconds of the event loop, which every other client waits for."""
@@ -145,9 +149,12 @@ class GenerateRequest:
     default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
 
     def slow_to_prepare(self) -> bool:
-        """Media to decode or an output constraint to compile (the first one also builds the grammar
-        backend's tokenizer tables): work that must not hold the server's event loop."""
+        """Media to decode, an output constraint to compile (the first one also builds the grammar
+        backend's tokenizer tables) or a long text to tokenize (the tokenizer releases the GIL
+        meanwhile): work that must not hold the server's event loop."""
         if self.image_data or self.video_data:
+            return True
+        if isinstance(self.text, str) and len(self.text) > LONG_TEXT_CHARS:
             return True
         params = self.sampling_params
         if isinstance(params, SamplingParams):

@@ -3,6 +3,10 @@ outputs back into per-request results (asyncio, in the caller's process). Reques
 tokenized before they get here, once, by its `preparer` (`rxf.core.request_preparer`); it trusts
 what it is given.
 
+Slow consumers: a request's outputs wait in its `_ReqState` until its consumer takes them; past
+`_MAX_PENDING_OUTPUTS` they are merged into the last one, so a client that reads nothing of its
+stream costs its tokens and text (bounded by max_new_tokens), not an object per scheduler step.
+
 Overload: `states` holds every request sent to the scheduler and not yet finished or abandoned,
 and the scheduler only holds requests it was sent and that were not aborted, so refusing new ones
 once `len(states)` reaches `RequestLimits.max_in_flight` bounds the scheduler's running + waiting
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,7 +37,9 @@ from rxf.core.io_struct import (
     GetStatsReq,
     PreparedRequest,
     SchedulerStats,
+    StatsSnapshot,
     StrOut,
+    TokenOut,
 )
 from rxf.core.outputs import GenerateOutput, Logprobs
 from rxf.core.request_preparer import RequestPreparer
@@ -65,9 +72,61 @@ class RequestObserver(Protocol):
         """Always called last, whether the request finished, failed or was abandoned."""
 
 
+# Outputs of one request kept apart for its consumer; later ones are merged into the last.
+_MAX_PENDING_OUTPUTS = 8
+
+
 @dataclass
 class _ReqState:
-    queue: asyncio.Queue[StrOut | BaseException] = field(default_factory=asyncio.Queue)
+    """One request's outputs (and a failure, last) not yet taken by its consumer."""
+
+    pending: deque[StrOut | BaseException] = field(default_factory=deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    # Text of outputs merged into pending[-1], joined when it is taken (not copied on every merge).
+    merged_text: list[str] = field(default_factory=list)
+
+    def put(self, item: StrOut | BaseException) -> None:
+        last = self.pending[-1] if self.pending else None
+        if len(self.pending) >= _MAX_PENDING_OUTPUTS and isinstance(last, StrOut) and isinstance(item, StrOut):
+            _merge_token_out(last.token, item.token)
+            self.merged_text.append(item.text_delta)
+        else:
+            self._join_merged_text()
+            self.pending.append(item)
+        self.ready.set()
+
+    async def get(self) -> StrOut | BaseException:
+        while not self.pending:
+            self.ready.clear()
+            await self.ready.wait()
+        if len(self.pending) == 1:
+            self._join_merged_text()
+        return self.pending.popleft()
+
+    def _join_merged_text(self) -> None:
+        if self.merged_text:
+            last = self.pending[-1]
+            assert isinstance(last, StrOut)
+            last.text_delta = "".join([last.text_delta, *self.merged_text])
+            self.merged_text.clear()
+
+
+def _merge_token_out(into: TokenOut, later: TokenOut) -> None:
+    """`into` becomes the output of both steps: their tokens (and logprobs) in order, `later`'s
+    counts and finish. Prompt logprobs come with a request's first output only."""
+    into.new_token_ids.extend(later.new_token_ids)
+    for name in ("output_token_logprobs", "output_top_logprobs"):
+        extra = getattr(later, name)
+        if extra:
+            mine = getattr(into, name)
+            if mine is None:
+                setattr(into, name, list(extra))
+            else:
+                mine.extend(extra)
+    into.finished = later.finished
+    into.prompt_tokens, into.completion_tokens, into.cached_tokens = (
+        later.prompt_tokens, later.completion_tokens, later.cached_tokens
+    )
 
 
 class TokenizerManager:
@@ -104,6 +163,8 @@ class TokenizerManager:
         self.from_engine.bind(addrs["tokenizer"])
         self.states: dict[str, _ReqState] = {}
         self._admin_waiters: list[asyncio.Future[Any]] = []
+        # Each replica's latest StatsSnapshot and when it arrived (time.monotonic()).
+        self._snapshots: dict[int, tuple[SchedulerStats, float]] = {}
         self._dead: str | None = None
         self._recv_task: asyncio.Task[None] | None = None
         self.observer: RequestObserver | None = None
@@ -115,6 +176,8 @@ class TokenizerManager:
         if self._recv_task is not None:
             self._recv_task.cancel()
         self.ctx.destroy(linger=0)
+        if self.preparer.grammar is not None:
+            self.preparer.grammar.close()  # its compile workers
 
     # ---- requests ----
     def check_capacity(self, n: int = 1) -> None:
@@ -195,7 +258,19 @@ class TokenizerManager:
         return result
 
     async def get_stats(self) -> SchedulerStats:
+        """Exact figures: asked of every replica, answered between two of its steps (a step of a
+        long prefill may take seconds). Monitoring wants `latest_stats`."""
         return combine_stats(await self._admin(GetStatsReq()))
+
+    async def latest_stats(self) -> tuple[SchedulerStats, float]:
+        """The replicas' latest snapshots (sent after their steps, and at once when they go idle),
+        combined, and the age in seconds of the oldest; asked for when one is missing."""
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        if len(self._snapshots) < len(self.to_schedulers):
+            return await self.get_stats(), 0.0
+        snaps = [self._snapshots[d] for d in range(len(self.to_schedulers))]
+        return combine_stats([s for s, _ in snaps]), time.monotonic() - min(t for _, t in snaps)
 
     async def _admin(self, msg: Any) -> list[Any]:
         """Each replica's reply, in replica order. One admin message is in flight at a time, so the
@@ -219,7 +294,9 @@ class TokenizerManager:
                 for out in msg.outs:
                     state = self.states.get(out.token.rid)
                     if state is not None:  # else: already gone (aborted by its consumer)
-                        state.queue.put_nowait(out)
+                        state.put(out)
+            elif isinstance(msg, StatsSnapshot):
+                self._snapshots[msg.dp_rank] = (msg.stats, time.monotonic())
             elif self._admin_waiters:  # admin replies come back in request order
                 self._admin_waiters.pop(0).set_result(msg)
             else:
@@ -229,7 +306,7 @@ class TokenizerManager:
         """Called (on the event loop) when a child process died: nothing will answer any more."""
         self._dead = reason
         for state in self.states.values():
-            state.queue.put_nowait(EngineDeadError(reason))
+            state.put(EngineDeadError(reason))
         for fut in self._admin_waiters:
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
@@ -238,10 +315,10 @@ class TokenizerManager:
 
 async def _next_output(state: _ReqState, deadline: float | None, timeout: float | None) -> StrOut | BaseException:
     if deadline is None:
-        return await state.queue.get()
+        return await state.get()
     try:
         async with asyncio.timeout_at(deadline):
-            return await state.queue.get()
+            return await state.get()
     except TimeoutError:  # the caller's `finally` aborts the request, releasing its KV
         raise RequestTimeoutError(f"the request ran longer than server.request_timeout_s = {timeout} s") from None
 

@@ -48,6 +48,10 @@ class ChildProcess:
             listener, self._listener = self._listener, None
             listener.close()
 
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
     def is_alive(self) -> bool:
         return self._popen.poll() is None
 

@@ -9,6 +9,8 @@ only node 0 runs the detokenizer, and only each replica's rank 0 has sockets.
 from __future__ import annotations
 
 import logging
+import os
+import select
 import shutil
 import signal
 import tempfile
@@ -28,6 +30,24 @@ logger = logging.getLogger(__name__)
 
 class EngineStartError(RuntimeError):
     pass
+
+
+# The watchdog notices a shutdown within _WATCH_CLOSING_S; without pidfds it polls the children.
+_WATCH_CLOSING_S = 0.5
+_WATCH_POLL_S = 0.01
+
+
+def _pidfds(pids: list[int]) -> list[int]:
+    """A pidfd per process (readable once it has exited), or [] where the OS has none."""
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            fds.append(os.pidfd_open(pid))
+    except (AttributeError, OSError):  # not Linux >= 5.3, or a child already reaped
+        for fd in fds:
+            os.close(fd)
+        return []
+    return fds
 
 
 class EngineProcesses:
@@ -144,15 +164,25 @@ class EngineProcesses:
         return msg["error"] if isinstance(msg, dict) and "error" in msg else None
 
     def watch(self, on_death: Callable[[str], None]) -> None:
-        """Call `on_death(reason)` from a daemon thread if a child process dies unexpectedly."""
+        """Call `on_death(reason)` from a daemon thread as soon as a child process dies unexpectedly:
+        the thread sleeps in select() on the children's pidfds, which turn readable when they exit
+        (Linux; elsewhere it polls every `_WATCH_POLL_S`)."""
+        pidfds = _pidfds([p.pid for p in self.procs])
 
         def run() -> None:
-            while not self._closing:
-                for p in self.procs:
-                    if not p.is_alive() and not self._closing:
-                        on_death(f"{p.name} exited unexpectedly (exit code {p.exitcode})")
-                        return
-                time.sleep(0.2)
+            try:
+                while not self._closing:
+                    if pidfds:
+                        select.select(pidfds, [], [], _WATCH_CLOSING_S)  # returns at a death
+                    else:
+                        time.sleep(_WATCH_POLL_S)
+                    for p in self.procs:
+                        if not p.is_alive() and not self._closing:
+                            on_death(f"{p.name} exited unexpectedly (exit code {p.exitcode})")
+                            return
+            finally:
+                for fd in pidfds:
+                    os.close(fd)
 
         threading.Thread(target=run, name="rxf-watchdog", daemon=True).start()
 

@@ -6,19 +6,28 @@ created on the server's own loop and `ServerState.ready` turns true. A child tha
 every in-flight request and turns the server to 503; then, unless `server.exit_on_engine_death` is
 false, the server shuts down and `serve` returns 1 (a supervisor restarts it). Shutdown stops the
 children and removes the IPC directory (`EngineProcesses.shutdown`).
+
+SIGTERM / Ctrl-C drains: the listener stays open and every new request gets 503 + Retry-After
+(`DrainMiddleware`) while the requests in flight get `DRAIN_S` to finish; those still running are
+then aborted (their streams end with finish_reason "abort"), and the server stops. Connections are
+served by `GuardedH11Protocol` (read and send timeouts, a connection cap).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import gc
 import logging
 import signal
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -29,6 +38,7 @@ from rxf.core.grammar import make_grammar_backend
 from rxf.core.requests import RequestLimits, load_multimodal_processor
 from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.http_errors import APIKeyMiddleware, BodyLimitMiddleware, install_error_handlers
+from rxf.entrypoints.http_transport import DrainMiddleware, GuardedH11Protocol, ensure_open_files
 from rxf.entrypoints.metrics import ServerMetrics
 from rxf.entrypoints.native_routes import router as native_router
 from rxf.entrypoints.openai import router as openai_router
@@ -171,6 +181,11 @@ async def _start_engine(app: FastAPI, state: ServerState, loader: _EngineLoader)
     state.tokenizer_manager = tm
     loop = asyncio.get_running_loop()
     loaded.engine.watch(lambda reason: loop.call_soon_threadsafe(_on_engine_death, app, reason))
+    # The heap as it stands (torch, transformers, the tokenizer: hundreds of thousands of objects)
+    # is kept out of the collector's sight, as vLLM does: an allocation-heavy request (10,000 chat
+    # messages) triggers full collections, which traversed all of it on the event loop (180 ms).
+    gc.collect()
+    gc.freeze()
     state.ready = True
     app.state.on_ready()
 
@@ -236,8 +251,9 @@ def create_app(
     app.include_router(native_router)
     app.include_router(openai_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
-    if config.server.api_key:  # added last, so outermost: a request without the key reads nothing
+    if config.server.api_key:  # a request without the key reads nothing
         app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)
+    app.add_middleware(DrainMiddleware, state=state)  # added last, so outermost
     return app
 
 
@@ -252,27 +268,35 @@ def _url_of(host: str, port: int) -> str:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, with a drain on shutdown: in-flight requests get `DRAIN_S` to finish, then the rest
-    are aborted, so that their streams end properly (finish_reason "abort", then [DONE]) instead
-    of being cut when uvicorn's own grace period runs out."""
+    """uvicorn, with a drain on shutdown (see the module docstring): uvicorn would close the
+    listener at once (new clients refused) and cut requests when its grace period runs out."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
 
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.state.draining = True  # a request still arriving on an open connection gets 503
-        aborter = asyncio.get_running_loop().create_task(self._abort_in_flight_after(DRAIN_S))
-        try:
-            await super().shutdown(sockets)
-        finally:
-            aborter.cancel()
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # At the signal, not when uvicorn's main loop next looks at `should_exit` (within 0.1 s).
+        self.state.draining = True  # from now on DrainMiddleware answers every new request 503
+        super().handle_exit(sig, frame)
 
-    async def _abort_in_flight_after(self, delay: float) -> None:
-        await asyncio.sleep(delay)
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.draining = True  # (also when shut down for another reason than a signal)
+        await self._drain(DRAIN_S)
+        await super().shutdown(sockets)
+
+    async def _drain(self, limit: float) -> None:
+        """Wait up to `limit` seconds for the engine requests in flight to end, then abort the rest
+        (they end within a scheduler step; uvicorn's shutdown then waits for their answers)."""
         tm = self.state.tokenizer_manager
-        if tm is not None and tm.states and not self.state.engine_dead:
-            logger.info("aborting %d requests still running after %.0f s", len(tm.states), delay)
+        if tm is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while tm.states and not self.state.engine_dead and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if tm.states and not self.state.engine_dead:
+            logger.info("aborting %d requests still running after %.0f s", len(tm.states), limit)
             for rid in list(tm.states):
                 await tm.abort(rid)
 
@@ -292,13 +316,19 @@ def serve(config: EngineConfig) -> int:
         server.should_exit = True
 
     app = create_app(config, on_ready=ready, on_startup_failure=failed, on_engine_death=failed)
+    ensure_open_files(config.server.max_connections)
+    # Threads of this process (chat rendering, tokenizing, grammar compiling) run Python code that
+    # holds the GIL; the event loop waits up to this long for it each time it wakes (5 ms by default).
+    sys.setswitchinterval(0.001)
     uv_config = uvicorn.Config(
         app,
         host=config.server.host,
         port=config.server.port,
+        http=functools.partial(GuardedH11Protocol, limits=config.server),  # type: ignore[arg-type]
+        timeout_keep_alive=config.server.keep_alive_timeout_s,  # type: ignore[arg-type]
         log_config=None,  # keep rxf's log format
         access_log=config.runtime.log_level == "debug",
-        timeout_graceful_shutdown=DRAIN_S + 5,  # a backstop: the drain normally ends every request first
+        timeout_graceful_shutdown=5,  # a backstop after the drain, which normally ends every request
     )
     server = _Server(uv_config, app.state.server)
     # uvicorn re-raises the signal that stopped it once it is done, to run the previous handler;

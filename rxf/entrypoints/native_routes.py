@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 
 from rxf.core import sampling_params
 from rxf.core.io_struct import PreparedRequest, RequestOptions
+from rxf.core.request_preparer import RequestPreparer
 from rxf.core.requests import (
     MAX_CACHE_SALT_LEN,
     MAX_RID_LEN,
@@ -35,6 +36,7 @@ from rxf.entrypoints.server_state import (
     APIError,
     ServerState,
     engine_api_error,
+    prepare,
     server_state,
     until_disconnected,
 )
@@ -141,6 +143,10 @@ def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
     return reqs, batched
 
 
+def _prepare_all(preparer: RequestPreparer, reqs: list[GenerateRequest]) -> list[PreparedRequest]:
+    return [preparer.prepare(r) for r in reqs]
+
+
 async def _one(tm: TokenizerManager, req: PreparedRequest) -> dict[str, Any]:
     results = [r async for r in tm.generate(req)]  # a non-streaming request yields one result
     return results[-1].to_dict()
@@ -193,8 +199,10 @@ async def generate(body: GenerateBody, request: Request, state: State) -> Respon
     tm = state.require_ready()
     reqs, batched = _requests(body)
     # Validated and tokenized once, now: a bad request is a 400 before any prompt reaches the
-    # scheduler (and before a stream's headers are sent). Media are decoded off the event loop.
-    prepared = [await tm.preparer.prepare_async(r) for r in reqs]
+    # scheduler (and before a stream's headers are sent). Media, constraints and long texts are
+    # prepared off the event loop (and so is a large body).
+    slow = any(r.slow_to_prepare() for r in reqs)
+    prepared = await prepare(request, _prepare_all, tm.preparer, reqs, off_loop=slow)
     tm.check_capacity(len(prepared))  # before a stream's 200 goes out; generate() checks again
     if body.stream:
         return StreamingResponse(_stream(tm, prepared[0]), media_type="text/event-stream")
@@ -224,13 +232,26 @@ async def health_generate(state: State) -> dict[str, Any]:
     return {"status": "ok", "output_ids": result["output_ids"]}
 
 
+def _internals_shown(state: ServerState) -> bool:
+    """Filesystem paths, the IPC directory and the whole config are shown to a caller who sent the
+    API key (every caller, when one is set) or when `server.expose_internals` allows it."""
+    return bool(state.config.server.api_key) or state.config.server.expose_internals
+
+
+# What anyone may read of the engine and its config: what a client needs to use the model and what
+# monitoring needs, but no path, address or secret.
+_PUBLIC_ENGINE_INFO = (
+    "architecture", "max_context_len", "max_total_tokens", "vocab_size", "dtype", "device", "attention_backend",
+    "tp_size", "dp_size",
+)
+_PUBLIC_CONFIG_SECTIONS = ("scheduler", "cache", "grammar")  # not multimodal: its allowed roots and hosts
+
+
 @router.get("/get_model_info")
 async def get_model_info(state: State) -> dict[str, Any]:
     state.require_ready()
     info = state.engine.info
-    return {
-        "model_path": state.engine.model_path,
-        "tokenizer_path": state.engine.tokenizer_path,
+    out = {
         "served_model_name": state.served_model_name,
         "architecture": info.get("architecture"),
         "context_length": info["max_context_len"],
@@ -239,6 +260,9 @@ async def get_model_info(state: State) -> dict[str, Any]:
         "device": info.get("device"),
         "is_generation": True,
     }
+    if _internals_shown(state):
+        out |= {"model_path": state.engine.model_path, "tokenizer_path": state.engine.tokenizer_path}
+    return out
 
 
 def _stats_json(stats: Any) -> dict[str, Any]:
@@ -258,18 +282,28 @@ def _stats_json(stats: Any) -> dict[str, Any]:
 
 @router.get("/get_server_info")
 async def get_server_info(state: State) -> dict[str, Any]:
+    """The stats are the scheduler's latest snapshot (`stats_age_s` old), answered at once: asking
+    the scheduler would wait for its current step, seconds under a long prefill."""
     tm = state.require_ready()
     config = state.config.model_dump(mode="json")
-    if config["server"].get("api_key"):
-        config["server"]["api_key"] = "<set>"  # never echo the secret
+    engine = state.engine.info
+    if _internals_shown(state):
+        if config["server"].get("api_key"):
+            config["server"]["api_key"] = "<set>"  # never echo the secret
+        engine = {**engine, "ipc_dir": state.engine.ipc_dir}
+    else:
+        config = {name: config[name] for name in _PUBLIC_CONFIG_SECTIONS}
+        engine = {key: engine[key] for key in _PUBLIC_ENGINE_INFO if key in engine}
     from rxf import __version__
 
+    stats, age = await tm.latest_stats()
     return {
         "version": __version__,
         "served_model_name": state.served_model_name,
         "config": config,
-        "engine": {**state.engine.info, "ipc_dir": state.engine.ipc_dir},
-        "stats": _stats_json(await tm.get_stats()) | {"in_flight": len(tm.states)},
+        "engine": engine,
+        "stats": _stats_json(stats) | {"in_flight": len(tm.states)},
+        "stats_age_s": round(age, 3),
     }
 
 
@@ -296,5 +330,5 @@ async def metrics(state: State) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 
     if state.ready and state.tokenizer_manager is not None:
-        state.metrics.refresh(await state.tokenizer_manager.get_stats())
+        state.metrics.refresh((await state.tokenizer_manager.latest_stats())[0])
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

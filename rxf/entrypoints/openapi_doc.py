@@ -6,7 +6,7 @@ for streams, and no schema for the generation routes' answers. This module start
 writes in what the routes really answer, so that a client generated from it (or a fuzzer checking
 responses against it, tests/server/test_openapi_fuzz.py) finds the server as documented:
 
-- every error status a route can give (400, 401 with a key, 404, 413, 503 with Retry-After, 504)
+- every error status a route can give (400, 401 with a key, 404, 408, 413, 503 with Retry-After, 504)
   with the error body's schema; never 422;
 - the bearer scheme, on every route but /health, when `server.api_key` is set;
 - `/metrics` as Prometheus text, `stream: true` answers as `text/event-stream`;
@@ -55,8 +55,9 @@ _REASONS = {
     400: "invalid request: the message names the field and the reason",
     401: "missing or invalid API key",
     404: "no such model",
+    408: "the request's headers or body did not arrive within server.header_timeout_s / body_timeout_s",
     413: "the body exceeds server.max_body_bytes",
-    503: "loading, shutting down, engine stopped, or at capacity (then Retry-After)",
+    503: "loading, shutting down, engine stopped, at capacity, or over server.max_connections (then Retry-After)",
     504: "the request ran past server.request_timeout_s",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
@@ -64,7 +65,6 @@ _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying"
 _STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions"}
 # Routes checking the body's `model` (or the path's model id) against the served one.
 _MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}"}
-_ROUTES_WITHOUT_ENGINE = {"/metrics"}  # answered whatever the engine's state (no 503)
 
 
 def _error(status: int) -> dict[str, Any]:
@@ -80,15 +80,13 @@ def _json(schema: dict[str, Any], description: str = "Successful Response") -> d
 
 def _responses(path: str, op: dict[str, Any], with_key: bool) -> dict[str, Any]:
     responses = {code: r for code, r in op["responses"].items() if code != "422"}
-    statuses = set()
+    statuses = {408, 503}  # any route: the connection layer's read timeouts and connection cap
     if "requestBody" in op:
         statuses |= {400, 413}
     if with_key and path not in OPEN_PATHS:
         statuses.add(401)
     if path in _MODEL_ROUTES:
         statuses.add(404)
-    if path not in _ROUTES_WITHOUT_ENGINE:
-        statuses.add(503)
     if path in _STREAMING:
         statuses.add(504)
     if path == "/flush_cache":

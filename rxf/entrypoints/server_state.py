@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -118,6 +118,21 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+# Bodies over this (or of unknown length) are planned off the event loop: rendering thousands of
+# messages or tokenizing a batch of long prompts would hold every other client for tenths of a
+# second. Smaller ones are planned inline, which is cheaper than a thread hop.
+LARGE_BODY_BYTES = 32 * 1024
+
+
+async def prepare(request: Request, work: Callable[..., T], *args: Any, off_loop: bool = False) -> T:
+    """`work(*args)`, in a thread when `off_loop` or the request's body is large (the work then
+    yields the GIL to the event loop every few milliseconds, or releases it, as the tokenizer does)."""
+    length = request.headers.get("content-length")
+    if off_loop or length is None or not length.isdigit() or int(length) > LARGE_BODY_BYTES:
+        return await asyncio.to_thread(work, *args)
+    return work(*args)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -54,6 +54,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + t % 26) for t in ids)
 
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(ord("a") + t): t for t in range(26)}
+
 
 def fake_config(**overrides: Any) -> EngineConfig:
     base = {"model": {"path": "fake"}, "runtime": {"device": "cpu"}, "grammar": {"backend": "none"}}

@@ -129,11 +129,18 @@ async def run_soak(
         start = time.perf_counter()
         await asyncio.gather(*(gated(i, k) for i, k in enumerate(plan)))
         result.wall_s = time.perf_counter() - start
-        stats = await _idle_stats(client, 30.0)
-        result.running_after = stats["num_running"] + stats["num_waiting"]
-        result.leaked_before_flush = stats["total_slots"] - stats["free_slots"] - stats["tree_slots"]
-        flushed = await client.post("/flush_cache")
-        if flushed.status_code == 200:
-            stats = (await client.get("/get_server_info")).json()["stats"]
-            result.slots_leaked = stats["total_slots"] - stats["free_slots"]
+        result.running_after, result.leaked_before_flush, result.slots_leaked = await measure_leaks(client)
     return result
+
+
+async def measure_leaks(client: httpx.AsyncClient, idle_timeout_s: float = 30.0) -> tuple[int, int, int | None]:
+    """Once the server is idle: (requests still running or waiting, slots held by neither the free
+    list nor the tree, slots not free after /flush_cache (None if the flush was refused))."""
+    stats = await _idle_stats(client, idle_timeout_s)
+    running = stats["num_running"] + stats["num_waiting"]
+    leaked = stats["total_slots"] - stats["free_slots"] - stats["tree_slots"]
+    flushed = await client.post("/flush_cache")
+    if flushed.status_code != 200:
+        return running, leaked, None
+    stats = (await client.get("/get_server_info")).json()["stats"]
+    return running, leaked, stats["total_slots"] - stats["free_slots"]

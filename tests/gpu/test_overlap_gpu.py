@@ -1,8 +1,8 @@
 """Overlap scheduling on the GPU changes no output (skipped without CUDA): the step workload
 (`rxf.testing.step_workload`: stop strings and tokens, EOS, JSON with jump-forward, `n` choices, an
 abort mid-stream, retraction under a small pool, chunked and mixed prefill) through `Runtime` with
-CUDA graphs, overlap off and on, per GPU backend, in float32 (exact greedy equality is a float32
-property: the two runs batch differently).
+CUDA graphs, overlap off and on, on the triton backend in float32 (exact greedy equality is a
+float32 property: the two runs batch differently; FlashInfer has no float32 kernels).
 """
 
 from __future__ import annotations
@@ -47,10 +47,8 @@ def _config(path, backend: str, overlap: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_overlap_on_the_gpu_changes_no_output(tiny, backend):
-    if backend == "flashinfer":
-        pytest.importorskip("flashinfer")
+def test_overlap_on_the_gpu_changes_no_output(tiny):
+    backend = "triton"
     runs = {}
     for overlap in (False, True):
         with Runtime.from_config(_config(tiny, backend, overlap)) as rt:

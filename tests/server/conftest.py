@@ -119,6 +119,9 @@ class ServerFactory:
             "cache.max_total_tokens": 4096,
             "runtime.device": "cpu",
             "runtime.cpu_threads": 1,
+            # Paths and the IPC directory in /get_server_info (read below, to check the shutdown
+            # removes it); a server of the default (false) shows none of them.
+            "server.expose_internals": True,
             **(settings or {}),
         }
         if api_key is not None and "RXF_API_KEY" not in (env or {}):
@@ -154,7 +157,7 @@ class ServerFactory:
         else:
             pytest.fail(f"the server was not healthy within {timeout:.0f} s:\n{handle.log_tail()}")
         info = httpx.get(f"{handle.url}/get_server_info", headers=handle.headers, timeout=10).json()
-        handle.ipc_dir = info["engine"]["ipc_dir"]
+        handle.ipc_dir = info["engine"].get("ipc_dir")
         handle.children = psutil.Process(handle.proc.pid).children(recursive=True)
 
     def stop(self, handle: ServerHandle, sig: int = signal.SIGTERM) -> float:

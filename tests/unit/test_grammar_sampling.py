@@ -31,7 +31,9 @@ def pack(allowed: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def backend():
-    return XGrammarBackend(make_tiny_tokenizer(VOCAB), VOCAB, GrammarConfig(cache_size=2))
+    backend = XGrammarBackend(make_tiny_tokenizer(VOCAB), VOCAB, GrammarConfig(cache_size=2))
+    yield backend
+    backend.close()
 
 
 PARAMS = [
@@ -96,17 +98,17 @@ def test_compile_cache_is_lru_bounded_and_errors_are_clean(backend):
 def test_matcher_accepts_rolls_back_and_forces_strings(backend):
     tokenizer = make_tiny_tokenizer(VOCAB)
     m = backend.matcher(backend.compile("regex", r"hello (world|there)"), stop_token_ids=[2])
-    assert m.jump_forward_string() == "hello "
+    assert m.jump_forward_string(64) == "hello "
     assert not m.accept_token(2)  # a stop token only once the grammar is complete
     ids = tokenizer.encode("hello ", add_special_tokens=False)
-    assert all(m.accept_token(t) for t in ids) and m.jump_forward_string() == ""  # world or there
+    assert all(m.accept_token(t) for t in ids) and m.jump_forward_string(64) == ""  # world or there
     bitmask = backend.allocate_bitmask(1)
     m.fill_bitmask(bitmask, 0)
     allowed = {t for t in range(VOCAB) if bitmask[0, t // 32] >> (t % 32) & 1}
     assert allowed and all(("world".startswith(s) or "there".startswith(s)) and s
                            for s in (tokenizer.decode([t]) for t in allowed))
     m.rollback(len(ids))
-    assert m.jump_forward_string() == "hello "
+    assert m.jump_forward_string(64) == "hello "
     for t in tokenizer.encode("hello there", add_special_tokens=False) + [2]:
         assert m.accept_token(t)
     assert m.is_terminated()

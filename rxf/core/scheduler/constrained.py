@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from typing import Any
 
 from rxf.core.config import EngineConfig
 from rxf.core.grammar import GrammarBackend, make_grammar_backend
 from rxf.core.io_struct import FinishReason
+from rxf.core.requests import max_token_chars
 from rxf.core.sampling import GrammarMask
 from rxf.core.scheduler.output import StopChecker
 from rxf.core.scheduler.req import Req
@@ -45,6 +47,11 @@ class ConstrainedDecoding:
     def __init__(self, backend: GrammarBackend, config: EngineConfig, tokenizer: Any, stop: StopChecker) -> None:
         self.backend = backend
         self.jump_forward = config.grammar.jump_forward
+        self.max_jump_bytes = config.grammar.max_jump_forward_bytes
+        self.max_match_s = config.grammar.max_match_ms / 1e3
+        self._fill_s: dict[str, float] = {}  # rid -> this step's bitmask fill time
+        # A token's text is at most max_token_chars characters of at most 4 UTF-8 bytes each.
+        self.max_token_bytes = 4 * max_token_chars(tokenizer)
         self.tokenizer = tokenizer
         self.stop = stop
         self.pool = concurrent.futures.ThreadPoolExecutor(
@@ -103,16 +110,21 @@ class ConstrainedDecoding:
         if not rows:
             return None
         bitmask = self.backend.allocate_bitmask(len(reqs))
+        self._fill_s.clear()  # only this step's rows: bounded by the batch
         for i in rows:
             assert reqs[i].inflight == 0, "a constrained request's mask needs its output known"
+            start = time.perf_counter()
             reqs[i].grammar.fill_bitmask(bitmask, i)
+            self._fill_s[reqs[i].rid] = time.perf_counter() - start
         return GrammarMask(bitmask, rows, self.backend.apply_bitmask)
 
     def check_token(self, req: Req) -> FinishReason | None:
         """Advance the matcher by the newest output token, then check the stop conditions; a
-        complete grammar (stop token accepted) ends the request with "stop"."""
+        complete grammar (stop token accepted) ends the request with "stop", one that took over
+        `grammar.max_match_ms` this step (mask, accept, jump) with "abort"."""
         if req.grammar is None:
             return self.stop.check(req)
+        start = time.perf_counter()
         token = req.output_ids[-1]
         if not req.grammar.accept_token(token):
             raise GrammarViolation(f"token {token} is not allowed by the request's grammar")
@@ -121,15 +133,29 @@ class ConstrainedDecoding:
             reason = FinishReason("stop", matched=token)
         if reason is None and self.jump_forward and not req.options.return_logprob and self._jump(req):
             reason = self.stop.check(req)
+        spent = self._fill_s.pop(req.rid, 0.0) + time.perf_counter() - start
+        if reason is None and spent > self.max_match_s:
+            # An ambiguous grammar (`x ::= x x | "a"`) costs more per token the longer its output:
+            # it ends here rather than slow every step of its neighbours further.
+            kind = req.sampling_params.grammar[0]
+            reason = FinishReason("abort", message=(
+                f"sampling_params.{kind}: the grammar took {spent * 1e3:.0f} ms to match one step's output, "
+                f"over grammar.max_match_ms = {self.max_match_s * 1e3:g}"))
         return reason
 
     # ---- jump-forward ----
     def _jump(self, req: Req) -> bool:
         """Append the grammar's forced continuation; True if any token was added."""
-        forced = req.grammar.jump_forward_string()
+        out = req.output_ids
+        p = req.sampling_params
+        budget = min(p.max_new_tokens - len(out), self.stop.max_context_len - 1 - req.seq_len)  # tokens
+        if budget <= 0:
+            return False
+        # The forced text may be endless (a recursive schema): ask only for what the budget can hold,
+        # at most `max_token_bytes` per token, and at most `max_jump_bytes` per step.
+        forced = req.grammar.jump_forward_string(min(self.max_jump_bytes, budget * self.max_token_bytes))
         if not forced or "\ufffd" in forced:
             return False
-        out = req.output_ids
         # The newest token is re-tokenized with the forced text (the tokenizer may merge across the
         # boundary) when it is still unsent and decodes to whole characters.
         replace = int(req.sent_len < len(out))
@@ -139,9 +165,7 @@ class ConstrainedDecoding:
             new_ids = self._tokenize(out, forced, 0)
         if new_ids is None:
             return False
-        p = req.sampling_params
-        budget = min(p.max_new_tokens - len(out), self.stop.max_context_len - 1 - req.seq_len) + replace
-        new_ids = new_ids[: max(budget, 0)]
+        new_ids = new_ids[: budget + replace]
         if len(new_ids) <= replace:  # nothing gained
             return False
         req.grammar.rollback(replace)

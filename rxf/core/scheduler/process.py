@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 import zmq
@@ -23,12 +24,14 @@ import zmq
 from rxf.core.config import EngineConfig
 from rxf.core.distributed import RankPlacement
 from rxf.core.io_struct import (
+    STATS_INTERVAL_S,
     AbortReq,
     BatchTokenOut,
     FlushCacheReq,
     FlushCacheResult,
     GetStatsReq,
     PreparedRequest,
+    StatsSnapshot,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,7 +77,7 @@ def run_scheduler_process(
         ready_conn.send({"error": f"{type(e).__name__}: {e}"})
         return
     leader = placement is None or placement.rank == 0
-    sockets = _Sockets(addrs) if leader else None
+    sockets = _Sockets(addrs, 0 if placement is None else placement.dp_rank) if leader else None
     ready_conn.send(
         {
             "max_total_tokens": runner.max_total_tokens,
@@ -95,7 +98,9 @@ def run_scheduler_process(
 class _Sockets:
     """Rank 0's ZMQ sockets."""
 
-    def __init__(self, addrs: dict[str, str]) -> None:
+    def __init__(self, addrs: dict[str, str], dp_rank: int) -> None:
+        self.dp_rank = dp_rank
+        self.stats_sent_at = float("-inf")
         ctx = zmq.Context()
         self.recv = ctx.socket(zmq.PULL)
         self.recv.bind(addrs["scheduler"])
@@ -114,12 +119,22 @@ class _Sockets:
             msgs.append(self.recv.recv_pyobj())
         return msgs
 
+    def publish_stats(self, scheduler: Any, force: bool = False) -> None:
+        """Send a `StatsSnapshot` when `force`d, when the scheduler is idle (its final figures, e.g.
+        every slot back after a drain, are then exact), or `STATS_INTERVAL_S` after the last one."""
+        now = time.monotonic()
+        if force or not scheduler.has_work or now - self.stats_sent_at >= STATS_INTERVAL_S:
+            self.to_tm.send_pyobj(StatsSnapshot(self.dp_rank, scheduler.stats()))
+            self.stats_sent_at = now
+
 
 def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
     """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies."""
     from rxf.core.distributed import broadcast_from_rank0
 
     parent = os.getppid()
+    if sockets is not None:
+        sockets.publish_stats(scheduler, force=True)
     while True:
         msgs: Any = None
         if sockets is not None:
@@ -134,10 +149,14 @@ def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
         if msgs == _STOP:
             return
         outs = _apply(scheduler, msgs, sockets)
-        if scheduler.has_work:
+        stepped = scheduler.has_work
+        if stepped:
             outs += scheduler.step()
-        if outs and sockets is not None:
-            sockets.to_detok.send_pyobj(BatchTokenOut(outs))
+        if sockets is not None:
+            if msgs or stepped:  # else nothing changed since the last snapshot
+                sockets.publish_stats(scheduler)  # first: it then usually lands before the outputs
+            if outs:
+                sockets.to_detok.send_pyobj(BatchTokenOut(outs))
 
 
 def _apply(scheduler: Any, msgs: list[Any], sockets: _Sockets | None) -> list[Any]:
@@ -150,7 +169,8 @@ def _apply(scheduler: Any, msgs: list[Any], sockets: _Sockets | None) -> list[An
             outs += scheduler.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
             ok, text = scheduler.flush_cache()
-            if sockets is not None:
+            if sockets is not None:  # the snapshot first: a caller of the flush then reads its effect
+                sockets.publish_stats(scheduler, force=True)
                 sockets.to_tm.send_pyobj(FlushCacheResult(ok, text))
         elif isinstance(msg, GetStatsReq):
             if sockets is not None:

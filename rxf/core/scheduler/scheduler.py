@@ -38,7 +38,7 @@ import torch
 from rxf.core.config import EngineConfig
 from rxf.core.distributed import tp_size
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import FinishReason, PreparedRequest, SchedulerStats, TokenOut
+from rxf.core.io_struct import ABORT_REQUESTED, FinishReason, PreparedRequest, SchedulerStats, TokenOut
 from rxf.core.radix_cache import RadixCache
 from rxf.core.scheduler.admission import admit
 from rxf.core.scheduler.constrained import ConstrainedDecoding
@@ -120,7 +120,7 @@ class Scheduler:
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
-                req.finished_reason = FinishReason("abort", message="aborted")
+                req.finished_reason = FinishReason("abort", message=ABORT_REQUESTED)
                 return [make_token_out(req, finished=True)]
         for req in self.running:
             if req.rid == rid:
@@ -172,7 +172,7 @@ class Scheduler:
 
     def _release_aborted(self) -> list[TokenOut]:
         aborted = [r for r in self.running if r.to_abort]
-        return [self._finish(r, FinishReason("abort", message="aborted")) for r in aborted]
+        return [self._finish(r, FinishReason("abort", message=ABORT_REQUESTED)) for r in aborted]
 
     # ---- schedule ----
     def _schedule(self, outs: list[TokenOut]) -> tuple[StepBatch, list[bool]] | None:

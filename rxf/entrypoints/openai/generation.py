@@ -1,9 +1,10 @@
 """Running several native requests for one OpenAI request (n choices, batch prompts) over
 `rxf.entrypoints.choices`, which says how choices are derived, seeded and driven.
 
-Engine aborts are errors, never a finish_reason: an OpenAI client cannot tell a truncated answer
-from a complete one by "stop", so an abort becomes a 500 (non-streaming) or an error event
-(streaming) carrying the engine's message.
+An abort that was asked for (`/abort_request`, the drain of a shutdown) ends its choice with
+finish_reason "abort", as vLLM's do: the answer so far, marked as cut short. An abort that reports a
+failure (an internal error, a request the scheduler cannot run) is an error: a 500 (non-streaming)
+or an error event (streaming) carrying the engine's message.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from rxf.core.io_struct import FinishReason, PreparedRequest
+from rxf.core.io_struct import ABORT_REQUESTED, FinishReason, PreparedRequest
 from rxf.core.outputs import GenerateOutput
 from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.choices import interleave
@@ -36,8 +37,9 @@ async def iterate(
     requests are aborted); an engine abort as an `APIError`."""
     async with contextlib.aclosing(interleave(tm, reqs)) as outputs:
         async for index, out in outputs:
-            if out.finish_reason is not None and out.finish_reason.type == "abort":
-                raise _abort_error(out.finish_reason)
+            finish = out.finish_reason
+            if finish is not None and finish.type == "abort" and finish.message != ABORT_REQUESTED:
+                raise _abort_error(finish)
             yield index, out
 
 
@@ -68,8 +70,8 @@ def usage(prompt_results: list[list[GenerateOutput]]) -> Usage:
 
 
 def finish_reason(out: GenerateOutput) -> str | None:
-    """OpenAI's finish_reason for an output: "stop" (EOS, stop token or string), "length", or None
-    while running. Aborts never get here: `iterate` raises them."""
+    """OpenAI's finish_reason for an output: "stop" (EOS, stop token or string), "length", "abort"
+    (asked for; `iterate` raises the others), or None while running."""
     return None if out.finish_reason is None else out.finish_reason.type
 
 

@@ -8,7 +8,7 @@ out. Range checks and every engine capability live in the translation modules an
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -22,13 +22,16 @@ def _omit_if_none() -> Any:
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    # A whole request body: its text is checked once, here (the models nested in it are covered).
+    _body: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
         # Clients (and libraries wrapping them) send `"n": null` for "use the default".
         if isinstance(data, dict):
-            check_unicode(data)
+            if cls._body:
+                check_unicode(data)
             return {key: value for key, value in data.items() if value is not None}
         return data
 
@@ -78,6 +81,7 @@ class GenerationFields(_Request):
 
 
 class CompletionRequest(GenerationFields):
+    _body = True
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = None  # None: 16 (OpenAI's default), less if the context is shorter
     logprobs: int | None = None
@@ -187,6 +191,7 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(GenerationFields):
+    _body = True
     messages: ChatMessages
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # wins over max_tokens (OpenAI's newer name)
@@ -200,6 +205,7 @@ class ChatCompletionRequest(GenerationFields):
 
 class TokenizeRequest(_Request):
     """vLLM's /tokenize body: a prompt or chat messages."""
+    _body = True
 
     model: str | None = None
     prompt: str | None = None
@@ -210,6 +216,7 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
+    _body = True
     model: str | None = None
     tokens: list[int]
 
@@ -228,7 +235,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length", "tool_calls"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]  # "abort": cut short on request
 
 
 class CompletionLogprobs(BaseModel):

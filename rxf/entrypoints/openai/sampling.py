@@ -2,7 +2,7 @@
 
 Every other rule (ranges, the context, the constraint's validity, ...) is the engine's, checked
 once for every front door when the native request is prepared (`rxf.core.request_preparer`);
-`prepare` runs that now, so a bad value is a 400 before a stream starts, and states its error in
+`prepare_request` runs that now, so a bad value is a 400 before a stream starts, and states its error in
 the OpenAI request's field names. Every check raises `APIError(400, ..., param=<the OpenAI field>)`.
 """
 
@@ -79,6 +79,15 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
 
 
+def slow_to_plan(req: GenerationFields) -> bool:
+    """Whether planning `req` compiles an output constraint (seconds for a large schema, and the
+    first also builds the backend's tables): work for a thread, whatever the body's size. (A
+    forced tool choice compiles one too: the chat route adds it.)"""
+    return any(getattr(req, name) is not None for name in _CONSTRAINT_FIELDS) or (
+        getattr(req, "response_format", None) is not None and req.response_format.type != "text"
+    )
+
+
 def output_constraint(req: GenerationFields) -> tuple[str, dict[str, str]]:
     """The request's output constraint as (the field that set it, native params): ("", {}) for
     none. Two constraints at once are a 400 naming the second."""
@@ -153,7 +162,7 @@ def native_names(prompt: Mapping[str, str], max_tokens: str, top_logprobs: str, 
     return names | {"top_logprobs_num": top_logprobs} | dict(prompt)
 
 
-def prepare(preparer: RequestPreparer, req: GenerateRequest, names: Mapping[str, str]) -> PreparedRequest:
+def prepare_request(preparer: RequestPreparer, req: GenerateRequest, names: Mapping[str, str]) -> PreparedRequest:
     """The engine's one preparation of `req`, its errors as 400s naming the OpenAI field (`names`,
     from `native_names`). Blocking: run it off the event loop."""
     try:

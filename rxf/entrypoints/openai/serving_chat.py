@@ -7,7 +7,6 @@ without adding any) and the template's stop strings are added to the request's o
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
@@ -47,11 +46,12 @@ from rxf.entrypoints.openai.sampling import (
     native_names,
     native_params,
     output_constraint,
-    prepare,
+    prepare_request,
+    slow_to_plan,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
 from rxf.entrypoints.openai.tool_calls import reply_message, tool_call_deltas
-from rxf.entrypoints.server_state import ServerState, server_state, until_disconnected
+from rxf.entrypoints.server_state import ServerState, prepare, server_state, until_disconnected
 
 router = APIRouter()
 
@@ -103,7 +103,7 @@ def plan_chat(
     # Left out, the budget is the whole remaining context (OpenAI's chat default).
     native = prompt.request(params, options, rid, default_max_new_tokens=None)
     names = native_names(PROMPT_FIELDS, budget_field, "top_logprobs", constrained_by or None)
-    prepared = prepare(preparer, native, names)
+    prepared = prepare_request(preparer, native, names)
     return ChatPlan(rid, prepared, choice_requests(prepared, req.n), req.logprobs, tools)
 
 
@@ -200,8 +200,10 @@ async def create_chat_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    # Off the event loop: rendering, tokenizing, media and a constraint's compile take O(input) time.
-    plan = await asyncio.to_thread(plan_chat, body, tm.preparer, state.chat_template, tool_parser(state))
+    has_media = tm.preparer.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
+    forced_tools = bool(body.tools) and body.tool_choice not in (None, "none", "auto")
+    slow = has_media or forced_tools or slow_to_plan(body)
+    plan = await prepare(request, plan_chat, body, tm.preparer, state.chat_template, tool_parser(state), off_loop=slow)
     tm.check_capacity(len(plan.reqs))
     if body.n > 1:
         await warm_prefixes(tm, [plan.prompt])

@@ -7,7 +7,6 @@ choices share its KV through the radix cache.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
@@ -44,10 +43,11 @@ from rxf.entrypoints.openai.sampling import (
     native_names,
     native_params,
     output_constraint,
-    prepare,
+    prepare_request,
+    slow_to_plan,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
-from rxf.entrypoints.server_state import server_state, until_disconnected
+from rxf.entrypoints.server_state import prepare, server_state, until_disconnected
 
 router = APIRouter()
 
@@ -103,7 +103,7 @@ def plan_completion(req: CompletionRequest, preparer: RequestPreparer) -> Comple
             text=text, input_ids=ids, sampling_params=params, options=options, rid=f"{plan.id}-{p}",
             default_max_new_tokens=DEFAULT_MAX_TOKENS,
         )
-        prepared = prepare(preparer, native, names)
+        prepared = prepare_request(preparer, native, names)
         plan.prompts.append(prepared)
         if req.echo:
             plan.echoes.append(text if text is not None else preparer.tokenizer.decode(ids, skip_special_tokens=False))
@@ -180,8 +180,7 @@ async def create_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    # Off the event loop: tokenizing and a constraint's compile take O(input) time.
-    plan = await asyncio.to_thread(plan_completion, body, tm.preparer)
+    plan = await prepare(request, plan_completion, body, tm.preparer, off_loop=slow_to_plan(body))
     tm.check_capacity(len(plan.reqs))
     if plan.n > 1:
         await warm_prefixes(tm, plan.prompts)

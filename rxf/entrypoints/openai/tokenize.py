@@ -23,7 +23,7 @@ from rxf.entrypoints.openai.protocol import (
 )
 from rxf.entrypoints.openai.sampling import bad_request, check_model
 from rxf.entrypoints.openai.serving_chat import tool_parser
-from rxf.entrypoints.server_state import server_state
+from rxf.entrypoints.server_state import ServerState, server_state
 
 router = APIRouter()
 
@@ -42,16 +42,21 @@ def prompt_text(req: TokenizeRequest, chat_template: Any, parser: ToolCallParser
     return text, bool(req.add_special_tokens)
 
 
+def _tokenize(body: TokenizeRequest, state: ServerState) -> tuple[list[int], list[str] | None]:
+    text, add_special = prompt_text(body, state.chat_template, tool_parser(state))
+    ids = state.tokenizer.encode(text, add_special_tokens=add_special)
+    return ids, state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+
+
 @router.post("/v1/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    text, add_special = prompt_text(body, state.chat_template, tool_parser(state))
     # Off the event loop: this text has no context bound, and megabytes take seconds to tokenize
-    # (the tokenizer releases the GIL meanwhile, so other requests go on).
-    ids = await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=add_special)
-    strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    # (the tokenizer releases the GIL meanwhile); rendering thousands of messages and naming a
+    # million tokens are Python loops, which yield the GIL to the event loop every few ms.
+    ids, strs = await asyncio.to_thread(_tokenize, body, state)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=tm.max_context_len, token_strs=strs)
 
 
@@ -60,6 +65,12 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
+    # Bounded, because decoding holds the GIL (a thread would not free the event loop): a million
+    # ids took 1.4 s. No sequence the model reads or writes is longer than its context.
+    if len(body.tokens) > tm.max_context_len:
+        raise bad_request(
+            f"{len(body.tokens)} token ids are more than the model's context length {tm.max_context_len}", "tokens"
+        )
     if not all(0 <= t < tm.vocab_size for t in body.tokens):
         raise bad_request(f"token ids must be in [0, {tm.vocab_size})", "tokens")
     return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # rows of x per tile: the smallest tl.dot tile; rows past M are masked to zero
+ROWS = 16  # rows of x per tile: the smallest tl.dot tile; rows past M are masked to zero
+BLOCK_M = tl.constexpr(ROWS)  # the same, as the kernels see it (a global must be a constexpr there)
 
 
 @triton.jit
@@ -126,14 +127,14 @@ def gemv(
     m, k = x.shape
     n = weight.shape[0]
     n_out = n // 2 if gated else n
-    assert m <= BLOCK_M, f"{m} rows: the GEMV takes at most {BLOCK_M}"
+    assert m <= ROWS, f"{m} rows: the GEMV takes at most {ROWS}"
     assert weight.shape[1] == k and k % block_k == 0, f"K {k} must be a multiple of block_k {block_k}"
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight need contiguous rows"
     n_blocks = triton.cdiv(n_out, block_n)
     assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
     out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
     tiles = 2 if gated else 1
-    partials = (torch.empty(n_blocks * split_k * tiles * block_n * BLOCK_M, dtype=torch.float32, device=x.device)
+    partials = (torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=x.device)
                 if split_k > 1 else out)  # unused without a split
     _gemv_kernel[(n_blocks, split_k)](
         x, weight, bias if bias is not None else out, out, partials, counters, m, n_out, k,

@@ -1,0 +1,119 @@
+"""Nothing one client sends holds the server's event loop: /health stays under 100 ms during a
+million-id detokenize and a 10,000-message chat; /get_server_info and /metrics answer at once while
+the scheduler runs a long prefill (they read its pushed snapshot instead of waiting for the step).
+Also, on this server of default visibility: the info routes show no paths and no IPC directory, and
+an aborted OpenAI stream ends with finish_reason "abort"."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from rxf.testing.health_probe import HealthProbe
+
+PREFILL_TOKENS = 8000  # one EXTEND step of seconds on the tiny model (attention is quadratic)
+
+
+@pytest.fixture(scope="module")
+def server(module_server_factory, long_context_model_dir):
+    return module_server_factory({
+        "model.path": str(long_context_model_dir), "cache.max_total_tokens": 65536,
+        "scheduler.max_prefill_tokens": 8192, "server.expose_internals": False,
+        "model.served_model_name": "tiny",  # the model id defaults to model.path, which /v1/models shows
+    })
+
+
+@pytest.fixture(scope="module")
+def tokenizer(long_context_model_dir):
+    return AutoTokenizer.from_pretrained(long_context_model_dir)
+
+
+def test_health_stays_fast_during_a_million_id_detokenize(server, http, model, tokenizer):
+    with HealthProbe(server.url) as probe:
+        r = http.post("/v1/detokenize", json={"model": model, "tokens": [7] * 1_000_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+    assert "context length" in r.json()["error"]["message"]
+    print(f"\n1M-id detokenize: answered in {r.elapsed.total_seconds() * 1000:.0f} ms; "
+          f"/health max {probe.max_latency_s() * 1000:.1f} ms over {len(probe.probes)} probes")
+    assert probe.max_latency_s() < 0.1
+    ids = [3 + i % 500 for i in range(3000)]  # within the context: decoded as the tokenizer decodes
+    r = http.post("/v1/detokenize", json={"model": model, "tokens": ids})
+    assert r.status_code == 200 and r.json()["prompt"] == tokenizer.decode(ids)
+
+
+def test_health_stays_fast_during_a_10k_message_chat(server, http, model):
+    messages = [{"role": "user", "content": f"message {i}"} for i in range(10_000)]
+    with HealthProbe(server.url) as probe:
+        chat = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1})
+        tokenized = http.post("/v1/tokenize", json={"model": model, "messages": messages})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+    assert tokenized.status_code == 200 and tokenized.json()["count"] > 16384
+    print(f"\n10k-message chat and tokenize: {chat.elapsed.total_seconds():.2f} s, "
+          f"{tokenized.elapsed.total_seconds():.2f} s; /health max {probe.max_latency_s() * 1000:.1f} ms "
+          f"over {len(probe.probes)} probes")
+    assert probe.max_latency_s() < 0.1
+
+
+def test_monitoring_answers_at_once_during_a_long_prefill(server, http):
+    done = threading.Event()
+
+    def long_prefill() -> None:
+        body = {"input_ids": [3 + i % 500 for i in range(PREFILL_TOKENS)], "sampling_params": {"max_new_tokens": 1}}
+        httpx.post(f"{server.url}/generate", json=body, timeout=300)
+        done.set()
+
+    thread = threading.Thread(target=long_prefill)
+    thread.start()
+    while http.get("/get_server_info").json()["stats"]["in_flight"] == 0:
+        time.sleep(0.01)
+    times: dict[str, list[float]] = {"/get_server_info": [], "/metrics": []}
+    ages = []
+    while not done.is_set() and len(times["/metrics"]) < 20:
+        for path, seen in times.items():
+            start = time.perf_counter()
+            r = http.get(path)
+            seen.append(time.perf_counter() - start)
+            assert r.status_code == 200
+            if path == "/get_server_info":
+                ages.append(r.json()["stats_age_s"])
+        time.sleep(0.05)
+    thread.join(300)
+    worst = {path: round(max(seen) * 1000, 1) for path, seen in times.items() if seen}
+    print(f"\nduring a {PREFILL_TOKENS}-token prefill: slowest answers (ms) {worst}; snapshot age up to {max(ages):.2f} s")
+    assert times["/metrics"], "the prefill ended before monitoring could be measured"
+    assert all(t < 0.1 for seen in times.values() for t in seen), worst
+    stats = http.get("/get_server_info").json()["stats"]  # once idle, the snapshot is exact
+    assert stats["in_flight"] == stats["num_running"] == 0
+    assert stats["free_slots"] + stats["tree_slots"] == stats["total_slots"]
+
+
+def test_info_routes_show_no_paths_by_default(http, long_context_model_dir):
+    model_info = http.get("/get_model_info").json()
+    assert model_info["context_length"] == 16384 and "model_path" not in model_info
+    info = http.get("/get_server_info").json()
+    assert "ipc_dir" not in info["engine"] and "model_path" not in info["engine"]
+    assert set(info["config"]) == {"scheduler", "cache", "grammar"}
+    assert info["engine"]["max_context_len"] == 16384 and "free_slots" in info["stats"]
+    for body in (model_info, info):
+        text = json.dumps(body)
+        assert str(long_context_model_dir) not in text and "rxf-ipc-" not in text
+
+
+def test_an_aborted_openai_stream_ends_with_finish_reason_abort(http, client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=10000, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 3:  # the choice's request is `<id>-<index>`
+            assert http.post("/abort_request", json={"rid": f"{chunk.id}-0"}).json()["found"]
+    assert chunks[-1].choices[0].finish_reason == "abort"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert sum(len(c.choices[0].delta.content or "") for c in chunks) > 0
