@@ -2,7 +2,7 @@
 (`Runtime.generate(n=...)`, the OpenAI layer's `n`) and batch prompts.
 
 Choice i of a prompt is its own request, derived from the prompt's one prepared request (tokenized
-and validated once): rid `<rid>-i`, and with a seed it samples with seed + i mod 2**64 (choice 0
+and validated once), under a rid of its own; with a seed it samples with seed + i mod 2**64 (choice 0
 keeps the caller's seed; `SamplingParams.for_choice`), so choice i of a seeded call is the same
 through either front door. Before n > 1 choices run, their prompt is prefilled once so that they
 share its KV in the radix cache instead of each prefilling it.
@@ -39,13 +39,10 @@ def check_n(n: Any) -> None:
         raise ValueError(f"n must be an integer in [1, {MAX_N}], got {echo(n)}")
 
 
-def choice_requests(prepared: PreparedRequest, n: int) -> list[PreparedRequest]:
-    """The n requests of one prompt, request i being choice i (`prepared` itself when n is 1)."""
-    if n == 1:
-        return [prepared]
+def choice_requests(prepared: PreparedRequest, rids: list[str]) -> list[PreparedRequest]:
+    """The requests of one prompt's choices, one per rid: request i is choice i."""
     return [
-        replace(prepared, rid=f"{prepared.rid}-{i}", sampling_params=prepared.sampling_params.for_choice(i))
-        for i in range(n)
+        replace(prepared, rid=rid, sampling_params=prepared.sampling_params.for_choice(i)) for i, rid in enumerate(rids)
     ]
 
 

@@ -245,7 +245,9 @@ class Runtime:
     async def _start_choices(self, prompts: list[PreparedRequest], n: int) -> list[PreparedRequest]:
         """Every prompt's n choices, in order. With n > 1: room for all of them first, and each
         prompt prefilled once so that its choices share its cached KV (as the server's `n`)."""
-        reqs = [choice for p in prompts for choice in choice_requests(p, n)]
+        reqs: list[PreparedRequest] = []
+        for p in prompts:  # with n > 1, choice i's rid is `<rid>-<i>`
+            reqs += choice_requests(p, [p.rid] if n == 1 else [f"{p.rid}-{i}" for i in range(n)])
         if n > 1:
             self.tokenizer_manager.check_capacity(len(reqs))
             await warm_prefixes(self.tokenizer_manager, prompts)

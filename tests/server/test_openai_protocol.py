@@ -110,7 +110,7 @@ def test_prompt_forms(tok, prep):
         assert len(plan.prompts) == count and len(plan.reqs) == 2 * count
     plan = plan_completion(prep, completion(prompt=[[5, 6], [7, 8, 9]], n=3))
     assert [r.input_ids for r in plan.reqs] == [[5, 6]] * 3 + [[7, 8, 9]] * 3
-    assert [r.rid for r in plan.reqs] == [f"{plan.id}-{p}-{i}" for p in range(2) for i in range(3)]
+    assert [r.rid for r in plan.reqs] == [f"{plan.id}-{k}" for k in range(6)]
     assert plan_completion(prep, completion(prompt="hi")).reqs[0].input_ids == tok.encode("hi")
 
 

@@ -60,7 +60,7 @@ router = APIRouter()
 class ChatPlan:
     id: str
     prompt: PreparedRequest  # the conversation's one prepared request (choice 0 is it, or derives from it)
-    reqs: list[PreparedRequest]  # request i is choice i
+    reqs: list[PreparedRequest]  # request i (rid `<id>-<i>`) is choice i
     logprobs: bool
     tools: ToolPlan | None = None
 
@@ -104,7 +104,7 @@ def plan_chat(
     native = prompt.request(params, options, rid, default_max_new_tokens=None)
     names = native_names(PROMPT_FIELDS, budget_field, "top_logprobs", constrained_by or None)
     prepared = prepare_request(preparer, native, names)
-    return ChatPlan(rid, prepared, choice_requests(prepared, req.n), req.logprobs, tools)
+    return ChatPlan(rid, prepared, choice_requests(prepared, [f"{rid}-{i}" for i in range(req.n)]), req.logprobs, tools)
 
 
 def _logprobs(plan: ChatPlan, out: GenerateOutput, token_str: TokenStr) -> ChatLogprobs | None:

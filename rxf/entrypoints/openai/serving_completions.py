@@ -61,7 +61,8 @@ class CompletionPlan:
     id: str
     prompts: list[PreparedRequest]  # one per prompt of the request, tokenized and validated once
     echoes: list[str]  # what echo prepends to each prompt's choices: its text, or its ids decoded
-    reqs: list[PreparedRequest]  # request k is choice k: choice i of prompt p is k = p * n + i
+    # Request k (rid `<id>-<k>`) is choice k: choice i of prompt p is k = p * n + i.
+    reqs: list[PreparedRequest]
     n: int
     echo: bool
     logprobs: int | None
@@ -100,14 +101,14 @@ def plan_completion(req: CompletionRequest, preparer: RequestPreparer) -> Comple
     for p, prompt in enumerate(_prompt_list(req.prompt)):
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
         native = GenerateRequest(
-            text=text, input_ids=ids, sampling_params=params, options=options, rid=f"{plan.id}-{p}",
+            text=text, input_ids=ids, sampling_params=params, options=options, rid=f"{plan.id}-p{p}",
             default_max_new_tokens=DEFAULT_MAX_TOKENS,
         )
         prepared = prepare_request(preparer, native, names)
         plan.prompts.append(prepared)
         if req.echo:
             plan.echoes.append(text if text is not None else preparer.tokenizer.decode(ids, skip_special_tokens=False))
-        plan.reqs += choice_requests(prepared, req.n)
+        plan.reqs += choice_requests(prepared, [f"{plan.id}-{p * req.n + i}" for i in range(req.n)])
     return plan
 
 
