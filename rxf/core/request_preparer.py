@@ -10,7 +10,7 @@ trust it. Each rule is checked here only, so it means the same on every door:
   preprocessed; not empty, shorter than the context and than the KV pool;
 - the sampling parameters: types and ranges (`SamplingParams.from_dict`, `NUMERIC_BOUNDS`), the
   server's counts (`RequestLimits.check_params`), max_new_tokens fitted next to the prompt
-  (`fit_max_new_tokens`), an output constraint compiled by the grammar backend;
+  (`fit_max_new_tokens`), an output constraint validated by the grammar backend;
 - the options and the rid: types and ranges (priority: `RequestLimits.check_priority`).
 
 Errors are `RequestError`s naming the field as the native request names it; another door states
