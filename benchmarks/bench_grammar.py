@@ -42,7 +42,7 @@ from transformers import AutoTokenizer
 
 from rxf.core.config import load_config
 from rxf.core.grammar import make_grammar_backend
-from rxf.core.io_struct import TokenizedGenerateReq
+from rxf.core.io_struct import PreparedRequest
 from rxf.core.model_runner import ModelRunner
 from rxf.core.registry import PluginRegistry
 from rxf.core.sampling_params import SamplingParams
@@ -110,7 +110,7 @@ def run(sched: Scheduler, n: int, params: dict[str, Any]) -> dict[str, Any]:
     assert ok, msg
     ids = sched.stop.tokenizer.encode(PROMPT)
     for i in range(n):
-        sched.add_request(TokenizedGenerateReq(f"r{i}", ids, SamplingParams.from_dict(params)))
+        sched.add_request(PreparedRequest(f"r{i}", ids, SamplingParams.from_dict(params)))
     outs: dict[str, list[int]] = {f"r{i}": [] for i in range(n)}
     decode_s, decode_steps, steps, start = 0.0, 0, 0, time.perf_counter()
     while sched.has_work:

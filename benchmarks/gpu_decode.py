@@ -183,14 +183,14 @@ def _engine(model_dir: Path, backend: str, max_running: int, slots: int) -> Any:
 
 
 def _add(sched: Any, bs: int, prompt_len: int, new_tokens: int, vocab: int, tag: str) -> None:
-    from rxf.core.io_struct import TokenizedGenerateReq
+    from rxf.core.io_struct import PreparedRequest
     from rxf.core.sampling_params import SamplingParams
 
     rng = random.Random(bs * 1000 + prompt_len)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i in range(bs):
         ids = [rng.randrange(3, vocab) for _ in range(prompt_len)]
-        sched.add_request(TokenizedGenerateReq(f"{tag}{i}", ids, params))
+        sched.add_request(PreparedRequest(f"{tag}{i}", ids, params))
 
 
 def decode_rate(sched: Any, bs: int, steps: int, vocab: int, graphs: bool, warm: int = 8) -> float:

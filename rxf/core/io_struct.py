@@ -1,7 +1,7 @@
 """Typed messages that cross process boundaries (over ZMQ ipc sockets, pickled).
 
 Only these dataclasses travel between rxf's own processes; the network never sends pickles.
-Flow: TokenizerManager --TokenizedGenerateReq/AbortReq/...--> Scheduler --BatchTokenOut-->
+Flow: TokenizerManager --PreparedRequest/AbortReq/...--> Scheduler --BatchTokenOut-->
 Detokenizer --BatchStrOut--> TokenizerManager.
 """
 
@@ -29,11 +29,12 @@ class MultimodalItem:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class TokenizedGenerateReq:
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request asks for besides its prompt and sampling parameters: declared here only, and
+    carried whole by the front door's `GenerateRequest`, the `PreparedRequest` and the scheduler's
+    `Req` (which holds its prepared request)."""
+
     stream: bool = False
     return_logprob: bool = False
     # Prompt logprobs are returned for prompt positions >= logprob_start_len; -1 means none.
@@ -43,6 +44,20 @@ class TokenizedGenerateReq:
     cache_salt: str | None = None
     # Under scheduler.policy = "priority": lower values are admitted first and retracted last.
     priority: int = 0
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request as the front door validated it (`RequestPreparer.prepare`, the one place): the
+    engine trusts it and never changes it. Invariants: 0 < len(input_ids) < the context length and
+    len(input_ids) < the KV pool; every id in [0, vocab_size); `sampling_params` verified, its
+    max_new_tokens fitted next to the prompt; `options` in range; a constraint, if any, compiled.
+    Plain fields only, so that a codec other than pickle can carry it."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    options: RequestOptions = field(default_factory=RequestOptions)
     # Images / videos in prompt order (None: a text-only request).
     mm_items: list[MultimodalItem] | None = None
 

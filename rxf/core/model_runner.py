@@ -272,6 +272,9 @@ class ModelRunner:
 
     # ---- forward ----
     def _validate(self, inp: ModelInput) -> None:
+        """An internal invariant check, not request validation (the front door's
+        `RequestPreparer` did that, and the scheduler plans only batches that fit): a batch that
+        fails it is a bug in its caller, refused before it could write outside the pools."""
         bs = len(inp.req_pool_indices)
         if not bs or len(inp.prefix_lens) != bs or len(inp.extend_lens) != bs:
             raise ValueError(

@@ -1,17 +1,19 @@
-"""What a generation request is before it reaches the TokenizerManager: the native request, the
-per-request bounds, and the errors requests end with (each maps to one HTTP status), plus the lookup
-of the checkpoint's multimodal processor that preprocesses its images.
+"""What a generation request is before it is prepared: the native request every front door
+builds (`GenerateRequest`), the per-request bounds, and the errors requests end with (each maps to
+one HTTP status), plus the lookup of the checkpoint's multimodal processor that preprocesses its
+images. `rxf.core.request_preparer` turns a `GenerateRequest` into the engine's `PreparedRequest`.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rxf.core.echo import echo
-from rxf.core.io_struct import MultimodalItem
-from rxf.core.sampling_params import GRAMMAR_KINDS, SamplingParams
+from rxf.core.io_struct import RequestOptions
+from rxf.core.sampling_params import DEFAULT_MAX_NEW_TOKENS, GRAMMAR_KINDS, SamplingParams
 
 if TYPE_CHECKING:
     from rxf.core.config import EngineConfig
@@ -27,7 +29,20 @@ PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 class RequestError(ValueError):
-    """The request is invalid; the message names the field and the reason (HTTP 400)."""
+    """The request is invalid (HTTP 400). The message reads "field: reason" when one field is at
+    fault, the field named as the native request names it (`sampling_params.temperature`,
+    `image_data[0]`)."""
+
+    def renamed(self, names: Mapping[str, str]) -> RequestError:
+        """The same error in another front door's terms: a field of `names` heading the message
+        becomes its name there (`{"sampling_params.max_new_tokens": "max_tokens"}`; an index
+        stays: `image_data[0]` -> `messages: image[0]` for `{"image_data": "messages: image"}`)."""
+        message = str(self)
+        head, sep, reason = message.partition(": ")
+        base, bracket, index = head.partition("[")
+        if not sep or base not in names:
+            return self
+        return RequestError(f"{names[base]}{bracket}{index}: {reason}")
 
 
 class EngineDeadError(RuntimeError):
@@ -114,23 +129,24 @@ def check_prompt_chars(text: str, tokenizer: Any, max_context_len: int, param: s
 
 @dataclass
 class GenerateRequest:
-    """One native generation request (a batch is a list of these)."""
+    """One native generation request as a front door received it (a batch is a list of these), not
+    validated yet: `RequestPreparer.prepare` checks it and turns it into a `PreparedRequest`."""
 
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: dict[str, Any] | SamplingParams | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    rid: str | None = None
-    cache_salt: str | None = None
-    priority: int = 0  # lower runs first; honoured (and nonzero allowed) under scheduler.policy = "priority"
-    # Images / videos for the prompt's placeholder tokens, in order (see rxf.plugins.multimodal.media, .video
-    # for the accepted forms); `mm_items` instead when already preprocessed (ids then hold the pads).
-    image_data: list[Any] | None = None
-    video_data: list[Any] | None = None
-    mm_items: list[MultimodalItem] | None = None
+    options: RequestOptions = field(default_factory=RequestOptions)
+    rid: str | None = None  # None: a fresh one
+    # Images / videos for the prompt's placeholder tokens, in order (see rxf.plugins.multimodal.media,
+    # .video for the accepted forms).
+    image_data: Any = None
+    video_data: Any = None
+    # Whether tokenizing `text` adds the tokenizer's special tokens (BOS); a rendered chat template
+    # writes its own.
+    add_special_tokens: bool = True
+    # The budget when `sampling_params` gives no max_new_tokens (None: the whole remaining context);
+    # cut to what fits next to the prompt (`fit_max_new_tokens`).
+    default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
 
     def slow_to_prepare(self) -> bool:
         """Media to decode, an output constraint to compile (the first one also builds the grammar

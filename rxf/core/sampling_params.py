@@ -1,8 +1,8 @@
 """Sampling parameters of one request: the fields, their coercion from JSON and their validation.
 
-`SamplingParams` crosses processes (pickled inside `TokenizedGenerateReq`); `from_dict` parses a
-request's `sampling_params` object and `verify` names the first invalid field in its ValueError,
-which the server turns into a 400.
+`SamplingParams` crosses processes inside the `PreparedRequest`; `from_dict` parses a request's
+`sampling_params` object and verifies it, naming the first invalid field in its ValueError (the
+server's 400). Every front door reaches these rules through `RequestPreparer.prepare` only.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import numbers
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from rxf.core.echo import echo
@@ -22,6 +22,10 @@ GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
 # Counts are 32-bit: beyond that no context holds them (the context rule, `fit_max_new_tokens`,
 # refuses far less), and the scheduler's int tensors stay in range.
 MAX_COUNT = 2**31 - 1
+# max_new_tokens of a native request (`/generate`, `Runtime`) that does not give one (SGLang's).
+DEFAULT_MAX_NEW_TOKENS = 128
+# Seeds are 64-bit; choice i of an n-choice request samples with (seed + i) mod SEED_SPACE.
+SEED_SPACE = 2**64
 
 
 @dataclass(frozen=True)
@@ -45,17 +49,20 @@ class Bound:
         }
 
     def __str__(self) -> str:
-        high = "2**64" if self.high == 2**64 else self.high
+        high = "2**64" if self.high == SEED_SPACE else self.high
         return f"{'(' if self.low_open else '['}{self.low}, {high}{')' if self.high_open else ']'}"
 
 
 # The range of every numeric field, the one place they are checked (both front doors and the
-# Python API verify through here) and documented (`json_schema`). SGLang's native bounds where it
-# has them; where it has none, bounds that keep float32 sampling finite: a temperature or a
-# repetition penalty that rounds to inf or 0 in float32 turns a row's probabilities into NaN.
+# Python API verify through here, with the same meaning: the OpenAI routes add no bound of their
+# own) and documented (`json_schema`). SGLang's native bounds where it has them; where it has none,
+# bounds that keep float32 sampling finite: a temperature or a repetition penalty that rounds to
+# inf or 0 in float32 turns a row's probabilities into NaN.
 NUMERIC_BOUNDS: dict[str, Bound] = {
     "max_new_tokens": Bound(0, MAX_COUNT),
     "min_new_tokens": Bound(0, MAX_COUNT),  # and at most max_new_tokens
+    # Not OpenAI's [0, 2]: vLLM's and SGLang's OpenAI servers only refuse a negative temperature, so
+    # a client of theirs may send 2.5, and it means the same here on every route.
     "temperature": Bound(0, 100),
     "top_p": Bound(0, 1, low_open=True),
     "top_k": Bound(-1, MAX_COUNT),  # -1 or 0: off; beyond the vocabulary: all of it
@@ -63,14 +70,14 @@ NUMERIC_BOUNDS: dict[str, Bound] = {
     "repetition_penalty": Bound(0.01, 2),  # float32 logits / 1e-300 would be inf
     "frequency_penalty": Bound(-2, 2),
     "presence_penalty": Bound(-2, 2),
-    "seed": Bound(0, 2**64, high_open=True),
+    "seed": Bound(0, SEED_SPACE, high_open=True),
 }
 LOGIT_BIAS_BOUND = Bound(-100, 100)
 
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -96,7 +103,7 @@ class SamplingParams:
     ebnf: str | None = None
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+    def from_dict(cls, d: Mapping[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
         """Parses a request's `sampling_params` object (already JSON-decoded), then verifies it."""
         kwargs: dict[str, Any] = {}
         for name, value in (d or {}).items():
@@ -105,8 +112,16 @@ class SamplingParams:
                 raise ValueError(f"sampling_params: unknown field {name!r}")
             kwargs[name] = coerce(name, value)
         params = cls(**kwargs)
-        params.verify()
+        params.verify(vocab_size)
         return params
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of an n-choice request: with a seed, it samples with
+        (seed + index) mod 2**64 (choice 0 keeps the caller's seed), so choice i of a seeded call is
+        the same through every front door, and every choice's seed stays in range."""
+        if index == 0 or self.seed is None:
+            return self
+        return replace(self, seed=(self.seed + index) % SEED_SPACE)
 
     @property
     def is_greedy(self) -> bool:
@@ -288,7 +303,7 @@ def fit_max_new_tokens(requested: int | None, default: int | None, prompt_len: i
         return room if default is None else min(default, room)
     if requested > room:
         raise ValueError(
-            f"{param}: the prompt has {prompt_len} tokens and {param} is {echo(requested)}, which exceeds "
-            f"the model's context length {context_len} (at most {room} new tokens fit)"
+            f"{param}: {echo(requested)} new tokens do not fit next to the prompt's {prompt_len} tokens in the "
+            f"model's context length {context_len} (at most {room} new tokens fit)"
         )
     return requested

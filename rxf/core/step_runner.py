@@ -118,6 +118,7 @@ class StepExecutor:
             mode = ForwardMode.DECODE
         else:
             mode = ForwardMode.EXTEND if any(batch.prefix_lens) else ForwardMode.PREFILL
+        mm_items = [r.prepared.mm_items for r in batch.reqs]
         inp = ModelInput(
             mode=mode,
             req_pool_indices=batch.rows,
@@ -127,7 +128,7 @@ class StepExecutor:
             out_cache_loc=batch.out_cache_loc,
             row_writes=batch.row_writes if any(w is not None for w in batch.row_writes) else None,
             logits_start=None if decode else logits_start,
-            mm_items=[r.mm_items for r in batch.reqs] if any(r.mm_items for r in batch.reqs) else None,
+            mm_items=mm_items if any(mm_items) else None,
             pending=pending,
         )
         return inp, starts
@@ -175,8 +176,8 @@ class StepExecutor:
         """Next ids [n] and packed output logprobs of the rows that asked; a batch failure is
         retried row by row, and a row that still fails samples token 0 and is reported."""
         reqs = [batch.reqs[i] for i in sampled]
-        layout.logprob_rows = [j for j, r in enumerate(reqs) if r.return_logprob]
-        layout.logprob_top_k = [reqs[j].top_logprobs_num for j in layout.logprob_rows]
+        layout.logprob_rows = [j for j, r in enumerate(reqs) if r.options.return_logprob]
+        layout.logprob_top_k = [reqs[j].options.top_logprobs_num for j in layout.logprob_rows]
         try:
             return self._sample(reqs, logits, batch.banned_ids, batch.grammar, layout)
         except Exception:
@@ -187,14 +188,14 @@ class StepExecutor:
             grammar = None
             if batch.grammar is not None and j in batch.grammar.rows:
                 grammar = GrammarMask(batch.grammar.bitmask[j : j + 1], [0], batch.grammar.apply)
-            sub = _Layout(logprob_rows=[0] if req.return_logprob else [], logprob_top_k=[k_max])
+            sub = _Layout(logprob_rows=[0] if req.options.return_logprob else [], logprob_top_k=[k_max])
             try:
                 one, packed = self._sample([req], logits[j : j + 1], batch.banned_ids[j : j + 1], grammar, sub)
             except Exception as exc:
                 done.row_errors[sampled[j]] = exc
                 one = torch.zeros(1, dtype=torch.int64, device=logits.device)
                 packed = torch.zeros(1, 1 + 2 * k_max, dtype=torch.float64, device=logits.device)
-                packed = packed if req.return_logprob else None
+                packed = packed if req.options.return_logprob else None
             ids.append(one)
             if packed is not None:
                 packs.append(packed)
@@ -241,8 +242,9 @@ class StepExecutor:
         n = len(prompt) - 1 - abs_start
         rows = logits[first_row : first_row + n].float().log_softmax(dim=-1)
         targets = torch.tensor(prompt[abs_start + 1 :], dtype=torch.int64).to(logits.device, non_blocking=True)
-        layout.prompt.append((index, req.top_logprobs_num, n))
-        return pack_logprobs(rows, targets, [req.top_logprobs_num] * n).view(-1)
+        top_k = req.options.top_logprobs_num
+        layout.prompt.append((index, top_k, n))
+        return pack_logprobs(rows, targets, [top_k] * n).view(-1)
 
     # ---- resolve ----
     def resolve(self, handle: StepHandle) -> StepResult:
@@ -273,7 +275,7 @@ def _unpack(batch: StepBatch, done: _Done, flat: list[float], vocab_size: int) -
         values, tops = unpack_logprobs(flat[pos : pos + width], [top_k] * count, vocab_size)
         pos += width
         req = batch.reqs[index]
-        first = max(req.logprob_start_len, 0)
+        first = max(req.options.logprob_start_len, 0)
         lead: list[Any] = [None] if first == 0 else []
         result.prompt_logprobs[index] = {
             "ids": req.origin_input_ids[first:],

@@ -1,5 +1,7 @@
-"""The TokenizerManager: validates and tokenizes requests, sends them to the scheduler, and turns
-the detokenizer's outputs back into per-request results (asyncio, in the caller's process).
+"""The TokenizerManager: submits prepared requests to the scheduler and turns the detokenizer's
+outputs back into per-request results (asyncio, in the caller's process). Requests are validated and
+tokenized before they get here, once, by its `preparer` (`rxf.core.request_preparer`); it trusts
+what it is given.
 
 Slow consumers: a request's outputs wait in its `_ReqState` until its consumer takes them; past
 `_MAX_PENDING_OUTPUTS` they are merged into the last one, so a client that reads nothing of its
@@ -17,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,33 +35,29 @@ from rxf.core.io_struct import (
     FlushCacheReq,
     FlushCacheResult,
     GetStatsReq,
+    PreparedRequest,
     SchedulerStats,
     StatsSnapshot,
     StrOut,
-    TokenizedGenerateReq,
     TokenOut,
 )
+from rxf.core.outputs import GenerateOutput, Logprobs
+from rxf.core.request_preparer import RequestPreparer
 from rxf.core.requests import (
-    MAX_CACHE_SALT_LEN,
-    MAX_RID_LEN,
-    MAX_TOP_LOGPROBS,
     EngineDeadError,
-    GenerateRequest,
     OverloadedError,
     RequestError,
     RequestLimits,
     RequestTimeoutError,
-    check_prompt_chars,
 )
-from rxf.core.sampling_params import SamplingParams, fit_max_new_tokens
 
 if TYPE_CHECKING:
     from rxf.core.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
-def _as_list(value: Any) -> list[Any] | None:
-    return None if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+# The errors a request ends with are importable from here too: the server maps each to a status.
+__all__ = ["EngineDeadError", "OverloadedError", "RequestError", "RequestTimeoutError", "TokenizerManager"]
 
 
 class RequestObserver(Protocol):
@@ -132,17 +129,6 @@ def _merge_token_out(into: TokenOut, later: TokenOut) -> None:
     )
 
 
-def _meta(out: StrOut, rid: str) -> dict[str, Any]:
-    t = out.token
-    return {
-        "id": rid,
-        "prompt_tokens": t.prompt_tokens,
-        "completion_tokens": t.completion_tokens,
-        "cached_tokens": t.cached_tokens,
-        "finish_reason": t.finished.to_json() if t.finished else None,
-    }
-
-
 class TokenizerManager:
     def __init__(
         self,
@@ -154,14 +140,15 @@ class TokenizerManager:
         grammar: GrammarBackend | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.mm_processor = mm_processor  # None: the model takes no images
-        # Compiles each request's constraint (cached) so an invalid one is a 400 before it is queued
-        # (`make_grammar_backend`); None: not checked here (the scheduler then aborts the request).
-        self.grammar = grammar
         self.limits = limits or RequestLimits()
         self.info = engine_info
         self.max_context_len: int = engine_info["max_context_len"]
         self.vocab_size: int = engine_info["vocab_size"]
+        # Every front door's one validation. With `grammar`, each constraint is compiled (cached)
+        # there, so an invalid one is a 400 before it is queued (`make_grammar_backend`).
+        self.preparer = RequestPreparer.for_engine(
+            tokenizer, engine_info, limits=self.limits, mm_processor=mm_processor, grammar=grammar
+        )
         self.ctx = zmq.asyncio.Context()
         # One PUSH socket per data-parallel replica (replica 0's is `to_scheduler`).
         self.to_schedulers = []
@@ -189,101 +176,10 @@ class TokenizerManager:
         if self._recv_task is not None:
             self._recv_task.cancel()
         self.ctx.destroy(linger=0)
-        if self.grammar is not None:
-            self.grammar.close()  # its compile workers
+        if self.preparer.grammar is not None:
+            self.preparer.grammar.close()  # its compile workers
 
     # ---- requests ----
-    def tokenize_request(self, req: GenerateRequest) -> TokenizedGenerateReq:
-        if (req.text is None) == (req.input_ids is None):
-            raise RequestError("give exactly one of text and input_ids")
-        if req.input_ids is not None:
-            ids = list(req.input_ids)
-            self._check_prompt_len(len(ids))  # before the O(n) scan below (images only add tokens)
-            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-                raise RequestError(f"input_ids: every id must be an integer in [0, {self.vocab_size})")
-        else:
-            if not isinstance(req.text, str):
-                raise RequestError("text: expected a string")
-            check_prompt_chars(req.text, self.tokenizer, self.max_context_len, "text")
-            ids = self.tokenizer.encode(req.text)
-        mm_items = req.mm_items
-        images, videos = _as_list(req.image_data), _as_list(req.video_data)
-        # A multimodal model checks every prompt: placeholders without images are an error too.
-        if mm_items is None and (images or videos or self.mm_processor is not None):
-            if self.mm_processor is None:
-                raise RequestError(f"{'image_data' if images else 'video_data'}: this model takes no images or videos")
-            try:
-                ids, mm_items = self.mm_processor.process(ids, images, videos)
-            except ValueError as e:
-                raise RequestError(str(e)) from None
-        if not ids:
-            raise RequestError("the prompt is empty")
-        self._check_prompt_len(len(ids))
-        try:
-            params = (
-                req.sampling_params
-                if isinstance(req.sampling_params, SamplingParams)
-                else SamplingParams.from_dict(req.sampling_params)
-            )
-            params.verify(self.vocab_size)
-            self.limits.check_params(params)
-            self._fit_context(req, params, len(ids))
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        self._check_grammar(params)
-        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {echo(req.top_logprobs_num)}")
-        salt = req.cache_salt
-        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_LEN):
-            raise RequestError(f"cache_salt: must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters")
-        self.limits.check_priority(req.priority)
-        if req.rid is not None and not (isinstance(req.rid, str) and len(req.rid) <= MAX_RID_LEN):
-            raise RequestError(f"rid: must be a string of at most {MAX_RID_LEN} characters")
-        if not -1 <= req.logprob_start_len < len(ids):
-            raise RequestError(
-                f"logprob_start_len: must be -1 (output tokens only) or in [0, {len(ids)}) (the prompt's "
-                f"tokens), got {echo(req.logprob_start_len)}"
-            )
-        return TokenizedGenerateReq(
-            rid=req.rid or uuid.uuid4().hex,
-            input_ids=ids,
-            sampling_params=params,
-            stream=req.stream,
-            return_logprob=req.return_logprob,
-            logprob_start_len=req.logprob_start_len,
-            top_logprobs_num=req.top_logprobs_num,
-            cache_salt=salt,
-            priority=req.priority,
-            mm_items=mm_items or None,
-        )
-
-    def _check_prompt_len(self, n: int) -> None:
-        if n >= self.max_context_len:
-            raise RequestError(f"the prompt has {n} tokens; the model's context length is {self.max_context_len}")
-
-    def _fit_context(self, req: GenerateRequest, params: SamplingParams, prompt_len: int) -> None:
-        """`fit_max_new_tokens` for the native request: a max_new_tokens it gave (or a whole
-        SamplingParams) must fit the context; the default is cut to fit."""
-        given = req.sampling_params
-        explicit = isinstance(given, SamplingParams) or (given is not None and "max_new_tokens" in given)
-        params.max_new_tokens = fit_max_new_tokens(
-            params.max_new_tokens if explicit else None, params.max_new_tokens, prompt_len, self.max_context_len,
-            "sampling_params.max_new_tokens",
-        )
-        params.min_new_tokens = min(params.min_new_tokens, params.max_new_tokens)
-
-    def _check_grammar(self, params: SamplingParams) -> None:
-        from rxf.core.grammar import GrammarError
-
-        constraint = params.grammar
-        if constraint is None or self.grammar is None:
-            return
-        kind, text = constraint
-        try:
-            self.grammar.validate(kind, text)
-        except GrammarError as e:
-            raise RequestError(f"sampling_params.{kind}: {e}") from None
-
     def check_capacity(self, n: int = 1) -> None:
         """Raise unless `n` more requests may start now: OverloadedError while the server is full,
         RequestError if n alone exceeds what it ever holds."""
@@ -295,28 +191,25 @@ class TokenizerManager:
         if len(self.states) + n > limit:
             raise OverloadedError(f"the server is at capacity ({limit} requests in flight); retry later")
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        """Yields incremental chunks (`stream=True`) or one final result.
+    async def generate(self, req: PreparedRequest) -> AsyncIterator[GenerateOutput]:
+        """Yields incremental chunks (`options.stream`) or one final result.
 
         A chunk's `text` and `output_ids` are what this chunk adds; the final result's are complete.
         Cancelling the consumer (e.g. a disconnected client) aborts the request in the scheduler.
         """
         if self._dead:
             raise EngineDeadError(self._dead)
-        if req.slow_to_prepare():  # media decoding, grammar compiling: off the event loop
-            msg = await asyncio.to_thread(self.tokenize_request, req)
-        else:
-            msg = self.tokenize_request(req)
-        if msg.rid in self.states:
-            raise RequestError(f"rid: a request with id {echo(msg.rid)} is already running")
+        rid, stream = req.rid, req.options.stream
+        if rid in self.states:
+            raise RequestError(f"rid: a request with id {echo(rid)} is already running")
         self.check_capacity()
-        state = self.states[msg.rid] = _ReqState()  # no await since the check: the bound holds
+        state = self.states[rid] = _ReqState()  # no await since the check: the bound holds
         observer = self.observer
         if observer is not None:
-            observer.on_start(msg.rid, msg.stream, time.perf_counter())
+            observer.on_start(rid, stream, time.perf_counter())
         text: list[str] = []
         ids: list[int] = []
-        logprobs = _LogprobAccumulator(msg.return_logprob)
+        logprobs = Logprobs() if req.options.return_logprob else None
         finished = False
         timeout = self.limits.timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
@@ -324,31 +217,32 @@ class TokenizerManager:
         # that drops it: a leaked entry would count against max_in_flight for the server's lifetime.
         to_scheduler = None
         try:
-            to_scheduler = self.to_schedulers[self.router.route(msg.rid, msg.input_ids, msg.cache_salt)]
-            await to_scheduler.send_pyobj(msg)
+            to_scheduler = self.to_schedulers[self.router.route(rid, req.input_ids, req.options.cache_salt)]
+            await to_scheduler.send_pyobj(req)
             while not finished:
                 item = await _next_output(state, deadline, timeout)
                 if isinstance(item, BaseException):
                     raise item
                 if observer is not None:
-                    observer.on_output(msg.rid, item, time.perf_counter())
+                    observer.on_output(rid, item, time.perf_counter())
                 finished = item.token.finished is not None
+                new_logprobs = Logprobs.of(item) if logprobs is not None else None
+                if stream:
+                    yield _output(rid, item, item.text_delta, item.token.new_token_ids, new_logprobs)
+                    continue
                 text.append(item.text_delta)
                 ids += item.token.new_token_ids
-                logprobs.add(item)
-                if msg.stream:
-                    chunk = {"text": item.text_delta, "output_ids": item.token.new_token_ids}
-                    chunk["meta_info"] = _meta(item, msg.rid) | logprobs.delta(item)
-                    yield chunk
-            if not msg.stream:
-                yield {"text": "".join(text), "output_ids": ids, "meta_info": _meta(item, msg.rid) | logprobs.total()}
+                if logprobs is not None and new_logprobs is not None:
+                    logprobs.extend(new_logprobs)
+            if not stream:
+                yield _output(rid, item, "".join(text), ids, logprobs)
         finally:
-            self.states.pop(msg.rid, None)
-            self.router.finished(msg.rid)
+            self.states.pop(rid, None)
+            self.router.finished(rid)
             if observer is not None:
-                observer.on_end(msg.rid)
+                observer.on_end(rid)
             if not finished and not self._dead and to_scheduler is not None:
-                await to_scheduler.send_pyobj(AbortReq(msg.rid))
+                await to_scheduler.send_pyobj(AbortReq(rid))
 
     async def abort(self, rid: str) -> None:
         replica = self.router.replica_of(rid)
@@ -429,30 +323,9 @@ async def _next_output(state: _ReqState, deadline: float | None, timeout: float 
         raise RequestTimeoutError(f"the request ran longer than server.request_timeout_s = {timeout} s") from None
 
 
-class _LogprobAccumulator:
-    """Collects logprobs in the result shape: lists of (logprob, token_id) pairs."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.out: dict[str, list[Any]] = {"output_token_logprobs": [], "output_top_logprobs": []}
-
-    def delta(self, item: StrOut) -> dict[str, Any]:
-        if not self.enabled:
-            return {}
-        t = item.token
-        d: dict[str, Any] = {
-            "output_token_logprobs": list(zip(t.output_token_logprobs or [], t.new_token_ids, strict=False)),
-            "output_top_logprobs": [[(lp, tid) for tid, lp in top] for top in t.output_top_logprobs or []],
-        }
-        if t.input_token_logprobs is not None:
-            d["input_token_logprobs"] = list(zip(t.input_token_logprobs, t.input_token_ids or [], strict=False))
-            d["input_top_logprobs"] = [[(lp, tid) for tid, lp in top] for top in t.input_top_logprobs or []]
-        return d
-
-    def add(self, item: StrOut) -> None:
-        if self.enabled:
-            for key, value in self.delta(item).items():
-                self.out.setdefault(key, []).extend(value)
-
-    def total(self) -> dict[str, Any]:
-        return self.out if self.enabled else {}
+def _output(rid: str, last: StrOut, text: str, ids: list[int], logprobs: Logprobs | None) -> GenerateOutput:
+    """An output holding `text` and `ids`, with the counts and finish of `last` (the newest)."""
+    t = last.token
+    return GenerateOutput(
+        rid, text, ids, t.prompt_tokens, t.completion_tokens, t.cached_tokens, t.finished, logprobs
+    )

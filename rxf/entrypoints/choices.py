@@ -1,10 +1,11 @@
 """Several native requests for one call, whoever makes it: the n choices of a prompt
 (`Runtime.generate(n=...)`, the OpenAI layer's `n`) and batch prompts.
 
-Choice i of a prompt is its own native request; with a seed it samples with seed + i (choice 0 keeps
-the caller's seed), so choice i of a seeded call is the same through either front door. Before n > 1
-choices run, their prompt is prefilled once so that they share its KV in the radix cache instead of
-each prefilling it.
+Choice i of a prompt is its own request, derived from the prompt's one prepared request (tokenized
+and validated once), under a rid of its own; with a seed it samples with seed + i mod 2**64 (choice 0
+keeps the caller's seed; `SamplingParams.for_choice`), so choice i of a seeded call is the same
+through either front door. Before n > 1 choices run, their prompt is prefilled once so that they
+share its KV in the radix cache instead of each prefilling it.
 
 Each native request is driven by its own task that feeds one queue. Closing or cancelling the
 consumer cancels those tasks, and cancelling a task inside `TokenizerManager.generate` makes that
@@ -17,12 +18,15 @@ which is outside that scope.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
 from rxf.core.echo import echo
-from rxf.core.requests import GenerateRequest
+from rxf.core.io_struct import PreparedRequest
+from rxf.core.outputs import GenerateOutput
 from rxf.core.tokenizer_manager import TokenizerManager
 
 MAX_N = 128  # choices of one prompt
@@ -35,18 +39,32 @@ def check_n(n: Any) -> None:
         raise ValueError(f"n must be an integer in [1, {MAX_N}], got {echo(n)}")
 
 
-def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:
-    """Choice `index`'s sampling params: the seed moves by the choice's index."""
-    return params if index == 0 or params.get("seed") is None else params | {"seed": params["seed"] + index}
+def choice_requests(prepared: PreparedRequest, rids: list[str]) -> list[PreparedRequest]:
+    """The requests of one prompt's choices, one per rid: request i is choice i."""
+    return [
+        replace(prepared, rid=rid, sampling_params=prepared.sampling_params.for_choice(i)) for i, rid in enumerate(rids)
+    ]
 
 
-def prefill_request(req: GenerateRequest) -> GenerateRequest:
-    """`req`'s prompt prefilled into the cache, no token generated."""
-    params = dict(req.sampling_params or {}) | {"max_new_tokens": 0, "min_new_tokens": 0}
-    return replace(req, sampling_params=params, stream=False, rid=None, return_logprob=False)
+def prefill_request(prepared: PreparedRequest) -> PreparedRequest:
+    """`prepared`'s prompt prefilled into the cache, no token generated (under a fresh rid)."""
+    params = replace(prepared.sampling_params, max_new_tokens=0, min_new_tokens=0)
+    options = replace(prepared.options, stream=False, return_logprob=False)
+    return replace(prepared, rid=uuid.uuid4().hex, sampling_params=params, options=options)
 
 
-async def _pump(tm: TokenizerManager, index: int, req: GenerateRequest, queue: asyncio.Queue[Any]) -> None:
+async def warm_prefixes(tm: TokenizerManager, prompts: list[PreparedRequest]) -> None:
+    """Prefill each prompt once, so that its KV is in the radix cache before its n choices run
+    concurrently: they then share it instead of each prefilling the prompt. Prompts with media are
+    not warmed: their choices each prefill (a media prefix shared through a prefill-only request is
+    untested)."""
+    prefills = [prefill_request(p) for p in prompts if p.mm_items is None]
+    async with contextlib.aclosing(interleave(tm, prefills)) as outputs:
+        async for _ in outputs:
+            pass
+
+
+async def _pump(tm: TokenizerManager, index: int, req: PreparedRequest, queue: asyncio.Queue[Any]) -> None:
     try:
         async for chunk in tm.generate(req):
             queue.put_nowait((index, chunk))
@@ -57,8 +75,8 @@ async def _pump(tm: TokenizerManager, index: int, req: GenerateRequest, queue: a
 
 
 async def interleave(
-    tm: TokenizerManager, reqs: list[GenerateRequest]
-) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
+    tm: TokenizerManager, reqs: list[PreparedRequest]
+) -> AsyncGenerator[tuple[int, GenerateOutput], None]:
     """Runs `reqs` concurrently on `tm` and yields `(request index, chunk)` as chunks arrive. The
     first failure is raised, and the other requests are aborted."""
     queue: asyncio.Queue[Any] = asyncio.Queue()

@@ -13,6 +13,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import fields
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -20,8 +21,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from rxf.core import sampling_params
-from rxf.core.requests import MAX_CACHE_SALT_LEN, MAX_RID_LEN, MAX_TOP_LOGPROBS, PRIORITY_RANGE
-from rxf.core.tokenizer_manager import GenerateRequest, TokenizerManager
+from rxf.core.io_struct import PreparedRequest, RequestOptions
+from rxf.core.request_preparer import RequestPreparer
+from rxf.core.requests import (
+    MAX_CACHE_SALT_LEN,
+    MAX_RID_LEN,
+    MAX_TOP_LOGPROBS,
+    PRIORITY_RANGE,
+    GenerateRequest,
+)
+from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.body_text import check_unicode
 from rxf.entrypoints.server_state import (
     APIError,
@@ -53,13 +62,13 @@ class _NativeBody(BaseModel):
         return data
 
 
-# A `sampling_params` object: parsed and range-checked by SamplingParams.from_dict (the engine's one
+# A `sampling_params` object: parsed and range-checked by the RequestPreparer (every front door's one
 # validation), documented by its JSON schema.
 SamplingParamsObject = Annotated[dict[str, Any], WithJsonSchema(sampling_params.json_schema())]
 
 
 def _documented(default: int, bound: tuple[int, int], description: str) -> Any:
-    """A field's range for the document only: the TokenizerManager checks it, for every front door."""
+    """A field's range for the document only: the RequestPreparer checks it, for every front door."""
     return Field(default, json_schema_extra={"minimum": bound[0], "maximum": bound[1]}, description=description)
 
 
@@ -109,48 +118,41 @@ def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
     if batched and body.stream:
         raise APIError(400, "stream: streaming takes a single prompt, not a batch", param="stream")
     n = len(items)
-    columns = {
-        name: _per_item(name, getattr(body, name), n, batched)
-        for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "cache_salt",
-                     "priority")
+    # Each option of the body, per prompt (`stream` is one for the whole body).
+    options = {
+        f.name: _per_item(f.name, getattr(body, f.name), n, batched) for f in fields(RequestOptions) if f.name != "stream"
     }
+    params = _per_item("sampling_params", body.sampling_params, n, batched)
     if batched and isinstance(body.rid, str):
         raise APIError(400, "rid: a batch needs a list of request ids, one per prompt", param="rid")
     rids = _per_item("rid", body.rid, n, batched)
+    media = {}
     for name in ("image_data", "video_data"):
         value = getattr(body, name)
         if batched and value is not None and not (isinstance(value, list) and len(value) == n):
             raise APIError(400, f"{name}: a batch needs a list with one entry per prompt ({n})", param=name)
-        columns[name] = value if batched and value is not None else [value] * n
+        media[name] = value if batched and value is not None else [value] * n
     reqs = [
-        GenerateRequest(**item, **{k: v[i] for k, v in columns.items()}, stream=body.stream, rid=rids[i])
+        GenerateRequest(
+            **item, sampling_params=params[i], rid=rids[i], image_data=media["image_data"][i],
+            video_data=media["video_data"][i],
+            options=RequestOptions(stream=body.stream, **{k: v[i] for k, v in options.items()}),
+        )
         for i, item in enumerate(items)
     ]
     return reqs, batched
 
 
-def _pretokenized(tm: TokenizerManager, reqs: list[GenerateRequest]) -> list[GenerateRequest]:
-    """Validate and tokenize now, so a bad request is a 400 before any prompt reaches the scheduler
-    (and before a stream's headers are sent); the engine then gets the ids, not the text again.
-    Images are decoded and preprocessed here too."""
-    out = []
-    for req in reqs:
-        msg = tm.tokenize_request(req)
-        out.append(GenerateRequest(
-            input_ids=msg.input_ids, sampling_params=msg.sampling_params, stream=msg.stream,
-            return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num, rid=msg.rid, cache_salt=msg.cache_salt,
-            priority=msg.priority, mm_items=msg.mm_items,
-        ))
-    return out
+def _prepare_all(preparer: RequestPreparer, reqs: list[GenerateRequest]) -> list[PreparedRequest]:
+    return [preparer.prepare(r) for r in reqs]
 
 
-async def _one(tm: TokenizerManager, req: GenerateRequest) -> dict[str, Any]:
+async def _one(tm: TokenizerManager, req: PreparedRequest) -> dict[str, Any]:
     results = [r async for r in tm.generate(req)]  # a non-streaming request yields one result
-    return results[-1]
+    return results[-1].to_dict()
 
 
-async def _all(tm: TokenizerManager, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
+async def _all(tm: TokenizerManager, reqs: list[PreparedRequest]) -> list[dict[str, Any]]:
     try:
         async with asyncio.TaskGroup() as group:  # one failure cancels (aborts) the others
             tasks = [group.create_task(_one(tm, r)) for r in reqs]
@@ -163,13 +165,14 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(tm: TokenizerManager, req: GenerateRequest) -> AsyncIterator[str]:
+async def _stream(tm: TokenizerManager, req: PreparedRequest) -> AsyncIterator[str]:
     """Cumulative chunks. A failure after the headers went out is reported as an error event."""
     text, ids = "", []
     logprobs: dict[str, list[Any]] = {}
     agen = tm.generate(req)
     try:
-        async for chunk in agen:
+        async for out in agen:
+            chunk = out.to_dict()
             text += chunk["text"]
             ids += chunk["output_ids"]
             meta = dict(chunk["meta_info"])
@@ -195,11 +198,15 @@ async def _stream(tm: TokenizerManager, req: GenerateRequest) -> AsyncIterator[s
 async def generate(body: GenerateBody, request: Request, state: State) -> Response:
     tm = state.require_ready()
     reqs, batched = _requests(body)
-    reqs = await prepare(request, _pretokenized, tm, reqs, off_loop=any(r.slow_to_prepare() for r in reqs))
-    tm.check_capacity(len(reqs))  # before a stream's 200 goes out; generate() checks again
+    # Validated and tokenized once, now: a bad request is a 400 before any prompt reaches the
+    # scheduler (and before a stream's headers are sent). Media, constraints and long texts are
+    # prepared off the event loop (and so is a large body).
+    slow = any(r.slow_to_prepare() for r in reqs)
+    prepared = await prepare(request, _prepare_all, tm.preparer, reqs, off_loop=slow)
+    tm.check_capacity(len(prepared))  # before a stream's 200 goes out; generate() checks again
     if body.stream:
-        return StreamingResponse(_stream(tm, reqs[0]), media_type="text/event-stream")
-    results = await until_disconnected(request, _all(tm, reqs))
+        return StreamingResponse(_stream(tm, prepared[0]), media_type="text/event-stream")
+    results = await until_disconnected(request, _all(tm, prepared))
     if results is None:
         return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
     return JSONResponse(results if batched else results[0])
@@ -215,9 +222,9 @@ async def health(state: State) -> dict[str, Any]:
 async def health_generate(state: State) -> dict[str, Any]:
     """Healthy when a one-token generation goes through the whole engine in time."""
     tm = state.require_ready()
-    req = GenerateRequest(
+    req = tm.preparer.prepare(GenerateRequest(
         text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=f"health-{uuid.uuid4().hex}"
-    )
+    ))
     try:
         result = await asyncio.wait_for(_one(tm, req), HEALTH_GENERATE_TIMEOUT_S)
     except TimeoutError:

@@ -20,16 +20,16 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Any
 
 from rxf.core.config import EngineConfig, load_config
 from rxf.core.grammar import make_grammar_backend
+from rxf.core.io_struct import PreparedRequest, RequestOptions
 from rxf.core.registry import PluginRegistry
 from rxf.core.requests import GenerateRequest, RequestLimits, load_multimodal_processor
 from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.chat.tool_parsers import make_parser
-from rxf.entrypoints.choices import check_n, choice_params, interleave, prefill_request
+from rxf.entrypoints.choices import check_n, choice_requests, interleave, warm_prefixes
 from rxf.entrypoints.engine import EngineProcesses
 from rxf.entrypoints.runtime_chat import ChatCall, prepare_chat
 
@@ -95,14 +95,14 @@ class Runtime:
         + i) → a list of n results per prompt; streamed, every chunk carries its choice's `index`.
         `options`: return_logprob, logprob_start_len, top_logprobs_num, rid (with n > 1, choice i's
         is rid-i), cache_salt, priority (an int, lower runs first; nonzero only under
-        scheduler.policy = "priority").
+        scheduler.policy = "priority"), image_data, video_data. Bad input raises a ValueError
+        naming the field, before anything runs.
         """
         reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, n, options)
+        prepared = [self.tokenizer_manager.preparer.prepare(r) for r in reqs]  # in this thread
         if stream:
-            if batched:
-                raise ValueError("stream=True takes a single prompt")
-            return self._iterate(self._stream(reqs))
-        results = self._call(self._gather(reqs, n))
+            return self._iterate(self._stream(prepared, n))
+        results = self._call(self._gather(prepared, n))
         return results if batched else results[0]
 
     def chat(
@@ -120,11 +120,12 @@ class Runtime:
         Streamed with tools, each chunk's `text` is a delta without the markup and `tool_calls` the
         call deltas parsed so far (as the server's SSE). `n` as in `generate`. Bad input raises
         ValueError naming the field."""
-        call = self._chat_call(messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls)
-        out = self.generate(input_ids=call.ids, sampling_params=call.params, n=n, stream=stream,
-                            mm_items=call.mm_items, **options)
+        call, prepared = self._prepare_chat(
+            messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls, n, stream, options
+        )
         if stream:
-            return call.reply_stream(out)
+            return call.reply_stream(self._iterate(self._stream([prepared], n)))
+        out = self._call(self._gather([prepared], n))[0]
         return [call.reply(r) for r in out] if n > 1 else call.reply(out)
 
     def flush_cache(self) -> tuple[bool, str]:
@@ -140,11 +141,10 @@ class Runtime:
         n: int = 1, stream: bool = False, **options: Any,
     ) -> Any:
         reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, n, options)
+        prepared = [await self.tokenizer_manager.preparer.prepare_async(r) for r in reqs]
         if stream:
-            if batched:
-                raise ValueError("stream=True takes a single prompt")
-            return self._aiterate(self._stream(reqs))
-        results = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._gather(reqs, n), self._loop))
+            return self._aiterate(self._stream(prepared, n))
+        results = await self._await(self._gather(prepared, n))
         return results if batched else results[0]
 
     async def async_chat(
@@ -153,15 +153,14 @@ class Runtime:
         response_format: dict[str, Any] | None = None, parallel_tool_calls: bool = True,
         n: int = 1, stream: bool = False, **options: Any,
     ) -> Any:
-        """`chat` for an event loop (images are decoded off it)."""
-        call = await asyncio.to_thread(
-            self._chat_call, messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls
-        )
-        out = await self.async_generate(
-            input_ids=call.ids, sampling_params=call.params, n=n, stream=stream, mm_items=call.mm_items, **options
+        """`chat` for an event loop (rendered and prepared off it: images, constraints)."""
+        call, prepared = await asyncio.to_thread(
+            self._prepare_chat, messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls,
+            n, stream, options,
         )
         if stream:
-            return call.areply_stream(out)
+            return call.areply_stream(self._aiterate(self._stream([prepared], n)))
+        out = (await self._await(self._gather([prepared], n)))[0]
         return [call.reply(r) for r in out] if n > 1 else call.reply(out)
 
     # ---- lifetime ----
@@ -179,10 +178,11 @@ class Runtime:
         self.shutdown()
 
     # ---- helpers ----
+    @staticmethod
     def _requests(
-        self, prompt: Prompt, input_ids: Any, params: Params, stream: bool, n: int, options: dict[str, Any]
+        prompt: Prompt, input_ids: Any, params: Params, stream: bool, n: int, options: dict[str, Any]
     ) -> tuple[list[GenerateRequest], bool]:
-        """The native requests: per prompt, its n choices in order."""
+        """The native requests, one per prompt (their n choices are derived once each is prepared)."""
         check_n(n)
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
@@ -192,66 +192,70 @@ class Runtime:
         else:
             batched = bool(input_ids) and isinstance(input_ids[0], list)
             items = [{"input_ids": ids} for ids in (input_ids if batched else [input_ids])]
+        if stream and batched:
+            raise ValueError("stream=True takes a single prompt")
         if isinstance(params, list):
             if len(params) != len(items):
                 raise ValueError(f"got {len(params)} sampling_params for {len(items)} prompts")
             per_item = params
         else:
             per_item = [params] * len(items)
+        media = {key: options.pop(key) for key in ("image_data", "video_data") if key in options}
+        rid, request_options = _split_options(stream, options)
         reqs = [
-            GenerateRequest(**item, sampling_params=p, stream=stream, **options)
+            GenerateRequest(**item, **media, sampling_params=p, options=request_options, rid=rid)
             for item, p in zip(items, per_item, strict=True)
         ]
-        if n > 1:
-            reqs = [self._choice(req, i) for req in reqs for i in range(n)]
         return reqs, batched
 
-    @staticmethod
-    def _choice(req: GenerateRequest, index: int) -> GenerateRequest:
-        params = choice_params(dict(req.sampling_params or {}), index)
-        return replace(req, sampling_params=params, rid=None if req.rid is None else f"{req.rid}-{index}")
-
-    def _chat_call(
+    def _prepare_chat(
         self, messages: Any, params: dict[str, Any] | None, tools: Any, tool_choice: Any, response_format: Any,
-        parallel_tool_calls: bool,
-    ) -> ChatCall:
-        """The prompt ids (the rendered conversation already holds any BOS) and native params."""
-        return prepare_chat(
-            messages, params, tokenizer=self.tokenizer, chat_template=self.chat_template, tool_parser=self.tool_parser,
-            mm_processor=self.tokenizer_manager.mm_processor, grammar=self.tokenizer_manager.grammar, tools=tools, tool_choice=tool_choice,
-            response_format=response_format, parallel_tool_calls=parallel_tool_calls,
+        parallel_tool_calls: bool, n: int, stream: bool, options: dict[str, Any],
+    ) -> tuple[ChatCall, PreparedRequest]:
+        """The chat's call (its tool plan reads the replies) and its one prepared request."""
+        check_n(n)
+        call = prepare_chat(
+            messages, params, chat_template=self.chat_template, tool_parser=self.tool_parser,
+            takes_media=self.tokenizer_manager.preparer.mm_processor is not None, tools=tools,
+            tool_choice=tool_choice, response_format=response_format, parallel_tool_calls=parallel_tool_calls,
         )
+        rid, request_options = _split_options(stream, options)
+        return call, call.prepare(self.tokenizer_manager.preparer, request_options, rid)
 
-    async def _gather(self, reqs: list[GenerateRequest], n: int) -> list[Any]:
+    async def _gather(self, prompts: list[PreparedRequest], n: int) -> list[Any]:
         """The final results in order; with n > 1 grouped by prompt (a list of n per prompt)."""
-        await self._start_choices(reqs, n)
+        reqs = await self._start_choices(prompts, n)
         results: list[Any] = [None] * len(reqs)
-        async with contextlib.aclosing(interleave(self.tokenizer_manager, reqs)) as chunks:
-            async for index, result in chunks:  # a non-streaming request yields one result
-                results[index] = result
+        async with contextlib.aclosing(interleave(self.tokenizer_manager, reqs)) as outputs:
+            async for index, result in outputs:  # a non-streaming request yields one result
+                results[index] = result.to_dict()
         return results if n == 1 else [results[p : p + n] for p in range(0, len(results), n)]
 
-    async def _stream(self, reqs: list[GenerateRequest]) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, prompts: list[PreparedRequest], n: int) -> AsyncIterator[dict[str, Any]]:
         """One prompt's chunks; with n > 1 its choices' chunks as they come, each with its `index`."""
-        if len(reqs) == 1:
-            async for chunk in self.tokenizer_manager.generate(reqs[0]):
-                yield chunk
-            return
-        await self._start_choices(reqs, len(reqs))
-        async with contextlib.aclosing(interleave(self.tokenizer_manager, reqs)) as chunks:
-            async for index, chunk in chunks:
-                yield {**chunk, "index": index}
-
-    async def _start_choices(self, reqs: list[GenerateRequest], n: int) -> None:
-        """Before n > 1 choices start: room for all of them, and each prompt prefilled once so
-        that its choices share its cached KV (as the server's `n`; not with media, whose
-        features a prefill-only request would not carry further)."""
         if n == 1:
+            async for chunk in self.tokenizer_manager.generate(prompts[0]):
+                yield chunk.to_dict()
             return
-        self.tokenizer_manager.check_capacity(len(reqs))
-        firsts = reqs[::n]
-        if not any(r.image_data or r.video_data or r.mm_items for r in firsts):
-            await self._gather([prefill_request(r) for r in firsts], 1)
+        reqs = await self._start_choices(prompts, n)
+        async with contextlib.aclosing(interleave(self.tokenizer_manager, reqs)) as outputs:
+            async for index, chunk in outputs:
+                yield {**chunk.to_dict(), "index": index}
+
+    async def _start_choices(self, prompts: list[PreparedRequest], n: int) -> list[PreparedRequest]:
+        """Every prompt's n choices, in order. With n > 1: room for all of them first, and each
+        prompt prefilled once so that its choices share its cached KV (as the server's `n`)."""
+        reqs: list[PreparedRequest] = []
+        for p in prompts:  # with n > 1, choice i's rid is `<rid>-<i>`
+            reqs += choice_requests(p, [p.rid] if n == 1 else [f"{p.rid}-{i}" for i in range(n)])
+        if n > 1:
+            self.tokenizer_manager.check_capacity(len(reqs))
+            await warm_prefixes(self.tokenizer_manager, prompts)
+        return reqs
+
+    async def _await(self, coro: Any) -> Any:
+        """`coro` run on the runtime loop, awaited from the caller's loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     def _call(self, coro: Any) -> Any:
         fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -300,3 +304,9 @@ class Runtime:
                 yield item
         finally:
             task.cancel()
+
+
+def _split_options(stream: bool, options: dict[str, Any]) -> tuple[str | None, RequestOptions]:
+    """The rid and the RequestOptions among a call's keyword options (an unknown one: TypeError)."""
+    rid = options.pop("rid", None)
+    return rid, RequestOptions(stream=stream, **options)

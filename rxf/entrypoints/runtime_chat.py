@@ -2,7 +2,8 @@
 `tools`, `tool_choice`, `response_format`), validated by the OpenAI protocol's models so that both
 front doors accept the same requests; the prompt and tool plan of `rxf.entrypoints.chat`; and the
 tool calls read from the reply, whole or as it streams (`ToolCallStream`, as the server's SSE).
-Every bad input raises `ChatInputError` (a ValueError) naming the field."""
+Every bad input raises a ValueError naming the field (a `ChatInputError`, or the preparer's
+`RequestError` in the chat's terms)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,17 @@ from pydantic import TypeAdapter, ValidationError
 
 from rxf.core.echo import echo
 from rxf.core.grammar import GRAMMAR_KINDS
+from rxf.core.io_struct import PreparedRequest, RequestOptions
+from rxf.core.request_preparer import RequestPreparer
+from rxf.core.requests import RequestError
+from rxf.core.sampling_params import DEFAULT_MAX_NEW_TOKENS
 from rxf.entrypoints.chat import ChatInputError
-from rxf.entrypoints.chat.prompt import build_chat_prompt, check_constraint, response_format_constraint
+from rxf.entrypoints.chat.prompt import (
+    PROMPT_FIELDS,
+    ChatPrompt,
+    build_chat_prompt,
+    response_format_constraint,
+)
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.entrypoints.chat.tool_stream import ToolCallStream, finish_type
 from rxf.entrypoints.chat.tools import ToolPlan, new_call_id, plan_tools, reply_calls, tool_params
@@ -24,11 +34,22 @@ from rxf.entrypoints.chat.tools import ToolPlan, new_call_id, plan_tools, reply_
 
 @dataclass
 class ChatCall:
-    ids: list[int]
+    prompt: ChatPrompt
     params: dict[str, Any]  # native sampling params: the caller's, the template's stops, constraints
-    mm_items: list[Any] | None
     tools: ToolPlan | None
+    constraint_param: str | None  # the input that set the output constraint (None: none did)
     streams: dict[int, ToolCallStream] = field(default_factory=dict)  # per choice index, while streaming
+
+    def prepare(self, preparer: RequestPreparer, options: RequestOptions, rid: str | None) -> PreparedRequest:
+        """The prepared request (blocking: media decoding, grammar compiling); a RequestError
+        names the chat's own input (`messages`, `response_format`, `tools`)."""
+        names = dict(PROMPT_FIELDS)
+        if self.constraint_param is not None:
+            names |= {f"sampling_params.{kind}": self.constraint_param for kind in GRAMMAR_KINDS}
+        try:
+            return preparer.prepare(self.prompt.request(self.params, options, rid, DEFAULT_MAX_NEW_TOKENS))
+        except RequestError as exc:
+            raise exc.renamed(names) from None
 
     def reply(self, result: dict[str, Any]) -> dict[str, Any]:
         """The native result; with tools offered, its text without the call markup and, when the
@@ -81,19 +102,15 @@ def prepare_chat(
     messages: Any,
     sampling_params: dict[str, Any] | None,
     *,
-    tokenizer: Any,
     chat_template: Any,
     tool_parser: ToolCallParser,
-    mm_processor: Any = None,
-    grammar: Any = None,
+    takes_media: bool = False,
     tools: Any = None,
     tool_choice: Any = None,
     response_format: Any = None,
     parallel_tool_calls: bool = True,
 ) -> ChatCall:
-    """The prompt and native params of a chat call. With a multimodal processor its images are
-    decoded and preprocessed here; the constraint that tools or response_format set is compiled
-    with `grammar` (blocking)."""
+    """The prompt and native params of a chat call, to prepare with `ChatCall.prepare`."""
     # Imported here, not at the top: the protocol's package loads the whole HTTP layer (FastAPI),
     # which a Runtime that never chats need not import.
     from rxf.entrypoints.openai.protocol import ChatMessages, ResponseFormat, Tool
@@ -112,17 +129,17 @@ def prepare_chat(
             f"at most one output constraint may be set; got {constraints[0]} and {constraints[1]}", constraints[1]
         )
     plan = plan_tools(entries, choice, parallel_tool_calls, tool_parser, constraints[0] if constraints else None)
-    prompt = build_chat_prompt(items, tokenizer, chat_template, tool_parser, plan, mm_processor)
+    prompt = build_chat_prompt(items, chat_template, tool_parser, plan, takes_media)
     stop = params.get("stop") or []
     stop = [stop] if isinstance(stop, str) else list(stop)
     stop += [s for s in chat_template.stop_strings if s not in stop]
     params.pop("stop", None)
     params |= ({"stop": stop} if stop else {}) | constraint | tool_params(plan)
     if plan is not None and plan.json_schema is not None:
-        check_constraint(grammar, params, "tools")
-    elif constraint:
-        check_constraint(grammar, params, "response_format")
-    return ChatCall(prompt.ids, params, prompt.mm_items, plan)
+        constrained_by: str | None = "tools"
+    else:
+        constrained_by = "response_format" if constraint else None
+    return ChatCall(prompt, params, plan, constrained_by)
 
 
 def _tool_choice(tool_choice: Any) -> str | dict[str, Any] | None:

@@ -26,7 +26,7 @@ import torch
 from rxf.core.config import load_config
 from rxf.core.forward import ForwardMode
 from rxf.core.hookspecs import hookimpl
-from rxf.core.io_struct import TokenizedGenerateReq
+from rxf.core.io_struct import PreparedRequest
 from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.registry import PluginRegistry
 from rxf.core.sampling_params import SamplingParams
@@ -166,7 +166,7 @@ def test_greedy_matches_transformers(ckpt: Path, backend: str, dtype: torch.dtyp
     prompts = _prompts(5, seed=11)  # 5 requests: decode batches of 5 replay the padded bucket 8
     for i, p in enumerate(prompts):
         params = SamplingParams.from_dict({"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True})
-        sched.add_request(TokenizedGenerateReq(f"r{i}", p, params))
+        sched.add_request(PreparedRequest(f"r{i}", p, params))
     got: dict[str, list[int]] = {}
     while sched.has_work:
         for out in sched.step():

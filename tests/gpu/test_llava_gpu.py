@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from rxf.core.config import load_config
-from rxf.core.io_struct import TokenizedGenerateReq
+from rxf.core.io_struct import PreparedRequest
 from rxf.core.model_runner import ModelRunner
 from rxf.core.registry import PluginRegistry
 from rxf.core.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ def test_greedy_matches_hf_on_gpu(tmp_path, family: str, backend: str) -> None:
     with mock.patch.object(runner.model.vision_tower, "forward", tower):
         for i, img in enumerate([image(40, 70, 1), image(70, 40, 2), image(40, 70, 1)]):
             ids, items = proc.process(tok.encode(PROMPT), [img], None)
-            sched.add_request(TokenizedGenerateReq(f"r{i}", ids, params, mm_items=items))
+            sched.add_request(PreparedRequest(f"r{i}", ids, params, mm_items=items))
             got, cached = [], 0
             while sched.has_work:
                 for out in sched.step():

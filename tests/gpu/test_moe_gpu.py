@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from test_cuda_graph_gpu import FP32_GAP, _config, _hf_greedy, _prompts, _registry, _worst_gap  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from rxf.core.io_struct import TokenizedGenerateReq  # noqa: E402
+from rxf.core.io_struct import PreparedRequest  # noqa: E402
 from rxf.core.model_runner import ModelRunner  # noqa: E402
 from rxf.core.sampling_params import SamplingParams  # noqa: E402
 from rxf.core.scheduler.scheduler import Scheduler  # noqa: E402
@@ -106,7 +106,7 @@ def test_mixtral_greedy_matches_transformers(tiny_mixtral: Path, dtype: torch.dt
     prompts = _prompts(5, seed=12)
     params = SamplingParams.from_dict({"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True})
     for i, p in enumerate(prompts):
-        sched.add_request(TokenizedGenerateReq(f"r{i}", p, params))
+        sched.add_request(PreparedRequest(f"r{i}", p, params))
     got: dict[str, list[int]] = {}
     while sched.has_work:
         for out in sched.step():

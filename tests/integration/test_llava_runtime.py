@@ -25,7 +25,7 @@ def png(h: int, w: int, seed: int) -> bytes:
 def hf_greedy(path, rt: Runtime, image: bytes, frames: list[bytes], n: int) -> list[int]:
     from transformers import AutoModelForImageTextToText
 
-    proc = rt.tokenizer_manager.mm_processor
+    proc = rt.tokenizer_manager.preparer.mm_processor
     ids, items = proc.process(rt.tokenizer.encode(PROMPT), [image], [frames])
     for item in items:
         token = proc.image_token_id if item.modality == "image" else proc.video_token_id

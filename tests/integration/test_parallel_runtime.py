@@ -144,7 +144,7 @@ def test_a_forward_failing_on_one_rank_ends_that_rank(tiny_llama, monkeypatch):
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
-    from rxf.core.io_struct import TokenizedGenerateReq
+    from rxf.core.io_struct import PreparedRequest
     from rxf.core.model_runner import ModelRunner
     from rxf.core.registry import PluginRegistry
     from rxf.core.sampling_params import SamplingParams
@@ -159,10 +159,10 @@ def test_a_forward_failing_on_one_rank_ends_that_rank(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(runner, "forward", broken)
     params = SamplingParams.from_dict({"max_new_tokens": 4})
-    sched.add_request(TokenizedGenerateReq("alone", [5, 6, 7], params))
+    sched.add_request(PreparedRequest("alone", [5, 6, 7], params))
     (out,) = sched.step()
     assert out.finished.type == "abort" and "illegal memory access" in out.finished.message
     monkeypatch.setattr(scheduler_module, "tp_size", lambda: 2)
-    sched.add_request(TokenizedGenerateReq("rank", [5, 6, 7], params))
+    sched.add_request(PreparedRequest("rank", [5, 6, 7], params))
     with pytest.raises(SystemExit):
         sched.step()

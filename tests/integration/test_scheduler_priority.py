@@ -10,13 +10,13 @@ import dataclasses
 from test_scheduler import make_scheduler, prompts, request
 
 from rxf import Runtime
-from rxf.core.io_struct import TokenizedGenerateReq
+from rxf.core.io_struct import PreparedRequest, RequestOptions
 from rxf.core.scheduler.scheduler import Scheduler
 
 
-def with_priority(rid: str, ids: list[int], max_new: int, priority: int) -> TokenizedGenerateReq:
+def with_priority(rid: str, ids: list[int], max_new: int, priority: int) -> PreparedRequest:
     # Streamed, so that progress shows in the outputs of every step.
-    return dataclasses.replace(request(rid, ids, max_new), priority=priority, stream=True)
+    return dataclasses.replace(request(rid, ids, max_new), options=RequestOptions(stream=True, priority=priority))
 
 
 def run(sched: Scheduler, outputs: dict[str, list[int]], max_steps: int = 10_000) -> tuple[list[str], list[str]]:

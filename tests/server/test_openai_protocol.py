@@ -1,5 +1,6 @@
-"""The OpenAI layer's translation, without a server: request models, OpenAI -> native parameters,
-responses and stream events (driven by a scripted TokenizerManager)."""
+"""The OpenAI layer's translation, without a server: request models, OpenAI -> native requests
+(prepared by the engine's RequestPreparer, as the routes do), responses and stream events (driven by
+a scripted TokenizerManager)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from rxf.core.tokenizer_manager import GenerateRequest
-from rxf.entrypoints.openai import generation as gen
+from rxf.core.io_struct import FinishReason, PreparedRequest
+from rxf.core.outputs import GenerateOutput, Logprobs
+from rxf.core.request_preparer import RequestPreparer
+from rxf.core.sampling_params import SamplingParams
+from rxf.entrypoints.choices import warm_prefixes
+from rxf.entrypoints.openai import serving_chat, serving_completions
 from rxf.entrypoints.openai.logprobs import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, Delta, TokenizeRequest
-from rxf.entrypoints.openai.sampling import check_model, max_new_tokens, native_params, verify_native
-from rxf.entrypoints.openai.serving_chat import chat_events, chat_response, plan_chat
-from rxf.entrypoints.openai.serving_completions import completion_events, completion_response, plan_completion
+from rxf.entrypoints.openai.sampling import check_model, native_params
+from rxf.entrypoints.openai.serving_chat import chat_events, chat_response
+from rxf.entrypoints.openai.serving_completions import completion_events, completion_response
 from rxf.entrypoints.openai.sse import sse_response
 from rxf.entrypoints.openai.tokenize import prompt_text
 from rxf.entrypoints.server_state import APIError
@@ -38,6 +43,11 @@ def template(tok):
     return HFChatTemplate(tok)
 
 
+@pytest.fixture(scope="module")
+def prep(tok):
+    return RequestPreparer(tok, CTX, VOCAB)
+
+
 def completion(**fields: Any) -> CompletionRequest:
     return CompletionRequest.model_validate({"model": "m", "prompt": "hello", **fields})
 
@@ -46,6 +56,14 @@ def chat(**fields: Any) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     )
+
+
+def plan_completion(prep: RequestPreparer, req: CompletionRequest) -> serving_completions.CompletionPlan:
+    return serving_completions.plan_completion(req, prep)
+
+
+def plan_chat(prep: RequestPreparer, req: ChatCompletionRequest, template: Any = None) -> serving_chat.ChatPlan:
+    return serving_chat.plan_chat(req, prep, template or HFChatTemplate(prep.tokenizer))
 
 
 def api_error(fn, *args: Any) -> APIError:
@@ -86,23 +104,23 @@ def test_null_means_absent_and_unknown_fields_are_ignored():
         ChatCompletionRequest.model_validate({"model": "m"})
 
 
-def test_prompt_forms(tok):
+def test_prompt_forms(tok, prep):
     for prompt, count in [("x", 1), (["x", "y", "z"], 3), ([5, 6, 7], 1), ([[5, 6], [7]], 2)]:
-        plan = plan_completion(completion(prompt=prompt, n=2), tok, CTX, VOCAB)
+        plan = plan_completion(prep, completion(prompt=prompt, n=2))
         assert len(plan.prompts) == count and len(plan.reqs) == 2 * count
-    plan = plan_completion(completion(prompt=[[5, 6], [7, 8, 9]], n=3), tok, CTX, VOCAB)
+    plan = plan_completion(prep, completion(prompt=[[5, 6], [7, 8, 9]], n=3))
     assert [r.input_ids for r in plan.reqs] == [[5, 6]] * 3 + [[7, 8, 9]] * 3
     assert [r.rid for r in plan.reqs] == [f"{plan.id}-{k}" for k in range(6)]
-    assert plan_completion(completion(prompt="hi"), tok, CTX, VOCAB).reqs[0].input_ids == tok.encode("hi")
+    assert plan_completion(prep, completion(prompt="hi")).reqs[0].input_ids == tok.encode("hi")
 
 
 @pytest.mark.parametrize("prompt", [[], [[]], [[1, VOCAB]], [[-1]], "", ["a", ""]])
-def test_bad_prompts(tok, prompt):
-    assert api_error(plan_completion, completion(prompt=prompt), tok, CTX, VOCAB).param == "prompt"
+def test_bad_prompts(prep, prompt):
+    assert api_error(plan_completion, prep, completion(prompt=prompt)).param == "prompt"
 
 
 # ---- OpenAI -> native ----
-def test_every_field_maps_to_the_native_params(tok):
+def test_every_field_maps_to_the_native_params(prep):
     req = completion(
         temperature=0.5,
         top_p=0.9,
@@ -123,8 +141,7 @@ def test_every_field_maps_to_the_native_params(tok):
         user="u",
         max_tokens=8,
     )
-    plan = plan_completion(req, tok, CTX, VOCAB)
-    assert plan.reqs[0].sampling_params == {
+    native = {
         "max_new_tokens": 8,
         "min_new_tokens": 2,
         "temperature": 0.5,
@@ -143,47 +160,50 @@ def test_every_field_maps_to_the_native_params(tok):
         "spaces_between_special_tokens": False,
         "no_stop_trim": True,
     }
-    assert plan.reqs[0].stream is False and plan.reqs[0].return_logprob is False
+    assert native_params(req, req.max_tokens) == native
+    plan = plan_completion(prep, req)
+    assert plan.reqs[0].sampling_params == SamplingParams.from_dict(native)
+    assert plan.reqs[0].options.stream is False and plan.reqs[0].options.return_logprob is False
 
 
-def test_defaults_leave_engine_defaults(tok):
-    params = native_params(completion(), 16)
-    assert params["max_new_tokens"] == 16 and "stop" not in params and "seed" not in params
+def test_defaults_leave_engine_defaults(prep):
+    params = native_params(completion(), None)
+    assert not {"max_new_tokens", "stop", "seed"} & params.keys()
     assert not {"top_k", "min_p", "repetition_penalty", "stop_token_ids", "logit_bias"} & params.keys()
+    assert plan_completion(prep, completion()).reqs[0].sampling_params.max_new_tokens == 16  # OpenAI's default
 
 
-def test_n_choices_get_distinct_seeds(tok):
-    plan = plan_completion(completion(n=3, seed=10, stream=True), tok, CTX, VOCAB)
-    assert [r.sampling_params["seed"] for r in plan.reqs] == [10, 11, 12]
-    assert all(r.stream for r in plan.reqs)
-    plan = plan_completion(completion(n=2), tok, CTX, VOCAB)
-    assert all("seed" not in r.sampling_params for r in plan.reqs)
+def test_n_choices_get_distinct_seeds(prep):
+    plan = plan_completion(prep, completion(n=3, seed=10, stream=True))
+    assert [r.sampling_params.seed for r in plan.reqs] == [10, 11, 12]
+    assert all(r.options.stream for r in plan.reqs)
+    plan = plan_completion(prep, completion(n=2))
+    assert all(r.sampling_params.seed is None for r in plan.reqs)
+    # Every seed of [0, 2**64) is taken; choices' seeds wrap around, so each stays in range.
+    plan = plan_completion(prep, completion(n=3, seed=2**64 - 2))
+    assert [r.sampling_params.seed for r in plan.reqs] == [2**64 - 2, 2**64 - 1, 0]
 
 
-def test_logprob_options(tok):
-    req = plan_completion(completion(logprobs=3), tok, CTX, VOCAB).reqs[0]
-    assert (req.return_logprob, req.top_logprobs_num, req.logprob_start_len) == (True, 3, -1)
-    req = plan_completion(completion(logprobs=0, echo=True), tok, CTX, VOCAB).reqs[0]
-    assert (req.return_logprob, req.top_logprobs_num, req.logprob_start_len) == (True, 0, 0)
-    req = plan_chat(chat(logprobs=True, top_logprobs=4), tok, _template(), CTX, VOCAB).reqs[0]
-    assert (req.return_logprob, req.top_logprobs_num) == (True, 4)
-
-
-def _template():
-    return HFChatTemplate(make_tiny_tokenizer(VOCAB))
+def test_logprob_options(prep):
+    opts = plan_completion(prep, completion(logprobs=3)).reqs[0].options
+    assert (opts.return_logprob, opts.top_logprobs_num, opts.logprob_start_len) == (True, 3, -1)
+    opts = plan_completion(prep, completion(logprobs=0, echo=True)).reqs[0].options
+    assert (opts.return_logprob, opts.top_logprobs_num, opts.logprob_start_len) == (True, 0, 0)
+    opts = plan_chat(prep, chat(logprobs=True, top_logprobs=4)).reqs[0].options
+    assert (opts.return_logprob, opts.top_logprobs_num) == (True, 4)
 
 
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": 101}, "temperature"),  # the engine's bound, not OpenAI's 2 (as vLLM and SGLang)
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"n": 0}, "n"),
         ({"n": 129}, "n"),
         ({"seed": -1}, "seed"),
-        ({"seed": 2**63}, "seed"),
+        ({"seed": 2**64}, "seed"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": CTX}, "max_tokens"),
@@ -209,8 +229,8 @@ def _template():
         ({"stop": ["ok", ""]}, "stop"),
     ],
 )
-def test_completion_errors_name_their_param(tok, fields, param):
-    error = api_error(plan_completion, completion(**fields), tok, CTX, VOCAB)
+def test_completion_errors_name_their_param(prep, fields, param):
+    error = api_error(plan_completion, prep, completion(**fields))
     assert (error.status, error.param) == (400, param)
     assert "sampling_params" not in error.message
 
@@ -233,12 +253,12 @@ def test_completion_errors_name_their_param(tok, fields, param):
         ({"messages": [{"role": "user", "content": "word " * 100}]}, "messages", "context length"),
     ],
 )
-def test_chat_errors_name_their_param(tok, template, fields, param, words):
-    error = api_error(plan_chat, chat(**fields), tok, template, CTX, VOCAB)
+def test_chat_errors_name_their_param(prep, template, fields, param, words):
+    error = api_error(plan_chat, prep, chat(**fields), template)
     assert (error.status, error.param) == (400, param) and words in error.message
 
 
-def test_chat_accepts_what_it_may_ignore(tok, template):
+def test_chat_accepts_what_it_may_ignore(prep, template):
     tools = [{"type": "function", "function": {"name": "f"}}]
     for fields in (
         {"tools": tools, "tool_choice": "none"},
@@ -246,20 +266,26 @@ def test_chat_accepts_what_it_may_ignore(tok, template):
         {"response_format": {"type": "text"}},
         {"tool_choice": "auto"},
     ):
-        plan_chat(chat(**fields), tok, template, CTX, VOCAB)
+        plan_chat(prep, chat(**fields), template)
 
 
-def test_context_budget():
-    assert max_new_tokens(None, "max_tokens", 16, 10, 64, "prompt") == 16
-    assert max_new_tokens(None, "max_tokens", 16, 60, 64, "prompt") == 4  # a default is cut to fit
-    assert max_new_tokens(None, "max_tokens", None, 10, 64, "messages") == 54
-    assert max_new_tokens(54, "max_tokens", 16, 10, 64, "prompt") == 54
-    error = api_error(max_new_tokens, 55, "max_tokens", 16, 10, 64, "prompt")
+def test_context_budget(tok, prep):
+    def budget(plan) -> int:
+        return plan.reqs[0].sampling_params.max_new_tokens
+
+    ids = [5] * 10
+    assert budget(plan_completion(prep, completion(prompt=ids))) == 16  # OpenAI's default
+    assert budget(plan_completion(prep, completion(prompt=[5] * 60))) == 4  # a default is cut to fit
+    assert budget(plan_completion(prep, completion(prompt=ids, max_tokens=54))) == 54
+    error = api_error(plan_completion, prep, completion(prompt=ids, max_tokens=55))
     assert error.param == "max_tokens" and "10" in error.message and "64" in error.message
-    assert api_error(max_new_tokens, None, "max_tokens", 16, 64, 64, "prompt").param == "prompt"
+    assert error.message.startswith("max_tokens: ")
+    assert api_error(plan_completion, prep, completion(prompt=[5] * CTX)).param == "prompt"
+    rendered = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert budget(plan_chat(prep, chat())) == CTX - len(rendered)  # chat: the whole remaining context
 
 
-def test_chat_prompt_and_template_stops(tok):
+def test_chat_prompt_and_template_stops(tok, prep):
     class StopTemplate(HFChatTemplate):
         pass
 
@@ -274,16 +300,14 @@ def test_chat_prompt_and_template_stops(tok):
         max_completion_tokens=7,
         n=2,
     )
-    plan = plan_chat(req, tok, template, CTX, VOCAB)
+    plan = plan_chat(prep, req, template)
     rendered = (
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert plan.ids == tok.encode(rendered, add_special_tokens=False)
-    assert plan.params["stop"] == ["x", "<|im_end|>"] and plan.params["max_new_tokens"] == 7
+    assert plan.prompt.input_ids == tok.encode(rendered, add_special_tokens=False)
+    params = plan.prompt.sampling_params
+    assert params.stop == ["x", "<|im_end|>"] and params.max_new_tokens == 7
     assert len(plan.reqs) == 2
-    assert plan_chat(chat(), tok, template, CTX, VOCAB).params["max_new_tokens"] == CTX - len(
-        tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    )
 
 
 def test_model_name():
@@ -293,8 +317,8 @@ def test_model_name():
     assert (error.status, error.param, error.code) == (404, "model", "model_not_found")
 
 
-def test_verify_native_translates_names():
-    error = api_error(verify_native, {"max_new_tokens": 2, "min_new_tokens": 3}, VOCAB)
+def test_engine_errors_name_the_openai_field(prep):
+    error = api_error(plan_completion, prep, completion(max_tokens=2, min_tokens=3))
     assert error.param == "min_tokens" and error.message.startswith("min_tokens")
 
 
@@ -330,26 +354,21 @@ def test_chat_logprobs_shape():
 
 
 # ---- responses and streams, from a scripted engine ----
-def _meta(
-    prompt: int, done: int, cached: int = 0, finish: dict | None = None, **logprobs: Any
-) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": done,
-        "cached_tokens": cached,
-        "finish_reason": finish,
-        **logprobs,
-    }
+def _out(
+    rid: str, text: str, ids: list[int], prompt: int, done: int, cached: int = 0, finish: FinishReason | None = None,
+    logprobs: Logprobs | None = None,
+) -> GenerateOutput:
+    return GenerateOutput(rid, text, ids, prompt, done, cached, finish, logprobs)
 
 
 class ScriptedTM:
-    """Answers each request with `script(req)` (a list of chunks), records aborts; `hang` blocks
-    after the first chunk until cancelled."""
+    """Answers each request with `script(req)` (a list of outputs), records aborts; `hang` blocks
+    after the first output until cancelled."""
 
     def __init__(self, script, hang: bool = False) -> None:
         self.script, self.hang, self.aborted, self.seen = script, hang, [], []
 
-    async def generate(self, req: GenerateRequest):
+    async def generate(self, req: PreparedRequest):
         self.seen.append(req)
         finished = False
         try:
@@ -364,31 +383,12 @@ class ScriptedTM:
                 self.aborted.append(req.rid)
 
 
-def _stream_script(req: GenerateRequest) -> list[dict[str, Any]]:
+def _stream_script(req: PreparedRequest) -> list[GenerateOutput]:
     k = int(req.rid.rsplit("-", 1)[1])
     return [
-        {
-            "text": f"<{k}",
-            "output_ids": [1],
-            "meta_info": _meta(5, 1, 4, output_token_logprobs=[(-0.1, 1)], output_top_logprobs=[[(-0.1, 1)]]),
-        },
-        {
-            "text": "",
-            "output_ids": [2],
-            "meta_info": _meta(5, 2, 4, output_token_logprobs=[], output_top_logprobs=[]),
-        },
-        {
-            "text": ">",
-            "output_ids": [3],
-            "meta_info": _meta(
-                5,
-                3,
-                4,
-                {"type": "length"},
-                output_token_logprobs=[(-0.2, 3)],
-                output_top_logprobs=[[(-0.2, 3)]],
-            ),
-        },
+        _out(req.rid, f"<{k}", [1], 5, 1, 4, logprobs=Logprobs([(-0.1, 1)], [[(-0.1, 1)]])),
+        _out(req.rid, "", [2], 5, 2, 4, logprobs=Logprobs()),
+        _out(req.rid, ">", [3], 5, 3, 4, FinishReason("length"), Logprobs([(-0.2, 3)], [[(-0.2, 3)]])),
     ]
 
 
@@ -407,8 +407,8 @@ def _payloads(events: list[str]) -> list[Any]:
     ]
 
 
-def test_chat_stream_events(tok, template):
-    plan = plan_chat(chat(n=2, stream=True, logprobs=True), tok, template, CTX, VOCAB)
+def test_chat_stream_events(prep, template):
+    plan = plan_chat(prep, chat(n=2, stream=True, logprobs=True), template)
     tm = ScriptedTM(_stream_script)
     chunks = _payloads(asyncio.run(_drain(chat_events(tm, plan, _strs, "m", include_usage=True))))
     assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
@@ -426,8 +426,8 @@ def test_chat_stream_events(tok, template):
     assert all("usage" not in c for c in chunks[:-1]) and tm.aborted == []
 
 
-def test_completion_stream_echo_and_no_usage(tok):
-    plan = plan_completion(completion(prompt=["p", "q"], stream=True, echo=True, logprobs=1), tok, CTX, VOCAB)
+def test_completion_stream_echo_and_no_usage(prep):
+    plan = plan_completion(prep, completion(prompt=["p", "q"], stream=True, echo=True, logprobs=1))
     chunks = _payloads(
         asyncio.run(_drain(completion_events(ScriptedTM(_stream_script), plan, _strs, "m", False)))
     )
@@ -438,25 +438,10 @@ def test_completion_stream_echo_and_no_usage(tok):
     assert all("usage" not in c for c in chunks)
 
 
-def test_completion_response_echo_logprobs_and_usage(tok):
-    plan = plan_completion(completion(prompt=[[5, 6], [7]], n=2, echo=True, logprobs=1), tok, CTX, VOCAB)
-    results = [
-        {
-            "text": "bc",
-            "output_ids": [2],
-            "meta_info": _meta(
-                2,
-                1,
-                k,
-                {"type": "stop", "matched": 2},
-                output_token_logprobs=[(-0.5, 2)],
-                output_top_logprobs=[[(-0.5, 2)]],
-                input_token_logprobs=[(None, 1), (-1.5, 1)],
-                input_top_logprobs=[[], [(-1.0, 2)]],
-            ),
-        }
-        for k in range(4)
-    ]
+def test_completion_response_echo_logprobs_and_usage(tok, prep):
+    plan = plan_completion(prep, completion(prompt=[[5, 6], [7]], n=2, echo=True, logprobs=1))
+    logprobs = Logprobs([(-0.5, 2)], [[(-0.5, 2)]], [(None, 1), (-1.5, 1)], [[], [(-1.0, 2)]])
+    results = [_out(f"r{k}", "bc", [2], 2, 1, k, FinishReason("stop", matched=2), logprobs) for k in range(4)]
     response = completion_response(plan, results, _strs, "m")
     choice = response.choices[0]
     echo = tok.decode([5, 6], skip_special_tokens=False)
@@ -473,34 +458,22 @@ def test_completion_response_echo_logprobs_and_usage(tok):
     }
 
 
-def test_chat_response(tok, template):
-    plan = plan_chat(chat(logprobs=True), tok, template, CTX, VOCAB)
-    result = {
-        "text": "bc",
-        "output_ids": [2],
-        "meta_info": _meta(
-            9, 1, 0, {"type": "stop"}, output_token_logprobs=[(-0.5, 2)], output_top_logprobs=[[]]
-        ),
-    }
+def test_chat_response(prep, template):
+    plan = plan_chat(prep, chat(logprobs=True), template)
+    result = _out("r", "bc", [2], 9, 1, 0, FinishReason("stop"), Logprobs([(-0.5, 2)], [[]]))
     response = chat_response(plan, [result], _strs, "m").model_dump()
     assert response["choices"][0]["message"] == {"role": "assistant", "content": "bc"}
     assert response["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
     assert response["object"] == "chat.completion" and response["usage"]["total_tokens"] == 10
 
 
-def test_engine_abort_is_an_error_and_aborts_the_rest(tok):
+def test_engine_abort_is_an_error_and_aborts_the_rest(prep):
     def script(req):
         if req.rid.endswith("-1"):
-            return [
-                {
-                    "text": "",
-                    "output_ids": [],
-                    "meta_info": _meta(5, 0, 0, {"type": "abort", "message": "no room"}),
-                }
-            ]
+            return [_out(req.rid, "", [], 5, 0, 0, FinishReason("abort", message="no room"))]
         return _stream_script(req)
 
-    plan = plan_completion(completion(n=2, stream=True), tok, CTX, VOCAB)
+    plan = plan_completion(prep, completion(n=2, stream=True))
     tm = ScriptedTM(script, hang=True)
 
     async def run() -> APIError:
@@ -511,23 +484,21 @@ def test_engine_abort_is_an_error_and_aborts_the_rest(tok):
 
     error = asyncio.run(run())
     assert error.status == 500 and "no room" in error.message
-    assert f"{plan.id}-0" in tm.aborted  # the healthy choice, still running, was aborted
+    assert plan.reqs[0].rid in tm.aborted  # the healthy choice, still running, was aborted
 
 
-def test_error_mid_stream_becomes_an_event_then_done(tok):
-    plan = plan_completion(completion(stream=True), tok, CTX, VOCAB)
-    tm = ScriptedTM(
-        lambda req: [{"text": "x", "output_ids": [], "meta_info": _meta(1, 1, 0, {"type": "abort"})}]
-    )
+def test_error_mid_stream_becomes_an_event_then_done(prep):
+    plan = plan_completion(prep, completion(stream=True))
+    tm = ScriptedTM(lambda req: [_out(req.rid, "x", [], 1, 1, 0, FinishReason("abort"))])
     response = sse_response(completion_events(tm, plan, _strs, "m", False))
     events = _payloads(asyncio.run(_drain(response.body_iterator)))
     assert events[0]["error"]["code"] == "request_aborted" and events[-1] == "[DONE]"
 
 
-def test_closing_a_stream_aborts_every_engine_request(tok, template):
+def test_closing_a_stream_aborts_every_engine_request(prep, template):
     """A client hanging up closes (or cancels) the event generator: each native request must see
     its generator cancelled, which is what sends the abort to the scheduler."""
-    plan = plan_chat(chat(n=3, stream=True), tok, template, CTX, VOCAB)
+    plan = plan_chat(prep, chat(n=3, stream=True), template)
     tm = ScriptedTM(_stream_script, hang=True)
 
     async def read_some_then_hang_up() -> None:
@@ -554,15 +525,14 @@ def test_closing_a_stream_aborts_every_engine_request(tok, template):
     assert sorted(tm.aborted) == sorted(r.rid for r in plan.reqs)
 
 
-def test_warm_prefixes_prefills_only(tok):
-    tm = ScriptedTM(
-        lambda req: [{"text": "", "output_ids": [], "meta_info": _meta(3, 0, 0, {"type": "length"})}]
-    )
-    asyncio.run(gen.warm_prefixes(tm, [[1, 2], [3]], {"max_new_tokens": 9, "min_new_tokens": 2, "seed": 1}))
+def test_warm_prefixes_prefills_only(prep):
+    tm = ScriptedTM(lambda req: [_out(req.rid, "", [], 3, 0, 0, FinishReason("length"))])
+    params = {"max_new_tokens": 9, "min_new_tokens": 2, "seed": 1}
+    prompts = [plan_completion(prep, completion(prompt=ids, **params)).prompts[0] for ids in ([1, 2], [3])]
+    asyncio.run(warm_prefixes(tm, prompts))
     assert [r.input_ids for r in tm.seen] == [[1, 2], [3]]
-    assert all(
-        r.sampling_params["max_new_tokens"] == 0 == r.sampling_params["min_new_tokens"] for r in tm.seen
-    )
+    assert all(r.sampling_params.max_new_tokens == 0 == r.sampling_params.min_new_tokens for r in tm.seen)
+    assert not {r.rid for r in tm.seen} & {p.rid for p in prompts}
 
 
 def test_delta_omits_what_it_lacks():

@@ -8,12 +8,16 @@ import asyncio
 import contextlib
 import copy
 import json
+from dataclasses import replace
 from typing import Any
 
 import jsonschema
 import pytest
 from pydantic import ValidationError
 
+from rxf.core.io_struct import FinishReason
+from rxf.core.outputs import GenerateOutput
+from rxf.core.request_preparer import RequestPreparer
 from rxf.entrypoints.chat.tool_parsers import PARSERS
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from rxf.entrypoints.openai.serving_chat import chat_events, chat_response, plan_chat
@@ -77,7 +81,7 @@ def chat(**fields: Any) -> ChatCompletionRequest:
 
 
 def plan(tok, **fields: Any):
-    return plan_chat(chat(**fields), tok, HFChatTemplate(tok), CTX, VOCAB)
+    return plan_chat(chat(**fields), RequestPreparer(tok, CTX, VOCAB), HFChatTemplate(tok))
 
 
 def api_error(fn, *args: Any, **kwargs: Any) -> APIError:
@@ -89,17 +93,17 @@ def api_error(fn, *args: Any, **kwargs: Any) -> APIError:
 # ---- response_format and the constraint fields ----
 def test_response_format_and_constraints_become_native_fields(tok):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    assert "json_schema" not in plan(tok, response_format={"type": "text"}).params
-    assert json.loads(plan(tok, response_format={"type": "json_object"}).params["json_schema"]) == {"type": "object"}
+    assert plan(tok, response_format={"type": "text"}).prompt.sampling_params.json_schema is None
+    assert json.loads(plan(tok, response_format={"type": "json_object"}).prompt.sampling_params.json_schema) == {"type": "object"}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    assert json.loads(plan(tok, response_format=fmt).params["json_schema"]) == schema
-    assert plan(tok, regex="[ab]+").params["regex"] == "[ab]+"
-    assert plan(tok, ebnf='root ::= "x"').params["ebnf"] == 'root ::= "x"'
-    assert json.loads(plan(tok, guided_json=schema).params["json_schema"]) == schema
+    assert json.loads(plan(tok, response_format=fmt).prompt.sampling_params.json_schema) == schema
+    assert plan(tok, regex="[ab]+").prompt.sampling_params.regex == "[ab]+"
+    assert plan(tok, ebnf='root ::= "x"').prompt.sampling_params.ebnf == 'root ::= "x"'
+    assert json.loads(plan(tok, guided_json=schema).prompt.sampling_params.json_schema) == schema
     completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "json_schema": json.dumps(schema)})
-    assert json.loads(plan_completion(completion, tok, CTX, VOCAB).params[0]["json_schema"]) == schema
+    assert json.loads(plan_completion(completion, RequestPreparer(tok, CTX, VOCAB)).prompts[0].sampling_params.json_schema) == schema
     completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "regex": "a|b"})
-    assert plan_completion(completion, tok, CTX, VOCAB).params[0]["regex"] == "a|b"
+    assert plan_completion(completion, RequestPreparer(tok, CTX, VOCAB)).prompts[0].sampling_params.regex == "a|b"
 
 
 @pytest.mark.parametrize(
@@ -126,15 +130,15 @@ def test_two_constraints_are_refused(tok):
 # ---- tools and tool_choice ----
 def test_auto_shows_tools_and_parses_with_the_model_format(tok):
     p = plan(tok, tools=TOOLS)
-    prompt = tok.decode(p.ids)
+    prompt = tok.decode(p.prompt.input_ids)
     assert "<tools>" in prompt and '"get_weather"' in prompt and "<tool_call>" in prompt
-    assert "json_schema" not in p.params and p.tools.parser.name == "hermes"
-    assert "<tools>" not in tok.decode(plan(tok, tools=TOOLS, tool_choice="none").ids)
+    assert p.prompt.sampling_params.json_schema is None and p.tools.parser.name == "hermes"
+    assert "<tools>" not in tok.decode(plan(tok, tools=TOOLS, tool_choice="none").prompt.input_ids)
     assert plan(tok, tools=TOOLS, tool_choice="none").tools is None
 
 
 def test_required_forces_a_list_of_valid_calls(tok):
-    schema = json.loads(plan(tok, tools=TOOLS, tool_choice="required").params["json_schema"])
+    schema = json.loads(plan(tok, tools=TOOLS, tool_choice="required").prompt.sampling_params.json_schema)
     good = [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}, {"name": "ping", "parameters": {}}]
     jsonschema.validate(good, schema)
     for bad in (
@@ -146,7 +150,7 @@ def test_required_forces_a_list_of_valid_calls(tok):
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    single = json.loads(plan(tok, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).params["json_schema"])
+    single = json.loads(plan(tok, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).prompt.sampling_params.json_schema)
     jsonschema.validate(good[:1], single)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(good, single)
@@ -155,9 +159,9 @@ def test_required_forces_a_list_of_valid_calls(tok):
 def test_named_function_forces_its_arguments(tok):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     p = plan(tok, tools=TOOLS, tool_choice=choice)
-    assert json.loads(p.params["json_schema"]) == WEATHER_PARAMS and p.tools.parser.function == "get_weather"
+    assert json.loads(p.prompt.sampling_params.json_schema) == WEATHER_PARAMS and p.tools.parser.function == "get_weather"
     choice = {"type": "function", "function": {"name": "ping"}}
-    assert json.loads(plan(tok, tools=TOOLS, tool_choice=choice).params["json_schema"])["type"] == "object"
+    assert json.loads(plan(tok, tools=TOOLS, tool_choice=choice).prompt.sampling_params.json_schema)["type"] == "object"
 
 
 @pytest.mark.parametrize(
@@ -193,9 +197,9 @@ def test_malformed_tools_are_named(fields, loc):
 
 
 def test_special_token_formats_keep_special_tokens(tok):
-    p = plan_chat(chat(tools=TOOLS), tok, HFChatTemplate(tok), CTX, VOCAB, tool_parser=PARSERS["mistral"]())
-    assert p.params["skip_special_tokens"] is False
-    assert plan(tok, tools=TOOLS).params["skip_special_tokens"] is True
+    p = plan_chat(chat(tools=TOOLS), RequestPreparer(tok, CTX, VOCAB), HFChatTemplate(tok), tool_parser=PARSERS["mistral"]())
+    assert p.prompt.sampling_params.skip_special_tokens is False
+    assert plan(tok, tools=TOOLS).prompt.sampling_params.skip_special_tokens is True
 
 
 # ---- templates ----
@@ -240,14 +244,14 @@ def test_builtin_templates_render_tools(tok):
 
 
 def test_history_with_tool_calls_renders_without_tools(tok):
-    p = plan_chat(chat(messages=HISTORY), tok, HFChatTemplate(tok), CTX, VOCAB)
-    prompt = tok.decode(p.ids)
+    p = plan_chat(chat(messages=HISTORY), RequestPreparer(tok, CTX, VOCAB), HFChatTemplate(tok))
+    prompt = tok.decode(p.prompt.input_ids)
     assert "<tool_call>" in prompt and "<tool_response>" in prompt and "<tools>" not in prompt
 
 
 # ---- responses and streams ----
-def _meta(done: int, finish: dict | None = None) -> dict[str, Any]:
-    return {"prompt_tokens": 5, "completion_tokens": done, "cached_tokens": 0, "finish_reason": finish}
+def _out(text: str, done: int, finish: FinishReason | None = None) -> GenerateOutput:
+    return GenerateOutput("r", text, [1], 5, done, 0, finish)
 
 
 class ScriptedTM:
@@ -256,8 +260,8 @@ class ScriptedTM:
 
     async def generate(self, req):
         for k, piece in enumerate(self.pieces):
-            finish = {"type": "stop"} if k == len(self.pieces) - 1 else None
-            yield {"text": piece, "output_ids": [1], "meta_info": _meta(k + 1, finish)}
+            finish = FinishReason("stop") if k == len(self.pieces) - 1 else None
+            yield _out(piece, k + 1, finish)
             await asyncio.sleep(0)
 
 
@@ -288,12 +292,12 @@ def test_stream_of_tool_calls(tok):
 
 def test_response_with_tool_calls(tok):
     p = plan(tok, tools=TOOLS)
-    result = {"text": REPLY, "output_ids": [], "meta_info": _meta(9, {"type": "stop"})}
+    result = _out(REPLY, 9, FinishReason("stop"))
     choice = chat_response(p, [result], str, "m").choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    plain = chat_response(p, [{**result, "text": "No call."}], str, "m").choices[0]
+    plain = chat_response(p, [replace(result, text="No call.")], str, "m").choices[0]
     assert plain.finish_reason == "stop" and plain.message.content == "No call." and plain.message.tool_calls is None
-    body = chat_response(p, [{**result, "text": "No call."}], str, "m").model_dump()
+    body = chat_response(p, [replace(result, text="No call.")], str, "m").model_dump()
     assert "tool_calls" not in json.dumps(body)

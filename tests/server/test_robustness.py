@@ -232,7 +232,7 @@ def test_a_routing_failure_leaves_nothing_in_flight(tmp_path: Path):
 
     async def run() -> None:
         with pytest.raises(UnicodeEncodeError):
-            async for _ in tm.generate(GenerateRequest(input_ids=[1, 2, 3], rid="r")):
+            async for _ in tm.generate(tm.preparer.prepare(GenerateRequest(input_ids=[1, 2, 3], rid="r"))):
                 pass
 
     try:

@@ -113,6 +113,7 @@ def test_bad_input_is_a_value_error_naming_the_field(rt, fields, field):
 def test_reply_reads_calls_as_the_server_does():
     """The reply of a model that wrote Hermes call markup: the server's reader (`reply_message`) is
     the reference for the Python result's text and calls."""
+    from rxf.entrypoints.chat.prompt import ChatPrompt
     from rxf.entrypoints.chat.tool_parsers.hermes import HermesParser
     from rxf.entrypoints.chat.tools import ToolPlan
     from rxf.entrypoints.openai.tool_calls import reply_message
@@ -121,11 +122,11 @@ def test_reply_reads_calls_as_the_server_does():
     text = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
     plan = ToolPlan(TOOLS, HermesParser())
-    out = ChatCall([1], {}, None, plan).reply({"text": text, "meta_info": {}})
+    out = ChatCall(ChatPrompt("", None, None), {}, plan, None).reply({"text": text, "meta_info": {}})
     content, calls = reply_message(plan, text)
     assert out["text"] == content == "Checking."
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in out["tool_calls"]] == [
         (c.function.name, c.function.arguments) for c in calls
     ]
-    single = ChatCall([1], {}, None, ToolPlan(TOOLS, HermesParser(), max_calls=1)).reply({"text": text})
+    single = ChatCall(ChatPrompt("", None, None), {}, ToolPlan(TOOLS, HermesParser(), max_calls=1), None).reply({"text": text})
     assert [c["function"]["name"] for c in single["tool_calls"]] == ["get_weather"]  # parallel_tool_calls off

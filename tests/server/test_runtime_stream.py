@@ -85,6 +85,7 @@ def test_streamed_auto_reply_matches_whole_and_leaks_no_markup(rt):
 def test_scripted_markup_streams_as_calls():
     """A reply in Hermes call markup (the demo model never writes it), streamed in small pieces:
     the text deltas carry none of it, the call deltas add up to the whole reply's calls."""
+    from rxf.entrypoints.chat.prompt import ChatPrompt
     from rxf.entrypoints.chat.tool_parsers.hermes import HermesParser
     from rxf.entrypoints.chat.tools import ToolPlan
     from rxf.entrypoints.runtime_chat import ChatCall
@@ -96,8 +97,8 @@ def test_scripted_markup_streams_as_calls():
     native = [{"text": p, "meta_info": {"finish_reason": stop if i == len(pieces) - 1 else None}}
               for i, p in enumerate(pieces)]
     plan = ToolPlan(TOOLS, HermesParser())
-    chunks = list(ChatCall([1], {}, None, plan).reply_stream(c for c in native))
-    whole = ChatCall([1], {}, None, plan).reply({"text": reply, "meta_info": {"finish_reason": stop}})
+    chunks = list(ChatCall(ChatPrompt("", None, None), {}, plan, None).reply_stream(c for c in native))
+    whole = ChatCall(ChatPrompt("", None, None), {}, plan, None).reply({"text": reply, "meta_info": {"finish_reason": stop}})
     text, calls, finish = assemble(chunks)
     assert (text, calls, finish) == (whole["text"], whole_calls(whole), "tool_calls") and len(calls) == 2
     assert not any(mark in c["text"] for c in chunks for mark in ("<", "{", "get_"))

@@ -16,7 +16,7 @@ from rxf.core.cuda_graph_runner import (
     pick_bucket,
 )
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import TokenizedGenerateReq
+from rxf.core.io_struct import PreparedRequest, RequestOptions
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 from rxf.core.sampling import gather_logprobs
 from rxf.core.sampling_params import SamplingParams
@@ -108,7 +108,7 @@ def test_config_keys_and_validation(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _req(rid: str, logprobs: bool, top: int = 0) -> Req:
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
-    return Req.from_tokenized(TokenizedGenerateReq(rid, [1, 2], params, return_logprob=logprobs, top_logprobs_num=top))
+    return Req(PreparedRequest(rid, [1, 2], params, RequestOptions(return_logprob=logprobs, top_logprobs_num=top)))
 
 
 class _LogitsRunner:

@@ -19,7 +19,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from rxf.core.config import load_config
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import TokenizedGenerateReq
+from rxf.core.io_struct import PreparedRequest
 from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.registry import PluginRegistry
 from rxf.core.sampling_params import SamplingParams
@@ -77,7 +77,7 @@ def setup(request, tmp_path_factory) -> Setup:
 
 def run(sched: Scheduler, rid: str, ids: list[int], items, max_new: int = 6) -> dict:
     params = SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True})
-    sched.add_request(TokenizedGenerateReq(rid, ids, params, mm_items=items))
+    sched.add_request(PreparedRequest(rid, ids, params, mm_items=items))
     out = {"ids": []}
     while sched.has_work:
         for o in sched.step():

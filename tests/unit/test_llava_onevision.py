@@ -18,7 +18,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from rxf.core.config import load_config
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import TokenizedGenerateReq
+from rxf.core.io_struct import PreparedRequest
 from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.registry import PluginRegistry
 from rxf.core.sampling_params import SamplingParams
@@ -106,7 +106,7 @@ def test_greedy_matches_hf_and_repeat_skips_vision(env) -> None:
     with mock.patch.object(runner.model.vision_tower, "forward", tower):
         for rid in ("a", "b"):
             ids, items = proc.process(tok.encode(text), images, videos)
-            sched.add_request(TokenizedGenerateReq(rid, ids, params, mm_items=items))
+            sched.add_request(PreparedRequest(rid, ids, params, mm_items=items))
             out = {"ids": []}
             while sched.has_work:
                 for o in sched.step():

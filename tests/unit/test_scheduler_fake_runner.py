@@ -10,11 +10,12 @@ asserted after every step (`check_memory=True`).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import TokenizedGenerateReq
+from rxf.core.io_struct import PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config
@@ -27,9 +28,9 @@ def make(overlap: bool, runner_kw: dict | None = None, **config) -> tuple[Schedu
     return Scheduler(fake_config(**config), runner, FakeTokenizer(), check_memory=True), runner
 
 
-def request(rid: str, prompt: list[int], max_new: int, **params) -> TokenizedGenerateReq:
+def request(rid: str, prompt: list[int], max_new: int, **params) -> PreparedRequest:
     sp = SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 0, **params})
-    return TokenizedGenerateReq(rid, prompt, sp, stream=True)
+    return PreparedRequest(rid, prompt, sp, RequestOptions(stream=True))
 
 
 def want(prompt: list[int], n: int) -> list[int]:
@@ -145,8 +146,7 @@ def test_priority_orders_admission_and_retraction():
     sched, runner = make(False, {"max_running": 1}, **{"scheduler.policy": "priority"})
     for rid, prio in [("late", 5), ("first", -1), ("mid", 0)]:
         msg = request(rid, [10, 11, 12], 3)
-        msg.priority = prio
-        sched.add_request(msg)
+        sched.add_request(replace(msg, options=replace(msg.options, priority=prio)))
     drain(sched)
     order = [b.reqs[0].rid for b in runner.batches if b.mode != ForwardMode.DECODE]
     assert order == ["first", "mid", "late"]

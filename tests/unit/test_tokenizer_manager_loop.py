@@ -1,7 +1,8 @@
-"""What the TokenizerManager does on the server's event loop: a request whose preparation may take
-long (an output constraint to compile — the first also builds the grammar backend's tables —, media
-to decode or a long text to tokenize) is prepared in a worker thread, so other clients' requests
-keep flowing; and outputs a consumer does not take are merged, not queued one per step."""
+"""What a front door does on the server's event loop: a request whose preparation may take long (an
+output constraint to compile — the first also builds the grammar backend's tables —, media to decode
+or a long text to tokenize) is prepared in a worker thread (`RequestPreparer.prepare_async`), so
+other clients' requests keep flowing; the TokenizerManager then submits it as it is, and outputs a
+consumer does not take are merged, not queued one per step."""
 
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ def test_constrained_requests_are_prepared_off_the_event_loop(tmp_path: Path, pa
 
     async def run() -> None:
         loop_thread.append(threading.current_thread().name)
+        prepared = await tm.preparer.prepare_async(GenerateRequest(input_ids=[1, 2, 3], sampling_params=params))
         with pytest.raises(_Stop):
-            async for _ in tm.generate(GenerateRequest(input_ids=[1, 2, 3], sampling_params=params)):
+            async for _ in tm.generate(prepared):
                 pass
 
     try:
@@ -88,8 +90,9 @@ def test_a_long_text_is_tokenized_off_the_event_loop(tmp_path: Path) -> None:
 
     async def run() -> str:
         for text in ("a" * 10, "a " * (LONG_TEXT_CHARS // 2 + 1)):
+            prepared = await tm.preparer.prepare_async(GenerateRequest(text=text, sampling_params={"max_new_tokens": 1}))
             with pytest.raises(_Stop):
-                async for _ in tm.generate(GenerateRequest(text=text, sampling_params={"max_new_tokens": 1})):
+                async for _ in tm.generate(prepared):
                     pass
         return threading.current_thread().name
 

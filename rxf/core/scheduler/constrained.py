@@ -131,7 +131,7 @@ class ConstrainedDecoding:
         reason = self.stop.check(req)
         if reason is None and req.grammar.is_terminated():
             reason = FinishReason("stop", matched=token)
-        if reason is None and self.jump_forward and not req.return_logprob and self._jump(req):
+        if reason is None and self.jump_forward and not req.options.return_logprob and self._jump(req):
             reason = self.stop.check(req)
         spent = self._fill_s.pop(req.rid, 0.0) + time.perf_counter() - start
         if reason is None and spent > self.max_match_s:

@@ -71,7 +71,7 @@ def make_token_out(req: Req, finished: bool) -> TokenOut:
         stop=p.stop,
         no_stop_trim=p.no_stop_trim,
     )
-    if req.return_logprob:
+    if req.options.return_logprob:
         out.output_token_logprobs, req.pending_logprobs = req.pending_logprobs, []
         out.output_top_logprobs, req.pending_top_logprobs = req.pending_top_logprobs, []
         if req.input_logprobs is not None and not req.input_logprobs_sent:

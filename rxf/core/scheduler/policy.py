@@ -16,7 +16,7 @@ def order_waiting(waiting: list[Req], policy: str, kv: KVManager, rng: random.Ra
     only for ordering: admission matches again, after locking, because an eviction in between
     may shorten a match.
 
-    `priority` puts lower `Req.priority` values first (vLLM's convention), ties by arrival. Its
+    `priority` puts lower `Req.options.priority` values first (vLLM's convention), ties by arrival. Its
     key holds only request data, so every tensor-parallel rank, given the same requests, picks
     the same order.
     """
@@ -32,5 +32,5 @@ def order_waiting(waiting: list[Req], policy: str, kv: KVManager, rng: random.Ra
         lengths = {id(r): kv.match_len(r) for r in waiting}
         return sorted(waiting, key=lambda r: -lengths[id(r)])
     if policy == "priority":
-        return sorted(waiting, key=lambda r: (r.priority, r.arrival))
+        return sorted(waiting, key=lambda r: (r.options.priority, r.arrival))
     raise ValueError(f"scheduler.policy: unknown policy {policy!r} (lpm, fcfs, random, priority)")

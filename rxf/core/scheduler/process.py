@@ -30,8 +30,8 @@ from rxf.core.io_struct import (
     FlushCacheReq,
     FlushCacheResult,
     GetStatsReq,
+    PreparedRequest,
     StatsSnapshot,
-    TokenizedGenerateReq,
 )
 
 logger = logging.getLogger(__name__)
@@ -163,10 +163,8 @@ def _apply(scheduler: Any, msgs: list[Any], sockets: _Sockets | None) -> list[An
     """Apply the received messages in order; admin replies go out from rank 0 only."""
     outs = []
     for msg in msgs:
-        if isinstance(msg, TokenizedGenerateReq):
-            immediate = scheduler.add_request(msg)
-            if immediate is not None:
-                outs.append(immediate)
+        if isinstance(msg, PreparedRequest):
+            scheduler.add_request(msg)
         elif isinstance(msg, AbortReq):
             outs += scheduler.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):

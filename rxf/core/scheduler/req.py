@@ -6,7 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rxf.core.io_struct import FinishReason, MultimodalItem, TokenizedGenerateReq
+from rxf.core.io_struct import FinishReason, PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,19 +30,12 @@ class Req:
     on the host; only tokens without KV may be in flight (overlap scheduling, one step deep).
     """
 
-    rid: str
-    origin_input_ids: list[int]
-    sampling_params: SamplingParams
-    stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    cache_salt: str | None = None
-    priority: int = 0  # lower runs first under the "priority" policy
+    # What the request asks for, as the front door prepared and validated it: the scheduler
+    # trusts it (prompt within the context and the KV pool, params verified) and never changes it.
+    prepared: PreparedRequest
     # Position in the order the scheduler received requests (the same on every tensor-parallel rank):
     # ties in the ordering go by it, never by time or object identity.
     arrival: int = 0
-    mm_items: list[MultimodalItem] | None = None  # their pad ids are part of origin_input_ids
     output_ids: list[int] = field(default_factory=list)
     # Tokens sampled by launched steps that the host has not read yet (0, 1, or 2 between a launch
     # and the previous step's postprocessing).
@@ -69,20 +62,22 @@ class Req:
     grammar_future: Future[Any] | None = None
     grammar: GrammarMatcher | None = None
 
-    @classmethod
-    def from_tokenized(cls, msg: TokenizedGenerateReq) -> Req:
-        return cls(
-            rid=msg.rid,
-            origin_input_ids=list(msg.input_ids),
-            sampling_params=msg.sampling_params,
-            stream=msg.stream,
-            return_logprob=msg.return_logprob,
-            logprob_start_len=msg.logprob_start_len,
-            top_logprobs_num=msg.top_logprobs_num,
-            cache_salt=msg.cache_salt,
-            priority=msg.priority,
-            mm_items=msg.mm_items,
-        )
+    @property
+    def rid(self) -> str:
+        return self.prepared.rid
+
+    @property
+    def origin_input_ids(self) -> list[int]:
+        """The prompt (media pad ids in place)."""
+        return self.prepared.input_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.prepared.sampling_params
+
+    @property
+    def options(self) -> RequestOptions:
+        return self.prepared.options
 
     @property
     def fill_ids(self) -> list[int]:
@@ -93,8 +88,9 @@ class Req:
         becomes (salt, token), which equals no plain token id and no other salt's: salted prefixes
         live in a subtree of their own, so requests share KV only with the same salt."""
         key: list[TokenKey] = list(self.fill_ids[:n])
-        if self.cache_salt is not None and key:
-            key[0] = (self.cache_salt, key[0])
+        salt = self.options.cache_salt
+        if salt is not None and key:
+            key[0] = (salt, key[0])
         return key
 
     @property
@@ -133,8 +129,9 @@ class Req:
         return max(self.sampling_params.max_new_tokens - self.generated, 0)
 
     def wants_prompt_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0 and self.input_logprobs is None
+        o = self.options
+        return o.return_logprob and o.logprob_start_len >= 0 and self.input_logprobs is None
 
     def prompt_logits_from(self) -> int:
         """First absolute position whose logits prompt logprobs need (scores position + 1)."""
-        return max(self.logprob_start_len, 1) - 1
+        return max(self.options.logprob_start_len, 1) - 1

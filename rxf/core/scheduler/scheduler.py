@@ -38,7 +38,7 @@ import torch
 from rxf.core.config import EngineConfig
 from rxf.core.distributed import tp_size
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import ABORT_REQUESTED, FinishReason, SchedulerStats, TokenizedGenerateReq, TokenOut
+from rxf.core.io_struct import ABORT_REQUESTED, FinishReason, PreparedRequest, SchedulerStats, TokenOut
 from rxf.core.radix_cache import RadixCache
 from rxf.core.scheduler.admission import admit
 from rxf.core.scheduler.constrained import ConstrainedDecoding
@@ -109,30 +109,12 @@ class Scheduler:
         self._inflight: _Launched | None = None  # launched, not yet postprocessed (overlap)
 
     # ---- requests in ----
-    def add_request(self, msg: TokenizedGenerateReq) -> TokenOut | None:
-        """Queue a request; returns an immediate finished output when it cannot ever run."""
-        req = Req.from_tokenized(msg)
-        req.arrival = next(self._arrivals)
-        error = self._validate(req)
-        if error is not None:
-            req.finished_reason = FinishReason("abort", message=error)
-            return make_token_out(req, finished=True)
+    def add_request(self, prepared: PreparedRequest) -> None:
+        """Queue a request. It was validated at the front door (`RequestPreparer`): it fits the
+        context and the KV pool, so it can always run."""
+        req = Req(prepared, arrival=next(self._arrivals))
         self.grammar.submit(req)
         self.waiting.append(req)
-        return None
-
-    def _validate(self, req: Req) -> str | None:
-        n = len(req.origin_input_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if n >= self.runner.max_context_len:
-            return f"the prompt has {n} tokens; the model's context length is {self.runner.max_context_len}"
-        bad = [t for t in req.origin_input_ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            return f"input_ids contains token ids outside [0, {self.runner.vocab_size}): {bad[:5]}"
-        if n + 1 > self.runner.max_total_tokens:
-            return f"the prompt has {n} tokens; the KV cache holds only {self.runner.max_total_tokens}"
-        return None
 
     def abort(self, rid: str) -> list[TokenOut]:
         for req in list(self.waiting):
@@ -338,7 +320,7 @@ class Scheduler:
         if self.kv.available() >= len(decoding):
             return decoding
         order = sorted(
-            decoding, key=lambda r: (-r.priority, r.generated, -len(r.origin_input_ids), -r.arrival)
+            decoding, key=lambda r: (-r.options.priority, r.generated, -len(r.origin_input_ids), -r.arrival)
         )
         while self.kv.available() < len(decoding) and len(decoding) > 1:
             victim = order.pop(0)
@@ -349,7 +331,7 @@ class Scheduler:
             self.counters.retractions += 1
             logger.info(
                 "KV cache full: retracted request %s (priority %d) after %d tokens",
-                victim.rid, victim.priority, victim.generated,
+                victim.rid, victim.options.priority, victim.generated,
             )
         self.new_token_ratio = self.sc.init_new_token_ratio
         return decoding
@@ -400,7 +382,7 @@ class Scheduler:
             return [self._fail(req, exc)]
         if req.finished:
             return [self._finish(req)]
-        if req.stream and (force_send or req.steps_since_send >= self.sc.stream_interval):
+        if req.options.stream and (force_send or req.steps_since_send >= self.sc.stream_interval):
             return [make_token_out(req, finished=False)]
         return []
 

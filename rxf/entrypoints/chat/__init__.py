@@ -4,7 +4,7 @@ layer's /v1/chat/completions, which only translates its fields to these and thei
 - `messages`: OpenAI-shaped messages -> the template's messages, their images and videos, the prompt;
 - `tools`: `tools` / `tool_choice` -> what the prompt offers and how each reply is read;
 - `tool_parsers`: a model's tool-call formats;
-- `prompt`: all of it together -> prompt ids, media, and the native parameters it adds.
+- `prompt`: all of it together -> the native request (rendered text, media) and the parameters it adds.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A chat request's prompt: messages (with offered tools) rendered, tokenized and their media
-preprocessed; `response_format` as a native constraint, and the constraint checked up front."""
+"""A chat request's prompt: messages (with offered tools) rendered, and their media collected, as the
+native request that the RequestPreparer then tokenizes and checks with every other request;
+`response_format` as a native constraint."""
 
 from __future__ import annotations
 
@@ -7,53 +8,49 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rxf.core.grammar import GRAMMAR_KINDS, GrammarError
-from rxf.core.requests import RequestError, check_prompt_chars
-from rxf.entrypoints.chat import ChatInputError
+from rxf.core.io_struct import RequestOptions
+from rxf.core.requests import GenerateRequest
 from rxf.entrypoints.chat.messages import render_messages, template_messages
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.entrypoints.chat.tools import ToolPlan
 
 # response_format json_object: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# The native request's prompt fields as a chat request names them (`RequestError.renamed`): the
+# prompt is the messages, and a media error names the image or video inside them.
+PROMPT_FIELDS = {"text": "messages", "image_data": "messages: image", "video_data": "messages: video"}
 
 
 @dataclass
 class ChatPrompt:
-    ids: list[int]  # the rendered conversation's tokens (special tokens included), media pads in place
-    mm_items: list[Any] | None  # the preprocessed images / videos (None: none)
+    text: str  # the rendered conversation: it holds its special tokens (none are added to it)
+    images: list[Any] | None  # the media of its placeholders, in order (None: the model takes none)
+    videos: list[Any] | None
+
+    def request(
+        self, params: dict[str, Any], options: RequestOptions, rid: str | None, default_max_new_tokens: int | None
+    ) -> GenerateRequest:
+        """The native request of this prompt."""
+        return GenerateRequest(
+            text=self.text, add_special_tokens=False, image_data=self.images, video_data=self.videos,
+            sampling_params=params, options=options, rid=rid, default_max_new_tokens=default_max_new_tokens,
+        )
 
 
 def build_chat_prompt(
     messages: list[dict[str, Any]],
-    tokenizer: Any,
     chat_template: Any,
     tool_parser: ToolCallParser | None,
     tools: ToolPlan | None = None,
-    mm_processor: Any = None,
-    max_context_len: int | None = None,
+    takes_media: bool = False,
 ) -> ChatPrompt:
-    """The prompt of `messages` offering `tools`. With a multimodal processor, images and videos are
-    decoded and preprocessed here (blocking: call it off an event loop when there are any). With
-    `max_context_len`, a rendered text too long to fit it is refused before it is tokenized."""
-    images: list[Any] | None = [] if mm_processor is not None else None
-    videos: list[Any] | None = [] if mm_processor is not None else None
+    """The prompt of `messages` offering `tools`; media parts are refused unless the model
+    `takes_media` (has a multimodal processor)."""
+    images: list[Any] | None = [] if takes_media else None
+    videos: list[Any] | None = [] if takes_media else None
     offered = tools.tools if tools is not None else None
     text = render_messages(template_messages(messages, images, videos), chat_template, tool_parser, offered)
-    if max_context_len is not None:
-        try:
-            check_prompt_chars(text, tokenizer, max_context_len, "messages")
-        except RequestError as exc:
-            raise ChatInputError(str(exc), "messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if not (images or videos):
-        return ChatPrompt(ids, None)
-    try:
-        ids, mm_items = mm_processor.process(ids, images, videos)
-    except ValueError as exc:
-        message = str(exc).replace("image_data", "image", 1).replace("video_data", "video", 1)
-        raise ChatInputError("messages: " + message, "messages") from None
-    return ChatPrompt(ids, mm_items)
+    return ChatPrompt(text, images, videos)
 
 
 def response_format_constraint(response_format: dict[str, Any] | None) -> dict[str, str]:
@@ -65,18 +62,3 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> dict[s
     if kind == "json_schema":
         return {"json_schema": json.dumps(response_format["json_schema"]["schema"])}
     return {}
-
-
-def check_constraint(grammar: Any, params: dict[str, Any], param: str | None) -> None:
-    """Compile the constraint in native `params` now (the backend caches it for the engine) so that
-    an invalid one is a ChatInputError naming `param`, the field that set it, before the request
-    starts. Blocking (a first compile may take a while)."""
-    kind = next((k for k in GRAMMAR_KINDS if k in params), None)
-    if kind is None:
-        return
-    if grammar is None:
-        raise ChatInputError("structured output is not available: this server has no grammar backend", param)
-    try:
-        grammar.validate(kind, params[kind])
-    except GrammarError as exc:  # the backend's reason ("invalid regex: ...", or why it has none)
-        raise ChatInputError(f"{param}: {exc}", param) from None

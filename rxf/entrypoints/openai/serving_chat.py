@@ -7,7 +7,6 @@ without adding any) and the template's stop strings are added to the request's o
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
@@ -17,12 +16,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from rxf.core.tokenizer_manager import GenerateRequest, RequestLimits, TokenizerManager
+from rxf.core.io_struct import PreparedRequest, RequestOptions
+from rxf.core.outputs import GenerateOutput
+from rxf.core.request_preparer import RequestPreparer
+from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.chat import ChatInputError
-from rxf.entrypoints.chat.prompt import build_chat_prompt
+from rxf.entrypoints.chat.prompt import PROMPT_FIELDS, build_chat_prompt
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser, make_parser
 from rxf.entrypoints.chat.tool_stream import ToolCallStream, finish_type
 from rxf.entrypoints.chat.tools import ToolPlan, plan_tools, tool_params
+from rxf.entrypoints.choices import choice_requests, warm_prefixes
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs, token_str_fn
 from rxf.entrypoints.openai.protocol import (
@@ -39,13 +42,12 @@ from rxf.entrypoints.openai.protocol import (
 from rxf.entrypoints.openai.sampling import (
     bad_request,
     check_chat,
-    check_constraint,
     check_model,
-    check_priority,
-    max_new_tokens,
+    native_names,
     native_params,
     output_constraint,
-    verify_native,
+    prepare_request,
+    slow_to_plan,
 )
 from rxf.entrypoints.openai.sse import event, sse_response
 from rxf.entrypoints.openai.tool_calls import reply_message, tool_call_deltas
@@ -57,32 +59,25 @@ router = APIRouter()
 @dataclass
 class ChatPlan:
     id: str
-    ids: list[int]
-    params: dict[str, Any]
-    reqs: list[GenerateRequest]  # request i is choice i
+    prompt: PreparedRequest  # the conversation's one prepared request (choice 0 is it, or derives from it)
+    reqs: list[PreparedRequest]  # request i (rid `<id>-<i>`) is choice i
     logprobs: bool
-    mm_items: list[Any] | None = None  # the prompt's preprocessed images (their pads are in ids)
     tools: ToolPlan | None = None
-    constraint_param: str | None = None  # the request field that set the output constraint
 
 
 def plan_chat(
     req: ChatCompletionRequest,
-    tokenizer: Any,
+    preparer: RequestPreparer,
     chat_template: Any,
-    context_len: int,
-    vocab_size: int,
-    limits: RequestLimits | None = None,
-    mm_processor: Any = None,
     tool_parser: ToolCallParser | None = None,
 ) -> ChatPlan:
-    """The native requests for `req`; raises APIError(400) naming the field for any bad value.
-    `tool_parser` reads the model's tool calls (None: the one the chat template suggests). With a
-    multimodal processor, images are decoded and preprocessed here (blocking: call it off the event
-    loop when the request has images)."""
+    """The prepared requests for `req`; raises APIError(400) naming the field for any bad value.
+    `tool_parser` reads the model's tool calls (None: the one the chat template suggests).
+    Blocking (template rendering, tokenizing, media decoding, grammar compiling): run it off the
+    event loop."""
     check_chat(req)
-    check_priority(req, limits)
     constrained_by, constraint = output_constraint(req)
+    tokenizer = preparer.tokenizer
     if tool_parser is None:
         tool_parser = make_parser(None, chat_template, tokenizer)
     tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
@@ -90,49 +85,39 @@ def plan_chat(
     messages = [msg.model_dump(exclude_unset=True) for msg in req.messages]
     try:
         tools = plan_tools(tool_entries, tool_choice, req.parallel_tool_calls, tool_parser, constrained_by or None)
-        prompt = build_chat_prompt(messages, tokenizer, chat_template, tool_parser, tools, mm_processor, context_len)
+        prompt = build_chat_prompt(messages, chat_template, tool_parser, tools, preparer.mm_processor is not None)
     except ChatInputError as exc:
         raise bad_request(str(exc), exc.param) from None
-    ids = prompt.ids
     if req.max_completion_tokens is not None:
-        requested, param = req.max_completion_tokens, "max_completion_tokens"
+        requested, budget_field = req.max_completion_tokens, "max_completion_tokens"
     else:
-        requested, param = req.max_tokens, "max_tokens"
-    budget = max_new_tokens(requested, param, None, len(ids), context_len, "messages")
-    params = native_params(req, budget, tuple(chat_template.stop_strings)) | constraint | tool_params(tools)
+        requested, budget_field = req.max_tokens, "max_tokens"
+    params = native_params(req, requested, tuple(chat_template.stop_strings)) | constraint | tool_params(tools)
     if tools is not None and tools.json_schema is not None:
         constrained_by = "tools"
-    verify_native(params, vocab_size, limits)
-    rid = gen.new_id("chatcmpl")
-    reqs = gen.choice_requests(
-        ids,
-        params,
-        req.n,
-        rid,
-        0,
-        stream=req.stream,
-        return_logprob=req.logprobs,
-        top_logprobs_num=req.top_logprobs or 0,
-        cache_salt=req.cache_salt,
-        priority=req.priority,
-        mm_items=prompt.mm_items,
+    options = RequestOptions(
+        stream=req.stream, return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
+        cache_salt=req.cache_salt, priority=req.priority,
     )
-    return ChatPlan(rid, ids, params, reqs, req.logprobs, prompt.mm_items, tools, constrained_by or None)
+    rid = gen.new_id("chatcmpl")
+    # Left out, the budget is the whole remaining context (OpenAI's chat default).
+    native = prompt.request(params, options, rid, default_max_new_tokens=None)
+    names = native_names(PROMPT_FIELDS, budget_field, "top_logprobs", constrained_by or None)
+    prepared = prepare_request(preparer, native, names)
+    return ChatPlan(rid, prepared, choice_requests(prepared, [f"{rid}-{i}" for i in range(req.n)]), req.logprobs, tools)
 
 
-def _logprobs(plan: ChatPlan, meta: dict[str, Any], token_str: TokenStr) -> ChatLogprobs | None:
-    if not plan.logprobs:
+def _logprobs(plan: ChatPlan, out: GenerateOutput, token_str: TokenStr) -> ChatLogprobs | None:
+    if not plan.logprobs or out.logprobs is None:
         return None
     return ChatLogprobs(
-        content=chat_logprobs(
-            meta.get("output_token_logprobs", []), meta.get("output_top_logprobs"), token_str
-        )
+        content=chat_logprobs(out.logprobs.output_token_logprobs, out.logprobs.output_top_logprobs, token_str)
     )
 
 
-def _finish(meta: dict[str, Any], called: bool) -> str | None:
+def _finish(out: GenerateOutput, called: bool) -> str | None:
     """OpenAI's finish_reason: "tool_calls" for a reply that ended (not cut short) with calls."""
-    return finish_type(gen.finish_reason(meta), called)
+    return finish_type(gen.finish_reason(out), called)
 
 
 def _message(plan: ChatPlan, text: str) -> ChatMessageOut:
@@ -143,17 +128,17 @@ def _message(plan: ChatPlan, text: str) -> ChatMessageOut:
 
 
 def chat_response(
-    plan: ChatPlan, results: list[dict[str, Any]], token_str: TokenStr, model: str
+    plan: ChatPlan, results: list[GenerateOutput], token_str: TokenStr, model: str
 ) -> ChatCompletionResponse:
     choices = []
     for i, result in enumerate(results):
-        message = _message(plan, result["text"])
+        message = _message(plan, result.text)
         choices.append(
             ChatChoice(
                 index=i,
                 message=message,
-                logprobs=_logprobs(plan, result["meta_info"], token_str),
-                finish_reason=_finish(result["meta_info"], message.tool_calls is not None),
+                logprobs=_logprobs(plan, result, token_str),
+                finish_reason=_finish(result, message.tool_calls is not None),
             )
         )
     return ChatCompletionResponse(
@@ -175,18 +160,17 @@ async def chat_events(
 
     for i in range(len(plan.reqs)):
         yield chunk(i, Delta(role="assistant", content=""))
-    finals: list[dict[str, Any]] = [{} for _ in plan.reqs]
+    finals: list[Any] = [None] * len(plan.reqs)
     async with contextlib.aclosing(gen.iterate(tm, plan.reqs)) as results:
         async for i, result in results:
-            meta = result["meta_info"]
-            logprobs = _logprobs(plan, meta, token_str)
-            finish = gen.finish_reason(meta)
-            delta = Delta(content=result["text"] or None)
+            logprobs = _logprobs(plan, result, token_str)
+            finish = gen.finish_reason(result)
+            delta = Delta(content=result.text or None)
             stream = streams[i]
             if stream is not None:
-                content, calls = stream.feed(result["text"], final=finish is not None)
+                content, calls = stream.feed(result.text, final=finish is not None)
                 delta = Delta(content=content or None, tool_calls=tool_call_deltas(calls) or None)
-                finish = _finish(meta, stream.called)
+                finish = _finish(result, stream.called)
             if finish is not None:
                 finals[i] = result
             elif delta.content is None and delta.tool_calls is None and not (logprobs and logprobs.content):
@@ -216,14 +200,13 @@ async def create_chat_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    has_images = tm.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
-    args = (body, state.tokenizer, state.chat_template, tm.max_context_len, tm.vocab_size, tm.limits,
-            tm.mm_processor, tool_parser(state))
-    plan = await prepare(request, plan_chat, *args, off_loop=has_images)
-    await asyncio.to_thread(check_constraint, tm.grammar, plan.params, plan.constraint_param)
+    has_media = tm.preparer.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
+    forced_tools = bool(body.tools) and body.tool_choice not in (None, "none", "auto")
+    slow = has_media or forced_tools or slow_to_plan(body)
+    plan = await prepare(request, plan_chat, body, tm.preparer, state.chat_template, tool_parser(state), off_loop=slow)
     tm.check_capacity(len(plan.reqs))
-    if body.n > 1 and plan.mm_items is None:  # a warm-up request would carry no image features
-        await gen.warm_prefixes(tm, [plan.ids], plan.params, body.cache_salt, body.priority)
+    if body.n > 1:
+        await warm_prefixes(tm, [plan.prompt])
     token_str = token_str_fn(state.tokenizer)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
