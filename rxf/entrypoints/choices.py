@@ -25,9 +25,9 @@ from dataclasses import replace
 from typing import Any
 
 from rxf.core.echo import echo
-from rxf.core.io_struct import PreparedRequest
-from rxf.core.outputs import GenerateOutput
-from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.core.frontend.outputs import GenerateOutput
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
+from rxf.core.ipc.messages import PreparedRequest
 
 MAX_N = 128  # choices of one prompt
 

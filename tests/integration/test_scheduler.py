@@ -13,9 +13,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from rxf.core.config import load_config
-from rxf.core.io_struct import PreparedRequest, RequestOptions
-from rxf.core.model_runner import ModelRunner
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.registry import PluginRegistry
+from rxf.core.runner.model_runner import ModelRunner
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 

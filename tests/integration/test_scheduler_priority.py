@@ -10,7 +10,7 @@ import dataclasses
 from test_scheduler import make_scheduler, prompts, request
 
 from rxf import Runtime
-from rxf.core.io_struct import PreparedRequest, RequestOptions
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.scheduler.scheduler import Scheduler
 
 

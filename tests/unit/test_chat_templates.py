@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerFast
 
 import rxf.plugins.chat_templates as plugin
 from rxf.core import hookspecs
+from rxf.core.chat_template import ChatTemplate
 from rxf.plugins.chat_templates.base import (
-    ChatTemplate,
     HFChatTemplate,
     JinjaChatTemplate,
     resolve_chat_template,

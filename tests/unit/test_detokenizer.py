@@ -14,8 +14,9 @@ import zmq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rxf.core.detokenizer import DecodeState, Detokenizer, DetokState, run_detokenizer_process
-from rxf.core.io_struct import BatchStrOut, BatchTokenOut, FinishReason, TokenOut
+from rxf.core.detokenizer.detokenizer import DecodeState, Detokenizer, DetokState
+from rxf.core.detokenizer.process import run_detokenizer_process
+from rxf.core.ipc.messages import BatchStrOut, BatchTokenOut, FinishReason, TokenOut
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PIECES = [

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import PreparedRequest, RequestOptions
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config

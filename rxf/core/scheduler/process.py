@@ -22,8 +22,7 @@ from typing import Any
 import zmq
 
 from rxf.core.config import EngineConfig
-from rxf.core.distributed import RankPlacement
-from rxf.core.io_struct import (
+from rxf.core.ipc.messages import (
     STATS_INTERVAL_S,
     AbortReq,
     BatchTokenOut,
@@ -33,6 +32,7 @@ from rxf.core.io_struct import (
     PreparedRequest,
     StatsSnapshot,
 )
+from rxf.core.runner.distributed import RankPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def run_scheduler_process(
     ready_conn: Any,
 ) -> None:
     """`placement` None: the only rank of the only replica (no process group)."""
-    from rxf.entrypoints.logging_setup import setup_logging
+    from rxf.core.launch.logging_setup import setup_logging
 
     where = "" if placement is None else f" dp{placement.dp_rank} tp{placement.rank}"
     setup_logging(config.runtime.log_level, prefix=f"scheduler{where}")
@@ -57,9 +57,9 @@ def run_scheduler_process(
         import torch
         from transformers import AutoTokenizer
 
-        from rxf.core.distributed import init_tensor_parallel
-        from rxf.core.model_runner import ModelRunner
         from rxf.core.registry import PluginRegistry
+        from rxf.core.runner.distributed import init_tensor_parallel
+        from rxf.core.runner.model_runner import ModelRunner
         from rxf.core.scheduler.scheduler import Scheduler
 
         if placement is not None:
@@ -130,7 +130,7 @@ class _Sockets:
 
 def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
     """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies."""
-    from rxf.core.distributed import broadcast_from_rank0
+    from rxf.core.runner.distributed import broadcast_from_rank0
 
     parent = os.getppid()
     if sockets is not None:

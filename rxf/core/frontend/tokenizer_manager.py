@@ -1,6 +1,6 @@
 """The TokenizerManager: submits prepared requests to the scheduler and turns the detokenizer's
 outputs back into per-request results (asyncio, in the caller's process). Requests are validated and
-tokenized before they get here, once, by its `preparer` (`rxf.core.request_preparer`); it trusts
+tokenized before they get here, once, by its `preparer` (`rxf.core.frontend.request_preparer`); it trusts
 what it is given.
 
 Slow consumers: a request's outputs wait in its `_ReqState` until its consumer takes them; past
@@ -27,9 +27,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 import zmq
 import zmq.asyncio
 
-from rxf.core.dp_router import DpRouter, combine_flush, combine_stats, replica_addrs
 from rxf.core.echo import echo
-from rxf.core.io_struct import (
+from rxf.core.frontend.dp_router import DpRouter, combine_flush, combine_stats
+from rxf.core.frontend.outputs import GenerateOutput, Logprobs
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.frontend.requests import (
+    EngineDeadError,
+    OverloadedError,
+    RequestError,
+    RequestLimits,
+    RequestTimeoutError,
+)
+from rxf.core.ipc.addresses import replica_addrs
+from rxf.core.ipc.messages import (
     AbortReq,
     BatchStrOut,
     FlushCacheReq,
@@ -40,15 +50,6 @@ from rxf.core.io_struct import (
     StatsSnapshot,
     StrOut,
     TokenOut,
-)
-from rxf.core.outputs import GenerateOutput, Logprobs
-from rxf.core.request_preparer import RequestPreparer
-from rxf.core.requests import (
-    EngineDeadError,
-    OverloadedError,
-    RequestError,
-    RequestLimits,
-    RequestTimeoutError,
 )
 
 if TYPE_CHECKING:
