@@ -8,9 +8,12 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 
 from rxf.core.detokenizer.detokenizer import Detokenizer
+from rxf.core.ipc import codec
+from rxf.core.ipc.messages import ToDetokenizer
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -20,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 # How often (ms) the idle process loop wakes up to check that its parent is still alive.
 _PARENT_CHECK_MS = 1000
+
+_DECODER = codec.Decoder(ToDetokenizer)
 
 
 class _Shutdown(BaseException):
@@ -69,9 +74,15 @@ def _serve(tokenizer_path: str, recv_addr: str, send_addr: str, ready_conn: Conn
                     logger.warning("detokenizer: parent process exited; exiting")
                     return
                 continue
-            result = detokenizer.handle(recv.recv_pyobj())
+            data = recv.recv()
+            try:
+                batch = _DECODER.decode(data)
+            except msgspec.MsgspecError as exc:  # a bug in the scheduler, not a client's doing
+                logger.error("detokenizer: undecodable message (%s): %s", exc, data[:64])
+                continue
+            result = detokenizer.handle(batch)
             if result.outs:
-                send.send_pyobj(result)
+                send.send(codec.encode(result), copy=False)
     finally:
         # Linger 0: drop unsent text rather than wait on exit for a reader that may be gone.
         ctx.destroy(linger=0)
