@@ -30,8 +30,8 @@ from rxf.core.ipc.messages import (
     StatsReply,
     StatsSnapshot,
     StrOut,
-    TokenOut,
     ToDetokenizer,
+    TokenOut,
     ToScheduler,
     ToTokenizer,
 )
