@@ -5,11 +5,15 @@ only in the directions the process split allows.
 Imports are read from the source with `ast`, at every depth (a function's lazy import counts), so
 an import that runs only on some path cannot slip through. Imports under `if TYPE_CHECKING:` never
 run; they may name any core module (a type), but still no layer outside core.
+
+docs/architecture.md, the map of the processes and files, stays true the same way: every file and
+function it cites exists.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[2] / "rxf" / "core"
@@ -135,4 +139,34 @@ def test_the_check_catches_what_it_forbids():
         "rxf.core.frontend.x:8 imports rxf.core.runner (frontend may not depend on runner)",
         "rxf.core.frontend.x:9 imports rxf.core.scheduler.scheduler (frontend may not depend on scheduler)",
         "rxf.core.frontend.x:9 imports rxf.core.scheduler.scheduler.Scheduler (frontend may not depend on scheduler)",
+    ]
+
+
+DOC = CORE.parents[1] / "docs" / "architecture.md"
+
+
+def doc_problems(text: str) -> list[str]:
+    """The `path.py` and `path.py: name` citations of `text` that name no single file of rxf or
+    tests, or a name that file does not define."""
+    repo = CORE.parents[1]
+    files = sorted(p.relative_to(repo).as_posix() for top in ("rxf", "tests") for p in (repo / top).rglob("*.py"))
+    problems = []
+    for m in re.finditer(r"`([\w/]+\.py)(?:: (\w+(?:\.\w+)?))?`", text):
+        path, name = m.group(1), m.group(2)
+        found = [f for f in files if f == path or f.endswith("/" + path)]
+        if len(found) != 1:
+            problems.append(f"{path}: {len(found)} files")
+        elif name is not None:
+            pattern = rf"^\s*(def|class|async def) {name.split('.')[-1]}\b|^{name} = "
+            if not re.search(pattern, (repo / found[0]).read_text(), re.M):
+                problems.append(f"{path}: no {name}")
+    return problems
+
+
+def test_the_architecture_page_cites_files_and_names_that_exist():
+    text = DOC.read_text()
+    assert len(re.findall(r"\.py[:`]", text)) > 40
+    assert doc_problems(text) == []
+    assert doc_problems("`runner/step_runner.py: launch_twice`, `nowhere/gone.py`, `process.py`") == [
+        "runner/step_runner.py: no launch_twice", "nowhere/gone.py: 0 files", "process.py: 2 files",
     ]
