@@ -13,7 +13,10 @@ Messages, built as the engine builds them:
 Each figure is the median over `--repeats` of the mean time of `--number` encode + decode pairs,
 in microseconds, one thread; decoding reads from a writable buffer (a `bytearray`, as a ZMQ frame
 received with `copy=False` is), so the codec's image tensor is a view of it rather than a copy.
-The encoded sizes are printed too.
+The encoded sizes are printed too, and the minor page faults per call: a message of megabytes
+costs fresh pages whenever the allocator hands its buffers back to the kernel between calls (glibc
+does past its mmap threshold); `MALLOC_MMAP_THRESHOLD_=100000000 MALLOC_TRIM_THRESHOLD_=100000000`
+rules that out, so that the codec's own work shows.
 
     .venv/bin/python benchmarks/bench_ipc_codec.py [--repeats 9] [--number 200] [--output out.json]
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import resource
 import statistics
 import subprocess
 import sys
@@ -78,15 +82,18 @@ def build(m: Any) -> dict[str, Any]:
     }
 
 
-def time_us(fn: Callable[[], Any], number: int, repeats: int) -> float:
+def time_us(fn: Callable[[], Any], number: int, repeats: int) -> tuple[float, float]:
+    """(median µs per call, minor page faults per call)."""
     fn()
     runs = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(number):
             fn()
         runs.append((time.perf_counter() - start) / number * 1e6)
-    return statistics.median(runs)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return statistics.median(runs), faults / (number * repeats)
 
 
 def main() -> None:
@@ -102,20 +109,27 @@ def main() -> None:
     for name, msg in new.items():
         decoder, before = codec.Decoder(RECEIVERS[name]), old[name]
         number = max(1, args.number // 20) if "image" in name else args.number
-        msgspec_us = time_us(lambda: decoder.decode(bytearray(codec.encode(msg))), number, args.repeats)  # noqa: B023
-        pickle_us = time_us(lambda: pickle.loads(bytearray(pickle.dumps(before))), number, args.repeats)  # noqa: B023
+        msgspec_us, msgspec_faults = time_us(
+            lambda: decoder.decode(bytearray(codec.encode(msg))), number, args.repeats  # noqa: B023
+        )
+        pickle_us, pickle_faults = time_us(
+            lambda: pickle.loads(bytearray(pickle.dumps(before))), number, args.repeats  # noqa: B023
+        )
         rows[name] = {
             "msgspec_us": round(msgspec_us, 1),
             "pickle_us": round(pickle_us, 1),
             "pickle_over_msgspec": round(pickle_us / msgspec_us, 2),
+            "msgspec_faults": round(msgspec_faults),
+            "pickle_faults": round(pickle_faults),
             "msgspec_bytes": len(codec.encode(msg)),
             "pickle_bytes": len(pickle.dumps(before)),
         }
-    print(f"{'message':22} {'msgspec µs':>11} {'pickle µs':>10} {'pickle/msgspec':>15} {'msgspec B':>10} {'pickle B':>10}")
+    print(f"{'message':22} {'msgspec µs':>11} {'pickle µs':>10} {'pickle/msgspec':>15} {'faults m/p':>11} "
+          f"{'msgspec B':>10} {'pickle B':>10}")
     for name, r in rows.items():
         print(
             f"{name:22} {r['msgspec_us']:11.1f} {r['pickle_us']:10.1f} {r['pickle_over_msgspec']:15.2f} "
-            f"{r['msgspec_bytes']:10d} {r['pickle_bytes']:10d}"
+            f"{r['msgspec_faults']:5d}/{r['pickle_faults']:<5d} {r['msgspec_bytes']:10d} {r['pickle_bytes']:10d}"
         )
     if args.output:
         with open(args.output, "w") as f:

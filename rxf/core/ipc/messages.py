@@ -7,6 +7,10 @@ bytes straight into the right type and refuses anything else. Fields are plain d
 tensors inside `MultimodalItem.data`, carried by the codec's tensor extension); the nested request
 types `SamplingParams` and `RequestOptions` are dataclasses, which msgspec encodes by field.
 
+The per-step outputs (`TokenOut` and what holds it) are `gc=False` structs: hundreds are decoded
+per step, and the garbage collector need not track objects that can hold no reference cycle (they
+hold only ids, strings, numbers and lists of them); measured in benchmarks/RESULTS.md.
+
 Admin requests carry a `req_id` their reply repeats: the TokenizerManager matches replies by it,
 so replies may come in any order and a reply nobody waits for any more is dropped.
 """
@@ -130,7 +134,7 @@ class FlushCacheReply(msgspec.Struct, tag=True, array_like=True):
 ABORT_REQUESTED = "aborted"
 
 
-class FinishReason(msgspec.Struct, array_like=True):
+class FinishReason(msgspec.Struct, array_like=True, gc=False):
     """Why a request ended. type: "stop" (EOS, a stop token or a stop string), "length" or "abort"
     (`message` says why: ABORT_REQUESTED, or the failure)."""
 
@@ -147,7 +151,7 @@ class FinishReason(msgspec.Struct, array_like=True):
         return d
 
 
-class TokenOut(msgspec.Struct, array_like=True):
+class TokenOut(msgspec.Struct, array_like=True, gc=False):
     """One request's news from one scheduler step (sent every `stream_interval` decode steps,
     right after prefill, and when the request finishes)."""
 
@@ -173,11 +177,11 @@ class TokenOut(msgspec.Struct, array_like=True):
     input_token_ids: list[int] | None = None
 
 
-class BatchTokenOut(msgspec.Struct, tag=True, array_like=True):
+class BatchTokenOut(msgspec.Struct, tag=True, array_like=True, gc=False):
     outs: list[TokenOut]
 
 
-class StrOut(msgspec.Struct, array_like=True):
+class StrOut(msgspec.Struct, array_like=True, gc=False):
     """TokenOut plus the text it adds. `text_delta` never ends in half a multi-byte character and,
     while unfinished, holds back any tail that could still become a stop string."""
 
@@ -185,7 +189,7 @@ class StrOut(msgspec.Struct, array_like=True):
     text_delta: str
 
 
-class BatchStrOut(msgspec.Struct, tag=True, array_like=True):
+class BatchStrOut(msgspec.Struct, tag=True, array_like=True, gc=False):
     outs: list[StrOut]
 
 
