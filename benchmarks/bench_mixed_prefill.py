@@ -71,11 +71,11 @@ def main() -> None:
     ap.add_argument("--config", default="examples/demo.toml")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=4000)
-    ap.add_argument("--chunks", default="256,512,1024", help=SETTINGS_HELP)
+    ap.add_argument("--chunks", default="64,128,256,512,1024", help=SETTINGS_HELP)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
-    settings: list[tuple[str, dict[str, Any]]] = [("off", {"scheduler.chunked_prefill_size": None})]
+    settings: list[tuple[str, dict[str, Any]]] = [("off", {"scheduler.chunked_prefill_size": "off"})]
     for c in map(int, args.chunks.split(",")):
         settings.append((f"mixed {c}", {"scheduler.chunked_prefill_size": c, "scheduler.mixed_chunked_prefill": True}))
         settings.append((f"separate {c}", {"scheduler.chunked_prefill_size": c, "scheduler.mixed_chunked_prefill": False}))

@@ -41,7 +41,18 @@ class AttentionConfig(_Section):
 class SchedulerConfig(_Section):
     max_running_requests: int = Field(64, gt=0)
     max_prefill_tokens: int = Field(4096, gt=0, description="bound on one EXTEND batch's new tokens")
-    chunked_prefill_size: int | None = Field(None, gt=0, description="split longer prompts into chunks")
+    chunked_prefill_size: int | Literal["off"] | None = Field(
+        None,
+        description="prompt tokens computed per step for a longer prompt; 'off': a prompt in one step; "
+        "unset: 256 on the CPU, max_prefill_tokens on CUDA",
+    )
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _positive_chunk(cls, size: int | str | None) -> int | str | None:
+        if isinstance(size, int) and size <= 0:
+            raise ValueError("must be a positive number of tokens, or 'off'")
+        return size
+
     mixed_chunked_prefill: bool = Field(
         True, description="run a prefill chunk in the same forward as the decoding requests"
     )
@@ -60,6 +71,18 @@ class SchedulerConfig(_Section):
     max_queued_requests: int = Field(
         1024, ge=0, description="requests that may wait beyond max_running_requests; more get 503"
     )
+
+
+def chunk_size(config: SchedulerConfig, device_type: str) -> int | None:
+    """Prompt tokens per step for a chunked prefill (None: no chunking). The CPU default is the
+    fastest setting measured on the demo model (256: a 4000-token prompt prefills 1.9x faster than in
+    one step, while 8 streams beside it wait at most 1.4 s; benchmarks/RESULTS.md)."""
+    size = config.chunked_prefill_size
+    if size == "off":
+        return None
+    if size is None:
+        return 256 if device_type == "cpu" else config.max_prefill_tokens
+    return size
 
 
 class CacheConfig(_Section):

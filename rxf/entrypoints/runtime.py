@@ -288,14 +288,20 @@ class Runtime:
         caller = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
 
+        def post(item: Any) -> None:
+            # The consumer's loop may be closed by now (it stopped early; the cancel below is on its
+            # way): nobody reads the item.
+            with contextlib.suppress(RuntimeError):
+                caller.call_soon_threadsafe(items.put_nowait, item)
+
         async def pump() -> None:
             try:
                 async for item in agen:
-                    caller.call_soon_threadsafe(items.put_nowait, item)
+                    post(item)
             except BaseException as e:
-                caller.call_soon_threadsafe(items.put_nowait, e)
+                post(e)
             finally:
-                caller.call_soon_threadsafe(items.put_nowait, _DONE)
+                post(_DONE)
 
         task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
         try:

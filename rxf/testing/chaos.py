@@ -171,7 +171,7 @@ async def _normal(run: _Run, client: httpx.AsyncClient, n: int) -> None:
         if ok:
             run.result.served["normal"] += 1
         else:
-            run.result.error("normal", f"{kind} HTTP {r.status_code}", r.text if kind != "stream" else "")
+            run.result.error("normal", f"{kind} HTTP {r.status_code}", r.text if kind != "stream" else " | ".join(events[-3:]))
 
 
 async def _hostile(run: _Run, client: httpx.AsyncClient, cases: list[HostileCase]) -> None:
@@ -193,7 +193,8 @@ async def _hostile(run: _Run, client: httpx.AsyncClient, cases: list[HostileCase
 
 async def _slow(run: _Run, kind: str) -> None:
     """Trickle one request at a time until the server cuts it (408) or the run ends."""
-    body = b'{"text": "slow", "sampling_params": {"max_new_tokens": 1}}'
+    # Padded with JSON whitespace to 4 KiB: trickled at 2 bytes a second, it outlasts any body timeout.
+    body = b'{"text": "slow", "sampling_params": {"max_new_tokens": 1}}'.ljust(4096)
     while run.running():
         head = f"POST /generate HTTP/1.1\r\nhost: {run.host}\r\ncontent-type: application/json\r\n"
         if kind == "slow_body":

@@ -80,6 +80,7 @@ class FakeRunner:
         eos: int | None = None,
         fail_forward: str | None = None,
     ) -> None:
+        self.device = torch.device("cpu")
         self.vocab_size = vocab_size
         self.max_context_len = max_context_len
         self.max_total_tokens = num_slots

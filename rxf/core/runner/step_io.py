@@ -83,6 +83,7 @@ class StepResult:
 class StepRunner(Protocol):
     """What the scheduler needs from a model runner."""
 
+    device: torch.device  # where the runner computes (the scheduler only reads its type)
     vocab_size: int
     max_context_len: int
     max_total_tokens: int

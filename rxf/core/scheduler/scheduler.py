@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from rxf.core.config import EngineConfig
+from rxf.core.config import EngineConfig, chunk_size
 from rxf.core.forward import ForwardMode
 from rxf.core.ipc.messages import ABORT_REQUESTED, FinishReason, PreparedRequest, SchedulerStats, TokenOut
 from rxf.core.kvcache.kv_manager import KVManager
@@ -92,6 +92,7 @@ class Scheduler:
         self.config = config
         self.sc = config.scheduler
         self.runner = runner
+        self.chunk_size = chunk_size(self.sc, runner.device.type)
         self.tree = RadixCache(runner.token_to_kv_pool, disable=config.cache.disable_radix_cache)
         self.kv = KVManager(runner.req_to_token_pool, runner.token_to_kv_pool, self.tree)
         eos = set(runner.eos_token_ids)
@@ -256,7 +257,7 @@ class Scheduler:
     def _plan_chunks(self, plan: _Planned) -> None:
         """The next chunk of each request whose prompt (or jumped-forward text) is only partly
         computed; they keep their row and lock."""
-        chunk = self.sc.chunked_prefill_size or self.sc.max_prefill_tokens
+        chunk = self.chunk_size or self.sc.max_prefill_tokens
         # (A prompt whose last chunk is in flight without sampling, max_new_tokens 0, has none left.)
         for req in [r for r in self.running if not r.decoding and r.kv_len < r.seq_len]:
             n = min(chunk, req.seq_len - req.kv_len)
@@ -276,7 +277,7 @@ class Scheduler:
             self.kv,
             new_token_ratio=self.new_token_ratio,
             max_prefill_tokens=self.sc.max_prefill_tokens - sum(plan.extend_lens[plan.decode_rows :]),
-            chunk_size=self.sc.chunked_prefill_size,
+            chunk_size=self.chunk_size,
             batch_nonempty=bool(plan.extend_rows),
         )
         for req, extend_len in zip(adm.reqs, adm.extend_lens, strict=True):
