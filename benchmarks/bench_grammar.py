@@ -42,9 +42,9 @@ from transformers import AutoTokenizer
 
 from rxf.core.config import load_config
 from rxf.core.grammar import make_grammar_backend
-from rxf.core.io_struct import PreparedRequest
-from rxf.core.model_runner import ModelRunner
+from rxf.core.ipc.messages import PreparedRequest
 from rxf.core.registry import PluginRegistry
+from rxf.core.runner.model_runner import ModelRunner
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.entrypoints.demo_model import resolve_model_path

@@ -165,8 +165,8 @@ def _engine(model_dir: Path, backend: str, max_running: int, slots: int) -> Any:
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
-    from rxf.core.model_runner import ModelRunner
     from rxf.core.registry import PluginRegistry
+    from rxf.core.runner.model_runner import ModelRunner
     from rxf.core.scheduler.scheduler import Scheduler
 
     config = load_config({
@@ -183,7 +183,7 @@ def _engine(model_dir: Path, backend: str, max_running: int, slots: int) -> Any:
 
 
 def _add(sched: Any, bs: int, prompt_len: int, new_tokens: int, vocab: int, tag: str) -> None:
-    from rxf.core.io_struct import PreparedRequest
+    from rxf.core.ipc.messages import PreparedRequest
     from rxf.core.sampling_params import SamplingParams
 
     rng = random.Random(bs * 1000 + prompt_len)

@@ -201,8 +201,8 @@ def model_phase(s: Shape, model_dir: Path, dev: torch.device, dtype: torch.dtype
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
-    from rxf.core.model_runner import ModelRunner
     from rxf.core.registry import PluginRegistry
+    from rxf.core.runner.model_runner import ModelRunner
     from rxf.core.scheduler.scheduler import Scheduler
 
     max_bs = max(s.decode_batches)

@@ -91,8 +91,8 @@ def decode_job(model_dir: str, dtype: str, device: str, backend: str, batches: l
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
-    from rxf.core.model_runner import ModelRunner
     from rxf.core.registry import PluginRegistry
+    from rxf.core.runner.model_runner import ModelRunner
     from rxf.core.scheduler.scheduler import Scheduler
 
     max_bs = max(batches)

@@ -110,7 +110,7 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor: ...
 
-    # CUDA-graph hooks (DECODE only; `rxf.core.cuda_graph_runner` calls them). A backend that cannot
+    # CUDA-graph hooks (DECODE only; `rxf.core.runner.cuda_graph_runner` calls them). A backend that cannot
     # be captured keeps these defaults and decode runs eager. One graph is captured per batch size;
     # whatever `forward_decode` reads must then live at fixed device addresses for that size, and must
     # not depend on host values (`batch.*_cpu`) other than `batch.batch_size`. Batches arrive padded to

@@ -14,7 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from rxf.core.attention import AttentionBackend
-    from rxf.core.io_struct import MultimodalItem
+    from rxf.core.ipc.messages import MultimodalItem
     from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pluggy
 
 if TYPE_CHECKING:
-    from rxf.plugins.chat_templates.base import ChatTemplate
+    from rxf.core.chat_template import ChatTemplate
 
 PROJECT_NAME = "rxf"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -34,7 +34,7 @@ class RegisterFactory(Protocol):
 
 class RegisterChatTemplate(Protocol):
     def __call__(self, template: ChatTemplate) -> None:
-        """Register a named chat template (see ``rxf.plugins.chat_templates.base.ChatTemplate``)."""
+        """Register a named chat template (see ``rxf.core.chat_template.ChatTemplate``)."""
 
 
 @hookspec

@@ -24,10 +24,12 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Any
 
+import msgspec
+
 from rxf.core.echo import echo
-from rxf.core.io_struct import PreparedRequest
-from rxf.core.outputs import GenerateOutput
-from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.core.frontend.outputs import GenerateOutput
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
+from rxf.core.ipc.messages import PreparedRequest
 
 MAX_N = 128  # choices of one prompt
 
@@ -42,7 +44,8 @@ def check_n(n: Any) -> None:
 def choice_requests(prepared: PreparedRequest, rids: list[str]) -> list[PreparedRequest]:
     """The requests of one prompt's choices, one per rid: request i is choice i."""
     return [
-        replace(prepared, rid=rid, sampling_params=prepared.sampling_params.for_choice(i)) for i, rid in enumerate(rids)
+        msgspec.structs.replace(prepared, rid=rid, sampling_params=prepared.sampling_params.for_choice(i))
+        for i, rid in enumerate(rids)
     ]
 
 
@@ -50,7 +53,7 @@ def prefill_request(prepared: PreparedRequest) -> PreparedRequest:
     """`prepared`'s prompt prefilled into the cache, no token generated (under a fresh rid)."""
     params = replace(prepared.sampling_params, max_new_tokens=0, min_new_tokens=0)
     options = replace(prepared.options, stream=False, return_logprob=False)
-    return replace(prepared, rid=uuid.uuid4().hex, sampling_params=params, options=options)
+    return msgspec.structs.replace(prepared, rid=uuid.uuid4().hex, sampling_params=params, options=options)
 
 
 async def warm_prefixes(tm: TokenizerManager, prompts: list[PreparedRequest]) -> None:

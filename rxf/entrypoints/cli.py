@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from rxf.entrypoints.logging_setup import setup_logging
+from rxf.core.launch.logging_setup import setup_logging
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
@@ -48,9 +48,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     setup_logging(args.log_level or config.runtime.log_level)
     logging.getLogger(__name__).info("starting the engine for %s", config.model.path)
     if config.parallel.node_rank > 0:  # multi-node: only node 0 serves; the others run scheduler ranks
-        from rxf.entrypoints.engine import run_worker_node
+        from rxf.core.launch.processes import run_worker_node
+        from rxf.entrypoints.demo_model import resolve_model_path
 
-        return run_worker_node(config)
+        return run_worker_node(config, resolve_model_path(config.model.path))
     return serve(config)
 
 

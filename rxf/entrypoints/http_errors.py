@@ -11,7 +11,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rxf.core.tokenizer_manager import EngineDeadError, OverloadedError, RequestError, RequestTimeoutError
+from rxf.core.frontend.tokenizer_manager import (
+    EngineDeadError,
+    OverloadedError,
+    RequestError,
+    RequestTimeoutError,
+)
 from rxf.entrypoints.body_text import InvalidTextError
 from rxf.entrypoints.server_state import APIError, engine_api_error
 

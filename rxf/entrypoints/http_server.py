@@ -34,9 +34,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from rxf.core.config import EngineConfig
+from rxf.core.frontend.requests import RequestLimits, load_multimodal_processor
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.grammar import make_grammar_backend
-from rxf.core.requests import RequestLimits, load_multimodal_processor
-from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.http_errors import APIKeyMiddleware, BodyLimitMiddleware, install_error_handlers
 from rxf.entrypoints.http_transport import DrainMiddleware, GuardedH11Protocol, ensure_open_files
 from rxf.entrypoints.metrics import ServerMetrics
@@ -63,15 +63,16 @@ class _Loaded:
 def _load(config: EngineConfig, cancel: threading.Event) -> _Loaded:
     """Blocking: start the child processes (model load) and, meanwhile, load the tokenizer and the
     chat template in this process."""
+    from rxf.core.launch.processes import EngineProcesses
     from rxf.entrypoints.demo_model import resolve_model_path
-    from rxf.entrypoints.engine import EngineProcesses
 
-    # Resolved first (it prepares the demo model once; EngineProcesses' own call is then a lookup)
-    # so that the tokenizer can load while the children load the model.
-    tokenizer_path = config.model.tokenizer_path or resolve_model_path(config.model.path)
+    # Resolved first (it prepares the demo model once) so that the tokenizer can load while the
+    # children load the model.
+    model_path = resolve_model_path(config.model.path)
+    tokenizer_path = config.model.tokenizer_path or model_path
     with ThreadPoolExecutor(1, thread_name_prefix="rxf-tokenizer-load") as pool:
         frontend = pool.submit(_load_frontend, config, tokenizer_path)
-        engine = EngineProcesses(config, cancel=cancel)
+        engine = EngineProcesses(config, model_path, cancel=cancel)
         try:
             tokenizer, template = frontend.result()
         except BaseException:

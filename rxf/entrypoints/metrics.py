@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from rxf.core.io_struct import SchedulerStats, StrOut
+from rxf.core.ipc.messages import SchedulerStats, StrOut
 
 logger = logging.getLogger(__name__)
 

@@ -21,16 +21,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from rxf.core import sampling_params
-from rxf.core.io_struct import PreparedRequest, RequestOptions
-from rxf.core.request_preparer import RequestPreparer
-from rxf.core.requests import (
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.frontend.requests import (
     MAX_CACHE_SALT_LEN,
     MAX_RID_LEN,
     MAX_TOP_LOGPROBS,
     PRIORITY_RANGE,
     GenerateRequest,
 )
-from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.entrypoints.body_text import check_unicode
 from rxf.entrypoints.server_state import (
     APIError,

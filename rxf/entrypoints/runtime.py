@@ -23,14 +23,15 @@ from concurrent.futures import Future
 from typing import Any
 
 from rxf.core.config import EngineConfig, load_config
+from rxf.core.frontend.requests import GenerateRequest, RequestLimits, load_multimodal_processor
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.grammar import make_grammar_backend
-from rxf.core.io_struct import PreparedRequest, RequestOptions
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
+from rxf.core.launch.processes import EngineProcesses
 from rxf.core.registry import PluginRegistry
-from rxf.core.requests import GenerateRequest, RequestLimits, load_multimodal_processor
-from rxf.core.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.chat.tool_parsers import make_parser
 from rxf.entrypoints.choices import check_n, choice_requests, interleave, warm_prefixes
-from rxf.entrypoints.engine import EngineProcesses
+from rxf.entrypoints.demo_model import resolve_model_path
 from rxf.entrypoints.runtime_chat import ChatCall, prepare_chat
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class Runtime:
 
         self.config = config
         self.registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
-        self.engine = EngineProcesses(config)
+        self.engine = EngineProcesses(config, resolve_model_path(config.model.path))
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.engine.tokenizer_path)
             self.chat_template = resolve_chat_template(

@@ -15,10 +15,10 @@ from typing import Any, get_args
 from pydantic import TypeAdapter, ValidationError
 
 from rxf.core.echo import echo
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.frontend.requests import RequestError
 from rxf.core.grammar import GRAMMAR_KINDS
-from rxf.core.io_struct import PreparedRequest, RequestOptions
-from rxf.core.request_preparer import RequestPreparer
-from rxf.core.requests import RequestError
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.sampling_params import DEFAULT_MAX_NEW_TOKENS
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.prompt import (

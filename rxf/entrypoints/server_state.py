@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from rxf.core.config import EngineConfig
 from rxf.core.echo import cut
-from rxf.core.tokenizer_manager import (
+from rxf.core.frontend.tokenizer_manager import (
     EngineDeadError,
     OverloadedError,
     RequestError,

@@ -268,7 +268,7 @@ async def _sample_health(run: _Run, interval_s: float) -> None:
 def _process_name(proc: psutil.Process, main_pid: int) -> str:
     if proc.pid == main_pid:
         return "server"
-    cmdline = proc.cmdline()  # children run `python -m rxf.entrypoints.child NAME`
+    cmdline = proc.cmdline()  # children run `python -m rxf.core.launch.child NAME`
     return cmdline[-1] if cmdline else str(proc.pid)
 
 

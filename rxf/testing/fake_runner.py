@@ -23,7 +23,7 @@ import torch
 from rxf.core.config import EngineConfig, load_config
 from rxf.core.forward import ForwardMode
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
-from rxf.core.step_io import PENDING, StepBatch, StepResult
+from rxf.core.runner.step_io import PENDING, StepBatch, StepResult
 
 
 def next_token(tokens: list[int], vocab_size: int, eos: int | None = None) -> int:

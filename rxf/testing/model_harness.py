@@ -18,8 +18,8 @@ import torch
 
 from rxf.core.config import load_config
 from rxf.core.forward import ForwardMode
-from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.registry import PluginRegistry
+from rxf.core.runner.model_runner import ModelInput, ModelRunner
 
 CPU_DEFAULTS: dict[str, Any] = {
     "runtime.device": "cpu",

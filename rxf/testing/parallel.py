@@ -15,9 +15,14 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from rxf.core.distributed import RankPlacement, destroy_tensor_parallel, free_port, init_tensor_parallel
 from rxf.core.forward import ForwardMode
-from rxf.core.model_runner import ModelInput, ModelRunner
+from rxf.core.runner.distributed import (
+    RankPlacement,
+    destroy_tensor_parallel,
+    free_port,
+    init_tensor_parallel,
+)
+from rxf.core.runner.model_runner import ModelInput, ModelRunner
 
 
 def _worker(rank: int, tp_size: int, port: int, device: str, threads: int, fn: Any, args: tuple, results: Any) -> None:

@@ -26,9 +26,9 @@ import torch
 from rxf.core.config import load_config
 from rxf.core.forward import ForwardMode
 from rxf.core.hookspecs import hookimpl
-from rxf.core.io_struct import PreparedRequest
-from rxf.core.model_runner import ModelInput, ModelRunner
+from rxf.core.ipc.messages import PreparedRequest
 from rxf.core.registry import PluginRegistry
+from rxf.core.runner.model_runner import ModelInput, ModelRunner
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.plugins.attention.torch_native import TorchNativeBackend

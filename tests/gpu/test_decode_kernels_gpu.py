@@ -28,8 +28,8 @@ pytest.importorskip("triton")
 
 from rxf.core.config import load_config  # noqa: E402
 from rxf.core.forward import ForwardMode  # noqa: E402
-from rxf.core.model_runner import ModelInput, ModelRunner  # noqa: E402
 from rxf.core.registry import PluginRegistry  # noqa: E402
+from rxf.core.runner.model_runner import ModelInput, ModelRunner  # noqa: E402
 from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rxf.plugins.models.layers import RadixAttention, RotaryEmbedding  # noqa: E402
 from rxf.plugins.models.layers import gemv as gemv_mod  # noqa: E402

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from rxf.core.config import load_config
-from rxf.core.io_struct import PreparedRequest
-from rxf.core.model_runner import ModelRunner
+from rxf.core.ipc.messages import PreparedRequest
 from rxf.core.registry import PluginRegistry
+from rxf.core.runner.model_runner import ModelRunner
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.plugins.multimodal.llava import LlavaProcessor

@@ -24,8 +24,8 @@ pytest.importorskip("triton")
 from test_cuda_graph_gpu import FP32_GAP, _config, _hf_greedy, _prompts, _registry, _worst_gap  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from rxf.core.io_struct import PreparedRequest  # noqa: E402
-from rxf.core.model_runner import ModelRunner  # noqa: E402
+from rxf.core.ipc.messages import PreparedRequest  # noqa: E402
+from rxf.core.runner.model_runner import ModelRunner  # noqa: E402
 from rxf.core.sampling_params import SamplingParams  # noqa: E402
 from rxf.core.scheduler.scheduler import Scheduler  # noqa: E402
 from rxf.plugins.models.layers.fused_moe import fused_experts  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 from grammar_cases import LONG_KEYS_SCHEMA, parse_json, regex_cases, schema_cases
 
 from rxf import Runtime
-from rxf.core.tokenizer_manager import RequestError
+from rxf.core.frontend.tokenizer_manager import RequestError
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.toml"
 PROMPTS = [

@@ -16,9 +16,9 @@ import time
 import pytest
 
 from rxf import Runtime
-from rxf.core.distributed import free_port
-from rxf.core.tokenizer_manager import EngineDeadError
-from rxf.entrypoints.engine import EngineStartError
+from rxf.core.frontend.tokenizer_manager import EngineDeadError
+from rxf.core.launch.processes import EngineStartError
+from rxf.core.runner.distributed import free_port
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPTS = ["the cat", "a much longer prompt about the dog and the cat", "你好", "numbers 1 2 3"]
@@ -144,9 +144,9 @@ def test_a_forward_failing_on_one_rank_ends_that_rank(tiny_llama, monkeypatch):
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
-    from rxf.core.io_struct import PreparedRequest
-    from rxf.core.model_runner import ModelRunner
+    from rxf.core.ipc.messages import PreparedRequest
     from rxf.core.registry import PluginRegistry
+    from rxf.core.runner.model_runner import ModelRunner
     from rxf.core.sampling_params import SamplingParams
     from rxf.core.scheduler import scheduler as scheduler_module
 

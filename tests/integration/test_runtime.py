@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rxf import Runtime
-from rxf.core.tokenizer_manager import EngineDeadError, RequestError
+from rxf.core.frontend.tokenizer_manager import EngineDeadError, RequestError
 from rxf.testing.runtime import assert_drained
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

@@ -7,15 +7,15 @@ is asserted after every step (`check_memory=True`).
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
+import msgspec
 import pytest
 from transformers import AutoTokenizer
 
 from rxf.core.config import load_config
-from rxf.core.io_struct import PreparedRequest, RequestOptions
-from rxf.core.model_runner import ModelRunner
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.registry import PluginRegistry
+from rxf.core.runner.model_runner import ModelRunner
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 
@@ -141,7 +141,7 @@ def test_retraction_under_small_kv_budget_keeps_outputs(tiny_llama, hf_reference
 def test_prompt_logprobs(tiny_llama, overlap):
     sched = make_scheduler(tiny_llama, **{"scheduler.overlap": overlap})
     p = prompts(1, seed=6, lo=12, hi=12)[0]
-    msg = replace(request("lp", p, 4), options=RequestOptions(return_logprob=True, logprob_start_len=0, top_logprobs_num=2))
+    msg = msgspec.structs.replace(request("lp", p, 4), options=RequestOptions(return_logprob=True, logprob_start_len=0, top_logprobs_num=2))
     sched.add_request(msg)
     outs = []
     while sched.has_work:
@@ -155,7 +155,7 @@ def test_prompt_logprobs(tiny_llama, overlap):
 def test_zero_new_tokens_prefills_only(tiny_llama):
     sched = make_scheduler(tiny_llama)
     p = prompts(1, seed=8, lo=10, hi=10)[0]
-    msg = replace(request("z", p, 0), options=RequestOptions(return_logprob=True, logprob_start_len=0))
+    msg = msgspec.structs.replace(request("z", p, 0), options=RequestOptions(return_logprob=True, logprob_start_len=0))
     sched.add_request(msg)
     outs = []
     while sched.has_work:

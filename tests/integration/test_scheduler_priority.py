@@ -5,18 +5,18 @@ the KV ledger after every step (`check_memory=True`)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
+import msgspec
 from test_scheduler import make_scheduler, prompts, request
 
 from rxf import Runtime
-from rxf.core.io_struct import PreparedRequest, RequestOptions
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.scheduler.scheduler import Scheduler
 
 
 def with_priority(rid: str, ids: list[int], max_new: int, priority: int) -> PreparedRequest:
     # Streamed, so that progress shows in the outputs of every step.
-    return dataclasses.replace(request(rid, ids, max_new), options=RequestOptions(stream=True, priority=priority))
+    return msgspec.structs.replace(request(rid, ids, max_new), options=RequestOptions(stream=True, priority=priority))
 
 
 def run(sched: Scheduler, outputs: dict[str, list[int]], max_steps: int = 10_000) -> tuple[list[str], list[str]]:

@@ -21,8 +21,8 @@ from torch import nn
 import rxf
 from rxf.core import hookspecs
 from rxf.core.attention import AttentionBackend
+from rxf.core.chat_template import ChatTemplate
 from rxf.core.registry import KINDS, PluginRegistry
-from rxf.plugins.chat_templates.base import ChatTemplate
 from rxf.testing.attention import compare_backends
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,10 +22,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from rxf.core.config import load_config
-from rxf.core.io_struct import FinishReason, PreparedRequest
-from rxf.core.outputs import GenerateOutput
-from rxf.core.request_preparer import RequestPreparer
-from rxf.core.requests import RequestError
+from rxf.core.frontend.outputs import GenerateOutput
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.frontend.requests import RequestError
+from rxf.core.ipc.messages import FinishReason, PreparedRequest
 from rxf.core.sampling_params import SamplingParams
 from rxf.entrypoints.http_errors import install_error_handlers
 from rxf.entrypoints.native_routes import router as native_router

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from rxf.core.io_struct import FinishReason, PreparedRequest
-from rxf.core.outputs import GenerateOutput, Logprobs
-from rxf.core.request_preparer import RequestPreparer
+from rxf.core.frontend.outputs import GenerateOutput, Logprobs
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.ipc.messages import FinishReason, PreparedRequest
 from rxf.core.sampling_params import SamplingParams
 from rxf.entrypoints.choices import warm_prefixes
 from rxf.entrypoints.openai import serving_chat, serving_completions

@@ -15,9 +15,9 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from rxf.core.io_struct import FinishReason
-from rxf.core.outputs import GenerateOutput
-from rxf.core.request_preparer import RequestPreparer
+from rxf.core.frontend.outputs import GenerateOutput
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.ipc.messages import FinishReason
 from rxf.entrypoints.chat.tool_parsers import PARSERS
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from rxf.entrypoints.openai.serving_chat import chat_events, chat_response, plan_chat

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rxf.core.requests import GenerateRequest
-from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.core.frontend.requests import GenerateRequest
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.testing import make_tiny_tokenizer
 
 SURROGATE = "\ud800"  # a lone UTF-16 surrogate: JSON can escape it, UTF-8 cannot encode it

@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerFast
 
 import rxf.plugins.chat_templates as plugin
 from rxf.core import hookspecs
+from rxf.core.chat_template import ChatTemplate
 from rxf.plugins.chat_templates.base import (
-    ChatTemplate,
     HFChatTemplate,
     JinjaChatTemplate,
     resolve_chat_template,
@@ -284,3 +284,14 @@ def test_plugin_import_is_cheap() -> None:
         "assert not {'transformers', 'jinja2', 'torch'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_the_api_types_moved_to_core_still_import_from_the_plugin_with_a_warning() -> None:
+    import rxf.core.chat_template as api
+    import rxf.plugins.chat_templates.base as old
+
+    for name in ("ChatTemplate", "Turn", "text_turns"):
+        with pytest.warns(DeprecationWarning, match=f"moved to rxf.core.chat_template.{name}"):
+            assert getattr(old, name) is getattr(api, name)
+    with pytest.raises(AttributeError):
+        old.NoSuchName  # noqa: B018

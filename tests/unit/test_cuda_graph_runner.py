@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from rxf.core.config import ConfigError, CudaGraphConfig, load_config
-from rxf.core.cuda_graph_runner import (
+from rxf.core.forward import ForwardMode
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
+from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
+from rxf.core.kvcache.kv_manager import KVHandle
+from rxf.core.runner.cuda_graph_runner import (
     CudaGraphRunner,
     DecodeBuffers,
     DecodeInputs,
@@ -15,15 +19,11 @@ from rxf.core.cuda_graph_runner import (
     fits_budget,
     pick_bucket,
 )
-from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import PreparedRequest, RequestOptions
-from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
-from rxf.core.sampling import gather_logprobs
+from rxf.core.runner.sampling import gather_logprobs
+from rxf.core.runner.step_io import StepBatch
+from rxf.core.runner.step_runner import StepExecutor
 from rxf.core.sampling_params import SamplingParams
-from rxf.core.scheduler.kv_manager import KVHandle
 from rxf.core.scheduler.req import Req
-from rxf.core.step_io import StepBatch
-from rxf.core.step_runner import StepExecutor
 from rxf.plugins.attention.torch_native import TorchNativeBackend
 
 

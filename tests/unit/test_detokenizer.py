@@ -14,8 +14,10 @@ import zmq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rxf.core.detokenizer import DecodeState, Detokenizer, DetokState, run_detokenizer_process
-from rxf.core.io_struct import BatchStrOut, BatchTokenOut, FinishReason, TokenOut
+from rxf.core.detokenizer.detokenizer import DecodeState, Detokenizer, DetokState
+from rxf.core.detokenizer.process import run_detokenizer_process
+from rxf.core.ipc import codec
+from rxf.core.ipc.messages import BatchStrOut, BatchTokenOut, FinishReason, TokenOut, ToTokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 PIECES = [
@@ -334,9 +336,10 @@ def test_detokenizer_process(tok: PreTrainedTokenizerFast, tmp_path: Path) -> No
         assert parent_conn.poll(60), "detokenizer did not report ready"
         assert parent_conn.recv() == "ready"
         a, b = tok.encode("你好，世界！"), _byte_ids(tok, "😀 café")
-        push.send_pyobj(BatchTokenOut(outs=[_out("a", a[:2]), _out("b", b, FinishReason(type="length"))]))
+        push.send(b"not a message")  # logged and dropped: the process keeps serving
+        push.send(codec.encode(BatchTokenOut(outs=[_out("a", a[:2]), _out("b", b, FinishReason(type="length"))])))
         assert pull.poll(20_000), "no reply from the detokenizer"
-        reply = pull.recv_pyobj()
+        reply = codec.Decoder(ToTokenizer).decode(pull.recv())
         assert isinstance(reply, BatchStrOut)
         assert [(o.token.rid, o.text_delta) for o in reply.outs] == [
             ("a", DecodeState().step(tok, a[:2])),

@@ -11,7 +11,7 @@ import torch
 
 from rxf.core.config import GrammarConfig
 from rxf.core.grammar import GrammarError, LazyGrammarBackend
-from rxf.core.sampling import GrammarMask, SamplingBatch, make_generator
+from rxf.core.runner.sampling import GrammarMask, SamplingBatch, make_generator
 from rxf.core.sampling_params import SamplingParams
 from rxf.plugins.grammar.xgrammar_backend import XGrammarBackend
 from rxf.testing.checkpoints import make_tiny_tokenizer

@@ -16,7 +16,7 @@ from test_models import PROMPTS, Requests, assert_logits_close, hf_logits, regis
 from transformers import AutoModelForCausalLM, MixtralConfig
 
 from rxf.core.config import load_config
-from rxf.core.model_runner import ModelRunner
+from rxf.core.runner.model_runner import ModelRunner
 from rxf.plugins.models.layers.moe import FusedExperts, experts_native, select_experts
 from rxf.plugins.models.mixtral import MixtralForCausalLM, MixtralMoE
 from rxf.testing import make_tiny_checkpoint

@@ -16,8 +16,8 @@ import rxf.plugins.models
 from rxf.core.config import load_config
 from rxf.core.forward import ForwardMode
 from rxf.core.hookspecs import hookimpl
-from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.registry import PluginNotFoundError, PluginRegistry
+from rxf.core.runner.model_runner import ModelInput, ModelRunner
 from rxf.plugins.attention.torch_native import TorchNativeBackend
 from rxf.testing import make_tiny_checkpoint
 

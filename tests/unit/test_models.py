@@ -18,8 +18,8 @@ import rxf.plugins.attention
 import rxf.plugins.models
 from rxf.core.config import load_config
 from rxf.core.forward import ForwardMode
-from rxf.core.model_runner import ModelInput, ModelRunner
 from rxf.core.registry import PluginRegistry
+from rxf.core.runner.model_runner import ModelInput, ModelRunner
 from rxf.plugins.models.layers.rotary import inverse_frequencies, rope_parameters
 from rxf.plugins.models.llama import MistralForCausalLM
 from rxf.testing import make_tiny_checkpoint

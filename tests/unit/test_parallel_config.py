@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from rxf.core.config import ConfigError, load_config
-from rxf.core.dp_router import DpRouter, combine_flush, combine_stats, replica_addrs
-from rxf.core.io_struct import FlushCacheResult, SchedulerStats
-from rxf.entrypoints.engine import rank_placements
+from rxf.core.frontend.dp_router import DpRouter, combine_flush, combine_stats
+from rxf.core.ipc.addresses import replica_addrs
+from rxf.core.ipc.messages import FlushCacheResult, SchedulerStats
+from rxf.core.launch.processes import rank_placements
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,7 @@ def test_combine_replies():
 def test_too_few_gpus_is_refused_before_start(monkeypatch):
     import torch
 
-    from rxf.entrypoints.engine import EngineStartError
+    from rxf.core.launch.processes import EngineStartError
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     config = load_config({"runtime": {"device": "cuda"}, "parallel": {"tp_size": 2, "dp_size": 2}})

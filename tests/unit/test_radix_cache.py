@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rxf.core.kv_pool import TokenToKVPool
-from rxf.core.radix_cache import RadixCache, TreeNode
+from rxf.core.kvcache.radix_cache import RadixCache, TreeNode
 
 
 def make_pool(num_slots: int) -> TokenToKVPool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from rxf.core.sampling import (
+from rxf.core.runner.sampling import (
     SampleOutput,
     SamplingBatch,
     gather_logprobs,

@@ -12,10 +12,11 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import msgspec
 import pytest
 
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import PreparedRequest, RequestOptions
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config
@@ -146,7 +147,7 @@ def test_priority_orders_admission_and_retraction():
     sched, runner = make(False, {"max_running": 1}, **{"scheduler.policy": "priority"})
     for rid, prio in [("late", 5), ("first", -1), ("mid", 0)]:
         msg = request(rid, [10, 11, 12], 3)
-        sched.add_request(replace(msg, options=replace(msg.options, priority=prio)))
+        sched.add_request(msgspec.structs.replace(msg, options=replace(msg.options, priority=prio)))
     drain(sched)
     order = [b.reqs[0].rid for b in runner.batches if b.mode != ForwardMode.DECODE]
     assert order == ["first", "mid", "late"]

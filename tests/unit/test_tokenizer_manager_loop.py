@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from rxf.core.io_struct import FinishReason, StrOut, TokenOut
-from rxf.core.requests import LONG_TEXT_CHARS, GenerateRequest
+from rxf.core.frontend.requests import LONG_TEXT_CHARS, GenerateRequest
+from rxf.core.frontend.tokenizer_manager import TokenizerManager, _ReqState
+from rxf.core.ipc.messages import FinishReason, StrOut, TokenOut
 from rxf.core.sampling_params import SamplingParams
-from rxf.core.tokenizer_manager import TokenizerManager, _ReqState
 from rxf.testing import make_tiny_tokenizer
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rxf.core.distributed import tp_all_gather
+from rxf.core.runner.distributed import tp_all_gather
 from rxf.plugins.models.layers import QKVParallelLinear, RowParallelLinear, VocabEmbedding
 from rxf.testing import make_tiny_checkpoint
 from rxf.testing.parallel import generate_each, load_and_generate, run_tp

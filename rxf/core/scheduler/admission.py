@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rxf.core.scheduler.kv_manager import KVManager
+from rxf.core.kvcache.kv_manager import KVManager
 from rxf.core.scheduler.req import Req
 
 # Future tokens of a request (new or running) are counted in full, but never more than this: a

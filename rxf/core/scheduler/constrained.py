@@ -27,11 +27,11 @@ from typing import Any
 
 from rxf.core.config import EngineConfig
 from rxf.core.grammar import GrammarBackend, make_grammar_backend
-from rxf.core.io_struct import FinishReason
-from rxf.core.requests import max_token_chars
-from rxf.core.sampling import GrammarMask
+from rxf.core.ipc.messages import FinishReason
+from rxf.core.runner.sampling import GrammarMask
 from rxf.core.scheduler.output import StopChecker
 from rxf.core.scheduler.req import Req
+from rxf.core.tokenizer_info import max_token_chars
 
 logger = logging.getLogger(__name__)
 

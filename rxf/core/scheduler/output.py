@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rxf.core.io_struct import FinishReason, TokenOut
+from rxf.core.ipc.messages import FinishReason, TokenOut
 from rxf.core.scheduler.req import Req
 
 

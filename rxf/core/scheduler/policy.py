@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from rxf.core.scheduler.kv_manager import KVManager
+from rxf.core.kvcache.kv_manager import KVManager
 from rxf.core.scheduler.req import Req
 
 

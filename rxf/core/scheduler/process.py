@@ -3,8 +3,9 @@ tensor-parallel rank.
 
 Rank 0 of a replica PULLs from the TokenizerManager (requests, aborts, admin), PUSHes token outputs
 to the detokenizer and admin replies straight back to the TokenizerManager. Every loop iteration it
-broadcasts what it received (possibly nothing) to the other ranks, which have no sockets: all ranks
-then apply the same messages and run the same `step()`, so their schedulers make the same decisions
+broadcasts the messages it received (possibly none), still encoded, to the other ranks, which have
+no sockets: all ranks decode and apply the same messages and run the same `step()`, so their
+schedulers make the same decisions
 and their forwards meet in the same collectives. They also sample the same tokens without talking:
 the logits head all-gathers the vocabulary shards, so every rank holds rank 0's logits bit for bit,
 and sampling draws from generators seeded identically on every rank (the request's seed, else
@@ -19,25 +20,31 @@ import signal
 import time
 from typing import Any
 
+import msgspec
 import zmq
 
 from rxf.core.config import EngineConfig
-from rxf.core.distributed import RankPlacement
-from rxf.core.io_struct import (
+from rxf.core.ipc import codec
+from rxf.core.ipc.messages import (
     STATS_INTERVAL_S,
     AbortReq,
     BatchTokenOut,
+    FlushCacheReply,
     FlushCacheReq,
     FlushCacheResult,
     GetStatsReq,
     PreparedRequest,
+    RankBroadcast,
+    StatsReply,
     StatsSnapshot,
+    ToScheduler,
 )
+from rxf.core.runner.distributed import RankPlacement
 
 logger = logging.getLogger(__name__)
 
-# Broadcast by rank 0 when it stops (its parent is gone), so that the other ranks stop too.
-_STOP = "stop"
+_REQUESTS = codec.Decoder(ToScheduler)
+_BROADCAST = codec.Decoder(RankBroadcast)
 
 
 def run_scheduler_process(
@@ -48,7 +55,7 @@ def run_scheduler_process(
     ready_conn: Any,
 ) -> None:
     """`placement` None: the only rank of the only replica (no process group)."""
-    from rxf.entrypoints.logging_setup import setup_logging
+    from rxf.core.launch.logging_setup import setup_logging
 
     where = "" if placement is None else f" dp{placement.dp_rank} tp{placement.rank}"
     setup_logging(config.runtime.log_level, prefix=f"scheduler{where}")
@@ -57,9 +64,9 @@ def run_scheduler_process(
         import torch
         from transformers import AutoTokenizer
 
-        from rxf.core.distributed import init_tensor_parallel
-        from rxf.core.model_runner import ModelRunner
         from rxf.core.registry import PluginRegistry
+        from rxf.core.runner.distributed import init_tensor_parallel
+        from rxf.core.runner.model_runner import ModelRunner
         from rxf.core.scheduler.scheduler import Scheduler
 
         if placement is not None:
@@ -111,58 +118,84 @@ class _Sockets:
         self.poller = zmq.Poller()
         self.poller.register(self.recv, zmq.POLLIN)
 
-    def receive(self, timeout_ms: int) -> list[Any]:
-        """Whatever arrived, waiting up to `timeout_ms` for the first message."""
-        msgs = []
+    def receive(self, timeout_ms: int) -> list[memoryview]:
+        """Whatever arrived, still encoded, waiting up to `timeout_ms` for the first message. Each
+        is a view of its ZMQ frame (no copy), so a request's tensors decode in place."""
+        frames = []
         while self.poller.poll(timeout_ms):
             timeout_ms = 0
-            msgs.append(self.recv.recv_pyobj())
-        return msgs
+            frames.append(self.recv.recv(copy=False).buffer)
+        return frames
+
+    def send_tm(self, msg: Any) -> None:
+        self.to_tm.send(codec.encode(msg), copy=False)
 
     def publish_stats(self, scheduler: Any, force: bool = False) -> None:
         """Send a `StatsSnapshot` when `force`d, when the scheduler is idle (its final figures, e.g.
         every slot back after a drain, are then exact), or `STATS_INTERVAL_S` after the last one."""
         now = time.monotonic()
         if force or not scheduler.has_work or now - self.stats_sent_at >= STATS_INTERVAL_S:
-            self.to_tm.send_pyobj(StatsSnapshot(self.dp_rank, scheduler.stats()))
+            self.send_tm(StatsSnapshot(self.dp_rank, scheduler.stats()))
             self.stats_sent_at = now
+
+
+def _share(frames: list[memoryview] | None) -> list[memoryview] | None:
+    """Rank 0's received `frames` on every rank of the replica (None: rank 0 stops); rank 0 alone
+    has sockets, the other ranks' argument is ignored. Nothing received costs one 8-byte broadcast."""
+    from rxf.core.runner.distributed import broadcast_from_rank0, tp_rank, tp_size
+
+    if tp_size() == 1:
+        return frames
+    leader = tp_rank() == 0
+    payload = codec.encode(RankBroadcast(frames or [], stop=frames is None)) if leader and frames != [] else b""
+    data = broadcast_from_rank0(payload)
+    if leader:
+        return frames
+    if not data:
+        return []
+    shared = _BROADCAST.decode(data)
+    return None if shared.stop else shared.frames
 
 
 def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
     """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies."""
-    from rxf.core.distributed import broadcast_from_rank0
-
     parent = os.getppid()
     if sockets is not None:
         sockets.publish_stats(scheduler, force=True)
     while True:
-        msgs: Any = None
+        frames: list[memoryview] | None = []
         if sockets is not None:
             if os.getppid() != parent:  # the engine's owner died without stopping us: don't linger
                 logger.warning("parent process exited; scheduler stopping")
-                broadcast_from_rank0(_STOP)
+                _share(None)
                 return
             # Block only when idle (the other ranks wait in the broadcast meanwhile); otherwise take
             # whatever arrived and keep stepping.
-            msgs = sockets.receive(0 if scheduler.has_work else 1000)
-        msgs = broadcast_from_rank0(msgs)
-        if msgs == _STOP:
+            frames = sockets.receive(0 if scheduler.has_work else 1000)
+        frames = _share(frames)
+        if frames is None:
             return
-        outs = _apply(scheduler, msgs, sockets)
+        outs = _apply(scheduler, frames, sockets)
         stepped = scheduler.has_work
         if stepped:
             outs += scheduler.step()
         if sockets is not None:
-            if msgs or stepped:  # else nothing changed since the last snapshot
+            if frames or stepped:  # else nothing changed since the last snapshot
                 sockets.publish_stats(scheduler)  # first: it then usually lands before the outputs
             if outs:
-                sockets.to_detok.send_pyobj(BatchTokenOut(outs))
+                sockets.to_detok.send(codec.encode(BatchTokenOut(outs)), copy=False)
 
 
-def _apply(scheduler: Any, msgs: list[Any], sockets: _Sockets | None) -> list[Any]:
-    """Apply the received messages in order; admin replies go out from rank 0 only."""
+def _apply(scheduler: Any, frames: list[memoryview], sockets: _Sockets | None) -> list[Any]:
+    """Decode and apply the received messages in order; admin replies go out from rank 0 only.
+    Every rank decodes the same bytes, so a message none can decode is dropped by all of them."""
     outs = []
-    for msg in msgs:
+    for frame in frames:
+        try:
+            msg = _REQUESTS.decode(frame)
+        except msgspec.MsgspecError as exc:  # a bug in the sender, not a client's doing: say so
+            logger.error("scheduler: undecodable message (%s): %s", exc, bytes(frame[:64]))
+            continue
         if isinstance(msg, PreparedRequest):
             scheduler.add_request(msg)
         elif isinstance(msg, AbortReq):
@@ -171,10 +204,7 @@ def _apply(scheduler: Any, msgs: list[Any], sockets: _Sockets | None) -> list[An
             ok, text = scheduler.flush_cache()
             if sockets is not None:  # the snapshot first: a caller of the flush then reads its effect
                 sockets.publish_stats(scheduler, force=True)
-                sockets.to_tm.send_pyobj(FlushCacheResult(ok, text))
-        elif isinstance(msg, GetStatsReq):
-            if sockets is not None:
-                sockets.to_tm.send_pyobj(scheduler.stats())
-        else:
-            logger.error("scheduler: unexpected message %r", type(msg).__name__)
+                sockets.send_tm(FlushCacheReply(msg.req_id, FlushCacheResult(ok, text)))
+        elif isinstance(msg, GetStatsReq) and sockets is not None:
+            sockets.send_tm(StatsReply(msg.req_id, scheduler.stats()))
     return outs

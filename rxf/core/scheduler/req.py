@@ -6,15 +6,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rxf.core.io_struct import FinishReason, PreparedRequest, RequestOptions
+from rxf.core.ipc.messages import FinishReason, PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
     from rxf.core.grammar import GrammarMatcher
-    from rxf.core.radix_cache import TokenKey
-    from rxf.core.scheduler.kv_manager import KVHandle
+    from rxf.core.kvcache.kv_manager import KVHandle
+    from rxf.core.kvcache.radix_cache import TokenKey
 
 
 @dataclass(eq=False)

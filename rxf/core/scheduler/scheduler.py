@@ -36,17 +36,17 @@ from typing import Any
 import torch
 
 from rxf.core.config import EngineConfig, chunk_size
-from rxf.core.distributed import tp_size
 from rxf.core.forward import ForwardMode
-from rxf.core.io_struct import ABORT_REQUESTED, FinishReason, PreparedRequest, SchedulerStats, TokenOut
-from rxf.core.radix_cache import RadixCache
+from rxf.core.ipc.messages import ABORT_REQUESTED, FinishReason, PreparedRequest, SchedulerStats, TokenOut
+from rxf.core.kvcache.kv_manager import KVManager
+from rxf.core.kvcache.radix_cache import RadixCache
+from rxf.core.runner.distributed import tp_size
+from rxf.core.runner.step_io import PENDING, StepBatch, StepResult, StepRunner
 from rxf.core.scheduler.admission import admit
 from rxf.core.scheduler.constrained import ConstrainedDecoding
-from rxf.core.scheduler.kv_manager import KVManager
 from rxf.core.scheduler.output import StopChecker, make_token_out
 from rxf.core.scheduler.policy import order_waiting
 from rxf.core.scheduler.req import Req
-from rxf.core.step_io import PENDING, StepBatch, StepResult, StepRunner
 
 logger = logging.getLogger(__name__)
 

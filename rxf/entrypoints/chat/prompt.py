@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rxf.core.io_struct import RequestOptions
-from rxf.core.requests import GenerateRequest
+from rxf.core.frontend.requests import GenerateRequest
+from rxf.core.ipc.messages import RequestOptions
 from rxf.entrypoints.chat.messages import render_messages, template_messages
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.entrypoints.chat.tools import ToolPlan

@@ -14,9 +14,9 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from rxf.core.io_struct import ABORT_REQUESTED, FinishReason, PreparedRequest
-from rxf.core.outputs import GenerateOutput
-from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.core.frontend.outputs import GenerateOutput
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
+from rxf.core.ipc.messages import ABORT_REQUESTED, FinishReason, PreparedRequest
 from rxf.entrypoints.choices import interleave
 from rxf.entrypoints.openai.protocol import PromptTokensDetails, Usage
 from rxf.entrypoints.server_state import APIError

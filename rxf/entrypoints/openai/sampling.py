@@ -1,7 +1,7 @@
 """OpenAI request fields -> the engine's native request, with the checks only OpenAI makes.
 
 Every other rule (ranges, the context, the constraint's validity, ...) is the engine's, checked
-once for every front door when the native request is prepared (`rxf.core.request_preparer`);
+once for every front door when the native request is prepared (`rxf.core.frontend.request_preparer`);
 `prepare_request` runs that now, so a bad value is a 400 before a stream starts, and states its error in
 the OpenAI request's field names. Every check raises `APIError(400, ..., param=<the OpenAI field>)`.
 """
@@ -14,9 +14,9 @@ from dataclasses import fields
 from typing import Any
 
 from rxf.core.echo import echo
-from rxf.core.io_struct import PreparedRequest
-from rxf.core.request_preparer import RequestPreparer
-from rxf.core.requests import GenerateRequest, RequestError
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.frontend.requests import GenerateRequest, RequestError
+from rxf.core.ipc.messages import PreparedRequest
 from rxf.core.sampling_params import GRAMMAR_KINDS, SamplingParams, token_id_key
 from rxf.entrypoints.chat.prompt import response_format_constraint
 from rxf.entrypoints.choices import check_n

@@ -16,10 +16,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from rxf.core.io_struct import PreparedRequest, RequestOptions
-from rxf.core.outputs import GenerateOutput
-from rxf.core.request_preparer import RequestPreparer
-from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.core.frontend.outputs import GenerateOutput
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.prompt import PROMPT_FIELDS, build_chat_prompt
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser, make_parser

@@ -16,11 +16,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from rxf.core.io_struct import PreparedRequest, RequestOptions
-from rxf.core.outputs import GenerateOutput
-from rxf.core.request_preparer import RequestPreparer
-from rxf.core.requests import GenerateRequest
-from rxf.core.tokenizer_manager import TokenizerManager
+from rxf.core.frontend.outputs import GenerateOutput
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.frontend.requests import GenerateRequest
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
+from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.entrypoints.choices import choice_requests, warm_prefixes
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rxf.plugins.chat_templates.base import ChatTemplate, Turn, text_turns
+from rxf.core.chat_template import ChatTemplate, Turn, text_turns
 
 logger = logging.getLogger(__name__)
 

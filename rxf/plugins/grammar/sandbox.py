@@ -22,7 +22,7 @@ Verdicts are cached by the constraint's hash, failures included, so a client rep
 constraint does not hold a worker each time.
 
 Workers are `python -m rxf.plugins.grammar.sandbox` subprocesses, as rxf's engine children are
-(`rxf.entrypoints.child`), not multiprocessing's spawn: spawn re-imports the caller's `__main__`.
+(`rxf.core.launch.child`), not multiprocessing's spawn: spawn re-imports the caller's `__main__`.
 Messages are pickles over the worker's stdin/stdout (from this process only, never the network).
 """
 

@@ -19,7 +19,7 @@ from transformers import AutoModel
 from transformers.activations import ACT2FN
 
 from rxf.core.forward import ForwardBatch
-from rxf.core.io_struct import MultimodalItem
+from rxf.core.ipc.messages import MultimodalItem
 from rxf.plugins.models.llava_features import (
     FeatureCache,
     anyres_limit,

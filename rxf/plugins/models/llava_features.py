@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from rxf.core.io_struct import MultimodalItem
+from rxf.core.ipc.messages import MultimodalItem
 
 
 def grid_shape(image_size: tuple[int, int], pinpoints: list[list[int]], tile: int) -> tuple[int, int]:

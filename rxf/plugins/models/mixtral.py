@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rxf.core.distributed import tp_all_reduce
+from rxf.core.runner.distributed import tp_all_reduce
 from rxf.core.weight_loader import StackedMapping, load_named_weights
 from rxf.plugins.models.layers import ColumnParallelLinear
 from rxf.plugins.models.layers.moe import FusedExperts, select_experts

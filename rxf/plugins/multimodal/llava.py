@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from rxf.core.config import MultimodalConfig
-from rxf.core.io_struct import MultimodalItem
+from rxf.core.ipc.messages import MultimodalItem
 from rxf.plugins.models.llava_features import grid_shape
 from rxf.plugins.multimodal.media import MediaError, load_image
 from rxf.plugins.multimodal.onevision_lite import OnevisionLiteProcessor, needs_lite

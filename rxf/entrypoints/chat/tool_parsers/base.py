@@ -17,8 +17,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from rxf.core.tool_syntax import ToolSyntax
 from rxf.entrypoints.chat.tool_parsers.json_scan import CallScan, scan_call, skip_ws
-from rxf.plugins.chat_templates.tools import ToolSyntax
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rxf.core import distributed
+from rxf.core.runner import distributed
 from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
 from rxf.plugins.models.layers.linear import copy_weight, resolve_tp
 

@@ -5,7 +5,7 @@ row-parallel layer consumes the shard), row-parallel layers split their input fe
 all-reduce their output (DESIGN §9). Each parameter carries a
 `weight_loader(param, checkpoint_tensor[, shard_id])` that takes the full checkpoint tensor and
 copies in this rank's slice, so checkpoints load unchanged at any tp_size. `tp_size` / `tp_rank`
-default to this process's tensor-parallel group (`rxf.core.distributed`).
+default to this process's tensor-parallel group (`rxf.core.runner.distributed`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rxf.core import distributed
+from rxf.core.runner import distributed
 from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rxf.core import distributed
+from rxf.core.runner import distributed
 from rxf.plugins.models.layers.linear import copy_weight
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rxf.plugins.chat_templates.base import ChatTemplate, text_turns
+from rxf.core.chat_template import ChatTemplate, text_turns
 
 ROLE_NAMES = {"user": "user", "assistant": "model"}
 

@@ -1,4 +1,4 @@
-"""Test-only fault injection: make the scheduler raise where real bugs would, for chosen requests.
+"""Test-only fault injection: make the runner raise where real bugs would, for chosen requests.
 
 `RXF_FAULT_INJECT="<point>:<marker>[,<point>:<marker>...]"` (read once when the scheduler starts;
 unset means no injector at all) raises `InjectedFault` at `<point>` whenever a request whose rid
@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rxf.core.scheduler.req import Req
+if TYPE_CHECKING:
+    from rxf.core.scheduler.req import Req
 
 ENV_VAR = "RXF_FAULT_INJECT"
 POINTS = ("sample", "forward")

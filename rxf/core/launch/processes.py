@@ -20,10 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rxf.core.config import EngineConfig
-from rxf.core.distributed import RankPlacement, free_port
-from rxf.core.dp_router import replica_addr_key
-from rxf.entrypoints.child import ChildProcess
-from rxf.entrypoints.demo_model import resolve_model_path
+from rxf.core.ipc.addresses import engine_addrs, replica_addr_key
+from rxf.core.launch.child import ChildProcess
+from rxf.core.runner.distributed import RankPlacement, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +52,18 @@ def _pidfds(pids: list[int]) -> list[int]:
 class EngineProcesses:
     """The child processes of one engine and the addresses they listen on."""
 
-    def __init__(self, config: EngineConfig, cancel: threading.Event | None = None) -> None:
-        """Start the children and wait until both are ready. Setting `cancel` (from another
-        thread) makes a start-up in progress stop its children and raise EngineStartError."""
+    def __init__(self, config: EngineConfig, model_path: str, cancel: threading.Event | None = None) -> None:
+        """Start the children on the checkpoint directory `model_path` (`config.model.path` as the
+        caller resolved it) and wait until they are ready. Setting `cancel` (from another thread)
+        makes a start-up in progress stop its children and raise EngineStartError."""
         self.config = config
         self._cancel = cancel or threading.Event()
         start = time.perf_counter()
-        self.model_path = resolve_model_path(config.model.path)
+        self.model_path = model_path
         self.tokenizer_path = config.model.tokenizer_path or self.model_path
         check_heads_split(config, self.model_path)
         self.ipc_dir = tempfile.mkdtemp(prefix="rxf-ipc-")  # mkdtemp creates it 0700
-        names = [replica_addr_key(d) for d in range(config.parallel.dp_size)] + ["detokenizer", "tokenizer"]
-        self.addrs = {name: f"ipc://{self.ipc_dir}/{name}" for name in names}
+        self.addrs = engine_addrs(self.ipc_dir, config.parallel.dp_size)
         self.procs: list[ChildProcess] = []
         self._ready_channels: dict[str, tuple[threading.Thread, list[Any]]] = {}
         self._closing = False
@@ -81,7 +80,7 @@ class EngineProcesses:
             if config.parallel.node_rank == 0:
                 detokenizer = self._spawn(
                     "rxf-detokenizer",
-                    "rxf.core.detokenizer:run_detokenizer_process",
+                    "rxf.core.detokenizer.process:run_detokenizer_process",
                     (self.tokenizer_path, self.addrs["detokenizer"], self.addrs["tokenizer"]),
                 )
             # Every rank must be up (a replica's ranks are ready together: they meet in the
@@ -236,13 +235,13 @@ def rank_placements(config: EngineConfig) -> list[RankPlacement | None]:
     ]
 
 
-def run_worker_node(config: EngineConfig) -> int:
+def run_worker_node(config: EngineConfig, model_path: str) -> int:
     """`rxf launch` on a node other than 0 of a multi-node group: run this node's scheduler ranks
     (they receive everything from rank 0 over the process group) until one exits or we are stopped."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    engine = EngineProcesses(config, cancel=stop)
+    engine = EngineProcesses(config, model_path, cancel=stop)
     died: list[str] = []
     engine.watch(lambda reason: (died.append(reason), stop.set()))
     logger.info("node %d: %d scheduler ranks running", config.parallel.node_rank, len(engine.procs))

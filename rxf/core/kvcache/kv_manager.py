@@ -14,13 +14,16 @@ Invariant (checked by `check`): free slots + slots held by the tree + slots owne
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
-from rxf.core.radix_cache import RadixCache, TreeNode
-from rxf.core.scheduler.req import Req
+from rxf.core.kvcache.radix_cache import RadixCache, TreeNode
+
+if TYPE_CHECKING:
+    from rxf.core.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,6 @@
-"""Incremental detokenization and the detokenizer process.
-
-The scheduler sends token ids (`BatchTokenOut`); this module turns them into text deltas
-(`BatchStrOut`) for the TokenizerManager. Two layers per request:
+"""Incremental detokenization: the scheduler's token ids (`BatchTokenOut`) become text deltas
+(`BatchStrOut`) for the TokenizerManager (`rxf.core.detokenizer.process` runs it). Two layers per
+request:
 
 - `DecodeState` turns token ids into *confirmed* text with two offsets, so each step decodes only a
   small window instead of the whole output, and never confirms half a multi-byte character.
@@ -13,19 +12,11 @@ The scheduler sends token ids (`BatchTokenOut`); this module turns them into tex
 from __future__ import annotations
 
 import logging
-import os
-import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import zmq
-
-from rxf.core.io_struct import BatchStrOut, BatchTokenOut, FinishReason, StrOut, TokenOut
-
-if TYPE_CHECKING:
-    from multiprocessing.connection import Connection
-    from types import FrameType
+from rxf.core.ipc.messages import BatchStrOut, BatchTokenOut, FinishReason, StrOut, TokenOut
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +25,6 @@ REPLACEMENT_CHAR = "\ufffd"
 
 # (sequences, skip_special_tokens, spaces_between_special_tokens) -> one text per sequence.
 BatchDecodeFn = Callable[[list[list[int]], bool, bool], list[str]]
-
-# How often (ms) the idle process loop wakes up to check that its parent is still alive.
-_PARENT_CHECK_MS = 1000
 
 
 @dataclass
@@ -264,58 +252,3 @@ class Detokenizer:
             if out.finished is not None:
                 del self._states[out.rid]
         return results
-
-
-class _Shutdown(BaseException):
-    """Raised by the SIGTERM handler to unwind the process loop from wherever it is."""
-
-
-def _raise_shutdown(signum: int, frame: FrameType | None) -> None:
-    raise _Shutdown(signal.Signals(signum).name)
-
-
-def run_detokenizer_process(
-    tokenizer_path: str, recv_addr: str, send_addr: str, ready_conn: Connection
-) -> None:
-    """Process entry: PULL `BatchTokenOut` on `recv_addr` (bound), PUSH `BatchStrOut` to
-    `send_addr` (connected). Sends "ready" on `ready_conn` once listening, or ``{"error": reason}``
-    if the tokenizer or the sockets fail (then exits with that exception). Runs until SIGTERM
-    (exit code 0) or until its parent process dies (SIGINT is ignored: the parent owns shutdown)."""
-    # Raising from the handler (rather than setting a flag) also unblocks a send to a peer that
-    # is gone, so the process always exits promptly.
-    signal.signal(signal.SIGTERM, _raise_shutdown)
-    try:
-        _serve(tokenizer_path, recv_addr, send_addr, ready_conn)
-    except _Shutdown as sig:
-        logger.info("detokenizer: exiting on %s", sig)
-
-
-def _serve(tokenizer_path: str, recv_addr: str, send_addr: str, ready_conn: Connection) -> None:
-    parent_pid = os.getppid()
-    ctx = zmq.Context()
-    try:
-        try:
-            from transformers import AutoTokenizer
-
-            detokenizer = Detokenizer(AutoTokenizer.from_pretrained(tokenizer_path))
-            recv = ctx.socket(zmq.PULL)
-            send = ctx.socket(zmq.PUSH)
-            recv.bind(recv_addr)
-            send.connect(send_addr)
-        except Exception as exc:
-            ready_conn.send({"error": f"{type(exc).__name__}: {exc}"})
-            raise
-        ready_conn.send("ready")
-        logger.info("detokenizer: ready (recv %s, send %s)", recv_addr, send_addr)
-        while True:
-            if not recv.poll(_PARENT_CHECK_MS):
-                if os.getppid() != parent_pid:
-                    logger.warning("detokenizer: parent process exited; exiting")
-                    return
-                continue
-            result = detokenizer.handle(recv.recv_pyobj())
-            if result.outs:
-                send.send_pyobj(result)
-    finally:
-        # Linger 0: drop unsent text rather than wait on exit for a reader that may be gone.
-        ctx.destroy(linger=0)

@@ -1,8 +1,18 @@
-"""Typed messages that cross process boundaries (over ZMQ ipc sockets, pickled).
+"""Typed messages that cross process boundaries (ZMQ ipc sockets, msgpack through `codec`).
 
-Only these dataclasses travel between rxf's own processes; the network never sends pickles.
-Flow: TokenizerManager --PreparedRequest/AbortReq/...--> Scheduler --BatchTokenOut-->
-Detokenizer --BatchStrOut--> TokenizerManager.
+Flow: TokenizerManager --`ToScheduler`--> Scheduler --`ToDetokenizer`--> Detokenizer, and
+Detokenizer / Scheduler --`ToTokenizer`--> TokenizerManager. Each union is what one kind of socket
+receives: its members are tagged structs (the tag is the class name), so a receiver decodes the
+bytes straight into the right type and refuses anything else. Fields are plain data (and CPU
+tensors inside `MultimodalItem.data`, carried by the codec's tensor extension); the nested request
+types `SamplingParams` and `RequestOptions` are dataclasses, which msgspec encodes by field.
+
+The per-step outputs (`TokenOut` and what holds it) are `gc=False` structs: hundreds are decoded
+per step, and the garbage collector need not track objects that can hold no reference cycle (they
+hold only ids, strings, numbers and lists of them); measured in benchmarks/RESULTS.md.
+
+Admin requests carry a `req_id` their reply repeats: the TokenizerManager matches replies by it,
+so replies may come in any order and a reply nobody waits for any more is dropped.
 """
 
 from __future__ import annotations
@@ -10,11 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from rxf.core.sampling_params import SamplingParams
 
 
-@dataclass
-class MultimodalItem:
+class MultimodalItem(msgspec.Struct, array_like=True):
     """One image or video of a request, preprocessed and hashed in the TokenizerManager.
 
     Its tokens are `input_ids[offset : offset + length]`: pad ids derived from `hash`, so the radix
@@ -26,7 +37,7 @@ class MultimodalItem:
     hash: int  # 64-bit digest of the preprocessed inputs (the vision-feature cache key)
     offset: int
     length: int
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -46,35 +57,35 @@ class RequestOptions:
     priority: int = 0
 
 
-@dataclass(frozen=True)
-class PreparedRequest:
+class PreparedRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """A request as the front door validated it (`RequestPreparer.prepare`, the one place): the
     engine trusts it and never changes it. Invariants: 0 < len(input_ids) < the context length and
     len(input_ids) < the KV pool; every id in [0, vocab_size); `sampling_params` verified, its
     max_new_tokens fitted next to the prompt; `options` in range; a constraint, if any, compiled.
-    Plain fields only, so that a codec other than pickle can carry it."""
+    A copy with other fields: `msgspec.structs.replace`."""
 
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    options: RequestOptions = field(default_factory=RequestOptions)
+    options: RequestOptions = msgspec.field(default_factory=RequestOptions)
     # Images / videos in prompt order (None: a text-only request).
     mm_items: list[MultimodalItem] | None = None
 
 
-@dataclass
-class AbortReq:
+class AbortReq(msgspec.Struct, tag=True, array_like=True):
     rid: str
 
 
-@dataclass
-class FlushCacheReq:
-    pass
+class FlushCacheReq(msgspec.Struct, tag=True, array_like=True):
+    """Empty the prefix cache (answered with a `FlushCacheReply` of the same `req_id`)."""
+
+    req_id: int
 
 
-@dataclass
-class GetStatsReq:
-    """Ask the scheduler for its counters (answered with a `SchedulerStats`)."""
+class GetStatsReq(msgspec.Struct, tag=True, array_like=True):
+    """Ask the scheduler for its counters (answered with a `StatsReply` of the same `req_id`)."""
+
+    req_id: int
 
 
 @dataclass
@@ -89,8 +100,12 @@ class SchedulerStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class StatsSnapshot:
+class StatsReply(msgspec.Struct, tag=True, array_like=True):
+    req_id: int
+    stats: SchedulerStats
+
+
+class StatsSnapshot(msgspec.Struct, tag=True, array_like=True):
     """Sent unasked by each replica's rank 0 after its steps (at most every `STATS_INTERVAL_S` while
     busy, and at once when it goes idle), so that monitoring reads the latest figures without
     waiting for a step to end."""
@@ -109,13 +124,17 @@ class FlushCacheResult:
     message: str = ""
 
 
+class FlushCacheReply(msgspec.Struct, tag=True, array_like=True):
+    req_id: int
+    result: FlushCacheResult
+
+
 # The message of an abort that was asked for (the client left, /abort_request, a shutdown's drain), as
 # opposed to one that reports a failure (an internal error, a request the scheduler cannot run).
 ABORT_REQUESTED = "aborted"
 
 
-@dataclass
-class FinishReason:
+class FinishReason(msgspec.Struct, array_like=True, gc=False):
     """Why a request ended. type: "stop" (EOS, a stop token or a stop string), "length" or "abort"
     (`message` says why: ABORT_REQUESTED, or the failure)."""
 
@@ -132,8 +151,7 @@ class FinishReason:
         return d
 
 
-@dataclass
-class TokenOut:
+class TokenOut(msgspec.Struct, array_like=True, gc=False):
     """One request's news from one scheduler step (sent every `stream_interval` decode steps,
     right after prefill, and when the request finishes)."""
 
@@ -147,7 +165,7 @@ class TokenOut:
     # request registry of its own).
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = []
     no_stop_trim: bool = False
     # Logprobs, aligned with new_token_ids; top lists hold (token_id, logprob) pairs.
     output_token_logprobs: list[float] | None = None
@@ -159,13 +177,11 @@ class TokenOut:
     input_token_ids: list[int] | None = None
 
 
-@dataclass
-class BatchTokenOut:
+class BatchTokenOut(msgspec.Struct, tag=True, array_like=True, gc=False):
     outs: list[TokenOut]
 
 
-@dataclass
-class StrOut:
+class StrOut(msgspec.Struct, array_like=True, gc=False):
     """TokenOut plus the text it adds. `text_delta` never ends in half a multi-byte character and,
     while unfinished, holds back any tail that could still become a stop string."""
 
@@ -173,6 +189,20 @@ class StrOut:
     text_delta: str
 
 
-@dataclass
-class BatchStrOut:
+class BatchStrOut(msgspec.Struct, tag=True, array_like=True, gc=False):
     outs: list[StrOut]
+
+
+class RankBroadcast(msgspec.Struct, tag=True, array_like=True):
+    """What a replica's rank 0 passes to its other tensor-parallel ranks at each loop iteration:
+    the messages it received, as received (every rank decodes them itself), or `stop` when it
+    stops."""
+
+    frames: list[memoryview] = []
+    stop: bool = False
+
+
+# What each kind of socket receives (the codec decodes into exactly these).
+ToScheduler = PreparedRequest | AbortReq | FlushCacheReq | GetStatsReq
+ToDetokenizer = BatchTokenOut
+ToTokenizer = BatchStrOut | StatsSnapshot | StatsReply | FlushCacheReply

@@ -1,6 +1,6 @@
 """Child-process plumbing: start `target(*args, ready_conn)` in a fresh interpreter.
 
-Children are started with `python -m rxf.entrypoints.child`, not multiprocessing's spawn, because
+Children are started with `python -m rxf.core.launch.child`, not multiprocessing's spawn, because
 spawn re-imports the caller's `__main__`: a user script without an `if __name__ == "__main__"`
 guard would start a second engine. The target and its arguments arrive pickled on stdin from the
 parent (never from the network); the child reports readiness over a Unix socket in the private
@@ -30,7 +30,7 @@ class ChildProcess:
         self._listener: Listener | None = Listener(ready_path, family="AF_UNIX", authkey=authkey)
         env = dict(os.environ, **{_AUTHKEY_ENV: authkey.hex()})
         self._popen = subprocess.Popen(
-            [sys.executable, "-m", "rxf.entrypoints.child", name], stdin=subprocess.PIPE, env=env
+            [sys.executable, "-m", "rxf.core.launch.child", name], stdin=subprocess.PIPE, env=env
         )
         assert self._popen.stdin is not None
         self._popen.stdin.write(pickle.dumps((target, args, ready_path)))

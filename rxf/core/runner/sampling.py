@@ -4,7 +4,7 @@
 the model's last-position logits into next tokens without any device-to-host synchronisation: its
 host-to-device copies are non-blocking (from pageable memory they are staged before the call
 returns) and nothing is read back. The runner reads the step's results in one transfer
-(`rxf.core.step_runner`).
+(`rxf.core.runner.step_runner`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rxf.core.penalties import Penalties
+from rxf.core.runner.penalties import Penalties
 from rxf.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -22,12 +22,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rxf.core.forward import ForwardMode
-from rxf.core.sampling import GrammarMask, SamplingBatch, make_generator, pack_logprobs, unpack_logprobs
-from rxf.core.scheduler.faults import FaultInjector
-from rxf.core.step_io import StepBatch, StepResult
+from rxf.core.runner.faults import FaultInjector
+from rxf.core.runner.sampling import (
+    GrammarMask,
+    SamplingBatch,
+    make_generator,
+    pack_logprobs,
+    unpack_logprobs,
+)
+from rxf.core.runner.step_io import StepBatch, StepResult
 
 if TYPE_CHECKING:
-    from rxf.core.model_runner import ModelInput, ModelRunner
+    from rxf.core.runner.model_runner import ModelInput, ModelRunner
     from rxf.core.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -92,7 +98,7 @@ class StepExecutor:
 
     def _model_input(self, batch: StepBatch) -> tuple[ModelInput, list[int]]:
         """The forward's input, and each request's first logits row."""
-        from rxf.core.model_runner import ModelInput, PendingTokens
+        from rxf.core.runner.model_runner import ModelInput, PendingTokens
 
         decode = batch.mode == ForwardMode.DECODE
         logits_start = [

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rxf.core.forward import ForwardMode
-from rxf.core.sampling import GrammarMask
+from rxf.core.runner.sampling import GrammarMask
 
 if TYPE_CHECKING:
     from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool

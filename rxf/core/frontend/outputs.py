@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rxf.core.io_struct import FinishReason, StrOut
+from rxf.core.ipc.messages import FinishReason, StrOut
 
 # (logprob, token id); a prompt's first token has no logprob (None).
 TokenLogprob = tuple[float, int]

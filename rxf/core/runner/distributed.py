@@ -12,11 +12,9 @@ gloo on CPU) plus a second gloo group over the same ranks for the scheduler's co
 
 from __future__ import annotations
 
-import pickle
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,26 +60,26 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def broadcast_from_rank0(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank of the group (a picklable object, over the gloo group); with
-    one rank, `obj` itself. Every rank must call it at the same point of its loop.
+def broadcast_from_rank0(payload: bytes) -> bytes | memoryview:
+    """Rank 0's `payload` on every rank of the group (over the gloo group; the other ranks' argument
+    is ignored); with one rank, `payload` itself. Every rank must call it at the same point of its
+    loop. The other ranks get a writable view of the received bytes.
 
-    One broadcast of the pickled size, then one of the bytes, unless rank 0's `obj` is an empty list
-    (size 0): the scheduler loop's common case of no new messages costs one 8-byte broadcast.
+    One broadcast of the size, then one of the bytes, unless rank 0's payload is empty (size 0): the
+    scheduler loop's common case of no new messages costs one 8-byte broadcast.
     """
     if _cpu_group is None or tp_size() == 1:
-        return obj
+        return payload
     src = dist.get_global_rank(_cpu_group, 0)
     leader = tp_rank() == 0
-    payload = pickle.dumps(obj) if leader and obj != [] else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
+    size = torch.tensor([len(payload) if leader else 0], dtype=torch.int64)
     dist.broadcast(size, src=src, group=_cpu_group)
     n = int(size.item())
     if n == 0:
-        return []
+        return b""
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if leader else torch.empty(n, dtype=torch.uint8)
     dist.broadcast(buf, src=src, group=_cpu_group)
-    return obj if leader else pickle.loads(buf.numpy().tobytes())
+    return payload if leader else memoryview(buf.numpy())
 
 
 def free_port() -> int:

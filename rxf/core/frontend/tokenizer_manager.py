@@ -1,6 +1,6 @@
 """The TokenizerManager: submits prepared requests to the scheduler and turns the detokenizer's
 outputs back into per-request results (asyncio, in the caller's process). Requests are validated and
-tokenized before they get here, once, by its `preparer` (`rxf.core.request_preparer`); it trusts
+tokenized before they get here, once, by its `preparer` (`rxf.core.frontend.request_preparer`); it trusts
 what it is given.
 
 Slow consumers: a request's outputs wait in its `_ReqState` until its consumer takes them; past
@@ -17,38 +17,45 @@ asking it: a full queue costs one comparison, not a round trip.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import zmq
 import zmq.asyncio
 
-from rxf.core.dp_router import DpRouter, combine_flush, combine_stats, replica_addrs
 from rxf.core.echo import echo
-from rxf.core.io_struct import (
-    AbortReq,
-    BatchStrOut,
-    FlushCacheReq,
-    FlushCacheResult,
-    GetStatsReq,
-    PreparedRequest,
-    SchedulerStats,
-    StatsSnapshot,
-    StrOut,
-    TokenOut,
-)
-from rxf.core.outputs import GenerateOutput, Logprobs
-from rxf.core.request_preparer import RequestPreparer
-from rxf.core.requests import (
+from rxf.core.frontend.dp_router import DpRouter, combine_flush, combine_stats
+from rxf.core.frontend.outputs import GenerateOutput, Logprobs
+from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.core.frontend.requests import (
     EngineDeadError,
     OverloadedError,
     RequestError,
     RequestLimits,
     RequestTimeoutError,
+)
+from rxf.core.ipc import codec
+from rxf.core.ipc.addresses import replica_addrs
+from rxf.core.ipc.messages import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheReply,
+    FlushCacheReq,
+    FlushCacheResult,
+    GetStatsReq,
+    PreparedRequest,
+    SchedulerStats,
+    StatsReply,
+    StatsSnapshot,
+    StrOut,
+    TokenOut,
+    ToTokenizer,
 )
 
 if TYPE_CHECKING:
@@ -158,11 +165,13 @@ class TokenizerManager:
             self.to_schedulers.append(sock)
         self.to_scheduler = self.to_schedulers[0]
         self.router = DpRouter(len(self.to_schedulers))
-        self._admin_lock = asyncio.Lock()
         self.from_engine = self.ctx.socket(zmq.PULL)
         self.from_engine.bind(addrs["tokenizer"])
+        self._decoder = codec.Decoder(ToTokenizer)
         self.states: dict[str, _ReqState] = {}
-        self._admin_waiters: list[asyncio.Future[Any]] = []
+        # Admin requests waiting for their reply, by the req_id the reply repeats.
+        self._admin_waiters: dict[int, asyncio.Future[Any]] = {}
+        self._admin_ids = itertools.count()
         # Each replica's latest StatsSnapshot and when it arrived (time.monotonic()).
         self._snapshots: dict[int, tuple[SchedulerStats, float]] = {}
         self._dead: str | None = None
@@ -218,7 +227,7 @@ class TokenizerManager:
         to_scheduler = None
         try:
             to_scheduler = self.to_schedulers[self.router.route(rid, req.input_ids, req.options.cache_salt)]
-            await to_scheduler.send_pyobj(req)
+            await _send(to_scheduler, req)
             while not finished:
                 item = await _next_output(state, deadline, timeout)
                 if isinstance(item, BaseException):
@@ -242,17 +251,18 @@ class TokenizerManager:
             if observer is not None:
                 observer.on_end(rid)
             if not finished and not self._dead and to_scheduler is not None:
-                await to_scheduler.send_pyobj(AbortReq(rid))
+                await _send(to_scheduler, AbortReq(rid))
 
     async def abort(self, rid: str) -> None:
         replica = self.router.replica_of(rid)
         for d, sock in enumerate(self.to_schedulers):
             if replica is None or d == replica:
-                await sock.send_pyobj(AbortReq(rid))
+                await _send(sock, AbortReq(rid))
 
     # ---- admin ----
     async def flush_cache(self) -> FlushCacheResult:
-        result = combine_flush(await self._admin(FlushCacheReq()))
+        replies: list[FlushCacheReply] = await self._admin(FlushCacheReq)
+        result = combine_flush([r.result for r in replies])
         if result.ok:
             self.router.forget_cache()
         return result
@@ -260,7 +270,8 @@ class TokenizerManager:
     async def get_stats(self) -> SchedulerStats:
         """Exact figures: asked of every replica, answered between two of its steps (a step of a
         long prefill may take seconds). Monitoring wants `latest_stats`."""
-        return combine_stats(await self._admin(GetStatsReq()))
+        replies: list[StatsReply] = await self._admin(GetStatsReq)
+        return combine_stats([r.stats for r in replies])
 
     async def latest_stats(self) -> tuple[SchedulerStats, float]:
         """The replicas' latest snapshots (sent after their steps, and at once when they go idle),
@@ -272,24 +283,36 @@ class TokenizerManager:
         snaps = [self._snapshots[d] for d in range(len(self.to_schedulers))]
         return combine_stats([s for s, _ in snaps]), time.monotonic() - min(t for _, t in snaps)
 
-    async def _admin(self, msg: Any) -> list[Any]:
-        """Each replica's reply, in replica order. One admin message is in flight at a time, so the
-        replies (which carry no replica id) cannot be mistaken for one another."""
-        replies = []
-        async with self._admin_lock:
-            for sock in self.to_schedulers:
-                if self._dead:
-                    raise EngineDeadError(self._dead)
-                fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-                self._admin_waiters.append(fut)
-                await sock.send_pyobj(msg)
-                replies.append(await fut)
-        return replies
+    async def _admin(self, make: Callable[[int], Any]) -> list[Any]:
+        """Each replica's reply to `make(req_id)`, in replica order: every replica is asked with an
+        id of its own, and a reply is matched to its request by that id, so admin requests may
+        overlap and a caller that gives up (cancelled) leaves nothing a later reply could be
+        mistaken for."""
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        loop = asyncio.get_running_loop()
+        ids = [next(self._admin_ids) for _ in self.to_schedulers]
+        futures = []
+        for req_id in ids:
+            futures.append(loop.create_future())
+            self._admin_waiters[req_id] = futures[-1]
+        try:
+            for req_id, sock in zip(ids, self.to_schedulers, strict=True):
+                await _send(sock, make(req_id))
+            return list(await asyncio.gather(*futures))
+        finally:
+            for req_id in ids:
+                self._admin_waiters.pop(req_id, None)
 
     # ---- engine -> us ----
     async def _recv_loop(self) -> None:
         while True:
-            msg = await self.from_engine.recv_pyobj()
+            data = await self.from_engine.recv()
+            try:
+                msg = self._decoder.decode(data)
+            except msgspec.MsgspecError as exc:  # a bug in a child, not a client's doing: say so
+                logger.error("undecodable message from the engine (%s): %s", exc, data[:64])
+                continue
             if isinstance(msg, BatchStrOut):
                 for out in msg.outs:
                     state = self.states.get(out.token.rid)
@@ -297,20 +320,25 @@ class TokenizerManager:
                         state.put(out)
             elif isinstance(msg, StatsSnapshot):
                 self._snapshots[msg.dp_rank] = (msg.stats, time.monotonic())
-            elif self._admin_waiters:  # admin replies come back in request order
-                self._admin_waiters.pop(0).set_result(msg)
-            else:
-                logger.error("unexpected message from the engine: %r", type(msg).__name__)
+            else:  # StatsReply, FlushCacheReply
+                fut = self._admin_waiters.get(msg.req_id)
+                if fut is not None and not fut.done():  # else: its caller gave up
+                    fut.set_result(msg)
 
     def fail_all(self, reason: str) -> None:
         """Called (on the event loop) when a child process died: nothing will answer any more."""
         self._dead = reason
         for state in self.states.values():
             state.put(EngineDeadError(reason))
-        for fut in self._admin_waiters:
+        for fut in self._admin_waiters.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
-        self._admin_waiters.clear()
+
+
+async def _send(sock: zmq.asyncio.Socket, msg: Any) -> None:
+    # copy=False: a large message (a request's pixels) is handed to ZMQ without a copy; pyzmq
+    # still copies those under its copy_threshold, where that is cheaper.
+    await sock.send(codec.encode(msg), copy=False)
 
 
 async def _next_output(state: _ReqState, deadline: float | None, timeout: float | None) -> StrOut | BaseException:

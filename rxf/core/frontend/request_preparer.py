@@ -27,8 +27,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from rxf.core.echo import echo
-from rxf.core.io_struct import MultimodalItem, PreparedRequest, RequestOptions
-from rxf.core.requests import (
+from rxf.core.frontend.requests import (
     MAX_CACHE_SALT_LEN,
     MAX_RID_LEN,
     MAX_TOP_LOGPROBS,
@@ -37,6 +36,7 @@ from rxf.core.requests import (
     RequestLimits,
     check_prompt_chars,
 )
+from rxf.core.ipc.messages import MultimodalItem, PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams, fit_max_new_tokens
 
 if TYPE_CHECKING:

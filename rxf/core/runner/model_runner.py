@@ -18,16 +18,22 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from rxf.core import distributed
 from rxf.core.attention import AttentionBackend, AttentionContext
 from rxf.core.config import EngineConfig
-from rxf.core.cuda_graph_runner import INPUT_IDS, CudaGraphRunner, DecodeBuffers, DecodeInputs, capture_sizes
 from rxf.core.forward import ForwardBatch, ForwardMode
-from rxf.core.io_struct import MultimodalItem
+from rxf.core.ipc.messages import MultimodalItem
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 from rxf.core.registry import PluginRegistry
-from rxf.core.step_io import StepBatch, StepResult
-from rxf.core.step_runner import StepExecutor, StepHandle
+from rxf.core.runner import distributed
+from rxf.core.runner.cuda_graph_runner import (
+    INPUT_IDS,
+    CudaGraphRunner,
+    DecodeBuffers,
+    DecodeInputs,
+    capture_sizes,
+)
+from rxf.core.runner.step_io import StepBatch, StepResult
+from rxf.core.runner.step_runner import StepExecutor, StepHandle
 from rxf.core.weight_loader import iter_safetensors
 
 logger = logging.getLogger(__name__)

@@ -18,19 +18,7 @@ from collections import OrderedDict
 from dataclasses import asdict, fields
 from typing import Any
 
-from rxf.core.io_struct import FlushCacheResult, SchedulerStats
-
-
-def replica_addrs(addrs: dict[str, str]) -> list[str]:
-    """The scheduler address of every replica: "scheduler" is replica 0, "scheduler_dp<d>" the others."""
-    out = [addrs["scheduler"]]
-    while f"scheduler_dp{len(out)}" in addrs:
-        out.append(addrs[f"scheduler_dp{len(out)}"])
-    return out
-
-
-def replica_addr_key(dp_rank: int) -> str:
-    return "scheduler" if dp_rank == 0 else f"scheduler_dp{dp_rank}"
+from rxf.core.ipc.messages import FlushCacheResult, SchedulerStats
 
 
 class DpRouter:

@@ -1,19 +1,19 @@
 """What a generation request is before it is prepared: the native request every front door
 builds (`GenerateRequest`), the per-request bounds, and the errors requests end with (each maps to
 one HTTP status), plus the lookup of the checkpoint's multimodal processor that preprocesses its
-images. `rxf.core.request_preparer` turns a `GenerateRequest` into the engine's `PreparedRequest`.
+images. `rxf.core.frontend.request_preparer` turns a `GenerateRequest` into the engine's `PreparedRequest`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rxf.core.echo import echo
-from rxf.core.io_struct import RequestOptions
+from rxf.core.ipc.messages import RequestOptions
 from rxf.core.sampling_params import DEFAULT_MAX_NEW_TOKENS, GRAMMAR_KINDS, SamplingParams
+from rxf.core.tokenizer_info import max_token_chars
 
 if TYPE_CHECKING:
     from rxf.core.config import EngineConfig
@@ -103,13 +103,6 @@ class RequestLimits:
                 f"priority: got {echo(priority)}, but priority scheduling is off (scheduler.policy is not "
                 "'priority'); send 0 or leave it out"
             )
-
-
-@functools.cache
-def max_token_chars(tokenizer: Any) -> int:
-    """The most characters one token of `tokenizer` stands for: its longest vocabulary entry (a
-    byte-level entry has a character per byte, so it never undercounts the text it decodes to)."""
-    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 # Texts longer than this are tokenized off the event loop (about a millisecond of tokenizing).

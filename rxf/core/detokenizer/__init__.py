@@ -1,0 +1,2 @@
+"""The detokenizer process: incremental detokenization (`detokenizer`) behind its sockets
+(`process`)."""
