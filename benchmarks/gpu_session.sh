@@ -2,8 +2,9 @@
 # One GPU call: install, warm FlashInfer's JIT cache, run the GPU tests (stage "tests"), the 8B-shaped
 # benchmark (stage "bench") or the decode profile (stage "profile"). Run from the repo root on the GPU
 # machine; see ../shared/device/README.md. Wheels first (here, once per checkout):
-#   ../shared/device/wheels.sh xgrammar==0.2.9 jsonschema==4.26.0 referencing jsonschema-specifications rpds-py msgspec==0.23.0 The JIT cache comes back in parts under 15 MB (the limit on
-# returned files); put them in .fi-parts/ (git-ignored, carried) and the next call restores them.
+#   ../shared/device/wheels.sh xgrammar==0.2.9 jsonschema==4.26.0 referencing jsonschema-specifications rpds-py msgspec==0.23.0
+# The JIT cache comes back in parts under 15 MB (the limit on returned files); put them in .fi-parts/
+# (git-ignored, carried) and the next call restores them.
 #   bash benchmarks/gpu_session.sh tests|bench|profile|gemv|compare|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
