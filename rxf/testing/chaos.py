@@ -103,7 +103,7 @@ class ChaosResult:
     def error(self, kind: str, what: str, detail: str = "") -> None:
         self.errors[f"{kind}: {what}"] += 1
         if len(self.error_samples) < 10:
-            self.error_samples.append(f"{kind}: {what} {detail[:200]}".rstrip())
+            self.error_samples.append(f"{kind}: {what} {detail[:600]}".rstrip())
 
     def summary(self) -> dict[str, Any]:
         health = sorted(self.health_s)
@@ -171,7 +171,9 @@ async def _normal(run: _Run, client: httpx.AsyncClient, n: int) -> None:
         if ok:
             run.result.served["normal"] += 1
         else:
-            run.result.error("normal", f"{kind} HTTP {r.status_code}", r.text if kind != "stream" else " | ".join(events[-3:]))
+            # How a stream ended: its last two events, each cut to its tail (where finish_reason is).
+            detail = r.text if kind != "stream" else " | ".join(e[-240:] for e in events[-2:])
+            run.result.error("normal", f"{kind} HTTP {r.status_code}", detail)
 
 
 async def _hostile(run: _Run, client: httpx.AsyncClient, cases: list[HostileCase]) -> None:
