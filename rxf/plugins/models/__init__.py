@@ -10,6 +10,8 @@ from rxf.core.hookspecs import RegisterFactory, hookimpl
 _LLAMA = "rxf.plugins.models.llama"
 _MIXTRAL = "rxf.plugins.models.mixtral"
 _LLAVA = "rxf.plugins.models.llava"
+_QWEN3 = "rxf.plugins.models.qwen3"
+_QWEN3_MOE = "rxf.plugins.models.qwen3_moe"
 
 
 @hookimpl
@@ -18,6 +20,8 @@ def rxf_register_models(register: RegisterFactory) -> None:
     register("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
     register("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
     register("MixtralForCausalLM", f"{_MIXTRAL}:MixtralForCausalLM")
+    register("Qwen3ForCausalLM", f"{_QWEN3}:Qwen3ForCausalLM")
+    register("Qwen3MoeForCausalLM", f"{_QWEN3_MOE}:Qwen3MoeForCausalLM")
     register("LlavaForConditionalGeneration", f"{_LLAVA}:LlavaForConditionalGeneration")
     register("LlavaNextForConditionalGeneration", f"{_LLAVA}:LlavaNextForConditionalGeneration")
     register("LlavaOnevisionForConditionalGeneration", f"{_LLAVA}:LlavaOnevisionForConditionalGeneration")

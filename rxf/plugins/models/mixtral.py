@@ -26,33 +26,42 @@ from rxf.plugins.models.llama import _STACKED, LlamaForCausalLM
 
 
 class MixtralMoE(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    """Router + experts. Other sparse models reuse it with their expert width (`intermediate_size`,
+    default the config's) and whether the top-k weights are rescaled to sum to 1 (`renormalize`)."""
+
+    def __init__(
+        self, config: Any, dtype: torch.dtype, *, intermediate_size: int | None = None, renormalize: bool = True
+    ) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         self.top_k = config.num_experts_per_tok
+        self.renormalize = renormalize
         # The router is replicated: every rank routes every token the same way.
         self.gate = ColumnParallelLinear(
             config.hidden_size, config.num_local_experts, bias=False, tp_size=1, tp_rank=0, dtype=dtype
         )
         self.experts = FusedExperts(
-            config.num_local_experts, config.hidden_size, config.intermediate_size, dtype=dtype
+            config.num_local_experts, config.hidden_size, intermediate_size or config.intermediate_size, dtype=dtype
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, renormalize=True)
+        weights, ids = select_experts(self.gate(x), self.top_k, renormalize=self.renormalize)
         return tp_all_reduce(self.experts(x, weights, ids))  # each rank holds a slice of every expert
 
 
-def expert_mapping(num_experts: int) -> StackedMapping:
-    """Checkpoint name parts of every expert's projections -> fused parameter and shard id."""
-    moe = "block_sparse_moe"
+def expert_mapping(
+    num_experts: int, moe: str = "block_sparse_moe", projections: tuple[str, str, str] = ("w1", "w3", "w2")
+) -> StackedMapping:
+    """Checkpoint name parts of every expert's projections -> fused parameter and shard id: the
+    block's name in the checkpoint (`moe`) and its experts' (gate, up, down) projection names."""
+    gate, up, down = projections
     mapping: list[tuple[str, str, Any]] = [("mlp.gate", f"{moe}.gate", None)]  # a plain rename
     for e in range(num_experts):
         mapping += [
-            ("mlp.experts.w13", f"{moe}.experts.{e}.w1", (e, 0)),
-            ("mlp.experts.w13", f"{moe}.experts.{e}.w3", (e, 1)),
-            ("mlp.experts.w2", f"{moe}.experts.{e}.w2", (e, 0)),
+            ("mlp.experts.w13", f"{moe}.experts.{e}.{gate}", (e, 0)),
+            ("mlp.experts.w13", f"{moe}.experts.{e}.{up}", (e, 1)),
+            ("mlp.experts.w2", f"{moe}.experts.{e}.{down}", (e, 0)),
         ]
     return mapping
 
