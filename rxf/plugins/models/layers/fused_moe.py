@@ -19,16 +19,22 @@ pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13
 3. `_down_kernel`: y[pair] = topk_weight[pair] * (act[row] @ down_e^T), float32, for the real rows.
 4. The top-k sum `y.view(T, k, H).sum(1)`, in float32, cast to x.dtype: a fixed order of additions
    (no atomics), so results do not depend on scheduling.
+
+Block sizes: the caller's, else those tuned for this shape and GPU (`fused_moe_table`, written by
+benchmarks/gpu_moe_tune.py), else `pick_config`'s heuristic.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from rxf.plugins.models.layers import fused_moe_table
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,19 @@ def pick_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> BlockCon
     else:
         cfg = BlockConfig(128, 64, 64, down_block_n=128, group_m=8, num_warps=8, num_stages=3)
     return cfg if itemsize <= 2 else dataclasses.replace(cfg, num_stages=2)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def tuned_config(num_tokens: int, w13: torch.Tensor, dtype: torch.dtype) -> BlockConfig | None:
+    """The blocks `fused_moe_table` holds for these experts' shape on their device, if any."""
+    num_experts, two_inter, hidden = w13.shape
+    key = fused_moe_table.table_key(num_experts, two_inter // 2, hidden, dtype, _device_name(w13.device))
+    blocks = fused_moe_table.lookup(key, num_tokens)
+    return None if blocks is None else BlockConfig(**blocks)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
@@ -215,7 +234,7 @@ def fused_experts(
         raise ValueError("fused_experts needs expert weights with a contiguous last dimension")
     x = x.contiguous()
     num_pairs = num_tokens * top_k
-    cfg = config or pick_config(num_pairs, num_experts, x.element_size())
+    cfg = config or tuned_config(num_tokens, w13, x.dtype) or pick_config(num_pairs, num_experts, x.element_size())
     sorted_pairs, block_expert, total = align_pairs(topk_ids, num_experts, cfg.block_m)
     num_blocks = block_expert.numel()
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
