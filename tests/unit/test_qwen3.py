@@ -3,7 +3,8 @@ logits of batched prefill, decode and a cached-prefix extend within 1e-4, and 24
 through the whole engine (batched, chunked prefill at 8, a second pass over cached prefixes).
 
 Quirks in the configs: head_dim 32 with hidden 64 and 4 heads (hidden / heads = 16), GQA 4:2,
-per-head q/k norms with weights drawn away from 1, tied embeddings, and q/k/v/o biases.
+per-head q/k norms with weights drawn away from 1, tied embeddings, q/k/v/o biases, and a 16-token
+window on one of the two layers (prompts of 40-118 tokens; the engine prefills them in chunks of 8).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from rxf.testing.reference import HFReference
 
 VARIANTS = {
     "gqa-head_dim": {"head_dim": 32},
-    "tied-bias": {"head_dim": 32, "tie_word_embeddings": True, "attention_bias": True},
+    # Layer 0 full, layer 1 a 16-token window (layers from max_window_layers on slide).
+    "tied-bias-window": {"head_dim": 32, "tie_word_embeddings": True, "attention_bias": True,
+                         "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
 }
 # 40-120 tokens, as the windowed variants of the other architectures use.
 PROMPTS = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((57, 40, 118))]
@@ -46,8 +49,14 @@ def test_logits_match_transformers(checkpoint) -> None:
 
 
 def test_runtime_greedy_matches_transformers(checkpoints) -> None:
-    path, ref = checkpoints["tied-bias"]  # one engine per module: the variant with the most quirks
+    path, ref = checkpoints["tied-bias-window"]  # one engine per module: the one with the most quirks
     check_runtime_greedy(path, PROMPTS, chunk=8, new_tokens=24, reference=ref)
+
+
+def test_window_is_per_layer(checkpoints) -> None:
+    path, _ = checkpoints["tied-bias-window"]
+    layers = ModelHarness(path).runner.model.model.layers
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == [None, 16]
 
 
 def test_head_norms_change_the_output(checkpoint) -> None:

@@ -5,7 +5,9 @@ checkpoint layouts (per-expert tensors and transformers' fused stacks), and whic
 
 Quirks in the configs: 8 and 16 experts with top 4, `norm_topk_prob` on and off, expert width
 (`moe_intermediate_size` 32) unlike the dense layers' (128), a dense layer among sparse ones (by
-`mlp_only_layers` and by `decoder_sparse_step`), head_dim 32 != hidden / heads, GQA, tied embeddings.
+`mlp_only_layers` and by `decoder_sparse_step`), head_dim 32 != hidden / heads, GQA, tied embeddings,
+and a 16-token window on every layer (transformers' Qwen3-MoE has no layer_types) with prompts of
+40-117 tokens.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from rxf.testing.reference import HFReference
 MOE = {"head_dim": 32, "moe_intermediate_size": 32, "num_experts_per_tok": 4}
 VARIANTS = {
     "8x4-renormalised": {**MOE, "num_experts": 8, "norm_topk_prob": True, "mlp_only_layers": [0]},
-    "16x4-raw-tied": {**MOE, "num_experts": 16, "norm_topk_prob": False, "decoder_sparse_step": 2,
-                      "tie_word_embeddings": True},
+    "16x4-raw-tied-window": {**MOE, "num_experts": 16, "norm_topk_prob": False, "decoder_sparse_step": 2,
+                             "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 16},
 }
 PROMPTS = [[(11 * i + 5 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((61, 40, 117))]
 
@@ -55,7 +57,7 @@ def test_logits_match_transformers(checkpoint) -> None:
 
 
 def test_runtime_greedy_matches_transformers(checkpoints) -> None:
-    path, ref = checkpoints["16x4-raw-tied"]  # one engine per module
+    path, ref = checkpoints["16x4-raw-tied-window"]  # one engine per module
     check_runtime_greedy(path, PROMPTS, chunk=8, new_tokens=24, reference=ref)
 
 

@@ -1,9 +1,10 @@
 """Qwen3: the Llama decoder with a per-head RMSNorm on the queries and keys before rotary.
 
 Everything else is Llama's (`rxf.plugins.models.llama`): fused qkv / gate_up parameters, no qkv bias
-unless `attention_bias`, an explicit `head_dim` (128 in every released size, so 4096 / 32 heads for
-the 8B but 2048 / 32 = 64 would be wrong for the 30B-A3B), tied embeddings where the config says so,
-and the sliding window per layer as `LlamaAttention` reads it from `layer_types` / `sliding_window`.
+unless `attention_bias`, an explicit `head_dim` (128 in every released size: hidden / heads for the
+8B, 4096 / 32, but not for the 30B-A3B, 2048 / 32), tied embeddings where the config says so,
+and Qwen2's sliding window per layer (`layer_types`: layers from `max_window_layers` on slide when
+`use_sliding_window`; transformers 5 fills it in).
 Checkpoint names add `model.layers.{i}.self_attn.q_norm.weight` / `k_norm.weight` ([head_dim]
 each), which load by name.
 """
@@ -17,14 +18,20 @@ import torch
 from rxf.core.forward import ForwardBatch
 from rxf.plugins.models.layers import RMSNorm, RotaryEmbedding
 from rxf.plugins.models.layers.head_norm import norm_heads_
-from rxf.plugins.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
+from rxf.plugins.models.llama import LlamaAttention, Qwen2ForCausalLM, head_dim_of
 
 
 class Qwen3Attention(LlamaAttention):
     def __init__(
-        self, config: Any, layer_id: int, qkv_bias: bool, rotary_emb: RotaryEmbedding, dtype: torch.dtype
+        self,
+        config: Any,
+        layer_id: int,
+        qkv_bias: bool,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        sliding_window: int | None = None,
     ) -> None:
-        super().__init__(config, layer_id, qkv_bias, rotary_emb, dtype)
+        super().__init__(config, layer_id, qkv_bias, rotary_emb, dtype, sliding_window)
         self.q_norm = RMSNorm(head_dim_of(config), config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(head_dim_of(config), config.rms_norm_eps, dtype)
 
@@ -36,5 +43,8 @@ class Qwen3Attention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, batch, rotary=self.rotary_emb))
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    """Qwen2's windows per layer (`layer_types`), without its default q/k/v biases."""
+
+    qkv_bias_default = False
     attn_cls = Qwen3Attention

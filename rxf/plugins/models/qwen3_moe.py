@@ -81,6 +81,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             else:
                 layer.mlp = LlamaMLP(config, dtype)
 
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """transformers' Qwen3-MoE has no `layer_types`: `sliding_window` (None unless
+        `use_sliding_window`) applies to every layer."""
+        return [config.sliding_window] * config.num_hidden_layers
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Expert names first: `.gate_proj.` of an expert would otherwise match the dense MLP's mapping.
         experts = expert_mapping(self.config.num_experts, "mlp", ("gate_proj", "up_proj", "down_proj"))
