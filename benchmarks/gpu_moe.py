@@ -1,15 +1,21 @@
 """GPU MoE benchmark (issue 9): one script for one call on one GPU (about 2-3 minutes on an H200).
 
-    python benchmarks/gpu_moe.py [--tiny] [--phases jit,kernels,model] [--layers 4] [--output FILE]
+    python benchmarks/gpu_moe.py [--tiny] [--shape mixtral-8x7b|qwen3-30b-a3b] [--phases jit,kernels,model]
+        [--layers 4] [--output FILE]
 
 Phases, each guarded as in gpu_decode.py (a failure prints its traceback and the others still run):
   jit      FlashInfer's norm/rope/attention kernels compiled concurrently (gpu_decode.py's jit phase at
            Llama-3-8B's head shape, which Mixtral-8x7B shares; instant when $FLASHINFER_WORKSPACE_BASE
            holds them already)
-  kernels  one Mixtral-8x7B MoE layer (hidden 4096, intermediate 14336, 8 experts, top 2) with random
-           bf16 weights, for 1, 16, 64, 256, 1024 and 4096 tokens (skewed random routing): median time
-           (triton.testing.do_bench) of
-             fused      rxf's Triton kernels (fused_moe.fused_experts, alignment included)
+  kernels  one MoE layer with random bf16 weights: --shape mixtral-8x7b (hidden 4096, intermediate
+           14336, 8 experts, top 2) for 1, 16, 64, 256, 1024 and 4096 tokens, or qwen3-30b-a3b (hidden
+           2048, moe_intermediate 768, 128 experts, top 8) for 1, 2, 4, ..., 1024 and 4096 tokens;
+           skewed random routing, 8 routings cycled through by successive calls (so that few tokens
+           read other experts each call, not L2 hits); median time (triton.testing.do_bench) of
+             fused      rxf's Triton kernels (fused_moe.fused_experts, alignment included) with the
+                        block sizes of the tuned table (`tuned_table` says whether it has the shape
+                        on this GPU: benchmarks/gpu_moe_tune.py writes it), else the heuristic's
+             fused_default  the same kernels with the heuristic's blocks (`fused_moe.pick_config`)
              torch      rxf's torch path (moe.experts_native: sort, one matmul pair per expert)
              loop       the per-expert loop: transformers' MixtralExperts, experts_implementation="eager"
              hf_grouped transformers' MixtralExperts with "grouped_mm" (torch._grouped_mm), for reference
@@ -31,13 +37,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -65,7 +72,11 @@ class Shape:
 
 
 MIXTRAL = Shape(4096, 14336, 8, 2, 32, 8, 32000, (1, 16, 64, 256, 1024, 4096), (1, 64))
+# Qwen3-30B-A3B's MoE layer (kernels phase only: its whole model is gpu_decode.py's qwen3-30b-a3b preset).
+QWEN3_30B_A3B = Shape(2048, 768, 128, 8, 32, 4, 151936, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), (1, 64))
 TINY = Shape(64, 128, 4, 2, 4, 2, 512, (1, 16, 64), (1, 4))
+SHAPES = {"mixtral-8x7b": MIXTRAL, "qwen3-30b-a3b": QWEN3_30B_A3B}
+ROTATING_SETS = 8  # routings cycled through by the timed calls: each reads other experts (not L2 hits)
 
 
 def median_time_s(fn: Callable[[], Any], cuda: bool) -> float:
@@ -104,10 +115,14 @@ def kernels_phase(s: Shape, dev: torch.device, dtype: torch.dtype, fused_ok: boo
     w13 = (torch.randn(s.experts, 2 * s.inter, s.hidden, device=dev, generator=gen) * s.hidden**-0.5).to(dtype)
     w2 = (torch.randn(s.experts, s.hidden, s.inter, device=dev, generator=gen) * s.inter**-0.5).to(dtype)
     impls: dict[str, Callable[..., torch.Tensor]] = {}
+    tuned: dict[int, bool] = {}
     if fused_ok:
-        from rxf.plugins.models.layers.fused_moe import fused_experts
+        from rxf.plugins.models.layers.fused_moe import fused_experts, pick_config, tuned_config
 
-        impls["fused"] = fused_experts
+        impls["fused"] = fused_experts  # the blocks of the tuned table where it has this shape and GPU
+        impls["fused_default"] = lambda x, a, b, weights, ids: fused_experts(
+            x, a, b, weights, ids, pick_config(ids.numel(), s.experts, x.element_size()))
+        tuned = {t: tuned_config(t, w13, dtype) is not None for t in s.tokens}
     impls["torch"] = experts_native
     for name, impl in (("loop", "eager"), ("hf_grouped", "grouped_mm")):
         module = hf_experts(s, w13, w2, impl)
@@ -117,11 +132,13 @@ def kernels_phase(s: Shape, dev: torch.device, dtype: torch.dtype, fused_ok: boo
     for tokens in s.tokens:
         x = torch.randn(tokens, s.hidden, device=dev, generator=gen).to(dtype)
         skew = torch.linspace(0, 2, s.experts, device=dev)  # uneven load across experts
-        weights, ids = select_experts(torch.randn(tokens, s.experts, device=dev, generator=gen) + skew, s.top_k, True)
-        hit = int(ids.unique().numel())
+        routings = [select_experts(torch.randn(tokens, s.experts, device=dev, generator=gen) + skew, s.top_k, True)
+                    for _ in range(ROTATING_SETS)]
+        weights, ids = routings[0]
+        hit = sum(int(i.unique().numel()) for _, i in routings) / len(routings)  # per call, on average
         flops = 2 * tokens * s.top_k * 3 * s.hidden * s.inter
         moved = hit * expert_bytes + 2 * tokens * s.hidden * x.element_size()
-        row: dict[str, Any] = {"experts_hit": hit}
+        row: dict[str, Any] = {"experts_hit": hit, "tuned_table": tuned.get(tokens, False)}
         with torch.inference_mode():
             if "fused" in impls:
                 ref = experts_native(x, w13, w2, weights, ids).float()
@@ -129,7 +146,7 @@ def kernels_phase(s: Shape, dev: torch.device, dtype: torch.dtype, fused_ok: boo
                 row["fused_rel_err"] = ((out - ref).norm() / ref.norm()).item()
             for name, fn in impls.items():
                 try:
-                    call = functools.partial(fn, x, w13, w2, weights, ids)
+                    call = functools.partial(rotating, fn, x, w13, w2, itertools.cycle(routings))
                     sec = median_time_s(call, dev.type == "cuda")
                     row[name] = {"us": sec * 1e6, "TFLOPs": flops / sec / 1e12, "GBps": moved / sec / 1e9}
                 except Exception as e:  # e.g. grouped_mm unsupported by this torch/GPU
@@ -142,6 +159,12 @@ def kernels_phase(s: Shape, dev: torch.device, dtype: torch.dtype, fused_ok: boo
         print(tokens, json.dumps(row), flush=True)
     RESULTS["moe_layer"] = {"hidden": s.hidden, "intermediate": s.inter, "experts": s.experts, "top_k": s.top_k,
                             "dtype": str(dtype).removeprefix("torch."), "by_tokens": rows}
+
+
+def rotating(fn: Callable[..., torch.Tensor], x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+             routings: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    weights, ids = next(routings)
+    return fn(x, w13, w2, weights, ids)
 
 
 # ---------------------------------------------------------------- model
@@ -249,7 +272,7 @@ class _no_cuda_sync:
 def report() -> None:
     layer = RESULTS.get("moe_layer")
     if layer:
-        names = ["fused", "torch", "loop", "hf_grouped"]
+        names = ["fused", "fused_default", "torch", "loop", "hf_grouped"]
         print(f"\nMoE layer {layer['hidden']}x{layer['intermediate']}, {layer['experts']} experts, "
               f"top {layer['top_k']}, {layer['dtype']}: us (TFLOP/s, GB/s, time / fused)")
         print("| tokens | " + " | ".join(names) + " |\n" + "|---" * (len(names) + 1) + "|")
@@ -274,20 +297,25 @@ def report() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU, toy shapes: checks the script runs")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b",
+                    help="the MoE layer of the kernels phase (the model phase is Mixtral's)")
     ap.add_argument("--phases", default="jit,kernels,model")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the model phase (Mixtral has 32)")
     ap.add_argument("--backend", default="triton", help="attention backend of the model phase")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args()
-    s, phases = (TINY if args.tiny else MIXTRAL), set(args.phases.split(","))
+    s, phases = (TINY if args.tiny else SHAPES[args.shape]), set(args.phases.split(","))
+    if s is not MIXTRAL and not args.tiny and "model" in phases:
+        print(f"model phase skipped: it builds Mixtral ({args.shape}'s model: gpu_decode.py --preset {args.shape})")
+        phases.discard("model")
     dev = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     layers = 2 if args.tiny else args.layers
     model_dir = args.model_dir or Path(f"/tmp/rxf-bench-mixtral-{'tiny' if args.tiny else layers}")
     RESULTS.update(date=datetime.now(UTC).isoformat(timespec="seconds"), command=" ".join(sys.argv),
                    device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
-                   shape="tiny" if args.tiny else "Mixtral-8x7B", model_layers=layers)
+                   shape="tiny" if args.tiny else args.shape, model_layers=layers)
     if "jit" in phases and dev.type == "cuda":
         gd.phase("jit", lambda: gd.jit_phase(gd.PRESETS["llama3-8b"]))
     if "kernels" in phases:
