@@ -1,5 +1,6 @@
 """Qwen3 and Qwen3-MoE on a GPU (skipped without CUDA).
 
+- The one-launch routing kernel (softmax, top 8 of 128, renormalised or not) against its torch code.
 - The per-head q/k RMSNorm kernel (`head_norm_kernel.py`) against the `RMSNorm` torch path at the
   real head shapes (32 query heads, 8 or 4 kv heads, head_dim 128), bf16 and float32.
 - The fused MoE kernels at Qwen3-30B-A3B's layer shape (hidden 2048, moe_intermediate 768, 128
@@ -75,6 +76,26 @@ def test_head_norm_kernel_matches_torch(tokens: int, dtype: torch.dtype, kv_head
     got = qkv.unflatten(-1, (-1, head_dim))
     assert torch.equal(got[:, heads + kv_heads :], by_head[:, heads + kv_heads :]), "v was touched"
     assert rel_err(got, expected) < (1e-5 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_routing_kernel_matches_torch_code(tokens: int, renormalize: bool, dtype: torch.dtype) -> None:
+    """select_experts on CUDA (one Triton launch) against its torch code run on the CPU copy: the
+    same weights, and ids that are a top 8 of the softmax (bf16 logits repeat, and equal
+    probabilities may be chosen either way; float32: the very same experts)."""
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    logits = (torch.randn(tokens, EXPERTS, device=DEV, generator=gen) * 2).to(dtype)
+    weights, ids = (t.cpu() for t in select_experts(logits, TOP_K, renormalize))
+    want_w, want_i = select_experts(logits.cpu(), TOP_K, renormalize)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    probs = torch.softmax(logits.cpu().float(), dim=-1)
+    chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, ids, True)
+    assert (chosen.sum(-1) == TOP_K).all()
+    assert (probs.masked_fill(~chosen, 2.0).min(-1).values >= probs.masked_fill(chosen, -1.0).max(-1).values).all()
+    if dtype == torch.float32:
+        assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in want_i.tolist()]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,12 @@ def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 `[T, top_k]`, expert ids int64 `[T, top_k]`): softmax over all experts in
-    float32, the top_k largest, optionally rescaled to sum to 1 per token (Mixtral does)."""
+    float32, the top_k largest, optionally rescaled to sum to 1 per token (Mixtral does). On CUDA
+    one Triton launch (`routing_kernel.py`; among equal probabilities it takes the lower id)."""
+    if router_logits.is_cuda:
+        from rxf.plugins.models.layers.routing_kernel import softmax_topk_cuda
+
+        return softmax_topk_cuda(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

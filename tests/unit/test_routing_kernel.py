@@ -1,0 +1,63 @@
+"""The one-launch MoE routing kernel (softmax over the experts, top-k, optional renormalisation)
+against `moe.select_experts`' torch code, on CPU under the Triton interpreter.
+
+As in test_fused_moe.py, TRITON_INTERPRET is set before the kernel module is imported, and the module
+is skipped where CUDA is present (the GPU tests route through it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: the GPU tests cover the compiled kernel", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from rxf.plugins.models.layers.moe import select_experts  # noqa: E402
+from rxf.plugins.models.layers.routing_kernel import softmax_topk_cuda  # noqa: E402
+
+
+def assert_same_routing(logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, top_k: int,
+                        renormalize: bool) -> None:
+    """Against the torch code on the CPU copy: the same weights, and ids that are a top-k of the
+    softmax (equal probabilities, common with half-precision logits, may be chosen either way)."""
+    want_w, want_i = select_experts(logits.cpu(), top_k, renormalize)
+    weights, ids = weights.cpu(), ids.cpu()
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == want_i.shape
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)  # both descending
+    probs = torch.softmax(logits.cpu().float(), dim=-1)
+    chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, ids, True)
+    assert (chosen.sum(-1) == top_k).all(), "an expert chosen twice"
+    lowest_chosen = probs.masked_fill(~chosen, 2.0).min(-1).values
+    highest_other = probs.masked_fill(chosen, -1.0).max(-1).values
+    assert (lowest_chosen >= highest_other).all()
+    if logits.dtype == torch.float32:  # no ties: the very same experts
+        assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in want_i.tolist()]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "dtype"),
+                         [(5, 128, 8, torch.bfloat16), (9, 60, 4, torch.float32), (1, 8, 2, torch.float16),
+                          (3, 16, 16, torch.float32), (40, 128, 8, torch.float32)])
+def test_matches_select_experts(tokens: int, experts: int, top_k: int, dtype, renormalize: bool) -> None:
+    gen = torch.Generator().manual_seed(tokens * experts)
+    logits = (torch.randn(tokens, experts, generator=gen) * 3).to(dtype)
+    assert_same_routing(logits, *softmax_topk_cuda(logits, top_k, renormalize), top_k, renormalize)
+
+
+def test_ties_take_the_lower_expert_and_strided_logits() -> None:
+    rows = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 9.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    wide = torch.zeros(2, 10)
+    wide[:, :6] = rows
+    weights, ids = softmax_topk_cuda(wide[:, :6], 3, renormalize=True)  # row stride 10
+    assert ids.tolist() == [[5, 1, 2], [0, 1, 2]]
+    probs = torch.softmax(rows, -1)
+    torch.testing.assert_close(weights[0], probs[0, [5, 1, 2]] / probs[0, [5, 1, 2]].sum())
+    torch.testing.assert_close(weights[1], torch.full((3,), 1 / 3))
+    with pytest.raises(ValueError, match="top_k 7 must lie in"):
+        softmax_topk_cuda(rows, 7, True)
+    assert softmax_topk_cuda(rows[:0], 2, False)[1].shape == (0, 2)
