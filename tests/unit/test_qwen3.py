@@ -9,6 +9,8 @@ window on one of the two layers (prompts of 40-118 tokens; the engine prefills t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,14 +30,19 @@ VARIANTS = {
 PROMPTS = [[(7 * i + 3 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((57, 40, 118))]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
-    """Per variant: (path, transformers reference), built once for the module."""
+def variant_checkpoints(tmp_path_factory: pytest.TempPathFactory, arch: str, variants: dict[str, dict],
+                        seed: int) -> dict[str, tuple[Path, HFReference]]:
+    """Per variant: (tiny checkpoint of `arch` with its config overrides, transformers on it)."""
     out = {}
-    for name, overrides in VARIANTS.items():
-        path = make_tiny_checkpoint(tmp_path_factory.mktemp(f"qwen3-{name}"), "Qwen3ForCausalLM", seed=5, **overrides)
+    for name, overrides in variants.items():
+        path = make_tiny_checkpoint(tmp_path_factory.mktemp(f"{arch}-{name}"), arch, seed=seed, **overrides)
         out[name] = (path, HFReference(path))
     return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, HFReference]]:
+    return variant_checkpoints(tmp_path_factory, "Qwen3ForCausalLM", VARIANTS, seed=5)
 
 
 @pytest.fixture(params=list(VARIANTS))

@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_qwen3 import variant_checkpoints
 
 from rxf.plugins.models.llama import LlamaMLP
 from rxf.plugins.models.mixtral import MixtralMoE
 from rxf.plugins.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
-from rxf.testing import make_tiny_checkpoint
 from rxf.testing.model_harness import ModelHarness
 from rxf.testing.model_parity import assert_logits_close, check_logits, check_runtime_greedy
 from rxf.testing.reference import HFReference
@@ -38,12 +38,7 @@ PROMPTS = [[(11 * i + 5 * j) % 500 + 5 for j in range(n)] for i, n in enumerate(
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, HFReference]]:
-    out = {}
-    for name, overrides in VARIANTS.items():
-        path = make_tiny_checkpoint(tmp_path_factory.mktemp(f"qwen3moe-{name}"), "Qwen3MoeForCausalLM", seed=4,
-                                    **overrides)
-        out[name] = (path, HFReference(path))
-    return out
+    return variant_checkpoints(tmp_path_factory, "Qwen3MoeForCausalLM", VARIANTS, seed=4)
 
 
 @pytest.fixture(params=list(VARIANTS))

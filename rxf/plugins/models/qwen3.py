@@ -16,22 +16,16 @@ from typing import Any
 import torch
 
 from rxf.core.forward import ForwardBatch
-from rxf.plugins.models.layers import RMSNorm, RotaryEmbedding
+from rxf.plugins.models.layers import RMSNorm
 from rxf.plugins.models.layers.head_norm import norm_heads_
 from rxf.plugins.models.llama import LlamaAttention, Qwen2ForCausalLM, head_dim_of
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(
-        self,
-        config: Any,
-        layer_id: int,
-        qkv_bias: bool,
-        rotary_emb: RotaryEmbedding,
-        dtype: torch.dtype,
-        sliding_window: int | None = None,
-    ) -> None:
-        super().__init__(config, layer_id, qkv_bias, rotary_emb, dtype, sliding_window)
+    def __init__(self, config: Any, *args: Any) -> None:
+        """LlamaAttention's arguments; adds the per-head norms (in the projections' dtype)."""
+        super().__init__(config, *args)
+        dtype = self.qkv_proj.weight.dtype
         self.q_norm = RMSNorm(head_dim_of(config), config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(head_dim_of(config), config.rms_norm_eps, dtype)
 
