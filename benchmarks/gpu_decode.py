@@ -247,6 +247,9 @@ def _engine(model_dir: Path, backend: str, max_running: int, slots: int,
         "attention": {"backend": backend},
         "scheduler": {"max_running_requests": max_running, "max_prefill_tokens": 16384, "log_interval": 10**9},
         "cache": {"max_total_tokens": slots},
+        # Each bucket's first-use kernel compiles (e.g. the MoE blocks tuned per token count) count
+        # toward the capture budget; every bucket is to be captured here, as a server would after warm-up.
+        "cuda_graph": {"capture_budget_s": 300},
     })
     start = time.perf_counter()
     if weights is None:
