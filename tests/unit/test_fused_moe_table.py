@@ -79,6 +79,9 @@ def test_fused_experts_uses_the_table_entry(tmp_path: Path, monkeypatch: pytest.
 
 SHIPPED = [(key, m, BlockConfig(**b)) for key, buckets in load_table(fused_moe_table.TABLE_FILE).items()
            for m, b in buckets.items()]
+SHIPPED_IDS = [f"{k}-{m}" for k, m, _ in SHIPPED]
+if not SHIPPED:  # until benchmarks/gpu_moe_tune.py has written entries
+    SHIPPED, SHIPPED_IDS = [pytest.param("", 0, None, marks=pytest.mark.skip(reason="the table has no entries"))], None
 
 
 @pytest.mark.parametrize("tokens", [1, 6, 20])
@@ -88,7 +91,7 @@ def test_qwen3_moe_routing_matches_torch_path(tokens: int) -> None:
     assert_matches(fused_experts(x, w13, w2, weights, ids), reference(x, w13, w2, weights, ids), torch.float32)
 
 
-@pytest.mark.parametrize(("key", "tokens", "config"), SHIPPED, ids=[f"{k}-{m}" for k, m, _ in SHIPPED])
+@pytest.mark.parametrize(("key", "tokens", "config"), SHIPPED, ids=SHIPPED_IDS)
 def test_shipped_configs_match_torch_path(key: str, tokens: int, config: BlockConfig) -> None:
     x, w13, w2, weights, ids = problem(3, 128, 8, 64, 32, torch.float16, seed=tokens)
     assert_matches(fused_experts(x, w13, w2, weights, ids, config), reference(x, w13, w2, weights, ids),
