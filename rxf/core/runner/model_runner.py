@@ -34,7 +34,7 @@ from rxf.core.runner.cuda_graph_runner import (
 )
 from rxf.core.runner.step_io import StepBatch, StepResult
 from rxf.core.runner.step_runner import StepExecutor, StepHandle
-from rxf.core.weight_loader import iter_safetensors
+from rxf.core.weight_loader import fill_random_weights, iter_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +169,15 @@ class ModelRunner:
                 f"max_position_embeddings {checkpoint_len}"
             )
         model_cls = registry.model_class(self.hf_config.architectures or [])
-        weights = iter_safetensors(model_path)  # raises now when the directory has no weights
+        random_weights = config.model.load_format == "random"
+        # Checked before the model is built: a missing or empty checkpoint raises now.
+        weights = None if random_weights else iter_safetensors(model_path)
         with torch.device(self.device):
             self.model = model_cls(self.hf_config, dtype=self.dtype)
-        self.model.load_weights(weights)
+        if weights is None:
+            fill_random_weights(self.model, config.runtime.seed)
+        else:
+            self.model.load_weights(weights)
         self.model.eval()
         feature_cache = getattr(self.model, "feature_cache", None)  # multimodal models' vision features
         if feature_cache is not None:
