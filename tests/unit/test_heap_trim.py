@@ -33,6 +33,10 @@ def test_trims_only_after_work_and_at_most_once_per_interval(monkeypatch: pytest
     now[0] += 20
     trimmer.idle()
     assert calls == [0]
+    for _ in range(13):  # never idle: a step every 10 s trims once busy_interval_s (120 s) passed
+        now[0] += 10
+        trimmer.busy()
+    assert calls == [0, 0]
 
 
 @pytest.mark.skipif(heap._malloc_trim() is None, reason="not glibc")
