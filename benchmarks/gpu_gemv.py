@@ -83,8 +83,6 @@ def _candidates(role: str, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor]
     act = SiluAndMul()
     if role == "gate_up_proj":
         return {"cublas": lambda w: act(F.linear(x, w))}
-    if role == "down_proj":  # x is [gate | up]: SiLU·mul, then the projection
-        return {"cublas": lambda w: F.linear(act(x), w)}
     if role == "lm_head":
         out = {"cublas": lambda w: F.linear(x, w).float()}
         with contextlib.suppress(RuntimeError):  # aten::mm.dtype: CUDA builds of recent torch
@@ -95,9 +93,6 @@ def _candidates(role: str, x: torch.Tensor) -> dict[str, Callable[[torch.Tensor]
 
 
 def _reference(role: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if role == "down_proj":
-        gate, up = x.float().chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w.float())
     ref = F.linear(x.float(), w.float())
     if role == "gate_up_proj":
         gate, up = ref.chunk(2, dim=-1)
@@ -108,7 +103,7 @@ def _reference(role: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _triton_fn(role: str, x: torch.Tensor, settings: Any, w0: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     from rxf.plugins.models.layers.gemv import DecodeGemv
 
-    op = DecodeGemv(settings, w0, gated=role == "gate_up_proj", gated_x=role == "down_proj",
+    op = DecodeGemv(settings, w0, gated=role == "gate_up_proj",
                     out_dtype=torch.float32 if role == "lm_head" else None)
     return lambda w: op(x, w, None)
 
@@ -134,8 +129,7 @@ def _role(role: str, n: int, k: int) -> dict[str, Any]:
     sweep = {s.label: s for s in _sweep(role)}
     rows: dict[int, dict[str, float | str]] = {}
     for m in BATCHES:
-        # down_proj is timed as the model runs it after a cuBLAS gate_up: over the [gate | up] activation.
-        x = torch.randn(m, 2 * k if role == "down_proj" else k, device=DEVICE, dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
         ref = _reference(role, x, ws[0])
         base = _candidates(role, x)
         fns = {**base, "cublaslt": base["cublas"]}

@@ -95,12 +95,8 @@ def _gemv_case(role: str, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     """(x, weight, float32 reference of the role's output)."""
     n, k = SHAPES[role]
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    # down_proj takes the [gate | up] activation and applies SiLU·mul as it reads it.
-    x = torch.randn(m, 2 * k if role == "down_proj" else k, device=DEV, generator=gen).to(BF16)
+    x = torch.randn(m, k, device=DEV, generator=gen).to(BF16)
     w = (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(BF16)
-    if role == "down_proj":
-        gate, up = x.float().chunk(2, dim=-1)
-        return x, w, F.linear(F.silu(gate) * up, w.float())
     ref = F.linear(x.float(), w.float())
     if role == "gate_up_proj":
         gate, up = ref.chunk(2, dim=-1)
@@ -115,7 +111,7 @@ def test_gemv_matches_linear_at_8b_shapes(role: str, label: str) -> None:
     gated, out_dtype = role == "gate_up_proj", torch.float32 if role == "lm_head" else None
     for m in (1, 2, 4, 8):
         x, w, ref = _gemv_case(role, m, seed=m)
-        op = gemv_mod.DecodeGemv(settings, w, gated=gated, gated_x=role == "down_proj", out_dtype=out_dtype)
+        op = gemv_mod.DecodeGemv(settings, w, gated=gated, out_dtype=out_dtype)
         out = op(x, w, None)
         assert out.dtype == (out_dtype or BF16) and out.shape == ref.shape
         assert _rel_err(out, ref) < 1e-2, f"m={m}"
@@ -163,16 +159,11 @@ def _runner(ckpt: Path, monkeypatch: pytest.MonkeyPatch, gemv_env: str) -> Model
         gemv_mod._from_env.cache_clear()
 
 
-@pytest.mark.parametrize("act_in", ["gate_up", "down"], ids=["act-in-gate_up", "act-in-down"])
-def test_model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch, act_in: str) -> None:
-    """Every role on the GEMV, SiLU·mul folded into gate_up's epilogue or (gate_up on cuBLAS) into
-    down's input."""
-    roles = [r for r in gemv_mod.ROLES if not (act_in == "down" and r == "gate_up_proj")]
-    ours, theirs = _runner(ckpt, monkeypatch, ",".join(f"{role}=triton" for role in roles)), _runner(ckpt, monkeypatch, "")
+def test_model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    all_roles = ",".join(f"{role}=triton" for role in gemv_mod.ROLES)
+    ours, theirs = _runner(ckpt, monkeypatch, all_roles), _runner(ckpt, monkeypatch, "")
     layer = ours.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.gemv is not None
-    assert (layer.mlp.gate_up_act is not None) == (act_in == "gate_up")
-    assert layer.mlp.down_proj.gemv.gated_x == (act_in == "down")
+    assert layer.self_attn.qkv_proj.gemv is not None and layer.mlp.gate_up_act is not None
     assert theirs.model.model.layers[0].self_attn.qkv_proj.gemv is None
     for bs in (1, 3, 8):
         logits = []

@@ -66,21 +66,6 @@ def test_gated_is_silu_and_mul_of_gate_up(dtype: torch.dtype, split_k: int) -> N
     assert not counters.any()
 
 
-@pytest.mark.parametrize("split_k", [1, 3], ids=lambda s: f"split{s}")
-@DTYPES
-def test_gated_x_applies_silu_and_mul_to_its_input(dtype: torch.dtype, split_k: int) -> None:
-    """down_proj's form: x is [gate | up] (2 x 96 columns); the product is rounded to the input
-    dtype before the dot, as the separate SiLU·mul kernel's output would be."""
-    gate_up, w, b = _data(3, 40, 2 * 96, dtype, bias=True)
-    out, counters = _run(gate_up, w[:, :96].contiguous(), b, split_k, gated_x=True)
-    gate, up = gate_up.double().chunk(2, dim=-1)
-    act = (F.silu(gate) * up).to(dtype).double()
-    expected = F.linear(act, w[:, :96].double(), b.double()).to(dtype)
-    assert out.shape == (3, 40)
-    torch.testing.assert_close(out, expected, rtol=TOL[dtype], atol=TOL[dtype])
-    assert not counters.any()
-
-
 def test_float32_output_without_bias() -> None:
     """The lm_head form: half-precision inputs, float32 logits, no rounding to half in between."""
     x, w, _ = _data(4, 64, 128, torch.float16, bias=False)

@@ -57,16 +57,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype=dtype)
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype=dtype)
-        # Where RXF_GEMV asks for it, small batches get SiLU·mul folded into a GEMV launch: gate_up's
-        # (its epilogue) if that role has one, else down's (as it reads its input).
+        # Where RXF_GEMV asks for it, small batches get gate_up and SiLU·mul in one GEMV launch.
         self.gate_up_act = decode_gemv("gate_up_proj", self.gate_up_proj.weight, gated=True)
-        self.down_proj.use_decode_gemv("down_proj", gated_x=self.gate_up_act is None)
+        self.down_proj.use_decode_gemv("down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_act is not None and self.gate_up_act.applies(x):
             return self.down_proj(self.gate_up_act(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(gate_up if self.down_proj.fuses_act(gate_up) else self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

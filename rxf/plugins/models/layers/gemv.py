@@ -7,8 +7,7 @@ read once per process: a comma-separated list of `role=setting`, e.g.
     RXF_GEMV="qkv_proj=n32k256s2st4w4,o_proj=n32k256s4st4w4,gate_up_proj=cublas"
 
 Roles: `qkv_proj`, `o_proj`, `gate_up_proj` (the GEMV then also applies SiLU·mul, one launch),
-`down_proj` (after a cuBLAS gate_up, the GEMV applies SiLU·mul to its input as it reads it, one
-launch), `lm_head` (then writes float32 logits directly). A setting is `cublas` (the default for
+`down_proj`, `lm_head` (then writes float32 logits directly). A setting is `cublas` (the default for
 every role), `triton` (default tile sizes, split over K to fill the GPU), or a label
 `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as the benchmark prints it. The GEMV runs
 only on CUDA for at most `MAX_ROWS` rows (decode at batch 1-8, or an extend of that few tokens);
@@ -93,13 +92,13 @@ class DecodeGemv:
     `device` at model construction, so never inside a CUDA-graph capture)."""
 
     def __init__(
-        self, settings: GemvSettings, weight: torch.Tensor, *, gated: bool = False, gated_x: bool = False,
+        self, settings: GemvSettings, weight: torch.Tensor, *, gated: bool = False,
         out_dtype: torch.dtype | None = None,
     ) -> None:
         n, k = weight.shape
         n_out = n // 2 if gated else n
         self.settings = settings.resolve(n_out, k, weight.device)
-        self.gated, self.gated_x, self.out_dtype = gated, gated_x, out_dtype
+        self.gated, self.out_dtype = gated, out_dtype
         self.counters = torch.zeros(-(-n_out // self.settings.block_n), dtype=torch.int32, device=weight.device)
 
     @staticmethod
@@ -111,18 +110,14 @@ class DecodeGemv:
 
         s = self.settings
         return gemv(x, weight, bias, self.counters, s.block_n, s.block_k, s.split_k, s.num_stages, s.num_warps,
-                    gated=self.gated, gated_x=self.gated_x, out_dtype=self.out_dtype)
+                    gated=self.gated, out_dtype=self.out_dtype)
 
 
 def decode_gemv(
-    role: str, weight: torch.Tensor, *, gated: bool = False, gated_x: bool = False,
-    out_dtype: torch.dtype | None = None,
+    role: str, weight: torch.Tensor, *, gated: bool = False, out_dtype: torch.dtype | None = None
 ) -> DecodeGemv | None:
-    """The GEMV `RXF_GEMV` asks for `role` over `weight`, or None (cuBLAS). `gated`: weight is
-    `[gate | up]`, the output silu(gate) * up; `gated_x`: the input is, and the GEMV applies it."""
+    """The GEMV `RXF_GEMV` asks for `role` over `weight`, or None (cuBLAS)."""
     if role not in ROLES:
         raise ValueError(f"unknown GEMV role {role!r} (roles: {', '.join(ROLES)})")
     settings = _from_env()[role]
-    if settings is None:
-        return None
-    return DecodeGemv(settings, weight, gated=gated, gated_x=gated_x, out_dtype=out_dtype)
+    return None if settings is None else DecodeGemv(settings, weight, gated=gated, out_dtype=out_dtype)

@@ -21,10 +21,6 @@ program), and the last program reads the partials with `.cg` loads (from L2, not
 
 GATED (for `[gate | up]` weights of 2 * n_out rows): each program streams the gate rows of its
 columns and the matching up rows (offset n_out), and the epilogue writes silu(gate) * up.
-
-GATED_X (for the projection after one: `down_proj` over a `[gate | up]` activation of 2 * K
-columns): each x tile is silu(gate) * up, computed in float32 and rounded to x's dtype as the
-separate SiLU·mul kernel would round its output, so the activation never goes through memory.
 """
 
 from __future__ import annotations
@@ -50,7 +46,7 @@ def _gemv_kernel(
     X, W, Bias, Out, Partials, Counters, M, N_OUT, K,
     stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
-    GATED_X: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -67,12 +63,7 @@ def _gemv_kernel(
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     up_offset = N_OUT.to(tl.int64) * stride_wn
     for _ in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
-        x = tl.load(x_ptrs, mask=(rows < M)[:, None], other=0.0)
-        if GATED_X:  # x_ptrs walk the gate half; the up half starts K columns on
-            up = tl.load(x_ptrs + K, mask=(rows < M)[:, None], other=0.0).to(tl.float32)
-            gate = x.to(tl.float32)
-            x = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty)
-        x_t = tl.trans(x)
+        x_t = tl.trans(tl.load(x_ptrs, mask=(rows < M)[:, None], other=0.0))
         if EVEN_N:
             w = tl.load(w_ptrs)
         else:
@@ -128,16 +119,12 @@ def _epilogue(acc, acc_up, Bias, Out, cols, rows, mask_n, M, N_OUT, stride_om,
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
-    gated: bool = False, gated_x: bool = False, out_dtype: torch.dtype | None = None,
+    gated: bool = False, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for x [m <= 16, K] (contiguous rows), weight [N, K] (K contiguous), in
-    out_dtype (default x's); gated: weight is `[gate | up]` and the result silu(gate) * up, [m, N / 2];
-    gated_x: x is `[gate | up]`, [m, 2 * K], and the result (silu(gate) * up) @ weight.T.
+    out_dtype (default x's); gated: weight is `[gate | up]` and the result silu(gate) * up, [m, N / 2].
     `counters`: int32, at least cdiv(N_out, block_n) zeros, left zeroed (see the module docstring)."""
     m, k = x.shape
-    if gated_x:
-        assert k % 2 == 0, f"a [gate | up] activation has an even width, not {k}"
-        k //= 2
     n = weight.shape[0]
     n_out = n // 2 if gated else n
     assert m <= ROWS, f"{m} rows: the GEMV takes at most {ROWS}"
@@ -152,7 +139,7 @@ def gemv(
     _gemv_kernel[(n_blocks, split_k)](
         x, weight, bias if bias is not None else out, out, partials, counters, m, n_out, k,
         x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, GATED_X=gated_x, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None,
         EVEN_N=n_out % block_n == 0, IEEE=x.dtype == torch.float32,
         num_stages=num_stages, num_warps=num_warps,
     )

@@ -61,14 +61,9 @@ class _TPLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         self.gemv: DecodeGemv | None = None
 
-    def use_decode_gemv(self, role: str, *, gated_x: bool = False) -> None:
-        """Serve small CUDA batches with the GEMV that `RXF_GEMV` gives `role` (if any); `gated_x`:
-        where `fuses_act(x)`, x is a `[gate | up]` activation the GEMV applies SiLU·mul to."""
-        self.gemv = decode_gemv(role, self.weight, gated_x=gated_x)
-
-    def fuses_act(self, x: torch.Tensor) -> bool:
-        """Whether `forward` takes `[gate | up]` x itself (see `use_decode_gemv`)."""
-        return self.gemv is not None and self.gemv.gated_x and self.gemv.applies(x)
+    def use_decode_gemv(self, role: str) -> None:
+        """Serve small CUDA batches with the GEMV that `RXF_GEMV` gives `role` (if any)."""
+        self.gemv = decode_gemv(role, self.weight)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemv is not None and self.gemv.applies(x):
