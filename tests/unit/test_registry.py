@@ -104,6 +104,15 @@ def test_unknown_name_lists_available(registry):
         registry.model_class(["GPTBogusForCausalLM"])
 
 
+def test_unknown_architecture_lists_the_supported_ones_and_how_to_add_one():
+    with pytest.raises(PluginNotFoundError) as err:
+        PluginRegistry.load().model_class(["GPTBogusForCausalLM"])
+    message = str(err.value)
+    assert message.startswith("unknown architecture 'GPTBogusForCausalLM': no installed plugin registers it")
+    assert "supported: LlamaForCausalLM, " in message and "Phi3ForCausalLM" in message
+    assert "`rxf_register_models` hook" in message and "docs/plugins.md" in message
+
+
 def test_implementation_matching_no_hook_is_rejected():
     @hookimpl
     def rxf_register_modles(register):  # typo: no such hook
