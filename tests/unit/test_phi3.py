@@ -1,7 +1,7 @@
 """Phi3ForCausalLM (Phi-3, Phi-4) against transformers (`rxf.testing.model_parity`, fp32,
 torch_native): fused qkv_proj / gate_up_proj checkpoint tensors, longrope with positions past the
-original window, partial rotary, tied embeddings; and the real Phi-4 / Phi-4-mini configs build
-and take their checkpoints' tensor names and shapes.
+original window, partial rotary, tied embeddings, a 16-token sliding window under prompts of 40-120;
+and the real Phi-4 / Phi-4-mini configs build and take their checkpoints' tensor names and shapes.
 
 Tensor-parallel splitting of the fused tensors is checked in test_tp_models.py (two gloo ranks).
 """
@@ -58,21 +58,31 @@ def test_short_factors_when_the_context_fits_the_original_window(phi4_mini_like)
     check_logits(phi4_mini_like, _prompts(12, 25, seed=2), **{"model.context_length": ORIGINAL})
 
 
-def test_phi3_128k_like_full_rotary_mha(tmp_path) -> None:
-    path = make_tiny_checkpoint(
-        tmp_path, "Phi3ForCausalLM", seed=8, num_key_value_heads=4, max_position_embeddings=512,
-        original_max_position_embeddings=ORIGINAL, rope_parameters=_longrope(8),
+@pytest.fixture(scope="module")
+def phi3_mini_like(tmp_path_factory: pytest.TempPathFactory):
+    """Phi-3-mini's: every layer slides (its 4k model: 2047 of 4096 positions; here 16), full
+    rotary, all heads with their own kv (no GQA), untied head; longrope as in its 128k model."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("phi3-mini-like"), "Phi3ForCausalLM", seed=8, num_key_value_heads=4,
+        max_position_embeddings=512, original_max_position_embeddings=ORIGINAL, sliding_window=16,
+        rope_parameters=_longrope(8),
     )
-    check_logits(path, _prompts(50, 110, seed=3))
 
 
-def test_a_window_shorter_than_the_context_is_refused(tmp_path) -> None:
-    # Phi-3-mini-4k: sliding_window 2047 of 4096 positions.
+def test_sliding_window_and_longrope(phi3_mini_like) -> None:
+    # Prompts of 40-120 tokens over a 16-token window; the cached-prefix extend reads past it too.
+    check_logits(phi3_mini_like, _prompts(50, 110, 40, seed=3))
+
+
+def test_sliding_window_greedy_with_chunks_smaller_than_it(phi3_mini_like) -> None:
+    check_runtime_greedy(phi3_mini_like, _prompts(45, 90, seed=4), chunk=8, new_tokens=24)
+
+
+def test_a_window_as_long_as_the_context_served_is_no_window() -> None:
     config = AutoConfig.for_model("phi3", hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
                                   vocab_size=512, max_position_embeddings=64, sliding_window=16)
-    with pytest.raises(NotImplementedError, match="set model.context_length to at most 16"):
-        Phi3ForCausalLM(config)
-    Phi3ForCausalLM(config, context_length=16)  # the window then never cuts anything off
+    assert Phi3ForCausalLM(config).model.layers[0].self_attn.attn.sliding_window == 16
+    assert Phi3ForCausalLM(config, context_length=16).model.layers[0].self_attn.attn.sliding_window is None
 
 
 # The real configs' shapes (config.json of microsoft/phi-4 and microsoft/Phi-4-mini-instruct).

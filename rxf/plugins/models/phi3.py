@@ -9,7 +9,8 @@ biases. What differs is the checkpoint and the config:
   so tensor parallelism splits each of q, k, v, gate and up across ranks (not the stacked rows).
 - longrope scaling (`su` in early configs) and `partial_rotary_factor` (Phi-4-mini: 0.75) are the
   shared rotary embedding's (`layers/rope_scaling.py`); Phi-4-mini also ties its embeddings.
-- `sliding_window` (Phi-3-mini-4k: 2047, in transformers' meaning: W keys including the query's own).
+- `sliding_window` on every layer (Phi-3-mini-4k: 2047 of 4096 positions; W keys including the
+  query's own, as transformers counts), through the attention backend.
 """
 
 from __future__ import annotations
@@ -46,15 +47,8 @@ def _split_fused(config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> It
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
-        window = getattr(config, "sliding_window", None)
-        served = context_length or self.max_context_length(config)
-        if window is not None and window < served:
-            raise NotImplementedError(
-                f"sliding_window {window} is shorter than the context served ({served} tokens) and is not "
-                f"applied by rxf yet: set model.context_length to at most {window}"
-            )
-        super().__init__(config, dtype, context_length)
+    """Every layer attends through `sliding_window` when the config sets one (Llama's
+    `sliding_windows`), as transformers' Phi3Attention does."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_split_fused(self.config, weights))
