@@ -215,13 +215,14 @@ class PluginRegistry:
             if arch in self._items["models"]:
                 return self.get("models", arch)
         shown = ", ".join(repr(a) for a in architectures) or "none (config.json has no `architectures`)"
+        example = architectures[0] if architectures else "MyModelForCausalLM"
         raise self._miss(
             f"unknown architecture {shown}: no installed plugin registers it",
             "models",
             listed_as="supported",
             hint=(
                 "A plugin adds an architecture in its `rxf_register_models` hook, e.g. "
-                '`register("GemmaForCausalLM", "my_package.gemma:GemmaForCausalLM")` (docs/plugins.md); '
+                f'`register("{example}", "my_package.models:{example}")` (docs/plugins.md); '
                 "`rxf plugins` shows what each installed plugin registers"
             ),
         )

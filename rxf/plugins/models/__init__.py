@@ -1,4 +1,4 @@
-"""Builtin model plugin: Llama-family architectures, Mixtral and the LLaVA family, registered lazily by Hugging Face name.
+"""Builtin model plugin: Llama-family architectures, Mixtral, Phi-3 and the LLaVA family, registered lazily by Hugging Face name.
 
 Only strings are registered, so loading this plugin imports neither torch nor the model code.
 """
