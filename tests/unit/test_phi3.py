@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 from transformers import AutoConfig
-from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 
 from rxf.plugins.models.phi3 import Phi3ForCausalLM
 from rxf.testing import make_tiny_checkpoint
@@ -103,6 +102,7 @@ PHI4_MINI = {
 def test_real_phi4_configs_build_and_load_their_tensor_names(fields, context, rotary_dim) -> None:
     """On the meta device (no memory): transformers' Phi3ForCausalLM holds the checkpoint's names and
     shapes (fused qkv_proj / gate_up_proj; Phi-4-mini stores no lm_head), which ours must load."""
+    from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM  # imports triton: not at collection
     config = AutoConfig.for_model("phi3", architectures=["Phi3ForCausalLM"], **fields)
     assert Phi3ForCausalLM.max_context_length(config) == context
     with torch.device("meta"):

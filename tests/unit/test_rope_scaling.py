@@ -13,8 +13,6 @@ from typing import Any
 import pytest
 import torch
 from transformers import AutoConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from rxf.plugins.models.layers.rotary import RotaryEmbedding, rope_parameters, supported_context_length
 
@@ -38,6 +36,18 @@ def _phi3(partial: float, max_pos: int = 256, original: int = 32) -> Any:
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                          "short_factor": SHORT_FACTORS[:n], "long_factor": LONG_FACTORS[:n]},
     )
+
+
+def _reference(config: Any) -> torch.nn.Module:
+    """transformers' rotary embedding for `config` (its modeling modules import triton, so they are
+    imported here, not before test_triton_attention can set TRITON_INTERPRET)."""
+    if config.model_type == "phi3":
+        from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+        return Phi3RotaryEmbedding(config)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(config)
 
 
 def _theirs(module: torch.nn.Module, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +83,7 @@ def test_yarn_matches_transformers_at_every_position(case: str) -> None:
     assert length == max(64, int(params["original_max_position_embeddings"] * params["factor"]))
     ours = RotaryEmbedding(HEAD_DIM, length, rope_parameters(config), torch.float32)
     assert ours.cos_sin_cache is not None  # one table by position: backends may fuse it
-    _assert_tables(ours, LlamaRotaryEmbedding(config), length)
+    _assert_tables(ours, _reference(config), length)
     torch.testing.assert_close(ours.cos_sin_cache, torch.cat((ours.cos_cache, ours.sin_cache), -1))
 
 
@@ -83,12 +93,12 @@ def test_dynamic_is_unscaled_inside_the_trained_window_and_scaled_for_a_longer_c
     params = rope_parameters(config)
     # Served context <= max_position_embeddings: transformers never scales there.
     inside = RotaryEmbedding(HEAD_DIM, 48, params, torch.float32)
-    _assert_tables(inside, LlamaRotaryEmbedding(config), 48)
+    _assert_tables(inside, _reference(config), 48)
     default = RotaryEmbedding(HEAD_DIM, 48, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32)
     torch.testing.assert_close(inside.cos_cache, default.cos_cache)
     # Served context 96: the base transformers computes for a 96-token sequence, at every position.
     longer = RotaryEmbedding(HEAD_DIM, 96, params, torch.float32)
-    _assert_tables(longer, LlamaRotaryEmbedding(config), 96)
+    _assert_tables(longer, _reference(config), 96)
     assert not torch.allclose(longer.cos_cache[:48], inside.cos_cache)
 
 
@@ -98,7 +108,7 @@ def test_longrope_long_factors_past_the_original_window(partial: float) -> None:
     params = rope_parameters(config)
     ours = RotaryEmbedding(HEAD_DIM, 256, params, torch.float32)  # context 256 > original 32: long
     # transformers picks the long factors for a call whose positions pass the original window.
-    _assert_tables(ours, Phi3RotaryEmbedding(config), 100)
+    _assert_tables(ours, _reference(config), 100)
     assert ours.rotary_dim == int(HEAD_DIM * partial)
     # A partial rotation is not the whole-head table the backends' fused rope reads.
     assert (ours.cos_sin_cache is None) == (partial < 1)
@@ -107,7 +117,7 @@ def test_longrope_long_factors_past_the_original_window(partial: float) -> None:
 def test_longrope_short_factors_when_the_context_fits_the_original_window() -> None:
     config = _phi3(1.0)
     ours = RotaryEmbedding(HEAD_DIM, 32, rope_parameters(config), torch.float32)  # model.context_length 32
-    _assert_tables(ours, Phi3RotaryEmbedding(config), 32)
+    _assert_tables(ours, _reference(config), 32)
     long = RotaryEmbedding(HEAD_DIM, 256, rope_parameters(config), torch.float32)
     assert not torch.allclose(ours.cos_cache[1:32], long.cos_cache[1:32])
 
