@@ -30,6 +30,7 @@ from rxf.plugins.models.layers import (
     rope_parameters,
 )
 from rxf.plugins.models.layers.gemv import decode_gemv
+from rxf.plugins.models.layers.rotary import supported_context_length
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: Any, layer_id: int, qkv_bias: bool, rotary_emb: RotaryEmbedding, dtype: torch.dtype
+        self,
+        config: Any,
+        layer_id: int,
+        qkv_bias: bool,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
@@ -85,7 +92,9 @@ class LlamaAttention(nn.Module):
         # Per-rank sizes of the q | k | v split of the fused projection's output.
         self.qkv_sizes = [s * head_dim for s in (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)]
         self.qkv_sizes.append(self.qkv_sizes[1])
-        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim)
+        self.attn = RadixAttention(
+            layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, sliding_window=sliding_window
+        )
         self.qkv_proj.use_decode_gemv("qkv_proj")
         self.o_proj.use_decode_gemv("o_proj")
 
@@ -104,11 +113,12 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, rotary_emb, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, rotary_emb, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = mlp_cls(config, dtype)  # the feed-forward block: dense, or mixture of experts
 
@@ -133,15 +143,20 @@ class LlamaModel(nn.Module):
         qkv_bias: bool,
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
+        sliding_windows: list[int | None] | None = None,
+        context_length: int | None = None,
     ) -> None:
+        """`sliding_windows[i]`: layer i's window (None: full attention; default: none anywhere);
+        `context_length`: the longest sequence served (default: the checkpoint's)."""
         super().__init__()
+        windows = sliding_windows or [None] * config.num_hidden_layers
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        # cos/sin for every position: e.g. 131072 x 128 per table for Llama 3.1, so built once.
+        # cos/sin for every position served: e.g. 131072 x 128 per table for Llama 3.1, so built once.
         rotary_emb = RotaryEmbedding(
-            head_dim_of(config), config.max_position_embeddings, rope_parameters(config), dtype
+            head_dim_of(config), context_length or supported_context_length(config), rope_parameters(config), dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls)
+            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls, windows[i])
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -160,12 +175,10 @@ class LlamaModel(nn.Module):
         return x, residual
 
 
-def _sliding_window(config: Any) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+def _effective_window(window: int | None, served: int) -> int | None:
+    """A window that covers every position served (`served` tokens of context) is no window (None
+    keeps backends on their plain path)."""
+    if window is None or int(window) >= served:
         return None
     return int(window)
 
@@ -174,25 +187,31 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False  # Llama and Mistral: bias only when `attention_bias` says so
     mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP  # each layer's feed-forward block
 
-    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
+    @classmethod
+    def max_context_length(cls, config: Any) -> int:
+        """The longest context this checkpoint serves (its rope scaling may extend
+        max_position_embeddings); the runner then builds the model with `context_length=`."""
+        return supported_context_length(config)
+
+    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.config = config
-        window = _sliding_window(config)
-        if window is not None and window < config.max_position_embeddings:
-            logger.warning(
-                "sliding_window=%d is not applied yet: attention spans the full context "
-                "(outputs differ from the reference beyond %d tokens)",
-                window,
-                window,
-            )
         qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
-        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls)
+        served = context_length or supported_context_length(config)
+        windows = [_effective_window(w, served) for w in self.sliding_windows(config)]
+        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls, windows, served)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.lm_head.use_decode_gemv()
+
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """Each layer's sliding window as Hugging Face's model applies it. Llama configs have none;
+        Mistral and Mixtral give every layer `sliding_window` (null in most of their checkpoints)."""
+        return [getattr(config, "sliding_window", None)] * config.num_hidden_layers
 
     def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]`."""
@@ -212,8 +231,16 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's module structure plus a sliding window (warned about, not applied)."""
+    """Mistral is Llama's module structure plus a sliding window on every layer (`sliding_windows`)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias_default = True  # Qwen2 always has q/k/v biases (and none on o_proj)
+
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """`layer_types` decides per layer: transformers 5 fills it from `use_sliding_window` and
+        `max_window_layers` (layers from max_window_layers on slide) when a config.json lacks it, and
+        clears `sliding_window` when use_sliding_window is false."""
+        window = config.sliding_window
+        return [window if kind == "sliding_attention" else None for kind in config.layer_types]
