@@ -104,11 +104,12 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
+        attn_cls: type[LlamaAttention] = LlamaAttention,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, rotary_emb, dtype)
+        self.self_attn = attn_cls(config, layer_id, qkv_bias, rotary_emb, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = mlp_cls(config, dtype)  # the feed-forward block: dense, or mixture of experts
 
@@ -133,6 +134,7 @@ class LlamaModel(nn.Module):
         qkv_bias: bool,
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
+        attn_cls: type[LlamaAttention] = LlamaAttention,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
@@ -141,7 +143,7 @@ class LlamaModel(nn.Module):
             head_dim_of(config), config.max_position_embeddings, rope_parameters(config), dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls)
+            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls, attn_cls)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -173,6 +175,7 @@ def _sliding_window(config: Any) -> int | None:
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False  # Llama and Mistral: bias only when `attention_bias` says so
     mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP  # each layer's feed-forward block
+    attn_cls: type[LlamaAttention] = LlamaAttention  # each layer's attention block
 
     def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -187,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
                 window,
             )
         qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
-        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls)
+        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls, self.attn_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)
         if self.tie_word_embeddings:
