@@ -19,6 +19,7 @@ from transformers import GptOssConfig
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from rxf.plugins.models.gpt_oss import GptOssMoE, split_expert_tensors
+from rxf.plugins.models.layers.moe import FusedExperts, GatedActivation, select_experts
 from rxf.plugins.models.layers.mxfp4 import dequantize_mxfp4
 from rxf.testing import make_tiny_checkpoint
 from rxf.testing.model_parity import check_logits, check_runtime_greedy
@@ -60,6 +61,20 @@ def test_runtime_greedy_matches_transformers(checkpoint: Path, reference: HFRefe
 
 
 # ---------------------------------------------------------------- the MoE block
+GPT_OSS = GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0)
+
+
+def load_experts(experts: FusedExperts, stacked: dict[str, torch.Tensor]) -> None:
+    """Checkpoint tensors `x.mlp.experts.*` (transformers' stacked layout) into `experts`, through
+    the model's own splitting into per-expert tensors and the experts' loaders."""
+    shards = {"gate": (experts.w13, 0), "up": (experts.w13, 1), "down": (experts.w2, 0)}
+    for name, tensor in split_expert_tensors(stacked.items(), torch.float32, torch.device("cpu")):
+        e, proj, what = name.split(".")[-3:]
+        module, j = shards[proj]
+        param = getattr(module, what)
+        param.weight_loader(param, tensor, (int(e), j))
+
+
 def test_moe_block_matches_transformers() -> None:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
@@ -70,17 +85,11 @@ def test_moe_block_matches_transformers() -> None:
     for p in ref.parameters():
         torch.nn.init.normal_(p, std=0.6)  # pre-activations of several units: the clamp at 7 bites
     ours = GptOssMoE(config, torch.float32)
-    state = {f"x.mlp.{n}": t.detach() for n, t in ref.state_dict().items()}
-    experts = ours.experts
-    shards = {"gate": (experts.w13, 0), "up": (experts.w13, 1), "down": (experts.w2, 0)}
-    for name, tensor in split_expert_tensors(state.items(), torch.float32, torch.device("cpu")):
-        if ".router." in name:
-            getattr(ours.router, name.rsplit(".", 1)[1]).data.copy_(tensor)
-            continue
-        e, proj, what = name.split(".")[-3:]
-        module, j = shards[proj]
-        param = getattr(module, what)
-        param.weight_loader(param, tensor, (int(e), j))
+    assert ours.experts.activation == GPT_OSS
+    state = {n: t.detach() for n, t in ref.state_dict().items()}
+    ours.router.weight.data.copy_(state["router.weight"])
+    ours.router.bias.data.copy_(state["router.bias"])
+    load_experts(ours.experts, {f"x.mlp.{n}": t for n, t in state.items() if n.startswith("experts.")})
     x = torch.randn(41, config.hidden_size) * 3
     with torch.inference_mode():
         expected, _ = ref(x[None])
@@ -165,3 +174,28 @@ def test_mxfp4_half_without_its_partner_is_named() -> None:
            ("model.layers.0.mlp.experts.down_proj_scales", scales[:, :, :0])]
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj: MXFP4 blocks"):
         list(split_expert_tensors(bad, torch.float32, torch.device("cpu")))
+
+
+
+def test_tensor_parallel_expert_biases_sum_to_the_whole() -> None:
+    """Two ranks' biased experts, loaded from the same checkpoint tensors: gate/up biases split with
+    their rows, the down bias held by rank 0 alone, so the partial outputs sum to the one-rank output."""
+    experts, hidden, inter = 4, 32, 48
+    gen = torch.Generator().manual_seed(2)
+    stacked = {"x.mlp.experts.gate_up_proj": torch.randn(experts, hidden, 2 * inter, generator=gen) * 0.5,
+               "x.mlp.experts.gate_up_proj_bias": torch.randn(experts, 2 * inter, generator=gen) * 3,
+               "x.mlp.experts.down_proj": torch.randn(experts, inter, hidden, generator=gen) * 0.3,
+               "x.mlp.experts.down_proj_bias": torch.randn(experts, hidden, generator=gen)}
+
+    def build(tp_size: int, tp_rank: int) -> FusedExperts:
+        module = FusedExperts(experts, hidden, inter, bias=True, activation=GPT_OSS, tp_size=tp_size,
+                              tp_rank=tp_rank, dtype=torch.float32)
+        load_experts(module, stacked)
+        return module
+
+    whole, ranks = build(1, 0), [build(2, r) for r in (0, 1)]
+    assert ranks[1].w13.bias.shape == (experts, inter) and not ranks[1].w2.bias.any()
+    x = torch.randn(19, hidden) * 2
+    weights, ids = select_experts(torch.randn(19, experts, generator=gen), 2, renormalize=True)
+    partial = [rank(x, weights, ids) for rank in ranks]
+    torch.testing.assert_close(partial[0] + partial[1], whole(x, weights, ids), rtol=1e-5, atol=1e-5)
