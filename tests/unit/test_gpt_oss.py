@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -124,32 +125,24 @@ def test_dequantizer_matches_transformers(dtype: torch.dtype) -> None:
         dequantize_mxfp4(blocks, scales[..., :-1], dtype)
 
 
-def write_mxfp4_checkpoint(dense: Path, out: Path, dense_ref: Path) -> None:
+def write_mxfp4_checkpoint(dense: Path, out: Path) -> None:
     """`out`: the tiny checkpoint `dense` with its expert weights replaced by random MXFP4 blocks and
-    scales (blocks in one file, scales and the rest in another, with an index, as the hub's shards
-    split them), config marked mxfp4 as OpenAI's is. `dense_ref`: the same model with those weights
-    dequantized by transformers, in its own bf16-free layout, for the reference."""
-    import shutil
-
+    scales, laid out as OpenAI's release is: blocks in one file, scales and the rest in another (an
+    index names them), config.json marked `quant_method: mxfp4`."""
     gen = torch.Generator().manual_seed(11)
-    tensors = load_file(str(dense / "model.safetensors"))
     shards: list[dict[str, torch.Tensor]] = [{}, {}]
-    for name in list(tensors):
+    for name, tensor in load_file(str(dense / "model.safetensors")).items():
         if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            shards[1][name] = tensors[name]
+            shards[1][name] = tensor
             continue
-        experts, d_in, d_out = tensors[name].shape
-        blocks, scales = random_mxfp4(gen, experts, d_out, d_in, scale_range=(122, 126))
-        shards[0][name + "_blocks"], shards[1][name + "_scales"] = blocks, scales
-        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
-    for d in (out, dense_ref):
-        shutil.copytree(dense, d)
-        (d / "model.safetensors").unlink()
-    save_file(tensors, str(dense_ref / "model.safetensors"), metadata={"format": "pt"})
+        experts, d_in, d_out = tensor.shape  # transformers' [E, in, out]; MXFP4 rows are outputs
+        shards[0][name + "_blocks"], shards[1][name + "_scales"] = random_mxfp4(
+            gen, experts, d_out, d_in, scale_range=(122, 126))
+    shutil.copytree(dense, out, ignore=shutil.ignore_patterns("model.safetensors"))
     files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    for tensors_in_file, file in zip(shards, files, strict=True):
-        save_file(tensors_in_file, str(out / file), metadata={"format": "pt"})
-    weight_map = {n: f for tensors_in_file, f in zip(shards, files, strict=True) for n in tensors_in_file}
+    for tensors, file in zip(shards, files, strict=True):
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+    weight_map = {n: f for tensors, f in zip(shards, files, strict=True) for n in tensors}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -158,9 +151,10 @@ def write_mxfp4_checkpoint(dense: Path, out: Path, dense_ref: Path) -> None:
 
 
 def test_mxfp4_checkpoint_loads_and_matches(checkpoint: Path, tmp_path: Path) -> None:
-    quantized, dense_ref = tmp_path / "mxfp4", tmp_path / "dequantized"
-    write_mxfp4_checkpoint(checkpoint, quantized, dense_ref)
-    check_logits(quantized, PROMPTS[:2], decode_steps=1, reference=HFReference(dense_ref))
+    """The reference is transformers loading the same MXFP4 files (on the CPU it dequantizes them)."""
+    quantized = tmp_path / "mxfp4"
+    write_mxfp4_checkpoint(checkpoint, quantized)
+    check_logits(quantized, PROMPTS[:2], decode_steps=1)
 
 
 def test_mxfp4_half_without_its_partner_is_named() -> None:
