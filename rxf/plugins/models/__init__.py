@@ -11,6 +11,7 @@ _LLAMA = "rxf.plugins.models.llama"
 _MIXTRAL = "rxf.plugins.models.mixtral"
 _LLAVA = "rxf.plugins.models.llava"
 _GPT_OSS = "rxf.plugins.models.gpt_oss"
+_PHI3 = "rxf.plugins.models.phi3"
 
 
 @hookimpl
@@ -19,6 +20,7 @@ def rxf_register_models(register: RegisterFactory) -> None:
     register("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
     register("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
     register("MixtralForCausalLM", f"{_MIXTRAL}:MixtralForCausalLM")
+    register("Phi3ForCausalLM", f"{_PHI3}:Phi3ForCausalLM")
     register("LlavaForConditionalGeneration", f"{_LLAVA}:LlavaForConditionalGeneration")
     register("LlavaNextForConditionalGeneration", f"{_LLAVA}:LlavaNextForConditionalGeneration")
     register("LlavaOnevisionForConditionalGeneration", f"{_LLAVA}:LlavaOnevisionForConditionalGeneration")

@@ -30,6 +30,7 @@ from rxf.plugins.models.layers import (
     rope_parameters,
 )
 from rxf.plugins.models.layers.gemv import decode_gemv
+from rxf.plugins.models.layers.rotary import supported_context_length
 
 logger = logging.getLogger(__name__)
 
@@ -135,12 +136,13 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
         attn_cls: type[LlamaAttention] = LlamaAttention,
+        context_length: int | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        # cos/sin for every position: e.g. 131072 x 128 per table for Llama 3.1, so built once.
+        # cos/sin for every position served: e.g. 131072 x 128 per table for Llama 3.1, so built once.
         rotary_emb = RotaryEmbedding(
-            head_dim_of(config), config.max_position_embeddings, rope_parameters(config), dtype
+            head_dim_of(config), context_length or supported_context_length(config), rope_parameters(config), dtype
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls, attn_cls)
@@ -177,7 +179,13 @@ class LlamaForCausalLM(nn.Module):
     mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP  # each layer's feed-forward block
     attn_cls: type[LlamaAttention] = LlamaAttention  # each layer's attention block
 
-    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
+    @classmethod
+    def max_context_length(cls, config: Any) -> int:
+        """The longest context this checkpoint serves (its rope scaling may extend
+        max_position_embeddings); the runner then builds the model with `context_length=`."""
+        return supported_context_length(config)
+
+    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.config = config
@@ -190,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
                 window,
             )
         qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
-        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls, self.attn_cls)
+        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls, self.attn_cls, context_length)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)
         if self.tie_word_embeddings:
