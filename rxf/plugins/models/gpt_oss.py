@@ -45,20 +45,20 @@ _EXPERT_TENSOR = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_pro
 
 
 class GptOssAttention(LlamaAttention):
-    """Llama's attention block plus this layer's window and the per-head sinks (float32, this
-    rank's heads)."""
+    """Llama's attention block (with this layer's window) plus the per-head sinks: float32, this
+    rank's heads, a parameter of this block that its `attn` reads."""
 
     def __init__(
-        self, config: Any, layer_id: int, qkv_bias: bool, rotary_emb: RotaryEmbedding, dtype: torch.dtype
+        self, config: Any, layer_id: int, qkv_bias: bool, rotary_emb: RotaryEmbedding, dtype: torch.dtype,
+        sliding_window: int | None = None,
     ) -> None:
-        super().__init__(config, layer_id, qkv_bias, rotary_emb, dtype)
+        super().__init__(config, layer_id, qkv_bias, rotary_emb, dtype, sliding_window)
         heads = self.qkv_proj.num_heads
         self.sinks = nn.Parameter(torch.empty(heads, dtype=torch.float32), requires_grad=False)
         self.sinks.weight_loader = self._load_sinks
-        sliding = config.layer_types[layer_id] == "sliding_attention"
         self.attn = RadixAttention(
             layer_id, heads, self.qkv_proj.num_kv_heads, head_dim_of(config),
-            sliding_window=config.sliding_window if sliding else None, sinks=self.sinks,
+            sliding_window=sliding_window, sinks=self.sinks,
         )
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -158,6 +158,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
     qkv_bias_default = True
     mlp_cls = GptOssMoE
     attn_cls = GptOssAttention
+
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """`sliding_window` on the "sliding_attention" layers of `layer_types` (transformers fills
+        it, alternating from a sliding layer 0, when a config.json lacks it)."""
+        return [config.sliding_window if kind == "sliding_attention" else None for kind in config.layer_types]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         ref = self.model.embed_tokens.weight
