@@ -23,20 +23,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from test_cuda_graph_gpu import (  # noqa: E402
-    FP32_GAP,
+    _assert_as_faithful_as_transformers,
     _available_backends,
     _config,
-    _hf_greedy,
     _prompts,
     _registry,
-    _worst_gap,
+    _scheduler_greedy,
 )
-from transformers import AutoTokenizer  # noqa: E402
 
-from rxf.core.ipc.messages import PreparedRequest  # noqa: E402
 from rxf.core.runner.model_runner import ModelRunner  # noqa: E402
-from rxf.core.sampling_params import SamplingParams  # noqa: E402
-from rxf.core.scheduler.scheduler import Scheduler  # noqa: E402
 from rxf.plugins.models.gpt_oss import GptOssForCausalLM  # noqa: E402
 from rxf.plugins.models.layers.fused_moe import fused_experts  # noqa: E402
 from rxf.plugins.models.layers.moe import GatedActivation, experts_native, select_experts  # noqa: E402
@@ -106,20 +101,7 @@ def test_gpt_oss_greedy_matches_transformers(tiny_gpt_oss: Path, backend: str, d
     config = _config(tiny_gpt_oss, backend, dtype, graphs=True)
     runner = ModelRunner(config, _registry(), str(tiny_gpt_oss))
     assert isinstance(runner.model, GptOssForCausalLM) and runner.cuda_graphs is not None
-    sched = Scheduler(config, runner, AutoTokenizer.from_pretrained(tiny_gpt_oss), check_memory=True)
     # Prompts of 4-40 tokens plus 32 new ones: most requests cross the window of 16 while decoding.
     prompts = _prompts(5, seed=13)
-    params = SamplingParams.from_dict({"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True})
-    for i, p in enumerate(prompts):
-        sched.add_request(PreparedRequest(f"r{i}", p, params))
-    got: dict[str, list[int]] = {}
-    while sched.has_work:
-        for out in sched.step():
-            got.setdefault(out.rid, []).extend(out.new_token_ids)
-    assert all(len(got[f"r{i}"]) == 32 for i in range(len(prompts)))
-    ours = [_worst_gap(tiny_gpt_oss, p, got[f"r{i}"]) for i, p in enumerate(prompts)]
-    if dtype == torch.float32:
-        assert max(ours) <= FP32_GAP, f"relative gaps to transformers' argmax per request: {ours}"
-        return
-    hf = [_worst_gap(tiny_gpt_oss, p, _hf_greedy(tiny_gpt_oss, dtype, p, 32)) for p in prompts]
-    assert max(ours) <= 1.5 * max(hf) + 1e-3, f"worst relative gaps: rxf {ours}, transformers {hf} (both bf16)"
+    tokens = _scheduler_greedy(config, runner, tiny_gpt_oss, prompts, 32)
+    _assert_as_faithful_as_transformers(tiny_gpt_oss, prompts, tokens, dtype)
