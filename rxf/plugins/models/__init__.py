@@ -10,6 +10,7 @@ from rxf.core.hookspecs import RegisterFactory, hookimpl
 _LLAMA = "rxf.plugins.models.llama"
 _MIXTRAL = "rxf.plugins.models.mixtral"
 _LLAVA = "rxf.plugins.models.llava"
+_GPT_OSS = "rxf.plugins.models.gpt_oss"
 _PHI3 = "rxf.plugins.models.phi3"
 
 
@@ -23,3 +24,4 @@ def rxf_register_models(register: RegisterFactory) -> None:
     register("LlavaForConditionalGeneration", f"{_LLAVA}:LlavaForConditionalGeneration")
     register("LlavaNextForConditionalGeneration", f"{_LLAVA}:LlavaNextForConditionalGeneration")
     register("LlavaOnevisionForConditionalGeneration", f"{_LLAVA}:LlavaOnevisionForConditionalGeneration")
+    register("GptOssForCausalLM", f"{_GPT_OSS}:GptOssForCausalLM")

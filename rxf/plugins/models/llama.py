@@ -114,11 +114,12 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
         sliding_window: int | None = None,
+        attn_cls: type[LlamaAttention] = LlamaAttention,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, rotary_emb, dtype, sliding_window)
+        self.self_attn = attn_cls(config, layer_id, qkv_bias, rotary_emb, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = mlp_cls(config, dtype)  # the feed-forward block: dense, or mixture of experts
 
@@ -144,6 +145,7 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
         sliding_windows: list[int | None] | None = None,
+        attn_cls: type[LlamaAttention] = LlamaAttention,
         context_length: int | None = None,
     ) -> None:
         """`sliding_windows[i]`: layer i's window (None: full attention; default: none anywhere);
@@ -156,7 +158,7 @@ class LlamaModel(nn.Module):
             head_dim_of(config), context_length or supported_context_length(config), rope_parameters(config), dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls, windows[i])
+            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls, windows[i], attn_cls)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -186,6 +188,7 @@ def _effective_window(window: int | None, served: int) -> int | None:
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False  # Llama and Mistral: bias only when `attention_bias` says so
     mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP  # each layer's feed-forward block
+    attn_cls: type[LlamaAttention] = LlamaAttention  # each layer's attention block
 
     @classmethod
     def max_context_length(cls, config: Any) -> int:
@@ -200,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
         served = context_length or supported_context_length(config)
         windows = [_effective_window(w, served) for w in self.sliding_windows(config)]
-        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls, windows, served)
+        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls, windows, self.attn_cls, served)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)
         if self.tie_word_embeddings:
