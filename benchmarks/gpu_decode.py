@@ -1,11 +1,12 @@
 """GPU decode benchmark (issues 4, 18): one script for one call on the GPU machine.
 
-    python benchmarks/gpu_decode.py [--preset llama3-8b|qwen3-8b|qwen3-30b-a3b|tiny] [--num-requests 1000]
+    python benchmarks/gpu_decode.py [--preset llama3-8b|qwen3-8b|qwen3-30b-a3b|gpt-oss-20b|tiny] [--num-requests 1000]
         [--phases jit,build,bandwidth,decode,kernels,offline,hf] [--model-dir DIR] [--output FILE]
 
 A preset is a transformers config (architecture + fields): `llama3-8b` (Llama-3-8B), `qwen3-8b` and
 `qwen3-30b-a3b` (Qwen/Qwen3-8B's and Qwen/Qwen3-30B-A3B's config.json: 36 layers, head_dim 128; 48
-layers of 128 experts, top 8) and `tiny`; its tensors are the ones transformers names for it.
+layers of 128 experts, top 8), `gpt-oss-20b` and `tiny`; its tensors are the ones transformers names
+for it (gpt-oss-20b: the MXFP4 tensors OpenAI ships, from its own builder).
 
 Phases run in this order; each is guarded (a failure prints its traceback and the others still run),
 and each frees its GPU memory before the next:
@@ -13,9 +14,11 @@ and each frees its GPU memory before the next:
              on a fresh machine; cached under $FLASHINFER_WORKSPACE_BASE)
   build      a checkpoint of the preset's shape with random bf16 weights (drawn on the GPU, written
              with safetensors to the machine's disk; rxf then loads it through its normal path), plus a
-             word-level tokenizer covering the whole vocabulary. qwen3-30b-a3b (61 GB) does not fit
-             the disk: its weights are drawn on the GPU while the decode phase loads them, through the
-             same `load_weights` (offline and hf, which need the files, are skipped for it)
+             word-level tokenizer covering the whole vocabulary. gpt-oss-20b: its experts in MXFP4, as
+             OpenAI ships them (13.7 GB on disk instead of 42 GB; rxf dequantizes them to bf16 at load).
+             qwen3-30b-a3b (61 GB) does not fit the disk: config and tokenizer only, and the decode
+             phase loads it with `model.load_format = "random"` (offline and hf, which need the
+             files, are skipped for it)
   bandwidth  device-to-device copy bandwidth (bytes read + written) -> batch-1 roofline = bandwidth
              / bytes one decode token reads: every dense weight, the top_k / num_experts share of
              each MoE layer's experts, one row of the embedding table (see `weight_bytes`). The
@@ -72,23 +75,20 @@ class Preset:
     offline_output: int
     hf_batches: tuple[int, ...]
     hf_tokens: int  # prompt and new tokens each, for HF and rxf's end-to-end comparison
-    model_type: str = "llama"  # transformers' config type, and the architecture rxf loads
-    arch: str = "LlamaForCausalLM"
     head_dim: int = 0  # 0: hidden // heads
-    extra: dict[str, Any] = field(default_factory=dict)  # further config fields (rope, experts, ...)
+    experts: int = 0  # MoE: experts per layer and experts per token (0: a dense MLP)
+    top_k: int = 0
+    model_type: str = "llama"  # transformers' config type ("gpt_oss": its own MXFP4 builder)
+    arch: str = "LlamaForCausalLM"  # the architecture rxf loads
+    extra: dict[str, Any] = field(default_factory=dict)  # further config fields (rope, ...)
     # False: too large for the GPU machine's disk (Qwen3-30B-A3B is 61 GB); build writes config and
-    # tokenizer only and the decode phase draws the weights on the GPU as it loads them (the
-    # phases that need a checkpoint on disk, offline and hf, are skipped).
+    # tokenizer only and the decode phase loads random weights (`model.load_format = "random"`);
+    # the phases that need a checkpoint on disk, offline and hf, are skipped.
     on_disk: bool = True
 
     @property
-    def head_size(self) -> int:
+    def hd(self) -> int:
         return self.head_dim or self.hidden // self.heads
-
-    @property
-    def top_k_fraction(self) -> float:
-        """The share of each MoE layer's experts a token runs (1 for dense models)."""
-        return self.extra["num_experts_per_tok"] / self.extra["num_experts"] if "num_experts" in self.extra else 1.0
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -100,13 +100,14 @@ PRESETS = {
     "llama3-8b": Preset(4096, 32, 32, 8, 14336, 128256, (16, 64, 256), 1024, 256, (1, 64), 128, extra=LLAMA3),
     "tiny": Preset(512, 4, 8, 2, 1408, 32000, (16, 64), 256, 32, (1, 8), 32, extra=LLAMA3),
     # Qwen/Qwen3-8B and Qwen/Qwen3-30B-A3B's config.json (all 48 layers, 128 experts, top 8).
-    "qwen3-8b": Preset(4096, 36, 32, 8, 12288, 151936, (16, 64, 256), 1024, 256, (1, 64), 128, "qwen3",
-                       "Qwen3ForCausalLM", 128, QWEN3),
-    "qwen3-30b-a3b": Preset(2048, 48, 32, 4, 6144, 151936, (16, 64, 256), 1024, 256, (1, 64), 128, "qwen3_moe",
-                            "Qwen3MoeForCausalLM", 128,
-                            {**QWEN3, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-                             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
-                            on_disk=False),
+    "qwen3-8b": Preset(4096, 36, 32, 8, 12288, 151936, (16, 64, 256), 1024, 256, (1, 64), 128, head_dim=128,
+                       model_type="qwen3", arch="Qwen3ForCausalLM", extra=QWEN3),
+    "qwen3-30b-a3b": Preset(2048, 48, 32, 4, 6144, 151936, (16, 64, 256), 1024, 256, (1, 64), 128, head_dim=128,
+                            experts=128, top_k=8, model_type="qwen3_moe", arch="Qwen3MoeForCausalLM",
+                            extra={**QWEN3, "moe_intermediate_size": 768, "norm_topk_prob": True,
+                                   "decoder_sparse_step": 1, "mlp_only_layers": []}, on_disk=False),
+    "gpt-oss-20b": Preset(2880, 24, 64, 8, 2880, 201088, (16, 64), 1024, 256, (1, 64), 128, head_dim=64,
+                          experts=32, top_k=4, model_type="gpt_oss", arch="GptOssForCausalLM"),
 }
 RESULTS: dict[str, Any] = {}
 
@@ -126,12 +127,16 @@ def phase(name: str, fn: Callable[[], None]) -> None:
 
 
 # ---------------------------------------------------------------- build
+_EXPERTS_FIELD = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"}  # the config's name for E
+
+
 def hf_config(p: Preset) -> Any:
     from transformers import AutoConfig
 
     shape = {"vocab_size": p.vocab, "hidden_size": p.hidden, "intermediate_size": p.intermediate,
              "num_hidden_layers": p.layers, "num_attention_heads": p.heads, "num_key_value_heads": p.kv_heads,
-             **({"head_dim": p.head_dim} if p.head_dim else {})}
+             **({"head_dim": p.head_dim} if p.head_dim else {}),
+             **({_EXPERTS_FIELD[p.model_type]: p.experts, "num_experts_per_tok": p.top_k} if p.experts else {})}
     return AutoConfig.for_model(p.model_type, **shape, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                                 dtype="bfloat16", architectures=[p.arch], **p.extra)
 
@@ -158,12 +163,18 @@ def random_weights(p: Preset, device: str = "cuda") -> Iterator[tuple[str, torch
             yield name, (torch.randn(shape, device=device, generator=gen, dtype=torch.float32) * 0.02).bfloat16()
 
 
-def weight_bytes(p: Preset) -> dict[str, int]:
-    """`weight_bytes`: every weight (bf16). `read_bytes`: what one batch-1 decode step reads, the
+def weight_bytes(p: Preset, path: Path) -> dict[str, int]:
+    """`weight_bytes`: every weight in bf16. `read_bytes`: what one batch-1 decode step reads, the
     roofline's denominator = every dense weight (attention, norms, routers, dense MLPs, LM head)
     + the top_k / num_experts share of each MoE layer's experts + one row of the embedding table
     (a lookup reads one row; the LM head, untied here, reads its whole matrix). Reads of the KV
-    cache (under 1% of these at the decode phase's ~400-token contexts) are not counted."""
+    cache (under 1% of these at the decode phase's ~400-token contexts) are not counted.
+    gpt-oss-20b: from its checkpoint's MXFP4 shapes (`gpt_oss_bytes`)."""
+    if p.model_type == "gpt_oss":
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            return gpt_oss_bytes({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, p)
     total = read = 0
     for name, shape in checkpoint_tensors(p):
         size = 2 * math.prod(shape)
@@ -171,7 +182,7 @@ def weight_bytes(p: Preset) -> dict[str, int]:
         if name.endswith("embed_tokens.weight"):
             read += 2 * shape[-1]
         elif ".experts." in name:
-            read += round(size * p.top_k_fraction)
+            read += size * p.top_k // p.experts
         else:
             read += size
     return {"weight_bytes": total, "read_bytes": read}
@@ -181,24 +192,104 @@ def build_checkpoint(p: Preset, path: Path) -> None:
     """config.json, a word-level tokenizer covering the vocabulary and, for presets that fit the
     disk, model.safetensors with `random_weights` (rxf then loads it through its normal path)."""
     from safetensors.torch import save_file
+
+    if p.model_type == "gpt_oss":
+        build_gpt_oss_checkpoint(p, path)
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config(p).save_pretrained(path)
+    if p.on_disk:
+        save_file({n: t.cpu() for n, t in random_weights(p)}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_word_tokenizer(p, path)
+    sizes = weight_bytes(p, path)
+    where = "in " if p.on_disk else "drawn at load; config and tokenizer in "
+    print(f"checkpoint: {sizes['weight_bytes'] / 1e9:.2f} GB ({sizes['read_bytes'] / 1e9:.2f} GB read per "
+          f"batch-1 token), {where}{path}")
+
+
+def save_word_tokenizer(p: Preset, path: Path) -> None:
+    """A word-level tokenizer whose words t0 .. t{vocab - 1} are the token ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from rxf.testing.checkpoints import CHATML_TEMPLATE
 
-    path.mkdir(parents=True, exist_ok=True)
-    hf_config(p).save_pretrained(path)
-    if p.on_disk:
-        save_file({n: t.cpu() for n, t in random_weights(p)}, str(path / "model.safetensors"), metadata={"format": "pt"})
     vocab = {f"t{i}": i for i in range(p.vocab)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0",
                             chat_template=CHATML_TEMPLATE).save_pretrained(path)
-    sizes = weight_bytes(p)
-    where = "in " if p.on_disk else "drawn at load; config and tokenizer in "
-    print(f"checkpoint: {sizes['weight_bytes'] / 1e9:.2f} GB ({sizes['read_bytes'] / 1e9:.2f} GB read per "
-          f"batch-1 token), {where}{path}")
+
+
+def build_gpt_oss_checkpoint(p: Preset, path: Path) -> None:
+    """gpt-oss-20b's config (yarn to 128k, a 128-token window on even layers, swiglu limit 7) with
+    random weights: bf16 attention (biases, sinks), router and embeddings; the experts as MXFP4
+    blocks of random FP4 codes with one scale, 2^-7 (weights of rms ~0.023), and bf16 biases."""
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = GptOssConfig(
+        vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.intermediate, num_hidden_layers=p.layers,
+        num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, head_dim=p.hd, num_local_experts=p.experts,
+        num_experts_per_tok=p.top_k, sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        swiglu_limit=7.0, attention_bias=True, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        dtype="bfloat16", architectures=["GptOssForCausalLM"],
+    )
+    config.save_pretrained(path)
+    meta = json.loads((path / "config.json").read_text())
+    meta["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(meta, indent=2))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32) * 0.02).to(dtype).cpu()
+
+    def mxfp4(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(0, 256, (p.experts, rows, cols // 32, 16), device="cuda", generator=gen,
+                               dtype=torch.uint8).cpu()
+        return blocks, torch.full((p.experts, rows, cols // 32), 127 - 7, dtype=torch.uint8)
+
+    q, kv = p.heads * p.hd, p.kv_heads * p.hd
+    tensors = {"model.embed_tokens.weight": rand(p.vocab, p.hidden), "lm_head.weight": rand(p.vocab, p.hidden),
+               "model.norm.weight": torch.ones(p.hidden, dtype=torch.bfloat16)}
+    for i in range(p.layers):
+        pre = f"model.layers.{i}."
+        for name, (rows, cols) in (("q_proj", (q, p.hidden)), ("k_proj", (kv, p.hidden)), ("v_proj", (kv, p.hidden)),
+                                   ("o_proj", (p.hidden, q))):
+            tensors[f"{pre}self_attn.{name}.weight"], tensors[f"{pre}self_attn.{name}.bias"] = rand(rows, cols), rand(rows)
+        tensors[pre + "self_attn.sinks"] = rand(p.heads)
+        tensors[pre + "mlp.router.weight"], tensors[pre + "mlp.router.bias"] = rand(p.experts, p.hidden), rand(p.experts)
+        for name, (rows, cols) in (("gate_up_proj", (2 * p.intermediate, p.hidden)), ("down_proj", (p.hidden, p.intermediate))):
+            tensors[f"{pre}mlp.experts.{name}_blocks"], tensors[f"{pre}mlp.experts.{name}_scales"] = mxfp4(rows, cols)
+            tensors[f"{pre}mlp.experts.{name}_bias"] = rand(p.experts, rows)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[pre + norm + ".weight"] = torch.ones(p.hidden, dtype=torch.bfloat16)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_word_tokenizer(p, path)
+    sizes = gpt_oss_bytes({n: tuple(t.shape) for n, t in tensors.items()}, p)
+    file_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"checkpoint: {file_bytes / 1e9:.2f} GB on disk, {sizes['weight_bytes'] / 1e9:.2f} GB in bf16, "
+          f"{sizes['read_bytes'] / 1e9:.2f} GB read per batch-1 token, in {path}")
+
+
+def gpt_oss_bytes(shapes: dict[str, tuple[int, ...]], p: Preset) -> dict[str, int]:
+    """bf16 bytes of the checkpoint once loaded (MXFP4 blocks hold two values per byte; the scales
+    are gone), and of what a batch-1 decode token reads: the embedding's one row instead of the
+    table, top_k of num_experts experts per layer (their weights and biases)."""
+    total = experts = embedding = 0
+    for name, shape in shapes.items():
+        if name.endswith("_scales"):
+            continue
+        size = 2 * math.prod(shape) * (2 if name.endswith("_blocks") else 1)
+        total += size
+        experts += size if ".mlp.experts." in name else 0
+        embedding += size if name == "model.embed_tokens.weight" else 0
+    read = total - embedding + 2 * p.hidden - experts * (p.experts - p.top_k) // p.experts
+    return {"weight_bytes": total, "embedding_bytes": embedding, "read_bytes": read}
 
 
 # ---------------------------------------------------------------- bandwidth
@@ -228,12 +319,9 @@ def bandwidth() -> None:
 
 
 # ---------------------------------------------------------------- decode (in-process engine)
-def _engine(model_dir: Path, backend: str, max_running: int, slots: int,
-            weights: Iterator[tuple[str, torch.Tensor]] | None = None) -> Any:
-    """An in-process Scheduler + ModelRunner on `model_dir`; with `weights`, the runner loads those
-    tensors instead of the directory's safetensors (an `on_disk=False` preset's `random_weights`)."""
-    from unittest import mock
-
+def _engine(model_dir: Path, backend: str, max_running: int, slots: int, random_load: bool = False) -> Any:
+    """An in-process Scheduler + ModelRunner on `model_dir` (`random_load`: no checkpoint read,
+    `model.load_format = "random"`)."""
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
@@ -242,7 +330,8 @@ def _engine(model_dir: Path, backend: str, max_running: int, slots: int,
     from rxf.core.scheduler.scheduler import Scheduler
 
     config = load_config({
-        "model": {"path": str(model_dir), "dtype": "bfloat16", "context_length": 8192},
+        "model": {"path": str(model_dir), "dtype": "bfloat16", "context_length": 8192,
+                  "load_format": "random" if random_load else "safetensors"},
         "runtime": {"device": "cuda", "log_level": "warning"},
         "attention": {"backend": backend},
         "scheduler": {"max_running_requests": max_running, "max_prefill_tokens": 16384, "log_interval": 10**9},
@@ -252,11 +341,7 @@ def _engine(model_dir: Path, backend: str, max_running: int, slots: int,
         "cuda_graph": {"capture_budget_s": 300},
     })
     start = time.perf_counter()
-    if weights is None:
-        runner = ModelRunner(config, PluginRegistry.load(), str(model_dir))
-    else:
-        with mock.patch("rxf.core.runner.model_runner.iter_safetensors", lambda _path: weights):
-            runner = ModelRunner(config, PluginRegistry.load(), str(model_dir))
+    runner = ModelRunner(config, PluginRegistry.load(), str(model_dir))
     RESULTS[f"{backend}_runner_start_s"] = time.perf_counter() - start
     return Scheduler(config, runner, AutoTokenizer.from_pretrained(model_dir))
 
@@ -308,8 +393,7 @@ def end_to_end_rate(sched: Any, bs: int, tokens: int, vocab: int) -> float:
 
 
 def decode_phase(p: Preset, model_dir: Path, backend: str) -> None:
-    weights = None if p.on_disk else random_weights(p)
-    sched = _engine(model_dir, backend, max(p.decode_batches), max(p.decode_batches) * 512 + 4096, weights)
+    sched = _engine(model_dir, backend, max(p.decode_batches), max(p.decode_batches) * 512 + 4096, not p.on_disk)
     graphs = sched.runner.cuda_graphs
     if graphs is not None:
         RESULTS[f"{backend}_graphs"] = {"sizes": graphs.sizes, "capture_s": graphs.capture_s,
@@ -370,7 +454,7 @@ class AttentionCase:
         from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
         from rxf.plugins.models.layers import RadixAttention
 
-        dev, dt, hd, seq, n = torch.device("cuda"), torch.bfloat16, p.head_size, prefix + new, bs * new
+        dev, dt, hd, seq, n = torch.device("cuda"), torch.bfloat16, p.hd, prefix + new, bs * new
         req_pool, kv_pool = ReqToTokenPool(bs, seq, dev), TokenToKVPool(bs * seq, 1, p.kv_heads, hd, dt, dev)
         kv_pool.k_buffer[0].normal_()
         kv_pool.v_buffer[0].normal_()
@@ -414,7 +498,7 @@ def jit_phase(p: Preset) -> None:
     from rxf.core.registry import PluginRegistry
 
     fi_backend = PluginRegistry.load().attention_backend("flashinfer")
-    dev, dt, hd = "cuda", torch.bfloat16, p.head_size
+    dev, dt, hd = "cuda", torch.bfloat16, p.hd
     x, w = torch.randn(4, p.hidden, device=dev, dtype=dt), torch.ones(p.hidden, device=dev, dtype=dt)
     q, k = torch.randn(4, p.heads * hd, device=dev, dtype=dt), torch.randn(4, p.kv_heads * hd, device=dev, dtype=dt)
     jobs: dict[str, Callable[[], Any]] = {
@@ -452,7 +536,7 @@ def kernels_phase(p: Preset, backends: list[str]) -> None:
     from rxf.core.forward import ForwardMode
     from rxf.core.registry import PluginRegistry
 
-    registry, hd = PluginRegistry.load(), p.head_size
+    registry, hd = PluginRegistry.load(), p.hd
     # (label, mode, batch, prefix tokens, new tokens per request)
     shapes = [("decode b1 ctx4096", ForwardMode.DECODE, 1, 4095, 1), ("decode b64 ctx1024", ForwardMode.DECODE, 64, 1023, 1),
               ("extend 8x512 on 512", ForwardMode.EXTEND, 8, 512, 512), ("prefill 4x1024", ForwardMode.PREFILL, 4, 0, 1024)]
@@ -516,9 +600,11 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str) -> None:
 
 # ---------------------------------------------------------------- transformers
 def hf_phase(p: Preset, model_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    # MXFP4 experts (gpt-oss): transformers dequantizes them to bf16 too, on the GPU as it loads.
+    quantized = {"quantization_config": Mxfp4Config(dequantize=True), "device_map": "cuda"} if p.model_type == "gpt_oss" else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **quantized).cuda().eval()
     rng = random.Random(1)
     out: dict[str, float] = {}
     for bs in p.hf_batches:
@@ -588,9 +674,9 @@ def main() -> None:
         phase("jit", lambda: jit_phase(p))
     if "build" in phases or not (model_dir / ("model.safetensors" if p.on_disk else "config.json")).exists():
         phase("build", lambda: build_checkpoint(p, model_dir))
-    RESULTS.update(weight_bytes(p))
+    RESULTS.update(weight_bytes(p, model_dir))
     if not p.on_disk and phases & {"offline", "hf"}:
-        print(f"offline and hf skipped: {args.preset}'s weights are drawn in the decode phase, not on disk")
+        print(f"offline and hf skipped: {args.preset}'s weights are random in the decode phase (load_format random), not on disk")
         phases -= {"offline", "hf"}
     if "bandwidth" in phases:
         phase("bandwidth", bandwidth)

@@ -42,7 +42,7 @@ def _sweep(role: str) -> list[Any]:
 
 def shapes(p: gd.Preset) -> dict[str, tuple[int, int]]:
     """role -> (N, K) of its weight."""
-    hd = p.head_size
+    hd = p.hd
     return {"qkv_proj": ((p.heads + 2 * p.kv_heads) * hd, p.hidden), "o_proj": (p.hidden, p.heads * hd),
             "gate_up_proj": (2 * p.intermediate, p.hidden), "down_proj": (p.hidden, p.intermediate),
             "lm_head": (p.vocab, p.hidden)}

@@ -70,8 +70,8 @@ def per_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     mlp_cls = staticmethod(_layers_fill_in_later)
 
-    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
-        super().__init__(config, dtype)
+    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
+        super().__init__(config, dtype, context_length)
         dtype = dtype or torch.get_default_dtype()
         for i, layer in enumerate(self.model.layers):
             if is_sparse_layer(config, i):
