@@ -1,4 +1,4 @@
-"""Builtin model plugin: Llama-family architectures, Mixtral and the LLaVA family, registered lazily by Hugging Face name.
+"""Builtin model plugin: Llama-family architectures, Mixtral, Gemma 2 / 3 and the LLaVA family, registered lazily by Hugging Face name.
 
 Only strings are registered, so loading this plugin imports neither torch nor the model code.
 """
@@ -10,6 +10,7 @@ from rxf.core.hookspecs import RegisterFactory, hookimpl
 _LLAMA = "rxf.plugins.models.llama"
 _MIXTRAL = "rxf.plugins.models.mixtral"
 _LLAVA = "rxf.plugins.models.llava"
+_GEMMA = "rxf.plugins.models.gemma"
 
 
 @hookimpl
@@ -18,6 +19,8 @@ def rxf_register_models(register: RegisterFactory) -> None:
     register("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
     register("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
     register("MixtralForCausalLM", f"{_MIXTRAL}:MixtralForCausalLM")
+    register("Gemma2ForCausalLM", f"{_GEMMA}:Gemma2ForCausalLM")
+    register("Gemma3ForCausalLM", f"{_GEMMA}:Gemma3ForCausalLM")
     register("LlavaForConditionalGeneration", f"{_LLAVA}:LlavaForConditionalGeneration")
     register("LlavaNextForConditionalGeneration", f"{_LLAVA}:LlavaNextForConditionalGeneration")
     register("LlavaOnevisionForConditionalGeneration", f"{_LLAVA}:LlavaOnevisionForConditionalGeneration")

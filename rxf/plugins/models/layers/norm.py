@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm transformer."""
+"""RMSNorm (Llama's and Gemma's), optionally fused with the residual add that precedes it in a
+pre-norm transformer."""
 
 from __future__ import annotations
 
@@ -51,4 +52,32 @@ class RMSNorm(nn.Module):
         if not residual.is_contiguous() or residual.dtype != x.dtype:
             return self.forward_native(x, residual)
         fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
+        return x, residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: `x / rms(x) * (1 + weight)`, all of it in float32 and cast back to the input
+    dtype once at the end (Hugging Face Gemma's order: it differs from Llama's, which casts before
+    the weight multiply). Checkpoints store `weight` around 0, not 1.
+
+    The residual variant and the in-place contract of the fused CUDA path are `RMSNorm`'s
+    (flashinfer's gemma_rmsnorm / gemma_fused_add_rmsnorm add the 1 themselves).
+    """
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        fi = flashinfer_for(x)
+        if fi is None or x.dim() != 2 or not x.is_contiguous():
+            return self.forward_native(x, residual)
+        if residual is None:
+            return fi.norm.gemma_rmsnorm(x, self.weight, self.eps)
+        if not residual.is_contiguous() or residual.dtype != x.dtype:
+            return self.forward_native(x, residual)
+        fi.norm.gemma_fused_add_rmsnorm(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
         return x, residual
