@@ -11,6 +11,7 @@ _LLAMA = "rxf.plugins.models.llama"
 _MIXTRAL = "rxf.plugins.models.mixtral"
 _LLAVA = "rxf.plugins.models.llava"
 _GEMMA = "rxf.plugins.models.gemma"
+_GEMMA3_MM = "rxf.plugins.models.gemma3_mm"
 
 
 @hookimpl
@@ -21,6 +22,7 @@ def rxf_register_models(register: RegisterFactory) -> None:
     register("MixtralForCausalLM", f"{_MIXTRAL}:MixtralForCausalLM")
     register("Gemma2ForCausalLM", f"{_GEMMA}:Gemma2ForCausalLM")
     register("Gemma3ForCausalLM", f"{_GEMMA}:Gemma3ForCausalLM")
+    register("Gemma3ForConditionalGeneration", f"{_GEMMA3_MM}:Gemma3ForConditionalGeneration")
     register("LlavaForConditionalGeneration", f"{_LLAVA}:LlavaForConditionalGeneration")
     register("LlavaNextForConditionalGeneration", f"{_LLAVA}:LlavaNextForConditionalGeneration")
     register("LlavaOnevisionForConditionalGeneration", f"{_LLAVA}:LlavaOnevisionForConditionalGeneration")

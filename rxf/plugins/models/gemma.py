@@ -37,6 +37,7 @@ from rxf.plugins.models.layers import (
     rope_parameters,
 )
 from rxf.plugins.models.layers.activation import GeluTanhAndMul
+from rxf.plugins.models.layers.bidirectional_blocks import BidirectionalBlocks
 from rxf.plugins.models.layers.norm import GemmaRMSNorm
 from rxf.plugins.models.llama import _STACKED, head_dim_of
 
@@ -109,11 +110,15 @@ class GemmaAttention(nn.Module):
         # [n, heads * head_dim] -> one row per head (2-D and contiguous: the fused norm's layout).
         return norm(x.reshape(-1, self.head_dim)).view(x.shape)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, blocks: BidirectionalBlocks | None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self._per_head(self.q_norm, q), self._per_head(self.k_norm, k)
-        return self.o_proj(self.attn(q, k, v, batch, rotary=self.rotary_emb))
+        block_q = None if blocks is None else blocks.queries(q, k, batch.positions, self.rotary_emb)
+        out = self.attn(q, k, v, batch, rotary=self.rotary_emb)
+        if blocks is not None:
+            blocks.attend(block_q, self.attn, batch, out)  # images attend both ways (Gemma 3)
+        return self.o_proj(out)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -128,7 +133,7 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, blocks: BidirectionalBlocks | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately: each pre-norm fuses the add of the block
         # output before it (post-normed) into the stream, as in llama.py.
@@ -137,7 +142,7 @@ class GemmaDecoderLayer(nn.Module):
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(x, batch))
+        x = self.post_attention_layernorm(self.self_attn(x, batch, blocks))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
@@ -174,9 +179,10 @@ class GemmaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's output and residual stream, before the final norm (see llama.py)."""
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
+        blocks = BidirectionalBlocks.of(batch)  # image tokens of this forward (multimodal Gemma 3)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, batch)
+            x, residual = layer(x, residual, batch, blocks)
         assert residual is not None, "a model has at least one layer"
         return x, residual
 

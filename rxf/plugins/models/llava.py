@@ -31,7 +31,12 @@ from rxf.plugins.models.llava_features import (
 logger = logging.getLogger(__name__)
 
 # Text configs written without `architectures` (common in LLaVA checkpoints) name their model type.
-_LM_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_LM_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
 
 
 def _language_model_class(text_config: Any) -> type[nn.Module]:
@@ -61,12 +66,14 @@ class Projector(nn.Module):
 
 
 class LlavaForConditionalGeneration(nn.Module):
+    projector_cls: type[nn.Module] = Projector  # vision features -> text embeddings: `cls(config, dtype)`
+
     def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.config = config
         self.vision_tower = AutoModel.from_config(config.vision_config, dtype=dtype)
-        self.multi_modal_projector = Projector(config, dtype)
+        self.multi_modal_projector = self.projector_cls(config, dtype)
         self.language_model = _language_model_class(config.text_config)(config.text_config, dtype=dtype)
         self.feature_cache = FeatureCache()
         self.vision_encodes = 0  # vision tower calls so far (observability; tests assert on it)
@@ -102,7 +109,7 @@ class LlavaForConditionalGeneration(nn.Module):
             else:
                 missing.setdefault(item.hash, item)
         if missing:
-            device = self.multi_modal_projector.linear_1.weight.device
+            device = self.vision_tower.device
             tiles = [self.tiles(item) for item in missing.values()]
             projected = self._select(torch.cat(tiles).to(device, non_blocking=True))
             for item, part in zip(missing.values(), projected.split([t.shape[0] for t in tiles]), strict=True):
