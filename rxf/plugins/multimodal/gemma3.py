@@ -26,6 +26,16 @@ from rxf.plugins.multimodal.media import MediaError, load_image
 _MAX_NEWLINES = 32  # newline runs up to this long are looked up as single tokens
 
 
+def newline_tokens(tokenizer: Any) -> dict[int, int]:
+    """The tokenizer's single tokens for runs of newlines: id -> number of newlines."""
+    out = {}
+    for n in range(1, _MAX_NEWLINES + 1):
+        ids = tokenizer.encode("\n" * n, add_special_tokens=False)
+        if len(ids) == 1:
+            out[ids[0]] = n
+    return out
+
+
 class Gemma3Processor:
     """`process(input_ids, images, videos)` -> (input_ids with pad runs, their MultimodalItems)."""
 
@@ -39,12 +49,7 @@ class Gemma3Processor:
         self.boi_id = int(config.boi_token_id)
         self.image_id = int(config.image_token_id)
         self.tokenizer = self.hf.tokenizer
-        # Newline-run tokens: id -> number of newlines.
-        self.newlines: dict[int, int] = {}
-        for n in range(1, _MAX_NEWLINES + 1):
-            ids = self.tokenizer.encode("\n" * n, add_special_tokens=False)
-            if len(ids) == 1:
-                self.newlines[ids[0]] = n
+        self.newlines = newline_tokens(self.tokenizer)
 
     def process(
         self, input_ids: list[int], images: list[Any] | None, videos: list[Any] | None
