@@ -12,8 +12,9 @@ other backend `forward` applies the embedding first, so backends that know nothi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -22,14 +23,36 @@ if TYPE_CHECKING:
     from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
 
 
+@runtime_checkable
 class AttentionLayer(Protocol):
-    """What a backend may read off the calling attention layer (per tensor-parallel rank)."""
+    """What a backend may read off the calling attention layer (per tensor-parallel rank).
+
+    The optional features, each None when the layer does not use it (Hugging Face's meanings):
+      sliding_window  W: the query at absolute position i attends the keys at positions j with
+                      i - W < j <= i (W keys, itself included). FlashInfer's `window_left` is W - 1.
+      logit_cap       c: each score s (after `scaling`) becomes c * tanh(s / c) before the softmax
+                      (Gemma 2's attn_logit_softcapping).
+      sinks           float32 [num_heads]: a learned per-head logit that joins the softmax's
+                      denominator only (exp(sink) is added to the sum; it has no value), gpt-oss.
+    """
 
     layer_id: int
     num_heads: int  # query heads on this rank
     num_kv_heads: int  # kv heads on this rank
     head_dim: int
     scaling: float  # softmax scale, usually head_dim ** -0.5
+    sliding_window: int | None
+    logit_cap: float | None
+    sinks: torch.Tensor | None
+
+
+# The optional features, by their AttentionLayer attribute names (what `AttentionBackend.features` lists).
+ATTENTION_FEATURES = ("sliding_window", "logit_cap", "sinks")
+
+
+def layer_features(layer: AttentionLayer) -> set[str]:
+    """The optional features `layer` uses."""
+    return {name for name in ATTENTION_FEATURES if getattr(layer, name, None) is not None}
 
 
 class Rotary(Protocol):
@@ -71,6 +94,18 @@ class AttentionBackend(ABC):
     # `attention.backend = "auto"` picks the available backend with the highest priority;
     # None keeps a backend out of automatic selection (it must be named explicitly).
     auto_priority: int | None = None
+    # The optional layer features (ATTENTION_FEATURES) this backend implements, in every mode it
+    # runs (extend over any cached prefix, decode, CUDA graphs).
+    features: frozenset[str] = frozenset()
+
+    @classmethod
+    def missing_features(cls, layers: Iterable[AttentionLayer]) -> dict[str, list[int]]:
+        """Each feature some layer needs and this backend lacks -> the ids of those layers."""
+        missing: dict[str, list[int]] = {}
+        for layer in layers:
+            for name in sorted(layer_features(layer) - cls.features):
+                missing.setdefault(name, []).append(layer.layer_id)
+        return missing
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:

@@ -25,12 +25,17 @@ class Layer:  # satisfies rxf.core.attention.AttentionLayer
     num_kv_heads: int
     head_dim: int
     scaling: float
+    sliding_window: int | None = None
+    logit_cap: float | None = None
+    sinks: torch.Tensor | None = None  # float32 [num_heads]
 
 
 def make_case(
     prefix_lens: list[int], extend_lens: list[int], *, heads: int, kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: str, seed: int = 0,
+    dtype: torch.dtype, device: str, seed: int = 0, sliding_window: int | None = None,
+    logit_cap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> tuple[AttentionContext, ForwardBatch, Layer, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The layer uses the optional features given (`sinks` float32 [heads], moved to `device`)."""
     gen = torch.Generator().manual_seed(seed)
     bs = len(prefix_lens)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
@@ -41,7 +46,10 @@ def make_case(
     req_pool.req_to_token.random_(1, num_slots)  # stale entries beyond each seq_len
     rows = [bs + 1 - i for i in range(bs)]  # rows out of order
     kv_pool.alloc(7)  # slots do not start at 1
-    layer = Layer(1, heads, kv_heads, head_dim, scaling=head_dim**-0.5)
+    layer = Layer(
+        1, heads, kv_heads, head_dim, scaling=head_dim**-0.5, sliding_window=sliding_window, logit_cap=logit_cap,
+        sinks=None if sinks is None else sinks.to(device, torch.float32),
+    )
     new_slots = []
     for row, p, n in zip(rows, prefix_lens, seq_lens, strict=True):
         slots = kv_pool.alloc(n)[torch.randperm(n, generator=gen)]  # scattered slots

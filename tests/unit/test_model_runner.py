@@ -126,6 +126,30 @@ def test_auto_backend_picks_highest_available_priority(ckpt: Path) -> None:
         )
 
 
+def test_backend_lacking_a_layer_feature_is_refused_or_skipped(tmp_path: Path) -> None:
+    """A windowed model: a named backend without `sliding_window` is refused at load, naming the
+    feature, the layers and the backend; "auto" passes over it to one that implements it."""
+
+    class NoWindows(TorchNativeBackend):
+        auto_priority = 10
+        features = frozenset({"logit_cap", "sinks"})
+
+    class Plugin:
+        @hookimpl
+        def rxf_register_attention_backends(self, register) -> None:
+            register("nowindows", NoWindows)
+
+    ckpt = make_tiny_checkpoint(tmp_path / "mistral", "MistralForCausalLM", sliding_window=16)
+    with pytest.raises(RuntimeError, match=r"'nowindows' does not implement .*: sliding_window \(layers 0, 1\)"):
+        ModelRunner(
+            make_config(**{"cache.max_total_tokens": 16, "attention.backend": "nowindows"}),
+            registry(Plugin()),
+            str(ckpt),
+        )
+    runner = ModelRunner(make_config(**{"cache.max_total_tokens": 16}), registry(Plugin()), str(ckpt))
+    assert type(runner.attn_backend) is TorchNativeBackend
+
+
 def test_unknown_architecture_lists_registered_ones(ckpt: Path, tmp_path: Path) -> None:
     bad = Path(shutil.copytree(ckpt, tmp_path / "bad"))
     config = json.loads((bad / "config.json").read_text())

@@ -6,7 +6,6 @@ largest logit (elementwise relative error is meaningless for logits near zero).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +20,7 @@ from rxf.core.forward import ForwardMode
 from rxf.core.registry import PluginRegistry
 from rxf.core.runner.model_runner import ModelInput, ModelRunner
 from rxf.plugins.models.layers.rotary import inverse_frequencies, rope_parameters
-from rxf.plugins.models.llama import MistralForCausalLM
+from rxf.plugins.models.llama import MistralForCausalLM, Qwen2ForCausalLM
 from rxf.testing import make_tiny_checkpoint
 
 LLAMA3_ROPE = {
@@ -184,21 +183,31 @@ def test_greedy_generation_matches_hf(pair) -> None:
         assert ours[:stop] == ref.tolist()
 
 
-def test_sliding_window_smaller_than_context_warns(caplog: pytest.LogCaptureFixture) -> None:
+def _layer_windows(model: torch.nn.Module) -> list[int | None]:
+    return [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "cls", "fields", "windows"),
+    [
+        ("mistral", MistralForCausalLM, {"sliding_window": 16}, [16, 16, 16]),
+        ("mistral", MistralForCausalLM, {"sliding_window": None}, [None, None, None]),
+        ("mistral", MistralForCausalLM, {"sliding_window": 128}, [None, None, None]),  # >= the context
+        ("qwen2", Qwen2ForCausalLM, {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+         [None, 16, 16]),
+        ("qwen2", Qwen2ForCausalLM, {"use_sliding_window": False, "sliding_window": 16}, [None, None, None]),
+        ("qwen2", Qwen2ForCausalLM, {"use_sliding_window": True, "sliding_window": 16,
+                                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+         [16, None, 16]),
+    ],
+)
+def test_sliding_window_per_layer(model_type: str, cls: type, fields: dict, windows: list[int | None]) -> None:
+    """Each layer's window as transformers' model applies it (its config fills `layer_types`)."""
     config = AutoConfig.for_model(
-        "mistral",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-        max_position_embeddings=128,
-        sliding_window=16,
+        model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, max_position_embeddings=128, **fields,
     )
-    with caplog.at_level(logging.WARNING, logger="rxf.plugins.models.llama"):
-        MistralForCausalLM(config, dtype=torch.float32)
-    assert "sliding_window=16 is not applied" in caplog.text
+    assert _layer_windows(cls(config, dtype=torch.float32)) == windows
 
 
 def test_checkpoint_variants_are_what_the_tests_claim(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""torch_native against a from-scratch masked-attention reference computed from each request's full K/V."""
+"""torch_native against a from-scratch masked-attention reference computed from each request's full K/V,
+with and without the optional features (sliding window, logit soft-cap, sinks)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,47 @@ HEAD_DIM = 16
 MAX_CONTEXT = 64
 
 
-def reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, scale: float
-) -> torch.Tensor:
-    """q [n, H, D] for positions prefix_len.., k/v [prefix_len + n, KVH, D]: explicit softmax."""
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int, layer: Layer) -> torch.Tensor:
+    """q [n, H, D] for positions prefix_len.., k/v [prefix_len + n, KVH, D]: the softmax written out in
+    float64, one (query, key) pair at a time where a feature decides."""
     group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-    q_pos = prefix_len + torch.arange(q.shape[0])
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos[:, None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+    k, v = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for h in range(q.shape[1]):
+        for t in range(q.shape[0]):
+            i = prefix_len + t  # the query's absolute position
+            first = 0 if layer.sliding_window is None else max(0, i - layer.sliding_window + 1)
+            s = (k[first : i + 1, h] @ q[t, h].double()) * layer.scaling  # keys first..i
+            if layer.logit_cap is not None:
+                s = layer.logit_cap * torch.tanh(s / layer.logit_cap)
+            w = torch.exp(s - s.max())
+            denominator = w.sum()
+            if layer.sinks is not None:
+                denominator = denominator + torch.exp(layer.sinks[h].double() - s.max())
+            out[t, h] = (w[:, None] * v[first : i + 1, h]).sum(0) / denominator
+    return out.float()
 
 
-def run_case(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int):
+FEATURES = {
+    "plain": {},
+    "window": {"sliding_window": 5},
+    "cap": {"logit_cap": 0.9},
+    "sinks": {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 3.0, 0.25])},
+    "all": {"sliding_window": 3, "logit_cap": 0.8, "sinks": torch.linspace(-1.0, 2.0, 8)},
+}
+
+
+def run_case(
+    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int,
+    features: str = "plain",
+):
     torch.manual_seed(0)
     bs = len(prefix_lens)
-    layer = Layer(1, heads, kv_heads, HEAD_DIM, scaling=0.7 * HEAD_DIM**-0.5)
+    extra = dict(FEATURES[features])
+    if "sinks" in extra:
+        extra["sinks"] = extra["sinks"][:heads]
+    # A large scale, so that the cap bends the scores (|s| up to ~3 here, the cap is below 1).
+    layer = Layer(1, heads, kv_heads, HEAD_DIM, scaling=0.7 * HEAD_DIM**-0.5, **extra)
     req_pool = ReqToTokenPool(bs + 2, MAX_CONTEXT, "cpu")
     kv_pool = TokenToKVPool(300, 2, kv_heads, HEAD_DIM, torch.float32, "cpu")
     # Stale slots everywhere (as left by earlier requests): the backend must look only at [0, seq_len).
@@ -83,26 +109,35 @@ def run_case(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], 
     assert not kv_pool.get_kv_buffer(0)[0].any(), "other layers untouched"
     expected = torch.cat(
         [
-            reference(qi, fk, fv, p, layer.scaling)
+            reference(qi, fk, fv, p, layer)
             for qi, fk, fv, p in zip(q.split(extend_lens), full_k, full_v, prefix_lens, strict=True)
         ]
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_prefill_ragged(heads: int, kv_heads: int) -> None:
-    run_case(ForwardMode.PREFILL, [0, 0, 0], [5, 1, 12], heads, kv_heads)
+HEADS = pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)], ids=["mha", "gqa"])
+ALL_FEATURES = pytest.mark.parametrize("features", list(FEATURES))
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_extend_with_cached_prefix(heads: int, kv_heads: int) -> None:
-    run_case(ForwardMode.EXTEND, [3, 0, 9, 20], [4, 6, 1, 2], heads, kv_heads)
+@ALL_FEATURES
+@HEADS
+def test_prefill_ragged(heads: int, kv_heads: int, features: str) -> None:
+    run_case(ForwardMode.PREFILL, [0, 0, 0], [5, 1, 12], heads, kv_heads, features)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_decode_ragged(heads: int, kv_heads: int) -> None:
-    run_case(ForwardMode.DECODE, [0, 7, 30, 2], [1, 1, 1, 1], heads, kv_heads)
+@ALL_FEATURES
+@HEADS
+def test_extend_with_cached_prefix(heads: int, kv_heads: int, features: str) -> None:
+    # With window 5: request 3's prefix (20) is longer than the window; requests 0 and 1 cross the
+    # window edge within their new tokens; request 2's one token sees only the prefix's last 4 keys.
+    run_case(ForwardMode.EXTEND, [3, 0, 9, 20], [4, 9, 1, 2], heads, kv_heads, features)
+
+
+@ALL_FEATURES
+@HEADS
+def test_decode_ragged(heads: int, kv_heads: int, features: str) -> None:
+    run_case(ForwardMode.DECODE, [0, 7, 30, 2], [1, 1, 1, 1], heads, kv_heads, features)
 
 
 def test_auto_selection_attributes() -> None:

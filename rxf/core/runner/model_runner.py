@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from rxf.core.attention import AttentionBackend, AttentionContext
+from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer
 from rxf.core.config import EngineConfig
 from rxf.core.forward import ForwardBatch, ForwardMode
 from rxf.core.ipc.messages import MultimodalItem
@@ -124,12 +124,28 @@ def _eos_token_ids(model_path: str, hf_config: Any) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def _select_backend(registry: PluginRegistry, name: str, device: torch.device) -> type[AttentionBackend]:
-    """A named backend, or for "auto" the available backend with the highest `auto_priority`."""
+def _feature_gaps(cls: type[AttentionBackend], layers: list[AttentionLayer]) -> str:
+    """What `cls` lacks for these layers, as words ("" when nothing): "sinks (layers 0, 2)"."""
+    missing = cls.missing_features(layers)
+    return "; ".join(f"{name} (layers {', '.join(map(str, ids))})" for name, ids in missing.items())
+
+
+def _select_backend(
+    registry: PluginRegistry, name: str, device: torch.device, layers: list[AttentionLayer]
+) -> type[AttentionBackend]:
+    """A named backend, or for "auto" the available backend with the highest `auto_priority` among
+    those that implement every optional feature (`AttentionBackend.features`) the model's layers use.
+    A named backend that lacks one is refused: it would compute different attention."""
     if name != "auto":
         cls = registry.attention_backend(name)
         if not cls.is_available(device):
             raise RuntimeError(f"attention backend {name!r} is not available on {device}")
+        gaps = _feature_gaps(cls, layers)
+        if gaps:
+            raise RuntimeError(
+                f"attention backend {name!r} does not implement what this model's layers need: {gaps}; "
+                "choose another attention.backend (torch_native implements every feature)"
+            )
         return cls
     candidates = []
     for candidate in registry.names("attention_backends"):
@@ -138,10 +154,15 @@ def _select_backend(registry: PluginRegistry, name: str, device: torch.device) -
         except Exception as e:  # e.g. a GPU backend whose kernel library is not installed
             logger.info("attention backend %s skipped: %s", candidate, e)
             continue
-        if cls.auto_priority is not None and cls.is_available(device):
-            candidates.append((cls.auto_priority, candidate, cls))
+        if cls.auto_priority is None or not cls.is_available(device):
+            continue
+        gaps = _feature_gaps(cls, layers)
+        if gaps:
+            logger.info("attention backend %s skipped: it does not implement %s", candidate, gaps)
+            continue
+        candidates.append((cls.auto_priority, candidate, cls))
     if not candidates:
-        raise RuntimeError(f"no attention backend is available on {device}")
+        raise RuntimeError(f"no attention backend available on {device} implements this model's attention")
     priority, chosen, cls = max(candidates, key=lambda c: (c[0], c[1]))
     logger.info("attention backend: %s (auto, priority %s)", chosen, priority)
     return cls
@@ -179,7 +200,8 @@ class ModelRunner:
             feature_cache.max_bytes = config.multimodal.feature_cache_mb * 2**20
         self.eos_token_ids = _eos_token_ids(model_path, self.hf_config)
         self._init_memory(text)
-        self.attn_backend = _select_backend(registry, config.attention.backend, self.device)(
+        layers = [m for m in self.model.modules() if isinstance(m, AttentionLayer)]
+        self.attn_backend = _select_backend(registry, config.attention.backend, self.device, layers)(
             self._attention_context
         )
         self.cuda_graphs = self._init_cuda_graphs()

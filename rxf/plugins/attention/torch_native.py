@@ -1,8 +1,10 @@
-"""The reference attention backend: plain PyTorch SDPA over K/V gathered from the paged pool.
+"""The reference attention backend: plain PyTorch over K/V gathered from the paged pool.
 
 Runs on any device torch runs on. It favours being obviously correct over being fast (a Python loop
 over requests for extend, one gather of every request's K/V per layer); every other backend is
-tested against it.
+tested against it. A layer with no optional feature goes through SDPA (which may pick a fused
+kernel); a layer with a sliding window, a logit soft-cap or sinks goes through `explicit_attention`,
+the features' definitions written out in float32.
 """
 
 from __future__ import annotations
@@ -12,21 +14,59 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer
+from rxf.core.attention import (
+    ATTENTION_FEATURES,
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayer,
+    layer_features,
+)
 
 if TYPE_CHECKING:
     from rxf.core.forward import ForwardBatch
 
 
+def visible_keys(query_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
+    """bool [len(query_pos), num_keys]: key j is visible to the query at position i iff j <= i and,
+    with a window W, i - W < j."""
+    key_pos = torch.arange(num_keys, device=query_pos.device)[None, :]
+    visible = key_pos <= query_pos[:, None]
+    if window is not None:
+        visible &= key_pos > query_pos[:, None] - window
+    return visible
+
+
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, layer: AttentionLayer
+) -> torch.Tensor:
+    """q [..., H, M, D], k/v [..., Hkv, N, D], visible bool broadcastable to [..., H, M, N] -> [..., H, M, D]
+    in q's dtype, computed in float32: scores scaled, soft-capped (logit_cap), masked, then a softmax
+    whose denominator also holds exp(sink) of the query's head (sinks). Every row must see a key."""
+    group = layer.num_heads // layer.num_kv_heads
+    k = k.float().repeat_interleave(group, dim=-3)
+    v = v.float().repeat_interleave(group, dim=-3)
+    scores = (q.float() @ k.transpose(-1, -2)) * layer.scaling
+    if layer.logit_cap is not None:
+        scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if layer.sinks is None:
+        probs = scores.softmax(-1)
+    else:  # the sink is one more logit per head that takes a share of the softmax but adds no value
+        sink = layer.sinks.float()[:, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    return (probs @ v).to(q.dtype)
+
+
 class TorchNativeBackend(AttentionBackend):
     auto_priority = 0  # the fallback: any accelerated backend that is available ranks above it
+    features = frozenset(ATTENTION_FEATURES)
 
     def __init__(self, ctx: AttentionContext) -> None:
         super().__init__(ctx)
         # Planned by init_forward_metadata, shared by all layers of one forward:
         self._slots = torch.empty(0, 0, dtype=torch.int64)  # [bs, max_seq_len] KV slots, 0 as padding
         self._valid = torch.empty(0, 0, dtype=torch.bool)  # [bs, max_seq_len] True where a real token
-        self._extend_masks: list[torch.Tensor | None] = []  # per request [extend_len, seq_len] or None
+        self._query_pos: list[torch.Tensor] = []  # extend: per request, its new tokens' positions
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         # Columns past a request's seq_len may hold stale slots from the row's earlier occupant: they
@@ -36,18 +76,12 @@ class TorchNativeBackend(AttentionBackend):
         rows = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :max_len]
         self._valid = torch.arange(max_len, device=device)[None, :] < batch.seq_lens[:, None]
         self._slots = torch.where(self._valid, rows, 0).to(torch.int64)
-        self._extend_masks = []
+        self._query_pos = []
         if batch.mode.is_decode():
             return
-        for prefix_len, extend_len, seq_len in zip(
-            batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.seq_lens_cpu, strict=True
-        ):
-            if prefix_len == 0:  # plain causal: SDPA's is_causal, which lets it pick a fused kernel
-                self._extend_masks.append(None)
-                continue
-            # New token j sits at absolute position prefix_len + j and sees keys 0..prefix_len + j.
-            query_pos = prefix_len + torch.arange(extend_len, device=device)
-            self._extend_masks.append(torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None])
+        # New token j of a request sits at absolute position prefix_len + j.
+        for prefix_len, extend_len in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True):
+            self._query_pos.append(prefix_len + torch.arange(extend_len, device=device))
 
     def _kv(
         self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
@@ -62,23 +96,23 @@ class TorchNativeBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         k_buf, v_buf = self._kv(layer, batch, k, v, q.dtype)
-        gqa = layer.num_heads != layer.num_kv_heads
+        plain = not layer_features(layer)
         out = torch.empty_like(q)
         start = 0
-        for i, (extend_len, seq_len) in enumerate(
-            zip(batch.extend_lens_cpu, batch.seq_lens_cpu, strict=True)
+        for i, (prefix_len, extend_len, seq_len) in enumerate(
+            zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.seq_lens_cpu, strict=True)
         ):
             slots = self._slots[i, :seq_len]
-            mask = self._extend_masks[i]
-            o = F.scaled_dot_product_attention(
-                q[start : start + extend_len].transpose(0, 1),  # [heads, extend_len, head_dim]
-                k_buf[slots].transpose(0, 1),  # [kv_heads, seq_len, head_dim]
-                v_buf[slots].transpose(0, 1),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=layer.scaling,
-                enable_gqa=gqa,
-            )
+            qi = q[start : start + extend_len].transpose(0, 1)  # [heads, extend_len, head_dim]
+            ki = k_buf[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+            vi = v_buf[slots].transpose(0, 1)
+            if plain and prefix_len == 0:  # plain causal: SDPA's is_causal, which lets it pick a fused kernel
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
+                )
+            else:
+                visible = visible_keys(self._query_pos[i], seq_len, layer.sliding_window)
+                o = self._attend(qi, ki, vi, visible, layer, plain)
             out[start : start + extend_len] = o.transpose(0, 1)
             start += extend_len
         return out
@@ -90,13 +124,27 @@ class TorchNativeBackend(AttentionBackend):
         # index_select over the flattened slot table gathers the same rows as k_buf[slots], ~4x faster
         # on CPU (the gather was a fifth of a 16-request decode step).
         flat, shape = self._slots.reshape(-1), (*self._slots.shape, *k_buf.shape[1:])
+        visible = self._valid
+        if layer.sliding_window is not None:  # the new token sits at position seq_len - 1
+            first = batch.seq_lens[:, None] - layer.sliding_window
+            visible = visible & (torch.arange(visible.shape[1], device=visible.device)[None, :] >= first)
         # One batched call: keys padded to the longest sequence, padding masked per request.
-        o = F.scaled_dot_product_attention(
+        o = self._attend(
             q.unsqueeze(2),  # [bs, heads, 1, head_dim]
             k_buf.index_select(0, flat).view(shape).transpose(1, 2),  # [bs, kv_heads, max_seq_len, head_dim]
             v_buf.index_select(0, flat).view(shape).transpose(1, 2),
-            attn_mask=self._valid[:, None, None, :],
-            scale=layer.scaling,
-            enable_gqa=layer.num_heads != layer.num_kv_heads,
+            visible[:, None, None, :],
+            layer,
+            not layer_features(layer),
         )
         return o.squeeze(2)
+
+    @staticmethod
+    def _attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, layer: AttentionLayer, plain: bool
+    ) -> torch.Tensor:
+        if not plain:
+            return explicit_attention(q, k, v, visible, layer)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
+        )

@@ -69,7 +69,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: Any, layer_id: int, qkv_bias: bool, rotary_emb: RotaryEmbedding, dtype: torch.dtype
+        self,
+        config: Any,
+        layer_id: int,
+        qkv_bias: bool,
+        rotary_emb: RotaryEmbedding,
+        dtype: torch.dtype,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         head_dim = head_dim_of(config)
@@ -85,7 +91,9 @@ class LlamaAttention(nn.Module):
         # Per-rank sizes of the q | k | v split of the fused projection's output.
         self.qkv_sizes = [s * head_dim for s in (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)]
         self.qkv_sizes.append(self.qkv_sizes[1])
-        self.attn = RadixAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim)
+        self.attn = RadixAttention(
+            layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, sliding_window=sliding_window
+        )
         self.qkv_proj.use_decode_gemv("qkv_proj")
         self.o_proj.use_decode_gemv("o_proj")
 
@@ -104,11 +112,12 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, rotary_emb, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, rotary_emb, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = mlp_cls(config, dtype)  # the feed-forward block: dense, or mixture of experts
 
@@ -133,15 +142,18 @@ class LlamaModel(nn.Module):
         qkv_bias: bool,
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
+        sliding_windows: list[int | None] | None = None,
     ) -> None:
+        """`sliding_windows[i]`: layer i's window (None: full attention; default: none anywhere)."""
         super().__init__()
+        windows = sliding_windows or [None] * config.num_hidden_layers
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
         # cos/sin for every position: e.g. 131072 x 128 per table for Llama 3.1, so built once.
         rotary_emb = RotaryEmbedding(
             head_dim_of(config), config.max_position_embeddings, rope_parameters(config), dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls)
+            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls, windows[i])
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -160,12 +172,10 @@ class LlamaModel(nn.Module):
         return x, residual
 
 
-def _sliding_window(config: Any) -> int | None:
-    window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+def _effective_window(window: int | None, config: Any) -> int | None:
+    """A window that covers every position the model can see is no window (None keeps backends on
+    their plain path)."""
+    if window is None or int(window) >= config.max_position_embeddings:
         return None
     return int(window)
 
@@ -178,21 +188,20 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.config = config
-        window = _sliding_window(config)
-        if window is not None and window < config.max_position_embeddings:
-            logger.warning(
-                "sliding_window=%d is not applied yet: attention spans the full context "
-                "(outputs differ from the reference beyond %d tokens)",
-                window,
-                window,
-            )
         qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
-        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls)
+        windows = [_effective_window(w, config) for w in self.sliding_windows(config)]
+        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls, windows)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.lm_head.use_decode_gemv()
+
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """Each layer's sliding window as Hugging Face's model applies it. Llama configs have none;
+        Mistral and Mixtral give every layer `sliding_window` (null in most of their checkpoints)."""
+        return [getattr(config, "sliding_window", None)] * config.num_hidden_layers
 
     def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]`."""
@@ -212,8 +221,16 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama's module structure plus a sliding window (warned about, not applied)."""
+    """Mistral is Llama's module structure plus a sliding window on every layer (`sliding_windows`)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias_default = True  # Qwen2 always has q/k/v biases (and none on o_proj)
+
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """`layer_types` decides per layer: transformers 5 fills it from `use_sliding_window` and
+        `max_window_layers` (layers from max_window_layers on slide) when a config.json lacks it, and
+        clears `sliding_window` when use_sliding_window is false."""
+        window = config.sliding_window
+        return [window if kind == "sliding_attention" else None for kind in config.layer_types]

@@ -1,7 +1,9 @@
 """The attention module models call: a thin handle that forwards to the batch's attention backend.
 
-It satisfies `rxf.core.attention.AttentionLayer` (what a backend may read off a layer) and owns no
-weights: the projections and rotary embedding live in the model's attention block around it.
+It satisfies `rxf.core.attention.AttentionLayer` (what a backend may read off a layer, including the
+optional sliding window, logit soft-cap and sinks; see there for their meanings) and owns no weights:
+the projections, rotary embedding and any learned sinks live in the model's attention block around it
+(a sinks parameter handed in stays the block's, loaded under the block's name).
 """
 
 from __future__ import annotations
@@ -18,16 +20,39 @@ if TYPE_CHECKING:
 
 class RadixAttention(nn.Module):
     def __init__(
-        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float | None = None
+        self,
+        layer_id: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float | None = None,
+        *,
+        sliding_window: int | None = None,
+        logit_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"layer {layer_id}: sliding_window {sliding_window} must be at least 1")
+        if logit_cap is not None and not logit_cap > 0:
+            raise ValueError(f"layer {layer_id}: logit_cap {logit_cap} must be positive")
+        if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32):
+            raise ValueError(
+                f"layer {layer_id}: sinks must be float32 [{num_heads}] (one per query head on this rank), "
+                f"got {sinks.dtype} {list(sinks.shape)}"
+            )
         self.layer_id = layer_id  # index into the KV pool's per-layer buffers
         self.num_heads = num_heads  # per tensor-parallel rank
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = head_dim**-0.5 if scaling is None else scaling
+        self.sliding_window = sliding_window
+        self.logit_cap = logit_cap
+        # A plain attribute, not a registered parameter or buffer: the block that owns the weight
+        # loads it (an nn.Parameter assigned here would register a second name for it).
+        object.__setattr__(self, "sinks", sinks)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, rotary: Rotary | None = None
