@@ -34,7 +34,9 @@ TWO = "<|im_start|>user\nCompare <start_of_image> with<start_of_image>, please.<
 
 
 def image(h: int, w: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+    """A 4x4 grid of random colours: pixel noise would give every image nearly the same features."""
+    grid = np.random.default_rng(seed).integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    return Image.fromarray(grid).resize((w, h), Image.NEAREST)
 
 
 class Setup:

@@ -136,8 +136,10 @@ GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
 GEMMA3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("'<image>\\n'", "'<start_of_image>'")
 # 56 px / 7 px patches: an 8x8 patch grid, pooled 2x2 into mm_tokens_per_image = 16 tokens.
 GEMMA3_VISION = {**TINY_VISION, "image_size": 56, "vision_use_head": False}
+# initializer_range 0.08: Gemma scales embeddings by sqrt(hidden), and at the tiny default (0.25) the
+# newest token's embedding drowns its context (greedy tokens repeat one id).
 GEMMA3_TEXT = {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16, "tie_word_embeddings": True,
-               "layer_types": ["sliding_attention", "full_attention"]}
+               "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.08}
 
 
 def make_gemma3_checkpoint(
