@@ -11,6 +11,7 @@ an image, which never end inside one; a repeated image hits the radix cache with
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
@@ -25,8 +26,9 @@ from rxf.core.ipc.messages import MultimodalItem, PreparedRequest
 from rxf.core.registry import PluginRegistry
 from rxf.core.runner.model_runner import ModelInput, ModelRunner
 from rxf.core.sampling_params import SamplingParams
+from rxf.core.scheduler.req import Req
 from rxf.core.scheduler.scheduler import Scheduler
-from rxf.plugins.multimodal.gemma3 import Gemma3Processor
+from rxf.plugins.multimodal.gemma3 import Gemma3Processor, _Splicer, newline_tokens
 from rxf.plugins.multimodal.tiny import make_gemma3_checkpoint
 
 PROMPT = "<|im_start|>user\n<start_of_image>What is in the picture?<|im_end|>\n<|im_start|>assistant\n"
@@ -132,6 +134,56 @@ def test_logits_match_hf_bidirectional_images(setup: Setup, text, n_images) -> N
     assert (causal - ref).abs().max() > 100 * 1e-4 * ref.abs().max()
 
 
+class _PanAndScan:
+    """The checkpoint's HF processor, called with pan-and-scan on (transformers' default is off)."""
+
+    KWARGS = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 20, "pan_and_scan_max_num_crops": 3}
+
+    def __init__(self, hf) -> None:
+        self.hf, self.boi_token = hf, hf.boi_token
+
+    def __call__(self, **kwargs):
+        return self.hf(**kwargs, **self.KWARGS)
+
+
+def test_pan_and_scan_crops_are_items_of_their_own(setup: Setup) -> None:
+    """A wide image becomes the whole image plus 3 crops, each its own bidirectional block."""
+    img = image(40, 140, seed=5)
+    with mock.patch.object(setup.processor, "hf", _PanAndScan(setup.processor.hf)):
+        ids, items = setup.ours(PROMPT, [img])
+    ref = setup.hf_processor(text=PROMPT, images=[img], return_tensors="pt", **_PanAndScan.KWARGS)
+    assert len(items) == 4 and as_hf_ids(setup, ids, items) == ref["input_ids"][0].tolist()
+    torch.testing.assert_close(torch.cat([it.data["pixel_values"] for it in items]), ref["pixel_values"])
+    assert_logits_close(prefill(setup, ids, items)[0], setup.hf_logits(ref))
+
+
+def test_newline_runs_merge_where_the_expansion_meets_the_prompt() -> None:
+    """Gemma's tokenizer has one token per newline run; the boi's expansion starts and ends with
+    "\n\n", so "user\n" + "\n\n<boi>" must become "user", "\n\n\n", as the whole text tokenizes."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["\n", "\n\n", "\n\n\n", "\n\n\n\n", "a", "b"])}
+    merges = [("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n")]
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, merges)))
+    tok.add_special_tokens({"additional_special_tokens": ["<boi>", "<eoi>"]})
+    assert newline_tokens(tok) == {0: 1, 1: 2, 2: 3, 3: 4}
+    enc = tok.encode
+    splice = _Splicer(SimpleNamespace(newlines=newline_tokens(tok), tokenizer=tok, vocab_size=len(tok)))
+    for piece in ("a\n", "\n\n<boi>"):
+        splice.text(enc(piece))
+    splice.item(torch.zeros(1, 3, 2, 2), 2)
+    for piece in ("<eoi>\n\n", "\n\n<boi>"):  # a second image right after the first
+        splice.text(enc(piece))
+    splice.item(torch.ones(1, 3, 2, 2), 2)
+    for piece in ("<eoi>\n\n", "\nb"):
+        splice.text(enc(piece))
+    pads = {i for it in splice.items for i in range(it.offset, it.offset + it.length)}
+    text = [t for i, t in enumerate(splice.ids) if i not in pads]
+    assert text == enc("a\n\n\n<boi><eoi>\n\n\n\n<boi><eoi>\n\n\nb")  # the whole text, images left out
+    assert [it.offset for it in splice.items] == [3, 8]
+
+
 def test_extend_over_a_cached_prefix_ending_inside_the_image(setup: Setup) -> None:
     """A radix hit may end inside an image: its cached part was computed with the whole image, and
     the rest of the image must still see all of it."""
@@ -175,6 +227,16 @@ def test_greedy_with_prefill_chunks_smaller_than_an_image(setup: Setup) -> None:
         assert not any(it.offset < end < it.offset + it.length for end in ends), (ends, it.offset)
 
 
+def test_chunk_len_keeps_bidirectional_items_whole() -> None:
+    items = [MultimodalItem("image", 1, 10, 16, bidirectional=True), MultimodalItem("image", 2, 40, 16)]
+    req = Req(PreparedRequest("r", list(range(60)), SamplingParams.from_dict({}), mm_items=items))
+    assert req.chunk_len(0, 8) == 8  # ends before the image
+    assert req.chunk_len(4, 8) == 6  # would end inside it: stops at its start
+    assert req.chunk_len(10, 8) == 16  # starts at it: runs to its end
+    assert req.chunk_len(13, 4) == 13  # starts inside it (a cached prefix ended there): to its end
+    assert req.chunk_len(26, 8) == 8 and req.chunk_len(36, 8) == 8  # at its end; the causal item splits
+
+
 def test_repeated_image_hits_cache_and_skips_vision_tower(setup: Setup) -> None:
     sched = setup.scheduler()
     model = setup.model
@@ -190,6 +252,12 @@ def test_repeated_image_hits_cache_and_skips_vision_tower(setup: Setup) -> None:
         b = run(sched, "b", *setup.ours(text_b, [img]))
         assert b["cached"] >= items[0].offset + items[0].length and tower.call_count == 1
         assert b["ids"] == setup.hf_greedy(text_b, [img])
+        # Another image of the same size: other pad ids, so nothing from its first token on hits.
+        other = image(40, 70, seed=43)
+        ids_d, items_d = setup.ours(PROMPT, [other])
+        d = run(sched, "d", ids_d, items_d)
+        assert d["cached"] <= items_d[0].offset and tower.call_count == 2
+        assert d["ids"] == setup.hf_greedy(PROMPT, [other]) != a["ids"]
 
 
 def test_bad_inputs_are_refused(setup: Setup) -> None:
