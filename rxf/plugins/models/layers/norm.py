@@ -23,15 +23,21 @@ class RMSNorm(nn.Module):
     hand both over and keep only the returned tensors.
     """
 
+    # flashinfer.norm's kernels for this norm: alone, and fused with the residual add.
+    fused_kernels = ("rmsnorm", "fused_add_rmsnorm")
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    def _normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in float32."""
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self._normalized(x).to(x.dtype)
 
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -47,11 +53,12 @@ class RMSNorm(nn.Module):
         fi = flashinfer_for(x)
         if fi is None or x.dim() != 2 or not x.is_contiguous():
             return self.forward_native(x, residual)
+        alone, with_add = (getattr(fi.norm, name) for name in self.fused_kernels)
         if residual is None:
-            return fi.norm.rmsnorm(x, self.weight, self.eps)
+            return alone(x, self.weight, self.eps)
         if not residual.is_contiguous() or residual.dtype != x.dtype:
             return self.forward_native(x, residual)
-        fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
+        with_add(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
         return x, residual
 
 
@@ -64,20 +71,7 @@ class GemmaRMSNorm(RMSNorm):
     (flashinfer's gemma_rmsnorm / gemma_fused_add_rmsnorm add the 1 themselves).
     """
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+    fused_kernels = ("gemma_rmsnorm", "gemma_fused_add_rmsnorm")
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        fi = flashinfer_for(x)
-        if fi is None or x.dim() != 2 or not x.is_contiguous():
-            return self.forward_native(x, residual)
-        if residual is None:
-            return fi.norm.gemma_rmsnorm(x, self.weight, self.eps)
-        if not residual.is_contiguous() or residual.dtype != x.dtype:
-            return self.forward_native(x, residual)
-        fi.norm.gemma_fused_add_rmsnorm(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
-        return x, residual
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
