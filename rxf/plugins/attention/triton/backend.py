@@ -11,6 +11,11 @@ Per-batch metadata, planned once in `init_forward_metadata` and shared by all la
           (`init_cuda_graph_state`); capture and replay refill them in place, and grid_splits depends
           only on the batch size, so one captured graph per size stays valid for any sequence lengths.
 
+Sliding windows, logit soft-caps and sinks are the kernels' (see extend.py / decode.py); each is a
+kernel argument read off the layer at launch (window and cap as scalars, sinks as a device tensor),
+so layers with different windows share one plan and one captured graph. A windowed layer's decode uses
+the first cdiv(min(seq_len, window), min_split_len) of a request's splits; the rest exit at once.
+
 Rotary embeddings are fused into the K/V store (`fuses_rope`): one launch per layer rotates q and k
 in place and writes the rotated k and v to the pool, for extend and decode alike.
 
@@ -29,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer, Rotary
+from rxf.core.attention import ATTENTION_FEATURES, AttentionBackend, AttentionContext, AttentionLayer, Rotary
 
 if TYPE_CHECKING:
     from rxf.core.forward import ForwardBatch
@@ -56,6 +61,7 @@ def _cdiv(a: int, b: int) -> int:
 class TritonAttnBackend(AttentionBackend):
     auto_priority = 10  # above torch_native (0); flashinfer ranks above this when importable
     supports_cuda_graph = True
+    features = frozenset(ATTENTION_FEATURES)
 
     # Decode split policy (see the module docstring); first guesses, to be tuned on the GPU. They and
     # the instance's target_programs may be overridden before the first batch and before
@@ -169,6 +175,7 @@ class TritonAttnBackend(AttentionBackend):
             q, k, v, out, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
             self._extend.qo_start, self._extend.max_extend_len, layer.scaling,
+            sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, sinks=layer.sinks,
         )
         return out
 
@@ -183,5 +190,7 @@ class TritonAttnBackend(AttentionBackend):
         self._decode_attention(
             q, k_buf, v_buf, out, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
             batch.seq_lens, meta.num_kv_splits, meta.grid_splits, meta.mid_o, meta.mid_lse, layer.scaling,
+            sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, sinks=layer.sinks,
+            min_split_len=self.min_split_len,
         )
         return out

@@ -1,6 +1,6 @@
 """Decode attention over the page-size-1 KV pool, split over the KV length (two Triton kernels).
 
-Stage 1 splits request b's keys [0, seq_len[b]) into num_kv_splits[b] equal chunks (see `_split_range`;
+Stage 1 splits request b's keys [lo, seq_len[b]) into num_kv_splits[b] equal chunks (see `_split_range`;
 trailing chunks may be empty) and computes, per (request, group of query heads, chunk), the chunk's
 softmax-normalised weighted sum of V and its log-sum-exp. Stage 2 merges a request's chunks by their
 log-sum-exps. Splitting buys parallelism for long contexts at small batch; the backend picks the counts.
@@ -16,37 +16,52 @@ Stage 2 grid: (batch_size, num_heads); program (b, h) reads mid_o/mid_lse[b, h, 
 chunks and writes out[b, h, :]. Neither stage reads a slot at or past seq_len[b].
 A request with seq_len 0 (e.g. a padded CUDA-graph entry) has no non-empty chunk and gets zeros.
 
+lo is 0 without a sliding window. With window W, lo = max(seq_len - W, 0) (the new token at position
+seq_len - 1 sees keys seq_len - W .. seq_len - 1) and the request uses only
+min(num_kv_splits[b], cdiv(seq_len - lo, min_split_len)) chunks, the backend's split policy applied to
+the W keys it reads (`_kv_range`): splits wholly before the window do not exist rather than being
+masked, so a window of 128 costs 128 keys at any context. A soft-cap acts on stage 1's scores; the sink
+enters once, in stage 2, as a first "chunk" of log-sum-exp sink and zero value.
+
 LSEs are in base 2 (scores carry the log2(e) factor, as in extend.py); accumulation is fp32.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from rxf.plugins.attention.triton.extend import attend_pool
+from rxf.plugins.attention.triton.extend import attend_pool, feature_args
 
-_LOG2E = 1.0 / math.log(2.0)
 _M_INIT = -1.0e30  # finite running-max start: fully masked steps give weights 0, never NaN
 
 
 @triton.jit
-def _split_len(seq_len, num_splits):
-    """Every chunk of a request has this length (the last may be shorter); at least 1, so that
-    cdiv(seq_len, split_len) counts the non-empty chunks even when seq_len is 0."""
-    return tl.maximum(tl.cdiv(seq_len, num_splits), 1)
+def _kv_range(seq_len, num_splits, window, min_split_len, HAS_WINDOW: tl.constexpr):
+    """(lo, chunks): the request reads keys [lo, seq_len) in `chunks` chunks (see the module docstring)."""
+    lo = seq_len * 0
+    chunks = num_splits
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+        chunks = tl.minimum(num_splits, tl.maximum(tl.cdiv(seq_len - lo, min_split_len), 1))
+    return lo, chunks
 
 
 @triton.jit
-def _split_range(seq_len, num_splits, split):
-    """Chunk `split` of a request is [start, end). Chunks [0, cdiv(seq_len, split_len)) are non-empty;
-    later ones (uneven division, or split >= num_splits) have start >= end. Both stages derive the
-    chunks from `_split_len`, so they agree on which exist."""
-    split_len = _split_len(seq_len, num_splits)
-    start = split * split_len
+def _split_len(lo, seq_len, num_splits):
+    """Every chunk of a request has this length (the last may be shorter); at least 1, so that
+    cdiv(seq_len - lo, split_len) counts the non-empty chunks even when seq_len is 0."""
+    return tl.maximum(tl.cdiv(seq_len - lo, num_splits), 1)
+
+
+@triton.jit
+def _split_range(lo, seq_len, num_splits, split):
+    """Chunk `split` of a request is [start, end). Chunks [0, cdiv(seq_len - lo, split_len)) are
+    non-empty; later ones (uneven division, or split >= num_splits) have start >= end. Both stages
+    derive the chunks from `_kv_range` and `_split_len`, so they agree on which exist."""
+    split_len = _split_len(lo, seq_len, num_splits)
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     return start, end
 
@@ -54,19 +69,20 @@ def _split_range(seq_len, num_splits, split):
 @triton.jit
 def _decode_split_kernel(
     Q, KBuf, VBuf, ReqToToken, req_pool_indices, seq_lens, num_kv_splits, MidO, MidLse,
-    scale_log2,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    qk_scale, cap_log2, window, min_split_len,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + req)
-    start, end = _split_range(seq_len, tl.load(num_kv_splits + req), split)
+    lo, chunks = _kv_range(seq_len, tl.load(num_kv_splits + req), window, min_split_len, HAS_WINDOW)
+    start, end = _split_range(lo, seq_len, chunks, split)
     if start >= end:
         return
 
@@ -83,9 +99,10 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    # The chunk lies inside the window: no per-row mask (every head row is the same query position).
     m_i, l_i, acc = attend_pool(q, m_i, l_i, acc, row_base, start, end, KBuf, VBuf, kv_head,
                                 stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d,
-                                scale_log2, BLOCK_N, IEEE)
+                                qk_scale, cap_log2, m_i, False, HAS_CAP, BLOCK_N, IEEE)
 
     # The chunk is non-empty, so l_i > 0 for every head row.
     tl.store(MidO + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
@@ -97,20 +114,26 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     MidO, MidLse, seq_lens, num_kv_splits, Out,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
+    window, min_split_len, Sinks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens + req)
-    num_splits = tl.load(num_kv_splits + req)
+    lo, num_splits = _kv_range(seq_len, tl.load(num_kv_splits + req), window, min_split_len, HAS_WINDOW)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
 
-    m_i = M_INIT
-    l_i = 0.0
+    if HAS_SINKS:  # the sink as a first chunk: log-sum-exp = the sink (base 2 here), value zero
+        m_i = tl.load(Sinks + head) * 1.4426950408889634
+        l_i = 1.0
+    else:
+        m_i = M_INIT
+        l_i = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     # Exactly the non-empty chunks, which stage 1 wrote; the empty ones were never written.
-    for split in range(0, tl.cdiv(seq_len, _split_len(seq_len, num_splits))):
+    for split in range(0, tl.cdiv(seq_len - lo, _split_len(lo, seq_len, num_splits))):
         lse = tl.load(MidLse + req * stride_mlb + head * stride_mlh + split)
         o = tl.load(MidO + req * stride_mob + head * stride_moh + split * stride_mos + offs_d, mask=mask_d,
                     other=0.0)
@@ -120,7 +143,7 @@ def _decode_reduce_kernel(
         acc = acc * alpha + w * o
         l_i = l_i * alpha + w
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)  # l_i == 0 only when seq_len == 0: acc is 0 there too
+    out = acc / tl.where(l_i > 0, l_i, 1.0)  # l_i == 0 only when seq_len == 0 (no sinks): acc is 0 too
     tl.store(Out + req * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
@@ -154,6 +177,11 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    *,
+    sliding_window: int | None = None,
+    logit_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    min_split_len: int = 1,
 ) -> None:
     """Write into `out` [bs, H, D] the attention of q [bs, H, D] (one new token per request) over
     request b's keys req_to_token[req_pool_indices[b], 0:seq_lens[b]] in the pool.
@@ -162,6 +190,8 @@ def decode_attention(
     [>= bs, H, >= grid_splits, D] and mid_lse [>= bs, H, >= grid_splits] fp32 are scratch. Only tensor
     contents vary between calls with the same shapes and grid_splits, so the launches can be replayed
     from a CUDA graph. block_h / block_n override the tuned sizes (powers of two, at least 16).
+    The optional features are the layer's (`rxf.core.attention.AttentionLayer`); with a window a
+    request uses at most cdiv(min(seq_len, window), min_split_len) of its chunks.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -175,19 +205,22 @@ def decode_attention(
     block_h = block_h or head_block_size(group)
     head_blocks = triton.cdiv(group, block_h)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    features = feature_args(scaling, sliding_window, logit_cap, sinks, q)
     _decode_split_kernel[(bs, num_kv_heads * head_blocks, grid_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
-        scaling * _LOG2E,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        features["qk_scale"], features["cap_log2"], features["window"], min_split_len,
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n or _block_n(head_dim), BLOCK_D=block_d, M_INIT=_M_INIT,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, HAS_WINDOW=features["HAS_WINDOW"], HAS_CAP=features["HAS_CAP"],
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(bs, num_heads)](
         mid_o, mid_lse, seq_lens, num_kv_splits, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, M_INIT=_M_INIT, num_warps=4 if head_dim > 128 else 2,
+        out.stride(0), out.stride(1), features["window"], min_split_len, features["Sinks"],
+        HEAD_DIM=head_dim, BLOCK_D=block_d, M_INIT=_M_INIT, HAS_WINDOW=features["HAS_WINDOW"],
+        HAS_SINKS=features["HAS_SINKS"], num_warps=4 if head_dim > 128 else 2,
     )
