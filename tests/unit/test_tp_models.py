@@ -1,4 +1,4 @@
-"""Tensor parallelism at the model level (Llama family and Mixtral): two gloo ranks (spawned processes, one thread each) run
+"""Tensor parallelism at the model level (Llama family, Mixtral, Gemma 3): two gloo ranks (spawned processes, one thread each) run
 the same greedy batch as one process, and must produce the same tokens and logits.
 
 The one-rank run is itself checked against transformers in test_models.py; here the reference is
@@ -26,6 +26,10 @@ VARIANTS = {
     "qwen2-kv1": ("Qwen2ForCausalLM", {"num_key_value_heads": 1, "tie_word_embeddings": True, "vocab_size": 511}),
     # Experts split along their intermediate dimension; the router replicated on both ranks.
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Per-head q/k norms replicated, scaled embeddings all-reduced, a local window of 4 on layer 0
+    # (init 0.08: with sqrt(hidden)-scaled embeddings a larger one repeats one token).
+    "gemma3": ("Gemma3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True, "sliding_window": 4,
+                                     "initializer_range": 0.08, "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 
