@@ -11,6 +11,7 @@ an image, which never end inside one; a repeated image hits the radix cache with
 
 from __future__ import annotations
 
+import shutil
 from types import SimpleNamespace
 from unittest import mock
 
@@ -55,6 +56,7 @@ class Setup:
         self.hf_processor = AutoProcessor.from_pretrained(path)
         self.hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
         self.model = self.runner.model
+        self.path = path
 
     def ours(self, text: str, images: list[Image.Image]) -> tuple[list[int], list[MultimodalItem]]:
         return self.processor.process(self.tokenizer.encode(text), images, None)
@@ -258,6 +260,37 @@ def test_repeated_image_hits_cache_and_skips_vision_tower(setup: Setup) -> None:
         d = run(sched, "d", ids_d, items_d)
         assert d["cached"] <= items_d[0].offset and tower.call_count == 2
         assert d["ids"] == setup.hf_greedy(PROMPT, [other]) != a["ids"]
+
+
+# The tiny checkpoint's names (transformers 5 writes `language_model.model.*`, `vision_tower.*`,
+# `multi_modal_projector.*`) rewritten as the released checkpoints have them (the tower under
+# `vision_tower.vision_model.`) and as transformers 5 names them in memory (`model.*`).
+LAYOUTS = {
+    "hub": {"vision_tower.": "vision_tower.vision_model."},
+    "transformers5": {"language_model.model.": "model.language_model.", "vision_tower.": "model.vision_tower.",
+                      "multi_modal_projector.": "model.multi_modal_projector."},
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_checkpoint_name_layouts_load(setup: Setup, tmp_path, layout: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    renames = LAYOUTS[layout]
+    shutil.copytree(setup.path, tmp_path / layout, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = {}
+    for name, t in load_file(setup.path / "model.safetensors").items():
+        prefix = next((p for p in renames if name.startswith(p)), "")
+        tensors[renames.get(prefix, "") + name.removeprefix(prefix)] = t
+    save_file(tensors, tmp_path / layout / "model.safetensors", metadata={"format": "pt"})
+    ids, items = setup.ours(PROMPT, [image(40, 70, seed=50)])
+    ours = prefill(setup, ids, items)[0]
+    runner = setup.runner
+    setup.runner = ModelRunner(setup.config, PluginRegistry.load(), str(tmp_path / layout))
+    try:
+        assert torch.equal(prefill(setup, ids, items)[0], ours)
+    finally:
+        setup.runner = runner
 
 
 def test_bad_inputs_are_refused(setup: Setup) -> None:

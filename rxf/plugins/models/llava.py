@@ -39,6 +39,11 @@ _LM_BY_MODEL_TYPE = {
 }
 
 
+# Released checkpoints name the tower's tensors `vision_tower.vision_model.*`; transformers 5's
+# CLIP / SigLIP vision models hold them without the `vision_model.` level (it renames on load).
+_HUB_TOWER = "vision_tower.vision_model."
+
+
 def _language_model_class(text_config: Any) -> type[nn.Module]:
     from rxf.core.registry import PluginRegistry
 
@@ -133,7 +138,7 @@ class LlavaForConditionalGeneration(nn.Module):
 
     # ---- weights ----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hugging Face names, old (`language_model.model.*`, `vision_tower.*`) or new
+        """Hugging Face names, old (`language_model.model.*`, `vision_tower.vision_model.*`) or new
         (`model.language_model.*`, `model.vision_tower.*`): vision parts load here, the rest goes to
         the language model's own loader under its causal-LM names."""
         own = {n: p for n, p in self.named_parameters() if not n.startswith("language_model.")}
@@ -148,6 +153,8 @@ class LlavaForConditionalGeneration(nn.Module):
                     yield name.removeprefix("language_model."), tensor
                     continue
                 name = name.removeprefix("model.")
+                if name not in own and name.startswith(_HUB_TOWER):
+                    name = "vision_tower." + name.removeprefix(_HUB_TOWER)
                 if name in own:
                     if own[name].shape != tensor.shape:
                         raise ValueError(f"cannot load {name}: shape {tuple(tensor.shape)} != {tuple(own[name].shape)}")
