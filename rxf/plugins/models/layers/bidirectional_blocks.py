@@ -40,9 +40,9 @@ class _Block:
 class BidirectionalBlocks:
     """The bidirectional items of one EXTEND forward (built once, shared by every layer)."""
 
-    def __init__(self, blocks: list[_Block]) -> None:
+    def __init__(self, blocks: list[_Block], device: torch.device) -> None:
         self.blocks = blocks
-        self.rows = torch.cat([torch.arange(b.rows.start, b.rows.stop) for b in blocks])
+        self.rows = torch.cat([torch.arange(b.rows.start, b.rows.stop) for b in blocks]).to(device)
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> BidirectionalBlocks | None:
@@ -59,13 +59,12 @@ class BidirectionalBlocks:
                     end = item.offset + item.length
                     blocks.append(_Block(slice(row + r, row + r + hi - lo), item.offset + lo, table[req_row, :end].long()))
             row += n
-        return cls(blocks) if blocks else None
+        return cls(blocks, batch.positions.device) if blocks else None
 
     def queries(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """The rotated queries of the items' rows, `[rows, heads * head_dim]`, taken before the
         backend runs (it may rotate q in place, or not: this copy does not depend on it)."""
-        rows = self.rows.to(q.device)
-        q_rows, _ = rotary(positions[rows], q[rows].clone(), k[rows].clone())
+        q_rows, _ = rotary(positions[self.rows], q[self.rows], k[self.rows])  # indexing copies
         return q_rows
 
     def attend(self, q_rows: torch.Tensor, layer: RadixAttention, batch: ForwardBatch, out: torch.Tensor) -> None:
@@ -79,7 +78,7 @@ class BidirectionalBlocks:
             q = q_rows[start : start + n].view(n, heads, d).transpose(0, 1).float()  # [heads, n, d]
             start += n
             first_key = 0 if window is None else max(0, block.first - window + 1)
-            slots = block.key_slots[first_key:].to(k_buf.device)
+            slots = block.key_slots[first_key:]
             k = k_buf[slots].transpose(0, 1).float()  # [kv_heads, keys, d]
             v = v_buf[slots].transpose(0, 1).float()
             groups = heads // layer.num_kv_heads
