@@ -1,6 +1,6 @@
 """GPU decode benchmark (issue 4): one script for one call on the GPU machine.
 
-    python benchmarks/gpu_decode.py [--preset llama3-8b|tiny] [--num-requests 1000]
+    python benchmarks/gpu_decode.py [--preset llama3-8b|gpt-oss-20b|tiny] [--num-requests 1000]
         [--phases jit,build,bandwidth,decode,kernels,offline,hf] [--model-dir DIR] [--output FILE]
 
 Phases run in this order; each is guarded (a failure prints its traceback and the others still run),
@@ -9,9 +9,12 @@ and each frees its GPU memory before the next:
              on a fresh machine; cached under $FLASHINFER_WORKSPACE_BASE)
   build      a checkpoint of the preset's shape with random bf16 weights (drawn on the GPU, written
              with safetensors to the machine's disk; rxf then loads it through its normal path), plus a
-             word-level tokenizer covering the whole vocabulary
+             word-level tokenizer covering the whole vocabulary. gpt-oss-20b: its experts in MXFP4, as
+             OpenAI ships them (13.7 GB on disk instead of 42 GB; rxf dequantizes them to bf16 at load)
   bandwidth  device-to-device copy bandwidth (bytes read + written) -> batch-1 roofline = bandwidth
-             / weight bytes (all weights, as ../shared/device/README.md counts them)
+             / weight bytes (all weights, as ../shared/device/README.md counts them; for gpt-oss-20b
+             the bytes a batch-1 token reads: its top_k of num_experts experts per layer in bf16, every
+             other weight but the embedding table, of which it reads one row)
   decode     per backend (triton, flashinfer), an in-process ModelRunner + Scheduler: batch-1 decode
              tok/s with CUDA graphs on and off, decode throughput at larger batches (graphs on), and
              the HF workload (128 prompt + 128 new tokens, end to end) at batch 1 and 64. Timed
@@ -62,10 +65,20 @@ class Preset:
     offline_output: int
     hf_batches: tuple[int, ...]
     hf_tokens: int  # prompt and new tokens each, for HF and rxf's end-to-end comparison
+    head_dim: int = 0  # 0: hidden // heads
+    experts: int = 0  # MoE: experts per layer and experts per token (0: a dense MLP)
+    top_k: int = 0
+    arch: str = "llama"  # which builder writes the checkpoint: "llama" or "gpt-oss"
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 PRESETS = {
     "llama3-8b": Preset(4096, 32, 32, 8, 14336, 128256, (16, 64, 256), 1024, 256, (1, 64), 128),
+    "gpt-oss-20b": Preset(2880, 24, 64, 8, 2880, 201088, (16, 64), 1024, 256, (1, 64), 128,
+                          head_dim=64, experts=32, top_k=4, arch="gpt-oss"),
     "tiny": Preset(512, 4, 8, 2, 1408, 32000, (16, 64), 256, 32, (1, 8), 32),
 }
 RESULTS: dict[str, Any] = {}
@@ -88,13 +101,13 @@ def phase(name: str, fn: Callable[[], None]) -> None:
 # ---------------------------------------------------------------- build
 def build_checkpoint(p: Preset, path: Path) -> None:
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig
 
-    from rxf.testing.checkpoints import CHATML_TEMPLATE
-
+    if p.arch == "gpt-oss":
+        build_gpt_oss_checkpoint(p, path)
+        return
     path.mkdir(parents=True, exist_ok=True)
-    head_dim = p.hidden // p.heads
+    head_dim = p.hd
     LlamaConfig(
         vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.intermediate, num_hidden_layers=p.layers,
         num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, max_position_embeddings=131072,
@@ -122,20 +135,105 @@ def build_checkpoint(p: Preset, path: Path) -> None:
             tensors[pre + norm + ".weight"] = torch.ones(p.hidden, dtype=torch.bfloat16)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     RESULTS["weight_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
+    save_word_tokenizer(p, path)
+    print(f"checkpoint: {RESULTS['weight_bytes'] / 1e9:.2f} GB in {path}")
+
+
+def save_word_tokenizer(p: Preset, path: Path) -> None:
+    """A word-level tokenizer whose words t0 .. t{vocab - 1} are the token ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rxf.testing.checkpoints import CHATML_TEMPLATE
+
     vocab = {f"t{i}": i for i in range(p.vocab)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0",
                             chat_template=CHATML_TEMPLATE).save_pretrained(path)
-    print(f"checkpoint: {RESULTS['weight_bytes'] / 1e9:.2f} GB in {path}")
 
 
-def weight_bytes(path: Path) -> int:
-    """Bytes of an existing checkpoint (built by this script: every tensor bf16)."""
+def build_gpt_oss_checkpoint(p: Preset, path: Path) -> None:
+    """gpt-oss-20b's config (yarn to 128k, a 128-token window on even layers, swiglu limit 7) with
+    random weights: bf16 attention (biases, sinks), router and embeddings; the experts as MXFP4
+    blocks of random FP4 codes with one scale, 2^-7 (weights of rms ~0.023), and bf16 biases."""
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = GptOssConfig(
+        vocab_size=p.vocab, hidden_size=p.hidden, intermediate_size=p.intermediate, num_hidden_layers=p.layers,
+        num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, head_dim=p.hd, num_local_experts=p.experts,
+        num_experts_per_tok=p.top_k, sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        swiglu_limit=7.0, attention_bias=True, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        dtype="bfloat16", architectures=["GptOssForCausalLM"],
+    )
+    config.save_pretrained(path)
+    meta = json.loads((path / "config.json").read_text())
+    meta["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(meta, indent=2))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float32) * 0.02).to(dtype).cpu()
+
+    def mxfp4(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(0, 256, (p.experts, rows, cols // 32, 16), device="cuda", generator=gen,
+                               dtype=torch.uint8).cpu()
+        return blocks, torch.full((p.experts, rows, cols // 32), 127 - 7, dtype=torch.uint8)
+
+    q, kv = p.heads * p.hd, p.kv_heads * p.hd
+    tensors = {"model.embed_tokens.weight": rand(p.vocab, p.hidden), "lm_head.weight": rand(p.vocab, p.hidden),
+               "model.norm.weight": torch.ones(p.hidden, dtype=torch.bfloat16)}
+    for i in range(p.layers):
+        pre = f"model.layers.{i}."
+        for name, (rows, cols) in (("q_proj", (q, p.hidden)), ("k_proj", (kv, p.hidden)), ("v_proj", (kv, p.hidden)),
+                                   ("o_proj", (p.hidden, q))):
+            tensors[f"{pre}self_attn.{name}.weight"], tensors[f"{pre}self_attn.{name}.bias"] = rand(rows, cols), rand(rows)
+        tensors[pre + "self_attn.sinks"] = rand(p.heads)
+        tensors[pre + "mlp.router.weight"], tensors[pre + "mlp.router.bias"] = rand(p.experts, p.hidden), rand(p.experts)
+        for name, (rows, cols) in (("gate_up_proj", (2 * p.intermediate, p.hidden)), ("down_proj", (p.hidden, p.intermediate))):
+            tensors[f"{pre}mlp.experts.{name}_blocks"], tensors[f"{pre}mlp.experts.{name}_scales"] = mxfp4(rows, cols)
+            tensors[f"{pre}mlp.experts.{name}_bias"] = rand(p.experts, rows)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[pre + norm + ".weight"] = torch.ones(p.hidden, dtype=torch.bfloat16)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_word_tokenizer(p, path)
+    RESULTS.update(gpt_oss_bytes({n: tuple(t.shape) for n, t in tensors.items()}, p))
+    file_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"checkpoint: {file_bytes / 1e9:.2f} GB on disk, {RESULTS['weight_bytes_bf16'] / 1e9:.2f} GB in bf16, "
+          f"{RESULTS['weight_bytes'] / 1e9:.2f} GB read per batch-1 token, in {path}")
+
+
+def gpt_oss_bytes(shapes: dict[str, tuple[int, ...]], p: Preset) -> dict[str, int]:
+    """bf16 bytes of the checkpoint once loaded (MXFP4 blocks hold two values per byte; the scales
+    are gone), and of what a batch-1 decode token reads: the embedding's one row instead of the
+    table, top_k of num_experts experts per layer (their weights and biases)."""
+    total = experts = embedding = 0
+    for name, shape in shapes.items():
+        if name.endswith("_scales"):
+            continue
+        size = 2 * math.prod(shape) * (2 if name.endswith("_blocks") else 1)
+        total += size
+        experts += size if ".mlp.experts." in name else 0
+        embedding += size if name == "model.embed_tokens.weight" else 0
+    read = total - embedding + 2 * p.hidden - experts * (p.experts - p.top_k) // p.experts
+    return {"weight_bytes_bf16": total, "embedding_bytes": embedding, "weight_bytes": read}
+
+
+def weight_bytes(path: Path, p: Preset) -> int:
+    """Bytes a batch-1 token reads from an existing checkpoint built by this script (llama presets:
+    every tensor, bf16)."""
     from safetensors import safe_open
 
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        return sum(2 * math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    if p.arch == "gpt-oss":
+        return gpt_oss_bytes(shapes, p)["weight_bytes"]
+    return sum(2 * math.prod(shape) for shape in shapes.values())
 
 
 # ---------------------------------------------------------------- bandwidth
@@ -290,7 +388,7 @@ class AttentionCase:
         from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
         from rxf.plugins.models.layers import RadixAttention
 
-        dev, dt, hd, seq, n = torch.device("cuda"), torch.bfloat16, p.hidden // p.heads, prefix + new, bs * new
+        dev, dt, hd, seq, n = torch.device("cuda"), torch.bfloat16, p.hd, prefix + new, bs * new
         req_pool, kv_pool = ReqToTokenPool(bs, seq, dev), TokenToKVPool(bs * seq, 1, p.kv_heads, hd, dt, dev)
         kv_pool.k_buffer[0].normal_()
         kv_pool.v_buffer[0].normal_()
@@ -334,7 +432,7 @@ def jit_phase(p: Preset) -> None:
     from rxf.core.registry import PluginRegistry
 
     fi_backend = PluginRegistry.load().attention_backend("flashinfer")
-    dev, dt, hd = "cuda", torch.bfloat16, p.hidden // p.heads
+    dev, dt, hd = "cuda", torch.bfloat16, p.hd
     x, w = torch.randn(4, p.hidden, device=dev, dtype=dt), torch.ones(p.hidden, device=dev, dtype=dt)
     q, k = torch.randn(4, p.heads * hd, device=dev, dtype=dt), torch.randn(4, p.kv_heads * hd, device=dev, dtype=dt)
     jobs: dict[str, Callable[[], Any]] = {
@@ -372,7 +470,7 @@ def kernels_phase(p: Preset, backends: list[str]) -> None:
     from rxf.core.forward import ForwardMode
     from rxf.core.registry import PluginRegistry
 
-    registry, hd = PluginRegistry.load(), p.hidden // p.heads
+    registry, hd = PluginRegistry.load(), p.hd
     # (label, mode, batch, prefix tokens, new tokens per request)
     shapes = [("decode b1 ctx4096", ForwardMode.DECODE, 1, 4095, 1), ("decode b64 ctx1024", ForwardMode.DECODE, 64, 1023, 1),
               ("extend 8x512 on 512", ForwardMode.EXTEND, 8, 512, 512), ("prefill 4x1024", ForwardMode.PREFILL, 4, 0, 1024)]
@@ -436,9 +534,11 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str) -> None:
 
 # ---------------------------------------------------------------- transformers
 def hf_phase(p: Preset, model_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    # MXFP4 experts (gpt-oss): transformers dequantizes them to bf16 too, on the GPU as it loads.
+    quantized = {"quantization_config": Mxfp4Config(dequantize=True), "device_map": "cuda"} if p.arch == "gpt-oss" else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **quantized).cuda().eval()
     rng = random.Random(1)
     out: dict[str, float] = {}
     for bs in p.hf_batches:
@@ -505,7 +605,7 @@ def main() -> None:
         phase("jit", lambda: jit_phase(p))
     if "build" in phases or not (model_dir / "model.safetensors").exists():
         phase("build", lambda: build_checkpoint(p, model_dir))
-    RESULTS.setdefault("weight_bytes", weight_bytes(model_dir))
+    RESULTS.setdefault("weight_bytes", weight_bytes(model_dir, p))
     if "bandwidth" in phases:
         phase("bandwidth", bandwidth)
     if "decode" in phases:

@@ -58,9 +58,9 @@ def layer_features(layer: AttentionLayer) -> set[str]:
 class Rotary(Protocol):
     """What `forward` may receive as `rotary`: the model's rotary embedding (shared by its layers)."""
 
-    # float32 [max_position, head_dim]: row p is cos(p * theta_j) | sin(p * theta_j), j < head_dim / 2,
-    # for a NeoX rotate-half rotation of the whole head; None when the rotation has another form (a
-    # backend must then not fuse it).
+    # float32 [max_position, head_dim]: row p is a * cos(p * theta_j) | a * sin(p * theta_j), j < head_dim / 2
+    # (a: the rope scaling's attention factor, usually 1), for a NeoX rotate-half rotation of the whole
+    # head; None when the rotation has another form, e.g. partial (a backend must then not fuse it).
     cos_sin_cache: torch.Tensor | None
 
     def __call__(

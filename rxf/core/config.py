@@ -32,6 +32,9 @@ class ModelConfig(_Section):
     )
     context_length: int | None = Field(None, gt=0, description="defaults to the checkpoint's")
     trust_remote_code: bool = False
+    load_format: Literal["safetensors", "random"] = Field(
+        "safetensors", description="'random': no weights read, every parameter drawn at random (benchmarks of shapes)"
+    )
 
 
 class AttentionConfig(_Section):

@@ -52,6 +52,9 @@ def rxf_register_models(register: RegisterFactory) -> None:
 
     The factory is an ``nn.Module`` class built as ``cls(hf_config, dtype=...)`` that implements
     ``forward(batch: ForwardBatch) -> logits`` and ``load_weights(iterable of (name, tensor))``.
+    A class may also define the classmethod ``max_context_length(hf_config) -> int`` (the longest
+    context the checkpoint serves, e.g. extended by its rope scaling; default
+    ``max_position_embeddings``); it is then built with ``context_length=`` the context served.
     Called in each scheduler process, when the model runner loads a checkpoint.
     """
 

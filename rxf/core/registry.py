@@ -181,8 +181,10 @@ class PluginRegistry:
     def names(self, kind: str) -> list[str]:
         return sorted(self._items[kind])
 
-    def _miss(self, what: str, kind: str) -> PluginNotFoundError:
-        message = f"{what}; available: {', '.join(self.names(kind)) or 'none'}"
+    def _miss(self, what: str, kind: str, listed_as: str = "available", hint: str = "") -> PluginNotFoundError:
+        message = f"{what}; {listed_as}: {', '.join(self.names(kind)) or 'none'}"
+        if hint:
+            message += f". {hint}"
         if self.failed:
             failures = "; ".join(f.describe() for f in self.failed.values())
             message += f". Plugins that failed to load (one may provide it): {failures}"
@@ -213,9 +215,16 @@ class PluginRegistry:
             if arch in self._items["models"]:
                 return self.get("models", arch)
         shown = ", ".join(repr(a) for a in architectures) or "none (config.json has no `architectures`)"
+        example = architectures[0] if architectures else "MyModelForCausalLM"
         raise self._miss(
-            f"unknown architecture {shown}: no installed plugin registers it (`rxf plugins` lists them)",
+            f"unknown architecture {shown}: no installed plugin registers it",
             "models",
+            listed_as="supported",
+            hint=(
+                "A plugin adds an architecture in its `rxf_register_models` hook, e.g. "
+                f'`register("{example}", "my_package.models:{example}")` (docs/plugins.md); '
+                "`rxf plugins` shows what each installed plugin registers"
+            ),
         )
 
     def chat_template(self, name: str) -> Any:

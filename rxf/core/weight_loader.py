@@ -52,6 +52,24 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     return _stream(files)
 
 
+@torch.no_grad()
+def fill_random_weights(model: nn.Module, seed: int) -> None:
+    """`model.load_format = "random"`: every parameter drawn from U(-1e-3, 1e-3) where it lives, no
+    checkpoint read (benchmarks of shapes whose checkpoints would not fit the disk: a Qwen3-30B-A3B
+    is 61 GB). Norm weights are 1 so activations keep their scale through the layers; routers are
+    random, so a mixture of experts spreads its tokens over all experts, its costliest case."""
+    gen: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if param.device not in gen:
+            gen[param.device] = torch.Generator(param.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif param.is_floating_point():
+            param.uniform_(-1e-3, 1e-3, generator=gen[param.device])
+        else:
+            param.zero_()
+
+
 def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     total = 0
     for path in files:  # headers only: cheap, and gives the bar a total

@@ -55,9 +55,20 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+def _architectures(registry: Any) -> list[dict[str, str]]:
+    """Every model architecture a checkpoint's config.json may name, with the class that serves it."""
+    rows = []
+    for name in registry.names("models"):
+        reg = registry.registration("models", name)
+        factory = reg.factory if isinstance(reg.factory, str) else f"{reg.factory.__module__}:{reg.factory.__qualname__}"
+        rows.append({"name": name, "class": factory, "plugin": reg.plugin, "distribution": reg.distribution})
+    return rows
+
+
 def cmd_plugins(args: argparse.Namespace) -> int:
-    """Each loaded plugin with its distribution, version and what it registered; then the plugins
-    that failed to load (with the error) and those the allow/deny lists left out."""
+    """Each loaded plugin with its distribution, version and what it registered; the model
+    architectures rxf can load, with their classes; then the plugins that failed to load (with the
+    error) and those the allow/deny lists left out."""
     from dataclasses import asdict
 
     from rxf.core.registry import KINDS, PluginLoadError, PluginRegistry
@@ -70,6 +81,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         report = {
             "plugins": [asdict(info) for info in registry.plugins.values()],
+            "architectures": _architectures(registry),
             "failed": [asdict(failure) for failure in registry.failed.values()],
             "skipped": registry.skipped,
         }
@@ -80,6 +92,12 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             for kind in KINDS:
                 if info.registered.get(kind):
                     print(f"  {kind}: {', '.join(sorted(info.registered[kind]))}")
+        architectures = _architectures(registry)
+        if architectures:
+            print("architectures (config.json `architectures`):")
+            width = max(len(row["name"]) for row in architectures)
+            for row in architectures:
+                print(f"  {row['name']:<{width}}  {row['class']}  ({row['plugin']}, {row['distribution']})")
         for failure in registry.failed.values():
             print(f"{failure.name}  ({failure.distribution} {failure.version})  FAILED TO LOAD: {failure.error}")
         if registry.skipped:

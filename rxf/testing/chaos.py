@@ -148,6 +148,17 @@ class _Run:
         return time.monotonic() < self.deadline
 
 
+def _stream_ok(events: list[str]) -> bool:
+    """Ends with [DONE], and no event before it is an error (decoded: a generated text may read
+    "error", which a substring test would take for one)."""
+    if events[-1:] != ["data: [DONE]"]:
+        return False
+    try:
+        return all("error" not in json.loads(e.removeprefix("data: ")) for e in events[:-1])
+    except ValueError:
+        return False
+
+
 async def _normal(run: _Run, client: httpx.AsyncClient, n: int) -> None:
     while run.running():
         n += 1
@@ -157,7 +168,7 @@ async def _normal(run: _Run, client: httpx.AsyncClient, n: int) -> None:
                 body = {"model": run.model, "prompt": f"Note {n}:", "max_tokens": 8, "stream": True, "seed": n}
                 async with client.stream("POST", "/v1/completions", json=body) as r:
                     events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
-                ok = r.status_code == 200 and events[-1:] == ["data: [DONE]"] and all('"error"' not in e for e in events)
+                ok = r.status_code == 200 and _stream_ok(events)
             elif kind == "chat":
                 body = {"model": run.model, "messages": [{"role": "user", "content": f"Say {n}."}], "max_tokens": 8}
                 r = await client.post("/v1/chat/completions", json=body)

@@ -41,6 +41,8 @@ DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Qwen2.5's 128k recipe: the fused table carries yarn's attention factor (1.14) on cos and sin.
+QWEN25_YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768}
 # Llama-3-8B: name -> (N, K) of the weight; gate_up is [gate | up] (gated), lm_head writes float32.
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096),
           "down_proj": (4096, 14336), "lm_head": (128256, 4096)}
@@ -59,14 +61,15 @@ def _backends() -> list[str]:
 ROPE_CASES = {"extend": ([0, 100, 1500, 7], [37, 64, 300, 1]), "decode": ([1, 60, 700, 4095, 33], [1] * 5)}
 
 
+@pytest.mark.parametrize("rope_params", [LLAMA31_ROPE, QWEN25_YARN], ids=["llama3", "yarn"])
 @pytest.mark.parametrize("case", ROPE_CASES)
 @pytest.mark.parametrize("backend", _backends())
-def test_rotary_fused_into_store_matches_torch_native(backend: str, case: str) -> None:
+def test_rotary_fused_into_store_matches_torch_native(backend: str, case: str, rope_params: dict) -> None:
     prefix, extend = ROPE_CASES[case]
     ctx, batch, layer, qkv = make_case(prefix, extend, heads=32, kv_heads=8, head_dim=128, dtype=BF16, device="cuda")
     positions = torch.cat([p + torch.arange(e) for p, e in zip(prefix, extend, strict=True)]).to(DEV)
     with torch.device(DEV):
-        rope = RotaryEmbedding(128, 8192, LLAMA31_ROPE, BF16)
+        rope = RotaryEmbedding(128, 8192, rope_params, BF16)
     attn = RadixAttention(layer.layer_id, 32, 8, 128, layer.scaling)
     results = []
     for cls in (TorchNativeBackend, PluginRegistry.load().attention_backend(backend)):

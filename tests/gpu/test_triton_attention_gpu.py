@@ -17,7 +17,7 @@ from rxf.core.forward import ForwardBatch, ForwardMode  # noqa: E402
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rxf.plugins.attention.triton.backend import TritonAttnBackend  # noqa: E402
-from rxf.testing.attention import Layer  # noqa: E402
+from rxf.testing.attention import Layer, assert_bf16_close  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -78,13 +78,7 @@ def run(batch: ForwardBatch, layer: Layer, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def assert_matches(out: torch.Tensor, expected: torch.Tensor, native: ForwardBatch, triton: ForwardBatch) -> None:
-    """bf16: both sides round the output (and the softmax weights) to 8 mantissa bits, so the bound is
-    2% of the output's scale."""
-    assert out.shape == expected.shape and out.dtype == expected.dtype
-    assert torch.isfinite(out).all()
-    err = (out.float() - expected.float()).abs().max().item()
-    scale = expected.float().abs().max().item()
-    assert err <= 2e-2 * scale, f"max error {err:.3g} vs output scale {scale:.3g}"
+    assert_bf16_close(out, expected)
     for a, b in zip(triton.token_to_kv_pool.k_buffer + triton.token_to_kv_pool.v_buffer,
                     native.token_to_kv_pool.k_buffer + native.token_to_kv_pool.v_buffer, strict=True):
         assert torch.equal(a, b), "the pools must hold the same K/V after the forward"

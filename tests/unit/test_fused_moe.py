@@ -18,7 +18,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from rxf.plugins.models.layers.fused_moe import BlockConfig, align_pairs, fused_experts  # noqa: E402
-from rxf.plugins.models.layers.moe import experts_native, select_experts  # noqa: E402
+from rxf.plugins.models.layers.moe import GatedActivation, experts_native, select_experts  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 SMALL = BlockConfig(16, 32, 32, down_block_n=16, group_m=2)  # several column and K blocks at tiny shapes
@@ -66,6 +66,49 @@ def test_all_tokens_on_one_expert_and_empty_batch() -> None:
     assert_matches(fused_experts(x, w13, w2, weights, ids, SMALL), reference(x, w13, w2, weights, ids),
                    torch.float32)
     assert fused_experts(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+GPT_OSS = GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "hidden", "inter", "config"),
+    [(1, 4, 2, 64, 48, None), (33, 4, 3, 48, 40, SMALL), (80, 6, 4, 64, 48, None)],
+)
+def test_biases_and_clamped_activation_match_torch_path(tokens, experts, top_k, hidden, inter, config, dtype):
+    """gpt-oss's experts: per-expert biases on both projections and the clamped SwiGLU, with
+    pre-activations scaled past the clamp (|gate|, |up| > 7 for part of the entries)."""
+    x, w13, w2, weights, ids = problem(tokens, experts, top_k, hidden, inter, dtype, seed=tokens)
+    gen = torch.Generator().manual_seed(7)
+    w13 = w13 * 6
+    b13 = torch.randn(experts, 2 * inter, generator=gen).to(dtype)
+    b2 = torch.randn(experts, hidden, generator=gen).to(dtype)
+    kw = {"b13": b13, "b2": b2, "activation": GPT_OSS}
+    gate_up = x.float() @ w13[ids[0, 0]].float().T
+    assert (gate_up.abs() > GPT_OSS.limit).any() and (gate_up.abs() < GPT_OSS.limit).any()
+    ref = experts_native(x.float(), w13.float(), w2.float(), weights, ids,
+                         b13=b13.float(), b2=b2.float(), activation=GPT_OSS)
+    assert_matches(fused_experts(x, w13, w2, weights, ids, config, **kw), ref, dtype)
+    unclamped = experts_native(x.float(), w13.float(), w2.float(), weights, ids, b13=b13.float(), b2=b2.float(),
+                               activation=GatedActivation(alpha=1.702, up_offset=1.0))
+    assert not torch.allclose(unclamped, ref, rtol=1e-2), "the clamp changes nothing: the test cannot fail"
+    with pytest.raises(ValueError, match="both expert biases or neither"):
+        fused_experts(x, w13, w2, weights, ids, b13=b13)
+
+
+def test_native_biased_expert_is_the_reference_formula() -> None:
+    """One token, one expert: the clamped SwiGLU of transformers' GptOssExperts written out."""
+    gen = torch.Generator().manual_seed(3)
+    hidden, inter = 8, 6
+    x = torch.randn(1, hidden, generator=gen)
+    w13, w2 = torch.randn(2, 2 * inter, hidden, generator=gen) * 4, torch.randn(2, hidden, inter, generator=gen)
+    b13, b2 = torch.randn(2, 2 * inter, generator=gen), torch.randn(2, hidden, generator=gen)
+    gate, up = (w13[1] @ x[0] + b13[1]).chunk(2)
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    expected = 0.5 * (w2[1] @ ((up + 1) * gate * torch.sigmoid(1.702 * gate)) + b2[1])
+    out = experts_native(x, w13, w2, torch.tensor([[0.5]]), torch.tensor([[1]]), b13=b13, b2=b2, activation=GPT_OSS)
+    torch.testing.assert_close(out[0], expected, rtol=1e-5, atol=1e-5)
 
 
 def align_pairs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:

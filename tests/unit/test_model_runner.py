@@ -166,6 +166,23 @@ def test_directory_without_weights(ckpt: Path, tmp_path: Path) -> None:
         ModelRunner(make_config(), registry(), str(empty))
 
 
+def test_random_load_format_needs_no_weights(ckpt: Path, tmp_path: Path) -> None:
+    """`model.load_format = "random"`: the config alone; parameters drawn (norms at 1), logits finite,
+    and the same seed draws the same model."""
+    empty = Path(shutil.copytree(ckpt, tmp_path / "noweights"))
+    (empty / "model.safetensors").unlink()
+    runners = [ModelRunner(make_config(**{"model.load_format": "random"}), registry(), str(empty)) for _ in range(2)]
+    layer = runners[0].model.model.layers[0]
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    qkv = layer.self_attn.qkv_proj.weight
+    assert 0 < qkv.abs().max() <= 1e-3 and qkv.std() > 1e-4
+    assert torch.equal(qkv, runners[1].model.model.layers[0].self_attn.qkv_proj.weight)
+    runner = runners[0]
+    slots = runner.token_to_kv_pool.alloc(3)
+    logits = runner.forward(ModelInput(ForwardMode.PREFILL, [runner.req_to_token_pool.alloc()], [5, 6, 7], [0], [3], slots))
+    assert logits.shape == (1, runner.vocab_size) and torch.isfinite(logits).all()
+
+
 def test_load_weights_names_unplaced_and_missing_tensors(ckpt: Path) -> None:
     runner = ModelRunner(make_config(**{"cache.max_total_tokens": 16}), registry(), str(ckpt))
     weights = load_file(ckpt / "model.safetensors")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pluggy
 import pytest
@@ -104,6 +105,16 @@ def test_unknown_name_lists_available(registry):
         registry.model_class(["GPTBogusForCausalLM"])
 
 
+def test_unknown_architecture_lists_the_supported_ones_and_how_to_add_one():
+    with pytest.raises(PluginNotFoundError) as err:
+        PluginRegistry.load().model_class(["GPTBogusForCausalLM"])
+    message = str(err.value)
+    assert message.startswith("unknown architecture 'GPTBogusForCausalLM': no installed plugin registers it")
+    assert "supported: LlamaForCausalLM, " in message and "Phi3ForCausalLM" in message
+    assert "`rxf_register_models` hook" in message and "docs/plugins.md" in message
+    assert 'register("GPTBogusForCausalLM", "my_package.models:GPTBogusForCausalLM")' in message
+
+
 def test_implementation_matching_no_hook_is_rejected():
     @hookimpl
     def rxf_register_modles(register):  # typo: no such hook
@@ -140,6 +151,22 @@ def test_rxf_plugins_command_lists_builtins():
     ).stdout
     assert "models  (rxf " in out
     assert "LlamaForCausalLM" in out and "torch_native" in out and "chatml" in out
+    architectures = out.split("architectures (config.json `architectures`):\n")[1].splitlines()
+    assert len(architectures) == len(PluginRegistry.load().names("models"))
+    phi3 = next(line.split() for line in architectures if line.split()[0] == "Phi3ForCausalLM")
+    assert phi3[1:] == ["rxf.plugins.models.phi3:Phi3ForCausalLM", "(models,", "rxf)"]
+
+
+def test_readme_table_lists_every_registered_architecture():
+    """README's "Supported architectures" table: a row for each registered architecture, and no
+    row for one that is not registered unless it says "(pending)"."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("| Architecture | Example models | Notes |\n|---|---|---|\n")[1].split("\n\n")[0]
+    rows = {line.split("|")[1].strip().strip("`"): line for line in table.splitlines()}
+    registered = set(PluginRegistry.load().names("models"))
+    assert registered - rows.keys() == set(), "registered but missing from the README table"
+    stale = {name for name, line in rows.items() if name not in registered and "(pending)" not in line}
+    assert stale == set(), "in the README table but not registered"
 
 
 # ---- third-party distributions: failure policy, filters, `rxf plugins` ----
@@ -260,3 +287,6 @@ def test_rxf_plugins_command_shows_distribution_version_registrations_and_failur
     good = next(p for p in report["plugins"] if p["name"] == "fake_good")
     assert good["registered"] == {"attention_backends": ["fake_backend", "fake_missing"]}
     assert {f["name"] for f in report["failed"]} == {"fake_broken_import", "fake_broken_hook"}
+    llama = next(a for a in report["architectures"] if a["name"] == "LlamaForCausalLM")
+    assert llama == {"name": "LlamaForCausalLM", "class": "rxf.plugins.models.llama:LlamaForCausalLM",
+                     "plugin": "models", "distribution": "rxf"}

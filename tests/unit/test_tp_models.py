@@ -1,4 +1,4 @@
-"""Tensor parallelism at the model level (Llama family, Mixtral, Gemma 3): two gloo ranks (spawned processes, one thread each) run
+"""Tensor parallelism at the model level (Llama family, Mixtral, Phi-3, gpt-oss, Gemma 3): two gloo ranks (spawned processes, one thread each) run
 the same greedy batch as one process, and must produce the same tokens and logits.
 
 The one-rank run is itself checked against transformers in test_models.py; here the reference is
@@ -26,6 +26,12 @@ VARIANTS = {
     "qwen2-kv1": ("Qwen2ForCausalLM", {"num_key_value_heads": 1, "tie_word_embeddings": True, "vocab_size": 511}),
     # Experts split along their intermediate dimension; the router replicated on both ranks.
     "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Fused q|k|v and gate|up checkpoint tensors: each rank must take its rows of every piece.
+    "phi3-fused": ("Phi3ForCausalLM", {}),
+    # Sinks split with the query heads; expert biases: gate/up split with their rows, down on rank 0.
+    "gpt-oss": ("GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+                                      "layer_types": ["sliding_attention", "full_attention"],
+                                      "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}),
     # Per-head q/k norms replicated, scaled embeddings all-reduced, a local window of 4 on layer 0
     # (init 0.08: with sqrt(hidden)-scaled embeddings a larger one repeats one token).
     "gemma3": ("Gemma3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True, "sliding_window": 4,

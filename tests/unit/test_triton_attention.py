@@ -254,6 +254,13 @@ def test_store_kv_matches_pool_set_kv(dtype: torch.dtype) -> None:
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+# yarn scales cos and sin by its attention factor (1.14 here): the fused table must carry it. A
+# partial rotation has no fused table: triton must leave it to the module.
+ROPES = pytest.mark.parametrize("rope_params", [
+    LLAMA3_ROPE,
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+], ids=["llama3", "yarn", "partial"])
 
 
 @pytest.mark.parametrize("separate_q_out", [False, True], ids=["q_in_place", "q_out"])
@@ -292,7 +299,8 @@ def test_rope_store_kv_matches_rotary_then_set_kv(dtype: torch.dtype, separate_q
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
 @DTYPES
-def test_rotary_fused_into_store_matches_torch_native(mode: ForwardMode, dtype: torch.dtype) -> None:
+@ROPES
+def test_rotary_fused_into_store_matches_torch_native(mode: ForwardMode, dtype: torch.dtype, rope_params) -> None:
     """RadixAttention handed the rotary embedding: torch_native gets q and k rotated by the module's
     torch code first, triton rotates them inside its K/V store; outputs and pools agree."""
     from rxf.plugins.models.layers import RadixAttention, RotaryEmbedding
@@ -301,7 +309,7 @@ def test_rotary_fused_into_store_matches_torch_native(mode: ForwardMode, dtype: 
     heads, kv_heads, head_dim = 4, 2, 16
     case = build(mode, prefix_lens, extend_lens, heads, kv_heads, head_dim, dtype)
     positions = torch.cat([p + torch.arange(e) for p, e in zip(prefix_lens, extend_lens, strict=True)])
-    rope = RotaryEmbedding(head_dim, MAX_CONTEXT, LLAMA3_ROPE, dtype)
+    rope = RotaryEmbedding(head_dim, MAX_CONTEXT, rope_params, dtype)
     attn = RadixAttention(case.layer.layer_id, heads, kv_heads, head_dim, case.layer.scaling)
     qkv = torch.cat([case.q.flatten(-2), case.k.flatten(-2), case.v.flatten(-2)], dim=-1)
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
@@ -311,7 +319,9 @@ def test_rotary_fused_into_store_matches_torch_native(mode: ForwardMode, dtype: 
         batch.attn_backend.init_forward_metadata(batch)
         q, k, v = qkv.clone().split(sizes, dim=-1)
         outs.append(attn(q, k, v, batch, rotary=rope))
-        if batch is case.triton:  # the fused path rotated q in place (the torch path does not)
+        if batch is case.triton and rope.cos_sin_cache is None:
+            assert not batch.attn_backend.fuses_rope(rope)
+        elif batch is case.triton:  # the fused path rotated q in place (the torch path does not)
             assert batch.attn_backend.fuses_rope(rope)
             q_ref, _ = rope.forward_native(positions, *qkv.split(sizes, dim=-1)[:2])
             torch.testing.assert_close(q, q_ref, rtol=TOL[dtype], atol=TOL[dtype])

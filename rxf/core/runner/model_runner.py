@@ -34,7 +34,7 @@ from rxf.core.runner.cuda_graph_runner import (
 )
 from rxf.core.runner.step_io import StepBatch, StepResult
 from rxf.core.runner.step_runner import StepExecutor, StepHandle
-from rxf.core.weight_loader import iter_safetensors
+from rxf.core.weight_loader import fill_random_weights, iter_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -182,18 +182,27 @@ class ModelRunner:
         text = self.hf_config.get_text_config()  # the language model's config (itself, unless multimodal)
         self.dtype = _resolve_dtype(config.model.dtype, self.hf_config, self.device)
         self.vocab_size: int = text.vocab_size
-        checkpoint_len = int(text.max_position_embeddings)
+        model_cls = registry.model_class(self.hf_config.architectures or [])
+        # A class may say how long a context its checkpoint serves (rope scaling can extend
+        # max_position_embeddings); it is then told the context it serves (`context_length=`).
+        supported = getattr(model_cls, "max_context_length", None)
+        checkpoint_len = int(supported(self.hf_config) if supported else text.max_position_embeddings)
         self.max_context_len = config.model.context_length or checkpoint_len
         if self.max_context_len > checkpoint_len:
             raise ValueError(
-                f"model.context_length {self.max_context_len} exceeds the checkpoint's "
-                f"max_position_embeddings {checkpoint_len}"
+                f"model.context_length {self.max_context_len} exceeds the {checkpoint_len} tokens the checkpoint "
+                f"supports (max_position_embeddings {text.max_position_embeddings}, and its rope scaling)"
             )
-        model_cls = registry.model_class(self.hf_config.architectures or [])
-        weights = iter_safetensors(model_path)  # raises now when the directory has no weights
+        served = {"context_length": self.max_context_len} if supported else {}
+        random_weights = config.model.load_format == "random"
+        # Checked before the model is built: a missing or empty checkpoint raises now.
+        weights = None if random_weights else iter_safetensors(model_path)
         with torch.device(self.device):
-            self.model = model_cls(self.hf_config, dtype=self.dtype)
-        self.model.load_weights(weights)
+            self.model = model_cls(self.hf_config, dtype=self.dtype, **served)
+        if weights is None:
+            fill_random_weights(self.model, config.runtime.seed)
+        else:
+            self.model.load_weights(weights)
         self.model.eval()
         feature_cache = getattr(self.model, "feature_cache", None)  # multimodal models' vision features
         if feature_cache is not None:

@@ -39,6 +39,7 @@ from rxf.core.ipc.messages import (
     StatsSnapshot,
     ToScheduler,
 )
+from rxf.core.launch.heap import IdleHeapTrimmer
 from rxf.core.runner.distributed import RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ def _share(frames: list[memoryview] | None) -> list[memoryview] | None:
 def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
     """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies."""
     parent = os.getppid()
+    heap = IdleHeapTrimmer()
     if sockets is not None:
         sockets.publish_stats(scheduler, force=True)
     while True:
@@ -179,6 +181,9 @@ def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
         stepped = scheduler.has_work
         if stepped:
             outs += scheduler.step()
+            heap.busy()
+        elif not frames:
+            heap.idle()
         if sockets is not None:
             if frames or stepped:  # else nothing changed since the last snapshot
                 sockets.publish_stats(scheduler)  # first: it then usually lands before the outputs

@@ -1,4 +1,4 @@
-"""Builtin model plugin: Llama-family architectures, Mixtral, Gemma 2 / 3 and the LLaVA family, registered lazily by Hugging Face name.
+"""Builtin model plugin: Llama-family architectures, Mixtral, Phi-3, Gemma 2 / 3 and the LLaVA family, registered lazily by Hugging Face name.
 
 Only strings are registered, so loading this plugin imports neither torch nor the model code.
 """
@@ -10,6 +10,8 @@ from rxf.core.hookspecs import RegisterFactory, hookimpl
 _LLAMA = "rxf.plugins.models.llama"
 _MIXTRAL = "rxf.plugins.models.mixtral"
 _LLAVA = "rxf.plugins.models.llava"
+_GPT_OSS = "rxf.plugins.models.gpt_oss"
+_PHI3 = "rxf.plugins.models.phi3"
 _GEMMA = "rxf.plugins.models.gemma"
 _GEMMA3_MM = "rxf.plugins.models.gemma3_mm"
 
@@ -20,9 +22,11 @@ def rxf_register_models(register: RegisterFactory) -> None:
     register("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
     register("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
     register("MixtralForCausalLM", f"{_MIXTRAL}:MixtralForCausalLM")
+    register("Phi3ForCausalLM", f"{_PHI3}:Phi3ForCausalLM")
     register("Gemma2ForCausalLM", f"{_GEMMA}:Gemma2ForCausalLM")
     register("Gemma3ForCausalLM", f"{_GEMMA}:Gemma3ForCausalLM")
     register("Gemma3ForConditionalGeneration", f"{_GEMMA3_MM}:Gemma3ForConditionalGeneration")
     register("LlavaForConditionalGeneration", f"{_LLAVA}:LlavaForConditionalGeneration")
     register("LlavaNextForConditionalGeneration", f"{_LLAVA}:LlavaNextForConditionalGeneration")
     register("LlavaOnevisionForConditionalGeneration", f"{_LLAVA}:LlavaOnevisionForConditionalGeneration")
+    register("GptOssForCausalLM", f"{_GPT_OSS}:GptOssForCausalLM")

@@ -30,6 +30,7 @@ from rxf.plugins.models.layers import (
     rope_parameters,
 )
 from rxf.plugins.models.layers.gemv import decode_gemv
+from rxf.plugins.models.layers.rotary import supported_context_length
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +114,12 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
         sliding_window: int | None = None,
+        attn_cls: type[LlamaAttention] = LlamaAttention,
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, rotary_emb, dtype, sliding_window)
+        self.self_attn = attn_cls(config, layer_id, qkv_bias, rotary_emb, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = mlp_cls(config, dtype)  # the feed-forward block: dense, or mixture of experts
 
@@ -143,17 +145,20 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP,
         sliding_windows: list[int | None] | None = None,
+        attn_cls: type[LlamaAttention] = LlamaAttention,
+        context_length: int | None = None,
     ) -> None:
-        """`sliding_windows[i]`: layer i's window (None: full attention; default: none anywhere)."""
+        """`sliding_windows[i]`: layer i's window (None: full attention; default: none anywhere);
+        `context_length`: the longest sequence served (default: the checkpoint's)."""
         super().__init__()
         windows = sliding_windows or [None] * config.num_hidden_layers
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        # cos/sin for every position: e.g. 131072 x 128 per table for Llama 3.1, so built once.
+        # cos/sin for every position served: e.g. 131072 x 128 per table for Llama 3.1, so built once.
         rotary_emb = RotaryEmbedding(
-            head_dim_of(config), config.max_position_embeddings, rope_parameters(config), dtype
+            head_dim_of(config), context_length or supported_context_length(config), rope_parameters(config), dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls, windows[i])
+            LlamaDecoderLayer(config, i, qkv_bias, rotary_emb, dtype, mlp_cls, windows[i], attn_cls)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -172,10 +177,10 @@ class LlamaModel(nn.Module):
         return x, residual
 
 
-def _effective_window(window: int | None, config: Any) -> int | None:
-    """A window that covers every position the model can see is no window (None keeps backends on
-    their plain path)."""
-    if window is None or int(window) >= config.max_position_embeddings:
+def _effective_window(window: int | None, served: int) -> int | None:
+    """A window that covers every position served (`served` tokens of context) is no window (None
+    keeps backends on their plain path)."""
+    if window is None or int(window) >= served:
         return None
     return int(window)
 
@@ -183,14 +188,22 @@ def _effective_window(window: int | None, config: Any) -> int | None:
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False  # Llama and Mistral: bias only when `attention_bias` says so
     mlp_cls: Callable[[Any, torch.dtype], nn.Module] = LlamaMLP  # each layer's feed-forward block
+    attn_cls: type[LlamaAttention] = LlamaAttention  # each layer's attention block
 
-    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
+    @classmethod
+    def max_context_length(cls, config: Any) -> int:
+        """The longest context this checkpoint serves (its rope scaling may extend
+        max_position_embeddings); the runner then builds the model with `context_length=`."""
+        return supported_context_length(config)
+
+    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.config = config
         qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
-        windows = [_effective_window(w, config) for w in self.sliding_windows(config)]
-        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls, windows)
+        served = context_length or supported_context_length(config)
+        windows = [_effective_window(w, served) for w in self.sliding_windows(config)]
+        self.model = LlamaModel(config, qkv_bias, dtype, self.mlp_cls, windows, self.attn_cls, served)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)
         if self.tie_word_embeddings:

@@ -14,9 +14,12 @@ pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13
    `block_expert[b]` is the expert of rows [b * BLOCK_M, (b + 1) * BLOCK_M) (clamped to E - 1 past
    total). capacity = P + min(P, E) * (BLOCK_M - 1) >= total: at most min(P, E) experts have pairs,
    each padding at most BLOCK_M - 1 rows. The grid is sized by capacity, known on the host.
-2. `_gate_up_kernel`: act[row] = silu(x[token] @ gate_e^T) * (x[token] @ up_e^T) for every row of
-   the sorted order (padding rows: zeros), float32 accumulation, one rounding to x.dtype.
-3. `_down_kernel`: y[pair] = topk_weight[pair] * (act[row] @ down_e^T), float32, for the real rows.
+2. `_gate_up_kernel`: act[row] = act(x[token] @ gate_e^T + b_gate_e, x[token] @ up_e^T + b_up_e) for
+   every row of the sorted order (padding rows read zeros for x; their results are dropped), float32
+   accumulation, one rounding to x.dtype; act is `moe.GatedActivation` (SiLU·up, or gpt-oss's
+   clamped form), the biases only where the experts have them.
+3. `_down_kernel`: y[pair] = topk_weight[pair] * (act[row] @ down_e^T + b_down_e), float32, for the
+   real rows.
 4. The top-k sum `y.view(T, k, H).sum(1)`, in float32, cast to x.dtype: a fixed order of additions
    (no atomics), so results do not depend on scheduling.
 """
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from rxf.plugins.models.layers.moe import SILU, GatedActivation
 
 
 @dataclass(frozen=True)
@@ -121,10 +126,11 @@ def _tile(pid, num_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _gate_up_kernel(
-    X, W13, Act, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
-    stride_xt, stride_we, stride_wn, stride_at,
+    X, W13, B13, Act, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
+    stride_xt, stride_we, stride_wn, stride_be, stride_at,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
 ):
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(Total):
@@ -156,17 +162,24 @@ def _gate_up_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    if HAS_BIAS:  # B13[e] is [gate | up], like W13[e]'s rows
+        bias_ptrs = B13 + expert * stride_be + cols
+        acc_gate += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias_ptrs + N, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_LIMIT:
+        acc_gate = tl.minimum(acc_gate, LIMIT)
+        acc_up = tl.minimum(tl.maximum(acc_up, -LIMIT), LIMIT)
+    act = (acc_up + UP_OFFSET) * (acc_gate * tl.sigmoid(acc_gate * ALPHA))
     out_ptrs = Act + rows[:, None].to(tl.int64) * stride_at + cols[None, :]
     tl.store(out_ptrs, act.to(Act.dtype.element_ty), mask=col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _down_kernel(
-    Act, W2, Y, TopkWeights, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
-    stride_at, stride_we, stride_wn, stride_yp,
+    Act, W2, B2, Y, TopkWeights, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
+    stride_at, stride_we, stride_wn, stride_be, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(Total):
@@ -191,6 +204,8 @@ def _down_kernel(
             acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(TopkWeights + pairs, mask=real, other=0.0)[:, None]
     y_ptrs = Y + pairs[:, None].to(tl.int64) * stride_yp + cols[None, :]
     tl.store(y_ptrs, acc, mask=real[:, None] & col_ok[None, :])
@@ -203,9 +218,14 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: BlockConfig | None = None,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: GatedActivation = SILU,
 ) -> torch.Tensor:
     """Same contract as `moe.experts_native`: `[T, H]` in x.dtype, the routing-weighted sum of each
-    token's top-k experts. x, w13 and w2 share a dtype; the weights' last dimension is contiguous."""
+    token's top-k experts. x, w13 and w2 share a dtype; the weights' last dimension is contiguous;
+    the biases are both given or neither."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
@@ -213,6 +233,11 @@ def fused_experts(
         return torch.zeros_like(x)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_experts needs expert weights with a contiguous last dimension")
+    if (b13 is None) != (b2 is None):
+        raise ValueError("fused_experts takes both expert biases or neither")
+    has_bias = b13 is not None
+    if has_bias and (b13.stride(-1) != 1 or b2.stride(-1) != 1):
+        raise ValueError("fused_experts needs expert biases with a contiguous last dimension")
     x = x.contiguous()
     num_pairs = num_tokens * top_k
     cfg = config or pick_config(num_pairs, num_experts, x.element_size())
@@ -224,12 +249,17 @@ def fused_experts(
     down_n = cfg.down_block_n or cfg.block_n
     common = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m,
               "IEEE": x.dtype == torch.float32, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    # Without biases the bias pointers are the weights (never read: HAS_BIAS prunes the loads).
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, cfg.block_n),)](
-        x, w13, act, sorted_pairs, block_expert, total, num_pairs, num_blocks, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=cfg.block_n, **common,
+        x, w13, b13 if has_bias else w13, act, sorted_pairs, block_expert, total, num_pairs, num_blocks,
+        inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if has_bias else 0,
+        act.stride(0), TOP_K=top_k, BLOCK_N=cfg.block_n, HAS_BIAS=has_bias,
+        ALPHA=float(activation.alpha), HAS_LIMIT=activation.limit is not None,
+        LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), **common,
     )
     _down_kernel[(num_blocks * triton.cdiv(hidden, down_n),)](
-        act, w2, y, weights, sorted_pairs, block_expert, total, num_pairs, num_blocks, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_N=down_n, **common,
+        act, w2, b2 if has_bias else w2, y, weights, sorted_pairs, block_expert, total, num_pairs, num_blocks,
+        hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0,
+        y.stride(0), BLOCK_N=down_n, HAS_BIAS=has_bias, **common,
     )
     return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

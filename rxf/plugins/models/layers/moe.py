@@ -9,11 +9,17 @@ expert and projection; the loaders take the full tensor with shard id `(expert, 
 gate (w1) and down (w2), 1 for up (w3), and copy this rank's slice. Expert parallelism (whole
 experts per rank) is not implemented.
 
+Optional per-expert biases (gpt-oss): `w13.bias` `[E, 2 * I_rank]` split like w13's rows, and
+`w2.bias` `[E, H]`, which only rank 0 holds (the others hold zeros) so that the all-reduce adds it
+once. The activation is a `GatedActivation`: SiLU·up by default, gpt-oss's clamped form otherwise.
+
 Forward: on CUDA, the Triton kernels of `fused_moe` (imported on first use: plugins touch no kernel
 library at import); elsewhere `experts_native`, which is also their reference in the tests.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +41,36 @@ def select_experts(
     return weights, ids
 
 
+@dataclass(frozen=True)
+class GatedActivation:
+    """`act(gate, up) = (u + up_offset) * g * sigmoid(alpha * g)`, with g = min(gate, limit) and
+    u = clamp(up, -limit, limit) when `limit` is set. The default is SiLU(gate) * up (Mixtral, Qwen);
+    gpt-oss uses alpha 1.702, limit 7 and up_offset 1 (its `swiglu_alpha` / `swiglu_limit`)."""
+
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self == SILU:
+            return F.silu(gate) * up
+        if self.limit is not None:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+        return (up + self.up_offset) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = GatedActivation()
+
+
 def experts_native(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, activation: GatedActivation = SILU,
 ) -> torch.Tensor:
-    """`sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` with e = topk_ids[t, j],
-    in torch: the (token, expert) pairs sorted by expert, one pair of matmuls per expert that has
-    pairs (a Python loop over experts, never over tokens), and an index_add back to the tokens."""
+    """`sum_j topk_weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t)))` with e = topk_ids[t, j], each
+    projection with expert e's bias when `b13` `[E, 2I]` / `b2` `[E, H]` are given, in torch: the
+    (token, expert) pairs sorted by expert, one pair of matmuls per expert that has pairs (a Python
+    loop over experts, never over tokens), and an index_add back to the tokens."""
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     if x.shape[0] == 0:
         return torch.zeros_like(x)
@@ -51,29 +81,38 @@ def experts_native(
     outs = []
     for e, rows in enumerate(x[tokens].split(counts)):
         if rows.shape[0]:
-            gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, w2[e]))
+            gate, up = F.linear(rows, w13[e], None if b13 is None else b13[e]).chunk(2, dim=-1)
+            outs.append(F.linear(activation(gate, up), w2[e], None if b2 is None else b2[e]))
     y = torch.cat(outs) * topk_weights.reshape(-1)[order, None]
     return torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y).to(x.dtype)
 
 
 class StackedExpertWeight(nn.Module):
-    """One projection of every expert, `weight[E, rows, cols]`, this rank's slice of it.
+    """One projection of every expert, `weight[E, rows, cols]`, this rank's slice of it, and with
+    `bias` its per-expert bias `[E, rows]`.
 
-    Checkpoint shard `(e, j)` is expert e's full `[out, in]` tensor: its slice at this rank along
-    `split_dim` (0: output rows, 1: input columns) fills part j of `weight[e]` along that dimension.
+    Checkpoint shard `(e, j)` is expert e's full `[out, in]` tensor (or `[out]` bias): its slice at
+    this rank along `split_dim` (0: output rows, 1: input columns) fills part j of `weight[e]` along
+    that dimension. A bias follows the rows when they are split; when the columns are (the output is
+    a partial sum), rank 0 holds the whole bias and every other rank zeros.
     """
 
     def __init__(
         self, num_experts: int, rows: int, cols: int, split_dim: int, parts: int, tp: tuple[int, int],
-        dtype: torch.dtype | None,
+        dtype: torch.dtype | None, bias: bool = False,
     ) -> None:
         super().__init__()
         self.split_dim, self.parts = split_dim, parts
         self.tp_size, self.tp_rank = tp
+        shard_ids = tuple((e, j) for e in range(num_experts) for j in range(parts))
         self.weight = nn.Parameter(torch.empty(num_experts, rows, cols, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.weight.shard_ids = tuple((e, j) for e in range(num_experts) for j in range(parts))
+        self.weight.shard_ids = shard_ids
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_experts, rows, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.bias_loader
+            self.bias.shard_ids = shard_ids
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
         expert, j = shard_id
@@ -85,10 +124,26 @@ class StackedExpertWeight(nn.Module):
                              f"x tp_size {self.tp_size} along dim {self.split_dim}")
         copy_weight(dst, loaded.narrow(self.split_dim, self.tp_rank * n, n), what)
 
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+        expert, j = shard_id
+        n = param.shape[1] // self.parts
+        dst = param.data[expert].narrow(0, j * n, n)
+        what = f"expert {expert} bias part {j}"
+        if self.split_dim == 1:  # unsplit output: a partial sum on every rank, the bias added once
+            copy_weight(dst, loaded, what)
+            if self.tp_rank:
+                dst.zero_()
+            return
+        if loaded.dim() != 1 or loaded.shape[0] != n * self.tp_size:
+            raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)} "
+                             f"x tp_size {self.tp_size}")
+        copy_weight(dst, loaded.narrow(0, self.tp_rank * n, n), what)
+
 
 class FusedExperts(nn.Module):
-    """Every expert's gated MLP (`down(silu(gate(x)) * up(x))`), this rank's share of it; the output
-    is a partial sum when tp_size > 1 (the caller all-reduces)."""
+    """Every expert's gated MLP (`down(act(gate(x), up(x)))`, each projection with its bias when
+    `bias`), this rank's share of it; the output is a partial sum when tp_size > 1 (the caller
+    all-reduces)."""
 
     def __init__(
         self,
@@ -96,6 +151,8 @@ class FusedExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         *,
+        bias: bool = False,
+        activation: GatedActivation = SILU,
         tp_size: int | None = None,
         tp_rank: int | None = None,
         dtype: torch.dtype | None = None,
@@ -108,12 +165,14 @@ class FusedExperts(nn.Module):
         if intermediate_size % tp[0]:
             raise ValueError(f"intermediate_size {intermediate_size} is not divisible by tp_size {tp[0]}")
         inter = intermediate_size // tp[0]
-        self.w13 = StackedExpertWeight(num_experts, 2 * inter, hidden_size, 0, 2, tp, dtype)
-        self.w2 = StackedExpertWeight(num_experts, hidden_size, inter, 1, 1, tp, dtype)
+        self.activation = activation
+        self.w13 = StackedExpertWeight(num_experts, 2 * inter, hidden_size, 0, 2, tp, dtype, bias)
+        self.w2 = StackedExpertWeight(num_experts, hidden_size, inter, 1, 1, tp, dtype, bias)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        extra = {"b13": self.w13.bias, "b2": self.w2.bias, "activation": self.activation}
         if x.is_cuda:
             from rxf.plugins.models.layers.fused_moe import fused_experts
 
-            return fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
-        return experts_native(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
+            return fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids, **extra)
+        return experts_native(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids, **extra)
