@@ -17,6 +17,7 @@ from transformers import AutoConfig
 from rxf.plugins.models.layers.norm import GemmaRMSNorm
 from rxf.plugins.models.layers.rotary import rope_parameters
 from rxf.testing import make_tiny_checkpoint
+from rxf.testing.model_harness import ModelHarness
 from rxf.testing.model_parity import check_logits, check_runtime_greedy
 from rxf.testing.reference import HFReference
 
@@ -55,6 +56,16 @@ def test_logits_match_transformers(checkpoint) -> None:
 def test_runtime_greedy_matches_transformers(checkpoint) -> None:
     path, ref = checkpoint
     check_runtime_greedy(path, PROMPTS, chunk=8, new_tokens=24, reference=ref)
+
+
+@pytest.mark.parametrize(("context", "windows"), [(64, [16]), (16, [None])])
+def test_served_context_sizes_rope_tables_and_windows(checkpoint, context, windows) -> None:
+    """`model.context_length` sizes every rotary table; a window covering the whole context is none."""
+    model = ModelHarness(checkpoint[0], **{"model.context_length": context}).runner.model
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert {a.rotary_emb.cos_cache.shape[0] for a in attn} == {context}
+    local = [a.attn.sliding_window for a, t in zip(attn, model.config.layer_types, strict=True) if t == "sliding_attention"]
+    assert set(local) == set(windows)
 
 
 def test_gemma_rmsnorm_rounds_like_transformers() -> None:

@@ -39,7 +39,8 @@ from rxf.plugins.models.layers import (
 from rxf.plugins.models.layers.activation import GeluTanhAndMul
 from rxf.plugins.models.layers.bidirectional_blocks import BidirectionalBlocks
 from rxf.plugins.models.layers.norm import GemmaRMSNorm
-from rxf.plugins.models.llama import _STACKED, head_dim_of
+from rxf.plugins.models.layers.rope_scaling import scaled_context_length
+from rxf.plugins.models.llama import _STACKED, _effective_window, head_dim_of
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class GemmaMLP(nn.Module):
 class GemmaAttention(nn.Module):
     def __init__(
         self, config: Any, layer_id: int, rotary_emb: RotaryEmbedding, dtype: torch.dtype, *,
-        qk_norm: bool, logit_cap: float | None,
+        qk_norm: bool, logit_cap: float | None, served: int,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim = head_dim_of(config)
@@ -100,7 +101,7 @@ class GemmaAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             head_dim,
             config.query_pre_attn_scalar**-0.5,
-            sliding_window=config.sliding_window if local else None,
+            sliding_window=_effective_window(config.sliding_window, served) if local else None,
             logit_cap=logit_cap,
         )
         self.qkv_proj.use_decode_gemv("qkv_proj")
@@ -147,30 +148,32 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-def _rotary_by_layer_type(config: Any, dtype: torch.dtype) -> dict[str, RotaryEmbedding]:
-    """One rotary table per distinct rope setting (its cos/sin cover every position), shared by the
-    layer types that use it."""
+def _rotary_by_layer_type(config: Any, dtype: torch.dtype, served: int) -> dict[str, RotaryEmbedding]:
+    """One rotary table per distinct rope setting (its cos/sin cover every position served), shared
+    by the layer types that use it."""
     tables: dict[str, RotaryEmbedding] = {}
     by_params: dict[str, RotaryEmbedding] = {}
     for layer_type in dict.fromkeys(config.layer_types):
         params = rope_parameters(config, layer_type)
         key = repr(sorted(params.items()))
         if key not in by_params:
-            by_params[key] = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, params, dtype)
+            by_params[key] = RotaryEmbedding(head_dim_of(config), served, params, dtype)
         tables[layer_type] = by_params[key]
     return tables
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, **attn: Any) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, served: int, **attn: Any) -> None:
+        """`served`: the longest sequence served (rotary tables; a window that covers it is none)."""
         super().__init__()
         unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
         if unknown:
             raise NotImplementedError(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
         self.embed_tokens = GemmaScaledEmbedding(config.vocab_size, config.hidden_size, dtype)
-        rotary = _rotary_by_layer_type(config, dtype)
+        rotary = _rotary_by_layer_type(config, dtype, served)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, rotary[t], dtype, **attn) for i, t in enumerate(config.layer_types)
+            GemmaDecoderLayer(config, i, rotary[t], dtype, served=served, **attn)
+            for i, t in enumerate(config.layer_types)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -191,14 +194,23 @@ class Gemma2ForCausalLM(nn.Module):
     qk_norm = False  # Gemma 3 normalises q and k per head
     caps_attention = True  # Gemma 2 soft-caps attention scores (attn_logit_softcapping)
 
-    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
+    @classmethod
+    def max_context_length(cls, config: Any) -> int:
+        """The longest context the rope of every layer type is made for (see llama.py)."""
+        return min(
+            scaled_context_length(rope_parameters(config, t), int(config.max_position_embeddings))
+            for t in set(config.layer_types)
+        )
+
+    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         if getattr(config, "use_bidirectional_attention", False):
             raise NotImplementedError("use_bidirectional_attention (an embedding model, not a decoder) is not supported")
         self.config = config
         cap = getattr(config, "attn_logit_softcapping", None) if self.caps_attention else None
-        self.model = GemmaModel(config, dtype, qk_norm=self.qk_norm, logit_cap=cap)
+        served = context_length or self.max_context_length(config)
+        self.model = GemmaModel(config, dtype, served, qk_norm=self.qk_norm, logit_cap=cap)
         self.final_logit_cap = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.lm_head = LogitsHead(config.vocab_size, config.hidden_size, dtype=dtype)

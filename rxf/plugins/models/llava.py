@@ -73,13 +73,21 @@ class Projector(nn.Module):
 class LlavaForConditionalGeneration(nn.Module):
     projector_cls: type[nn.Module] = Projector  # vision features -> text embeddings: `cls(config, dtype)`
 
-    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
+    @classmethod
+    def max_context_length(cls, config: Any) -> int:
+        """The language model's (see llama.py), or its max_position_embeddings."""
+        supported = getattr(_language_model_class(config.text_config), "max_context_length", None)
+        return supported(config.text_config) if supported else int(config.text_config.max_position_embeddings)
+
+    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.config = config
         self.vision_tower = AutoModel.from_config(config.vision_config, dtype=dtype)
         self.multi_modal_projector = self.projector_cls(config, dtype)
-        self.language_model = _language_model_class(config.text_config)(config.text_config, dtype=dtype)
+        lm_cls = _language_model_class(config.text_config)
+        served = {"context_length": context_length} if hasattr(lm_cls, "max_context_length") else {}
+        self.language_model = lm_cls(config.text_config, dtype=dtype, **served)
         self.feature_cache = FeatureCache()
         self.vision_encodes = 0  # vision tower calls so far (observability; tests assert on it)
 
@@ -173,8 +181,8 @@ class LlavaForConditionalGeneration(nn.Module):
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     """Anyres images: tiles of the best grid resolution, unpadded, with a newline per row."""
 
-    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
-        super().__init__(config, dtype)
+    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
+        super().__init__(config, dtype, context_length)
         dtype = dtype or torch.get_default_dtype()
         self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size, dtype=dtype))
         self.max_tiles = anyres_limit(config)
