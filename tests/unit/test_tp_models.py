@@ -1,4 +1,4 @@
-"""Tensor parallelism at the model level (Llama family, Mixtral, Phi-3, gpt-oss): two gloo ranks (spawned processes, one thread each) run
+"""Tensor parallelism at the model level (Llama family, Mixtral, Phi-3, gpt-oss, Gemma 3): two gloo ranks (spawned processes, one thread each) run
 the same greedy batch as one process, and must produce the same tokens and logits.
 
 The one-rank run is itself checked against transformers in test_models.py; here the reference is
@@ -32,6 +32,10 @@ VARIANTS = {
     "gpt-oss": ("GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
                                       "layer_types": ["sliding_attention", "full_attention"],
                                       "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}}),
+    # Per-head q/k norms replicated, scaled embeddings all-reduced, a local window of 4 on layer 0
+    # (init 0.08: with sqrt(hidden)-scaled embeddings a larger one repeats one token).
+    "gemma3": ("Gemma3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True, "sliding_window": 4,
+                                     "initializer_range": 0.08, "layer_types": ["sliding_attention", "full_attention"]}),
 }
 
 

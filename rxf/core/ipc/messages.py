@@ -38,6 +38,9 @@ class MultimodalItem(msgspec.Struct, array_like=True):
     offset: int
     length: int
     data: dict[str, Any] = {}
+    # Its tokens attend to each other both ways (Gemma 3 images): a prefill chunk never ends inside it
+    # (`Req.chunk_len`), so the model computes its attention with the whole item present.
+    bidirectional: bool = False
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def admit(
         res = kv.reserve(req, limit)
         extend_len = req.seq_len - res.prefix_len
         if chunk_size is not None and not req.wants_prompt_logprobs():
-            extend_len = min(extend_len, chunk_size)
+            extend_len = req.chunk_len(res.prefix_len, min(extend_len, chunk_size))
         future = _future_tokens(req)
         # With nothing else running, the first request only needs room for its prompt: waiting
         # for room it can never get would stall the queue (it may later end "length" if it outgrows

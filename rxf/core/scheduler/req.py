@@ -128,6 +128,16 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - self.generated, 0)
 
+    def chunk_len(self, start: int, n: int) -> int:
+        """The length of a prefill chunk [start, start + n) moved so that it ends outside every
+        bidirectional multimodal item: before an item it would cut (when the chunk starts before
+        it), else at the item's end (a chunk may then exceed the chunk size by up to one item)."""
+        for item in self.prepared.mm_items or ():
+            lo, hi = item.offset, item.offset + item.length
+            if item.bidirectional and lo < start + n < hi:
+                return lo - start if lo > start else hi - start
+        return n
+
     def wants_prompt_logprobs(self) -> bool:
         o = self.options
         return o.return_logprob and o.logprob_start_len >= 0 and self.input_logprobs is None

@@ -260,7 +260,7 @@ class Scheduler:
         chunk = self.chunk_size or self.sc.max_prefill_tokens
         # (A prompt whose last chunk is in flight without sampling, max_new_tokens 0, has none left.)
         for req in [r for r in self.running if not r.decoding and r.kv_len < r.seq_len]:
-            n = min(chunk, req.seq_len - req.kv_len)
+            n = req.chunk_len(req.kv_len, min(chunk, req.seq_len - req.kv_len))
             kv_len = req.kv_len
             slots = self.kv.grow(req, n)
             if slots is None:

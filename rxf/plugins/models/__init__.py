@@ -1,4 +1,4 @@
-"""Builtin model plugin: Llama-family architectures, Mixtral, Phi-3 and the LLaVA family, registered lazily by Hugging Face name.
+"""Builtin model plugin: Llama-family architectures, Mixtral, Phi-3, Gemma 2 / 3 and the LLaVA family, registered lazily by Hugging Face name.
 
 Only strings are registered, so loading this plugin imports neither torch nor the model code.
 """
@@ -14,6 +14,8 @@ _GPT_OSS = "rxf.plugins.models.gpt_oss"
 _PHI3 = "rxf.plugins.models.phi3"
 _QWEN3 = "rxf.plugins.models.qwen3"
 _QWEN3_MOE = "rxf.plugins.models.qwen3_moe"
+_GEMMA = "rxf.plugins.models.gemma"
+_GEMMA3_MM = "rxf.plugins.models.gemma3_mm"
 
 
 @hookimpl
@@ -25,6 +27,9 @@ def rxf_register_models(register: RegisterFactory) -> None:
     register("Phi3ForCausalLM", f"{_PHI3}:Phi3ForCausalLM")
     register("Qwen3ForCausalLM", f"{_QWEN3}:Qwen3ForCausalLM")
     register("Qwen3MoeForCausalLM", f"{_QWEN3_MOE}:Qwen3MoeForCausalLM")
+    register("Gemma2ForCausalLM", f"{_GEMMA}:Gemma2ForCausalLM")
+    register("Gemma3ForCausalLM", f"{_GEMMA}:Gemma3ForCausalLM")
+    register("Gemma3ForConditionalGeneration", f"{_GEMMA3_MM}:Gemma3ForConditionalGeneration")
     register("LlavaForConditionalGeneration", f"{_LLAVA}:LlavaForConditionalGeneration")
     register("LlavaNextForConditionalGeneration", f"{_LLAVA}:LlavaNextForConditionalGeneration")
     register("LlavaOnevisionForConditionalGeneration", f"{_LLAVA}:LlavaOnevisionForConditionalGeneration")

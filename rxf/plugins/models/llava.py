@@ -31,7 +31,17 @@ from rxf.plugins.models.llava_features import (
 logger = logging.getLogger(__name__)
 
 # Text configs written without `architectures` (common in LLaVA checkpoints) name their model type.
-_LM_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_LM_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+# Released checkpoints name the tower's tensors `vision_tower.vision_model.*`; transformers 5's
+# CLIP / SigLIP vision models hold them without the `vision_model.` level (it renames on load).
+_HUB_TOWER = "vision_tower.vision_model."
 
 
 def _language_model_class(text_config: Any) -> type[nn.Module]:
@@ -61,13 +71,23 @@ class Projector(nn.Module):
 
 
 class LlavaForConditionalGeneration(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
+    projector_cls: type[nn.Module] = Projector  # vision features -> text embeddings: `cls(config, dtype)`
+
+    @classmethod
+    def max_context_length(cls, config: Any) -> int:
+        """The language model's (see llama.py), or its max_position_embeddings."""
+        supported = getattr(_language_model_class(config.text_config), "max_context_length", None)
+        return supported(config.text_config) if supported else int(config.text_config.max_position_embeddings)
+
+    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.config = config
         self.vision_tower = AutoModel.from_config(config.vision_config, dtype=dtype)
-        self.multi_modal_projector = Projector(config, dtype)
-        self.language_model = _language_model_class(config.text_config)(config.text_config, dtype=dtype)
+        self.multi_modal_projector = self.projector_cls(config, dtype)
+        lm_cls = _language_model_class(config.text_config)
+        served = {"context_length": context_length} if hasattr(lm_cls, "max_context_length") else {}
+        self.language_model = lm_cls(config.text_config, dtype=dtype, **served)
         self.feature_cache = FeatureCache()
         self.vision_encodes = 0  # vision tower calls so far (observability; tests assert on it)
 
@@ -102,7 +122,7 @@ class LlavaForConditionalGeneration(nn.Module):
             else:
                 missing.setdefault(item.hash, item)
         if missing:
-            device = self.multi_modal_projector.linear_1.weight.device
+            device = self.vision_tower.device
             tiles = [self.tiles(item) for item in missing.values()]
             projected = self._select(torch.cat(tiles).to(device, non_blocking=True))
             for item, part in zip(missing.values(), projected.split([t.shape[0] for t in tiles]), strict=True):
@@ -126,7 +146,7 @@ class LlavaForConditionalGeneration(nn.Module):
 
     # ---- weights ----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hugging Face names, old (`language_model.model.*`, `vision_tower.*`) or new
+        """Hugging Face names, old (`language_model.model.*`, `vision_tower.vision_model.*`) or new
         (`model.language_model.*`, `model.vision_tower.*`): vision parts load here, the rest goes to
         the language model's own loader under its causal-LM names."""
         own = {n: p for n, p in self.named_parameters() if not n.startswith("language_model.")}
@@ -141,6 +161,8 @@ class LlavaForConditionalGeneration(nn.Module):
                     yield name.removeprefix("language_model."), tensor
                     continue
                 name = name.removeprefix("model.")
+                if name not in own and name.startswith(_HUB_TOWER):
+                    name = "vision_tower." + name.removeprefix(_HUB_TOWER)
                 if name in own:
                     if own[name].shape != tensor.shape:
                         raise ValueError(f"cannot load {name}: shape {tuple(tensor.shape)} != {tuple(own[name].shape)}")
@@ -159,8 +181,8 @@ class LlavaForConditionalGeneration(nn.Module):
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     """Anyres images: tiles of the best grid resolution, unpadded, with a newline per row."""
 
-    def __init__(self, config: Any, dtype: torch.dtype | None = None) -> None:
-        super().__init__(config, dtype)
+    def __init__(self, config: Any, dtype: torch.dtype | None = None, context_length: int | None = None) -> None:
+        super().__init__(config, dtype, context_length)
         dtype = dtype or torch.get_default_dtype()
         self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size, dtype=dtype))
         self.max_tiles = anyres_limit(config)

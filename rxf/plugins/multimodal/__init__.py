@@ -10,6 +10,7 @@ from __future__ import annotations
 from rxf.core.hookspecs import RegisterFactory, hookimpl
 
 _LLAVA = "rxf.plugins.multimodal.llava:LlavaProcessor"
+_GEMMA3 = "rxf.plugins.multimodal.gemma3:Gemma3Processor"
 
 
 @hookimpl
@@ -20,3 +21,4 @@ def rxf_register_multimodal_processors(register: RegisterFactory) -> None:
         "LlavaOnevisionForConditionalGeneration",
     ):
         register(arch, _LLAVA)
+    register("Gemma3ForConditionalGeneration", _GEMMA3)

@@ -1,9 +1,10 @@
-"""Random-weight LLaVA-family checkpoints with their Hugging Face processors (tests, benchmarks).
+"""Random-weight multimodal checkpoints with their Hugging Face processors (tests, benchmarks).
 
 `make_llava_checkpoint(path, family)` writes config, weights, tokenizer (with `<image>` and `<video>`
 tokens and a chat template that places them) and the processor, all through transformers'
-`save_pretrained`, so transformers and rxf load the very same directory. Sizes default to tiny
-(CPU tests); the benchmark passes production shapes.
+`save_pretrained`, so transformers and rxf load the very same directory; `make_gemma3_checkpoint`
+does the same for Gemma 3 (`<start_of_image>` in the prompt). Sizes default to tiny (CPU tests);
+the benchmark passes production shapes.
 """
 
 from __future__ import annotations
@@ -127,5 +128,61 @@ def make_llava_checkpoint(
                 param.normal_(0.0, 1.0)
     model.to(dtype).save_pretrained(path)
     _processor(family, tokenizer, config, pinpoints).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+GEMMA3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("'<image>\\n'", "'<start_of_image>'")
+# 56 px / 7 px patches: an 8x8 patch grid, pooled 2x2 into mm_tokens_per_image = 16 tokens.
+GEMMA3_VISION = {**TINY_VISION, "image_size": 56, "vision_use_head": False}
+# initializer_range 0.08: Gemma scales embeddings by sqrt(hidden), and at the tiny default (0.25) the
+# newest token's embedding drowns its context (greedy tokens repeat one id).
+GEMMA3_TEXT = {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16, "tie_word_embeddings": True,
+               "layer_types": ["sliding_attention", "full_attention"], "initializer_range": 0.08}
+
+
+def make_gemma3_checkpoint(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    mm_tokens_per_image: int = 16,
+) -> Path:
+    """Write a random Gemma3ForConditionalGeneration checkpoint (SigLIP tower, Gemma 3 text model)
+    with its Gemma3Processor into `path`."""
+    import transformers as tf
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    base = make_tiny_tokenizer(int(TINY_DEFAULTS["vocab_size"]))
+    base.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer, bos_token=base.bos_token, eos_token=base.eos_token,
+        pad_token=base.pad_token, chat_template=GEMMA3_CHAT_TEMPLATE, extra_special_tokens=GEMMA3_TOKENS,
+    )
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in GEMMA3_TOKENS.items()}
+    text_cfg = AutoConfig.for_model("gemma3_text", **{
+        **TINY_DEFAULTS, **GEMMA3_TEXT, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id, "pad_token_id": tokenizer.pad_token_id, **(text or {})})
+    vision_cfg = AutoConfig.for_model("siglip_vision_model", **{**GEMMA3_VISION, **(vision or {})})
+    config = AutoConfig.for_model(
+        "gemma3", architectures=["Gemma3ForConditionalGeneration"], text_config=text_cfg.to_dict(),
+        vision_config=vision_cfg.to_dict(), mm_tokens_per_image=mm_tokens_per_image,
+        boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+        tie_word_embeddings=text_cfg.tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    randomize_biases_and_norms(model)
+    with torch.no_grad():  # transformers initialises the projection to zeros: images would not matter
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 1.0)
+    model.to(dtype).save_pretrained(path)
+    side = vision_cfg.image_size
+    images = tf.Gemma3ImageProcessorPil(size={"height": side, "width": side})
+    tf.Gemma3Processor(images, tokenizer, image_seq_length=mm_tokens_per_image).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

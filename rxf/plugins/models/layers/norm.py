@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm transformer."""
+"""RMSNorm (Llama's and Gemma's), optionally fused with the residual add that precedes it in a
+pre-norm transformer."""
 
 from __future__ import annotations
 
@@ -22,15 +23,21 @@ class RMSNorm(nn.Module):
     hand both over and keep only the returned tensors.
     """
 
+    # flashinfer.norm's kernels for this norm: alone, and fused with the residual add.
+    fused_kernels = ("rmsnorm", "fused_add_rmsnorm")
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    def _normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) in float32."""
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self._normalized(x).to(x.dtype)
 
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -46,9 +53,25 @@ class RMSNorm(nn.Module):
         fi = flashinfer_for(x)
         if fi is None or x.dim() != 2 or not x.is_contiguous():
             return self.forward_native(x, residual)
+        alone, with_add = (getattr(fi.norm, name) for name in self.fused_kernels)
         if residual is None:
-            return fi.norm.rmsnorm(x, self.weight, self.eps)
+            return alone(x, self.weight, self.eps)
         if not residual.is_contiguous() or residual.dtype != x.dtype:
             return self.forward_native(x, residual)
-        fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
+        with_add(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
         return x, residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: `x / rms(x) * (1 + weight)`, all of it in float32 and cast back to the input
+    dtype once at the end (Hugging Face Gemma's order: it differs from Llama's, which casts before
+    the weight multiply). Checkpoints store `weight` around 0, not 1.
+
+    The residual variant and the in-place contract of the fused CUDA path are `RMSNorm`'s
+    (flashinfer's gemma_rmsnorm / gemma_fused_add_rmsnorm add the 1 themselves).
+    """
+
+    fused_kernels = ("gemma_rmsnorm", "gemma_fused_add_rmsnorm")
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._normalized(x) * (1.0 + self.weight.float())).to(x.dtype)

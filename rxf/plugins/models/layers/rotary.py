@@ -33,17 +33,25 @@ _TRAINED_LENGTH_TYPES = ("yarn", "dynamic", "longrope")
 _ORIGINAL_LENGTH_TYPES = ("yarn", "longrope", "llama3")
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The checkpoint's rope settings as one flat dict with at least `rope_type` and `rope_theta`;
     for yarn, dynamic and longrope also the checkpoint's `max_position_embeddings`, and
     `original_max_position_embeddings` where the type uses it.
 
     transformers 5 keeps them in `config.rope_parameters`; older configs have `rope_theta` plus an
     optional `rope_scaling` dict (whose type key was once spelled `type`, and longrope once `su`).
+    Models whose layer types rotate differently (Gemma 3: local layers at base 10k, global ones at
+    1M with linear scaling) hold one such dict per `layer_type` ("sliding_attention",
+    "full_attention"); transformers 5 builds them from older configs' `rope_local_base_freq`.
     """
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if any(isinstance(v, dict) for v in params.values()):
-        raise NotImplementedError(f"per-layer-type rope parameters are not supported: {params}")
+        if layer_type not in params:
+            raise ValueError(
+                f"rope parameters are given per layer type ({', '.join(sorted(params))}); "
+                f"layer type {layer_type!r} has none"
+            )
+        params = params[layer_type]
     out = dict(params)
     rope_type = out.get("rope_type") or out.pop("type", None) or "default"
     out["rope_type"] = "longrope" if rope_type == "su" else rope_type
