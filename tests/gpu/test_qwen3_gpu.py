@@ -114,7 +114,8 @@ def _routed(tokens: int, hidden: int, experts: int, top_k: int, seed: int):
     return x, weights, ids
 
 
-def _assert_like_torch_path(x, w13_32, w2_32, weights, ids, config: BlockConfig | None) -> None:
+def _assert_like_torch_path(x, weights, ids, w13_32, w2_32, config: BlockConfig | None) -> None:
+    """x, weights, ids as `_routed` returns them; float32 expert weights."""
     w13, w2 = w13_32.to(x.dtype), w2_32.to(x.dtype)
     ref = experts_native(x.float(), w13.float(), w2.float(), weights, ids)
     fused = fused_experts(x, w13, w2, weights, ids, config)

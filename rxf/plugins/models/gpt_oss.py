@@ -77,8 +77,10 @@ class GptOssMoE(nn.Module):
         self.router = ColumnParallelLinear(
             config.hidden_size, config.num_local_experts, bias=True, tp_size=1, tp_rank=0, dtype=dtype
         )
+        # Configs of transformers before 5.2x carry neither field: their modeling code fixed 1.702 and 7.0.
         activation = GatedActivation(
-            alpha=float(getattr(config, "swiglu_alpha", 1.702)), limit=float(config.swiglu_limit), up_offset=1.0
+            alpha=float(getattr(config, "swiglu_alpha", 1.702)), limit=float(getattr(config, "swiglu_limit", 7.0)),
+            up_offset=1.0,
         )
         self.experts = FusedExperts(
             config.num_local_experts, config.hidden_size, config.intermediate_size, bias=True,

@@ -26,6 +26,7 @@ import torch
 ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 MAX_ROWS = 8  # batch sizes the GEMV serves; the kernel's tile holds up to 16 rows
 ENV = "RXF_GEMV"
+_HALF = (torch.bfloat16, torch.float16)
 _LABEL = re.compile(r"n(\d+)k(\d+)s(\d+)st(\d+)w(\d+)")
 # Programs wanted per SM when `triton` picks the split itself: enough weight tiles in flight.
 _PROGRAMS_PER_SM = 2
@@ -103,7 +104,11 @@ class DecodeGemv:
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(-1) == 1
+        # Half precision only: the settings are tuned (and sized for shared memory) for 2-byte tiles;
+        # a float32 model's tiles are twice as large (n64k256 with 4 stages needs 240 KB, over the
+        # H200's 227 KB) and its decode keeps cuBLAS.
+        return (x.is_cuda and x.dtype in _HALF and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+                and x.stride(-1) == 1)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from rxf.plugins.models.layers.gemv_kernel import gemv
