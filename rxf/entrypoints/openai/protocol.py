@@ -36,6 +36,10 @@ class _Request(BaseModel):
         return data
 
 
+# The strict base of request bodies, shared with the other APIs' protocols (rxf.entrypoints.anthropic).
+RequestModel = _Request
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 

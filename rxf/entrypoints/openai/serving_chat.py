@@ -193,6 +193,16 @@ def tool_parser(state: ServerState) -> ToolCallParser:
     return parser
 
 
+async def prepare_chat(request: Request, state: ServerState, body: ChatCompletionRequest) -> ChatPlan:
+    """`plan_chat` for a route's request: off the event loop when it decodes media or compiles a
+    grammar (a forced tool choice, an output constraint)."""
+    tm = state.require_ready()
+    has_media = tm.preparer.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
+    forced_tools = bool(body.tools) and body.tool_choice not in (None, "none", "auto")
+    slow = has_media or forced_tools or slow_to_plan(body)
+    return await prepare(request, plan_chat, body, tm.preparer, state.chat_template, tool_parser(state), off_loop=slow)
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request
@@ -200,10 +210,7 @@ async def create_chat_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    has_media = tm.preparer.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
-    forced_tools = bool(body.tools) and body.tool_choice not in (None, "none", "auto")
-    slow = has_media or forced_tools or slow_to_plan(body)
-    plan = await prepare(request, plan_chat, body, tm.preparer, state.chat_template, tool_parser(state), off_loop=slow)
+    plan = await prepare_chat(request, state, body)
     tm.check_capacity(len(plan.reqs))
     if body.n > 1:
         await warm_prefixes(tm, [plan.prompt])
