@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import anthropic
 import httpx
 import pytest
 import schemathesis
@@ -228,6 +229,27 @@ def test_every_route_but_health_needs_the_api_key(srv, tiny_model_dir):
         r = httpx.request(method, f"{srv.url}{path}", json={})
         assert r.status_code == 401, (method, path, r.status_code, r.text)
     assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_x_api_key(srv):
+    """The key as Anthropic's clients send it (`x-api-key`) or as a bearer token; without it, a 401
+    in the API's shape on its routes."""
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{srv.url}/v1/messages", json=body, headers={"x-api-key": KEY}).status_code == 200
+    missing = httpx.post(f"{srv.url}/v1/messages", json=body)
+    wrong = httpx.post(f"{srv.url}/v1/messages", json=body, headers={"x-api-key": "nope"})
+    openai_shape = httpx.post(f"{srv.url}/v1/chat/completions", json=body)
+    assert missing.status_code == wrong.status_code == 401
+    assert missing.json()["error"]["type"] == "authentication_error" and missing.json()["type"] == "error"
+    assert "x-api-key" in missing.json()["error"]["message"]
+    assert openai_shape.status_code == 401 and openai_shape.json()["error"]["code"] == 401  # OpenAI's shape there
+    for auth in ({"default_headers": {"x-api-key": KEY}}, {"api_key": KEY}):
+        claude = anthropic.Anthropic(base_url=srv.url, max_retries=0, **auth)
+        msg = claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert msg.usage.output_tokens >= 1 and msg.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=srv.url, api_key="nope", max_retries=0).messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
 
 
 # ---- limits ----
