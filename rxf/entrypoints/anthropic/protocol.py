@@ -55,7 +55,7 @@ class ToolResultBlock(RequestModel):
     """The result of an earlier call, in a user message."""
 
     type: Literal["tool_result"]
-    tool_use_id: str
+    tool_use_id: str = Field(min_length=1)
     content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = ""
     is_error: bool = False
 
@@ -79,7 +79,7 @@ ContentBlock = Annotated[
 
 class Message(RequestModel):
     role: Literal["user", "assistant", "system"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], Field(min_length=1)]
 
 
 class ClientTool(RequestModel):
