@@ -150,6 +150,9 @@ def test_count_tokens(claude, client, model):
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, 400, "messages[0].content[0]: images are not supported"),
         ({"messages": [*ASK, {"role": "assistant", "content": "The"}]}, 400, "prefill"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400,
+         "content[0]: 'document' blocks are not supported"),
+        ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "server tools"),
         ({"tools": [{"name": "t", "input_schema": {"type": "string"}}]}, 400, "input_schema"),
         ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, 400, "'nope'"),

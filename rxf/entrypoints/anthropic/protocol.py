@@ -77,9 +77,24 @@ ContentBlock = Annotated[
 ]
 
 
+_BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
 class Message(RequestModel):
     role: Literal["user", "assistant", "system"]
     content: str | Annotated[list[ContentBlock], Field(min_length=1)]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_blocks(cls, value: Any) -> Any:
+        # Said here once: the union's own error would list every member's mismatch.
+        if isinstance(value, list):
+            for j, block in enumerate(value):
+                kind = block.get("type") if isinstance(block, dict) else None
+                if isinstance(kind, str) and kind not in _BLOCK_TYPES:
+                    raise ValueError(f"content[{j}]: {echo(kind)} blocks are not supported; "
+                                     f"blocks are {', '.join(_BLOCK_TYPES)}")
+        return value
 
 
 class ClientTool(RequestModel):
