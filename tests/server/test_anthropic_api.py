@@ -72,6 +72,20 @@ def test_stop_sequences(claude, model):
     assert msg.content[0].text == whole[: whole.index("Paris")]
 
 
+def test_a_final_assistant_message_is_continued(claude, client, model):
+    """A prefill: the reply continues the final assistant message (the OpenAI route's
+    `continue_final_message` too), as the whole greedy reply would have gone on."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    whole, _ = openai_reply(client, model, ask, max_tokens=24)
+    text = whole.message.content
+    start = text[: text.index(" Paris")]
+    prefilled = [*ask, {"role": "assistant", "content": start}]
+    msg = claude.messages.create(model=model, max_tokens=24, messages=prefilled, **GREEDY)
+    assert msg.content[0].text == text[len(start):] and msg.stop_reason == "end_turn"
+    chat, _ = openai_reply(client, model, prefilled, max_tokens=24, extra_body={"continue_final_message": True})
+    assert chat.message.content == text[len(start):]
+
+
 def test_stream_events_and_the_sdk_helper(claude, server, model):
     ask = [{"role": "user", "content": "Tell me about Paris."}]
     whole = claude.messages.create(model=model, max_tokens=16, messages=ask, **GREEDY)
@@ -149,7 +163,8 @@ def test_count_tokens(claude, client, model):
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, 400, "messages[0].content[0]: images are not supported"),
-        ({"messages": [*ASK, {"role": "assistant", "content": "The"}]}, 400, "prefill"),
+        ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+         400, "continue_final_message needs the last message to be an assistant's text"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400,
          "content[0]: 'document' blocks are not supported"),
         ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),

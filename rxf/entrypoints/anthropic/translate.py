@@ -44,7 +44,10 @@ def chat_request(
     """The chat request of `req`; image blocks are refused unless the model `takes_media`.
     `for_counting`: no budget and no forcing grammar (the prompt a forced choice shows is the one
     "auto" shows), only the prompt."""
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req, takes_media)}
+    messages = _messages(req, takes_media)
+    # A final assistant message is the start of the reply, which the model continues (a prefill).
+    body: dict[str, Any] = {"model": req.model, "messages": messages,
+                            "continue_final_message": req.messages[-1].role == "assistant"}
     if req.tools:
         body["tools"] = [
             {"type": "function", "function": {"name": t.name, "parameters": t.input_schema}
@@ -79,12 +82,9 @@ def _messages(req: MessagesRequest | CountTokensRequest, takes_media: bool) -> l
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _parts(_numbered(req.system), "system", takes_media)})
-    last = len(req.messages) - 1
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}]"
         if msg.role == "assistant":
-            if i == last:
-                raise _bad(f"{where}: a final assistant message (a prefill to continue) is not supported")
             out.append(_assistant(msg.content, where))
         elif msg.role == "system" or isinstance(msg.content, str):
             out.append({"role": msg.role, "content": _parts(_numbered(msg.content), where, takes_media)})

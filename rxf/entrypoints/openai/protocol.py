@@ -205,6 +205,8 @@ class ChatCompletionRequest(GenerationFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto"
     parallel_tool_calls: bool = True
+    # vLLM's extension: the final assistant message is the reply's start, which the model continues.
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(_Request):

@@ -85,7 +85,9 @@ def plan_chat(
     messages = [msg.model_dump(exclude_unset=True) for msg in req.messages]
     try:
         tools = plan_tools(tool_entries, tool_choice, req.parallel_tool_calls, tool_parser, constrained_by or None)
-        prompt = build_chat_prompt(messages, chat_template, tool_parser, tools, preparer.mm_processor is not None)
+        prompt = build_chat_prompt(
+            messages, chat_template, tool_parser, tools, preparer.mm_processor is not None, req.continue_final_message
+        )
     except ChatInputError as exc:
         raise bad_request(str(exc), exc.param) from None
     if req.max_completion_tokens is not None:
