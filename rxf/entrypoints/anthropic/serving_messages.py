@@ -37,11 +37,11 @@ router = APIRouter()
 _FIELD_NAMES = {"stop": "stop_sequences"}
 
 
-async def _plan(request: Request, state: ServerState, body: MessagesRequest | CountTokensRequest, counting: bool) -> ChatPlan:
+async def _plan(request: Request, state: ServerState, body: MessagesRequest | CountTokensRequest) -> ChatPlan:
     check_model(body.model, state.served_model_name)
     try:
         takes_media = state.require_ready().preparer.mm_processor is not None
-        return await prepare_chat(request, state, translate.chat_request(body, takes_media, counting))
+        return await prepare_chat(request, state, translate.chat_request(body, takes_media))
     except APIError as exc:
         name = _FIELD_NAMES.get(exc.param or "")
         if name is None:
@@ -53,7 +53,7 @@ async def _plan(request: Request, state: ServerState, body: MessagesRequest | Co
 async def create_message(body: MessagesRequest, request: Request) -> MessageResponse | StreamingResponse | Response:
     state = server_state(request)
     tm = state.require_ready()
-    plan = await _plan(request, state, body, counting=False)
+    plan = await _plan(request, state, body)
     tm.check_capacity(len(plan.reqs))
     message_id = translate.new_message_id()
     model = state.served_model_name
@@ -77,5 +77,5 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> TokenCount
     counted by the one preparation every request gets: a prompt the model cannot take is a 400."""
     state = server_state(request)
     state.require_ready()
-    plan = await _plan(request, state, body, counting=True)
+    plan = await _plan(request, state, body)
     return TokenCount(input_tokens=len(plan.prompt.input_ids))

@@ -6,7 +6,8 @@ Messages: `system` (a string or text blocks, also a `system` role message) is th
 a user message's `tool_result` blocks become `tool` messages (in order, the blocks between them one
 user message each); an assistant's `tool_use` blocks become its `tool_calls`; text and image blocks
 become OpenAI content parts (an image as a data: URL, or its URL, for the multimodal path). Earlier
-`thinking` blocks are dropped, as chat templates drop earlier reasoning.
+`thinking` blocks are dropped, as chat templates drop earlier reasoning. A final assistant message
+is continued (`continue_final_message`).
 """
 
 from __future__ import annotations
@@ -38,12 +39,11 @@ from rxf.entrypoints.openai.protocol import ChatCompletionRequest
 from rxf.entrypoints.server_state import APIError
 
 
-def chat_request(
-    req: MessagesRequest | CountTokensRequest, takes_media: bool, for_counting: bool = False
-) -> ChatCompletionRequest:
-    """The chat request of `req`; image blocks are refused unless the model `takes_media`.
-    `for_counting`: no budget and no forcing grammar (the prompt a forced choice shows is the one
-    "auto" shows), only the prompt."""
+def chat_request(req: MessagesRequest | CountTokensRequest, takes_media: bool) -> ChatCompletionRequest:
+    """The chat request of `req`; image blocks are refused unless the model `takes_media`. For
+    count_tokens, only the prompt: no budget and no forcing grammar (the prompt a forced choice
+    shows is the one "auto" shows)."""
+    counting = not isinstance(req, MessagesRequest)
     messages = _messages(req, takes_media)
     # A final assistant message is the start of the reply, which the model continues (a prefill).
     body: dict[str, Any] = {"model": req.model, "messages": messages,
@@ -54,8 +54,8 @@ def chat_request(
              | ({"description": t.description} if t.description is not None else {})}
             for t in req.tools
         ]
-        body |= _tool_choice(req.tool_choice, for_counting)
-    if isinstance(req, MessagesRequest) and not for_counting:
+        body |= _tool_choice(req.tool_choice, counting)
+    if isinstance(req, MessagesRequest):
         optional = {"top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences}
         body |= {"max_tokens": req.max_tokens, "temperature": req.temperature, "stream": req.stream}
         body |= {key: value for key, value in optional.items() if value is not None}
@@ -64,10 +64,10 @@ def chat_request(
     return ChatCompletionRequest.model_validate(body)
 
 
-def _tool_choice(choice: Any, for_counting: bool) -> dict[str, Any]:
+def _tool_choice(choice: Any, counting: bool) -> dict[str, Any]:
     if isinstance(choice, ToolChoiceNone):
         return {"tool_choice": "none"}
-    if choice is None or for_counting:
+    if choice is None or counting:
         return {}
     parallel = {"parallel_tool_calls": not choice.disable_parallel_tool_use}
     if isinstance(choice, ToolChoiceAny):
