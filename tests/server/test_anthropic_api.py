@@ -72,6 +72,15 @@ def test_stop_sequences(claude, model):
     assert msg.content[0].text == whole[: whole.index("Paris")]
 
 
+def test_top_k_and_top_p_reach_the_sampler(claude, model):
+    """At temperature 1, top_k 1 or a tiny top_p leaves only the likeliest token: the greedy reply."""
+    ask = [{"role": "user", "content": "Name a color."}]
+    greedy = claude.messages.create(model=model, max_tokens=12, messages=ask, **GREEDY).content[0].text
+    for narrow in ({"top_k": 1}, {"top_p": 1e-9}):
+        msg = claude.messages.create(model=model, max_tokens=12, messages=ask, extra_body={"temperature": 1.0} | narrow)
+        assert msg.content[0].text == greedy, narrow
+
+
 def test_a_final_assistant_message_is_continued(claude, client, model):
     """A prefill: the reply continues the final assistant message (the OpenAI route's
     `continue_final_message` too), as the whole greedy reply would have gone on."""
