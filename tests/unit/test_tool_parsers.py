@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from rxf.entrypoints.chat.reply import ReplyFormat
 from rxf.entrypoints.chat.tool_parsers import (
-    PARSERS,
     NamedCallParser,
     RequiredCallsParser,
     ToolCallParser,
@@ -94,14 +94,14 @@ def as_objects(calls: list[Any]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 def test_whole_output(name, text, content, calls):
-    scan = PARSERS[name]().parse(text)
+    scan = parser_class(name)().parse(text)
     assert scan.content == content
     assert as_objects([(c.name, c.arguments) for c in scan.calls]) == calls
 
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 def test_streamed_deltas_add_up_to_the_whole_output(name, text, content, calls):
-    parser = PARSERS[name]()
+    parser = parser_class(name)()
     whole = parser.parse(text)
     for seed in range(40):
         streamed, streamed_calls, firsts = collect_stream(parser, text, random.Random(seed))
@@ -115,7 +115,7 @@ def test_streamed_deltas_add_up_to_the_whole_output(name, text, content, calls):
 def test_markup_never_leaks_into_streamed_content():
     text = hermes([WEATHER, NESTED], before="Checking. ")
     for seed in range(40):
-        stream = ToolCallStream(ToolPlan([], PARSERS["hermes"]()))
+        stream = ToolCallStream(ToolPlan([], parser_class("hermes")()))
         rng, i, pieces = random.Random(seed), 0, []
         while i < len(text):
             step = rng.randint(1, 3)
@@ -125,17 +125,17 @@ def test_markup_never_leaks_into_streamed_content():
 
 
 def test_reply_message_shape():
-    plan = ToolPlan([], PARSERS["hermes"]())
-    content, calls = reply_message(plan, hermes([WEATHER, EMPTY], before="Ok "))
+    plan = ToolPlan([], parser_class("hermes")())
+    content, calls = reply_message(ReplyFormat(tools=plan).split(hermes([WEATHER, EMPTY], before="Ok ")))
     assert content == "Ok" and [c.function.name for c in calls] == ["get_weather", "ping"]
     assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
-    assert reply_message(plan, "just text") == ("just text", None)
-    assert reply_message(plan, hermes([EMPTY]))[0] is None  # no text besides the call: null content
+    assert reply_message(ReplyFormat(tools=plan).split("just text")) == ("just text", None)
+    assert reply_message(ReplyFormat(tools=plan).split(hermes([EMPTY])))[0] is None  # no text besides the call: null content
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
-    plan = ToolPlan([], PARSERS["hermes"](), max_calls=1)
-    _, calls = reply_message(plan, hermes([WEATHER, EMPTY]))
+    plan = ToolPlan([], parser_class("hermes")(), max_calls=1)
+    _, calls = reply_message(ReplyFormat(tools=plan).split(hermes([WEATHER, EMPTY])))
     assert [c.function.name for c in calls] == ["get_weather"]
     _, streamed, _ = collect_stream(plan.parser, hermes([WEATHER, EMPTY]), random.Random(0), max_calls=1)
     assert [c[0] for c in streamed] == ["get_weather"]
@@ -190,9 +190,9 @@ def test_parser_choice():
         source_text = "{% if tools %}...[TOOL_CALLS]...{% endif %}"
 
     assert detect_parser_name(Template()) == "mistral"
-    assert parser_class("hermes") is PARSERS["hermes"]
+    assert parser_class("hermes").__name__ == "HermesParser"
     assert parser_class("rxf.entrypoints.chat.tool_parsers.forced:RequiredCallsParser") is RequiredCallsParser
-    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
+    with pytest.raises(ValueError, match="unknown tool call format 'nope'"):
         parser_class("nope")
-    with pytest.raises(ValueError, match="not a ToolCallParser"):
+    with pytest.raises(ValueError, match="not a ToolCallParser subclass"):
         parser_class("json:JSONDecoder")

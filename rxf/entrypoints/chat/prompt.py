@@ -8,8 +8,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from rxf.core.echo import echo
 from rxf.core.frontend.requests import GenerateRequest
 from rxf.core.ipc.messages import RequestOptions
+from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.messages import render_messages, template_messages
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.entrypoints.chat.tools import ToolPlan
@@ -19,6 +21,13 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # The native request's prompt fields as a chat request names them (`RequestError.renamed`): the
 # prompt is the messages, and a media error names the image or video inside them.
 PROMPT_FIELDS = {"text": "messages", "image_data": "messages: image", "video_data": "messages: video"}
+# Names rendering itself sets, or that transformers' apply_chat_template takes as its own arguments:
+# a request's template variables may not replace them.
+RESERVED_VARIABLES = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "bos_token", "eos_token", "chat_template", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs",
+})
 
 
 @dataclass
@@ -43,12 +52,16 @@ def build_chat_prompt(
     tool_parser: ToolCallParser | None,
     tools: ToolPlan | None = None,
     takes_media: bool = False,
+    variables: dict[str, Any] | None = None,
 ) -> ChatPrompt:
-    """The prompt of `messages` offering `tools`; media parts are refused unless the model
-    `takes_media` (has a multimodal processor)."""
+    """The prompt of `messages` offering `tools`, the template given `variables` (see
+    `template_variables`); media parts are refused unless the model `takes_media` (has a
+    multimodal processor)."""
     images: list[Any] | None = [] if takes_media else None
     videos: list[Any] | None = [] if takes_media else None
     offered = tools.tools if tools is not None else None
+    if variables:
+        chat_template = chat_template.with_variables(variables)
     text = render_messages(template_messages(messages, images, videos), chat_template, tool_parser, offered)
     return ChatPrompt(text, images, videos)
 
@@ -62,3 +75,17 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> dict[s
     if kind == "json_schema":
         return {"json_schema": json.dumps(response_format["json_schema"]["schema"])}
     return {}
+
+
+def template_variables(chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any]:
+    """The template variables of a request: its `chat_template_kwargs` (e.g. `enable_thinking`)
+    and `reasoning_effort` (which gpt-oss's template reads; it wins over a kwarg of that name).
+    Raises ChatInputError for a name that is no identifier or that rendering sets itself."""
+    variables = dict(chat_template_kwargs or {})
+    for name in variables:
+        if not name.isidentifier() or name in RESERVED_VARIABLES:
+            reason = "is set by the server" if name in RESERVED_VARIABLES else "is not a template variable name"
+            raise ChatInputError(f"chat_template_kwargs: {echo(name)} {reason}", "chat_template_kwargs")
+    if reasoning_effort is not None:
+        variables["reasoning_effort"] = reasoning_effort
+    return variables

@@ -201,6 +201,9 @@ class ChatCompletionRequest(GenerationFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto"
     parallel_tool_calls: bool = True
+    # Variables for the chat template (e.g. {"enable_thinking": false}), as vLLM's and SGLang's.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # to the template
 
 
 class TokenizeRequest(_Request):
@@ -300,6 +303,7 @@ class ToolCall(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = _omit_if_none()  # a thinking model's reasoning (vLLM's name)
     tool_calls: list[ToolCall] | None = _omit_if_none()
 
 
@@ -337,6 +341,7 @@ class ToolCallDelta(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = _omit_if_none()
     content: str | None = _omit_if_none()
+    reasoning_content: str | None = _omit_if_none()
     tool_calls: list[ToolCallDelta] | None = _omit_if_none()
 
 
