@@ -1,0 +1,86 @@
+"""Reasoning output through the server: a tiny checkpoint served with a chat template that thinks
+(it opens a `<think>` block after the generation prompt, as DeepSeek-R1's does, unless
+`chat_template_kwargs` turns `enable_thinking` off, as Qwen3's does). The reasoning parser is
+detected from the template. The reference is the same prompt, rendered by transformers from the
+same template, sent raw to /v1/completions: its text is the reply's reasoning, or its content."""
+
+from __future__ import annotations
+
+import pytest
+from openai import BadRequestError, OpenAI
+from transformers import AutoTokenizer
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+MESSAGES = [{"role": "user", "content": "How many shells does she sell?"}]
+PARAMS = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def server(module_server_factory, tmp_path_factory):
+    template = tmp_path_factory.mktemp("templates") / "thinking.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    return module_server_factory({"model.chat_template": str(template), "model.served_model_name": "thinker"})
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def raw_completion(client, tiny_model_dir, **variables) -> str:
+    """What the model writes after the prompt that transformers renders from the template."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tokenizer.apply_chat_template(
+        MESSAGES, chat_template=THINKING_TEMPLATE, tokenize=False, add_generation_prompt=True, **variables
+    )
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return client.completions.create(model="thinker", prompt=ids, **PARAMS).choices[0].text
+
+
+def chat(client, stream: bool, **extra):
+    body = {"chat_template_kwargs": extra} if extra else None
+    return client.chat.completions.create(
+        model="thinker", messages=MESSAGES, stream=stream, extra_body=body, **PARAMS
+    )
+
+
+def streamed(client, **extra) -> tuple[str, str]:
+    reasoning, content = "", ""
+    for chunk in chat(client, True, **extra):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+    return reasoning, content
+
+
+def test_reasoning_content_while_thinking(client, tiny_model_dir):
+    raw = raw_completion(client, tiny_model_dir)
+    thought, closed, after = raw.partition("</think>")  # the model may (rarely) close the block
+    assert thought.strip()  # the tiny model writes something
+    message = chat(client, False).choices[0].message
+    assert message.reasoning_content == thought.strip()
+    assert (message.content or "") == (after.lstrip() if closed else "")
+    assert streamed(client) == (thought.strip(), after.lstrip() if closed else "")
+
+
+def test_chat_template_kwargs_turn_thinking_off(client, tiny_model_dir):
+    raw = raw_completion(client, tiny_model_dir, enable_thinking=False)
+    assert raw
+    message = chat(client, False, enable_thinking=False).choices[0].message
+    assert message.content == raw and getattr(message, "reasoning_content", None) is None
+    assert streamed(client, enable_thinking=False) == ("", raw)
+
+
+def test_bad_template_variables_are_400s(client):
+    with pytest.raises(BadRequestError) as err:
+        chat(client, False, add_generation_prompt=False)
+    assert err.value.body["param"] == "chat_template_kwargs" and "set by the server" in err.value.body["message"]
+    with pytest.raises(BadRequestError) as err:
+        client.chat.completions.create(model="thinker", messages=MESSAGES, reasoning_effort="extreme", **PARAMS)
+    assert err.value.body["param"] == "reasoning_effort"
