@@ -24,6 +24,9 @@ TOOL_CALL_FORMATS = {
     "hermes": f"{_TOOLS}.hermes:HermesParser",
     "llama3_json": f"{_TOOLS}.llama3_json:Llama3JsonParser",
     "mistral": f"{_TOOLS}.mistral:MistralParser",
+    "qwen3_coder": f"{_TOOLS}.qwen3_coder:Qwen3CoderParser",
+    "pythonic": f"{_TOOLS}.pythonic:PythonicParser",
+    "deepseek_v3": f"{_TOOLS}.deepseek_v3:DeepSeekV3Parser",
 }
 REASONING_PARSERS = {
     "think": f"{_REASONING}.think:ThinkParser",

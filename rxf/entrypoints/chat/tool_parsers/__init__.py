@@ -17,7 +17,13 @@ from rxf.entrypoints.chat.tool_parsers.forced import NamedCallParser, RequiredCa
 
 DEFAULT_PARSER = "hermes"
 # A marker in a template's source -> the format its model writes (checked in this order).
-_TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
+_TEMPLATE_MARKERS = (
+    ("<function=", "qwen3_coder"),  # before hermes: its calls sit in <tool_call> blocks too
+    ("<tool_call>", "hermes"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+    ("<|python_tag|>", "llama3_json"),
+)
 
 
 def parser_class(name: str, registry: PluginRegistry | None = None) -> type[ToolCallParser]:

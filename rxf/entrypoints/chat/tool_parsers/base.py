@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 from rxf.core.tool_syntax import ToolSyntax
 from rxf.entrypoints.chat.tool_parsers.json_scan import CallScan, scan_call, skip_ws
@@ -61,6 +62,12 @@ class ToolCallParser(ABC):
         # Special tokens other than the markers that appear when `needs_special_tokens` holds
         # (EOS, ...): they are not content.
         self.hidden = hidden
+
+    def for_tools(self, tools: list[dict[str, Any]]) -> ToolCallParser:
+        """The parser for replies to a request offering `tools` (OpenAI tool entries). A format that
+        writes argument values untyped (qwen3_coder's XML) reads them by the tools' schemas; the
+        JSON formats need nothing, so by default this is the parser itself."""
+        return self
 
     @abstractmethod
     def pieces(self, text: str) -> list[Piece]:
