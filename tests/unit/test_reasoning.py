@@ -40,6 +40,21 @@ CASES = [
     ("then a call", f"<think>\nI need the weather.\n</think>\n\n{HERMES_CALL}", False, "I need the weather.", "", [CALL]),
     ("text and a call", f"<think>x</think>\nLet me check.\n{HERMES_CALL}", False, "x", "Let me check.", [CALL]),
 ]
+# gpt-oss's harmony output (after the prompt's `<|start|>assistant`); its stop tokens <|return|> and
+# <|call|> may be trimmed from the text or kept.
+HARMONY = "<|channel|>analysis<|message|>User asks 2+2. Simple.<|end|><|start|>assistant"
+HARMONY_CASES = [
+    ("final", HARMONY + "<|channel|>final<|message|>2 + 2 = 4.<|return|>", "User asks 2+2. Simple.", "2 + 2 = 4.", []),
+    ("final, stop trimmed", HARMONY + "<|channel|>final<|message|>4 < 5", "User asks 2+2. Simple.", "4 < 5", []),
+    ("call", HARMONY + '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
+     "User asks 2+2. Simple.", "", [CALL]),
+    ("call, recipient first", HARMONY + ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}',
+     "User asks 2+2. Simple.", "", [CALL]),
+    ("preamble and call", "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', None, "Checking.", [CALL]),
+    ("no harmony", "Plain <b>text</b>", None, "Plain <b>text</b>", []),
+    ("cut short in analysis", "<|channel|>analysis<|message|>Thinking about <|", "Thinking about <|", "", []),
+]
 IDS = [case[0] for case in CASES]
 
 
@@ -83,6 +98,22 @@ def test_streamed_deltas_add_up_to_the_whole_output(name, text, inside, reasonin
         got_reasoning, got_content, got_calls = streamed(f, pieces)
         assert got_reasoning == (whole.reasoning or "") and got_content == whole.content, pieces
         assert [got_calls[k] for k in sorted(got_calls)] == [[c.name, c.arguments] for c in whole.calls]
+
+
+def harmony_format() -> ReplyFormat:
+    return ReplyFormat(make_reasoning_parser("harmony", None), False, ToolPlan([], make_parser("harmony", None, None)))
+
+
+@pytest.mark.parametrize("name, text, reasoning, content, calls", HARMONY_CASES, ids=[c[0] for c in HARMONY_CASES])
+def test_harmony(name, text, reasoning, content, calls):
+    f = harmony_format()
+    whole = f.split(text)
+    assert (whole.reasoning, whole.content) == (reasoning, content)
+    assert [{"name": c.name, "arguments": json.loads(c.arguments)} for c in whole.calls] == calls
+    expected = (whole.reasoning or "", whole.content, {k: [c.name, c.arguments] for k, c in enumerate(whole.calls)})
+    assert streamed(f, list(text)) == expected
+    for k in range(len(text) + 1):
+        assert streamed(f, [text[:k], text[k:]]) == expected, k
 
 
 def test_no_marker_leaks_into_streamed_reasoning_or_content():

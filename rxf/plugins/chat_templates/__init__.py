@@ -27,11 +27,13 @@ TOOL_CALL_FORMATS = {
     "qwen3_coder": f"{_TOOLS}.qwen3_coder:Qwen3CoderParser",
     "pythonic": f"{_TOOLS}.pythonic:PythonicParser",
     "deepseek_v3": f"{_TOOLS}.deepseek_v3:DeepSeekV3Parser",
+    "harmony": f"{_TOOLS}.harmony:HarmonyToolParser",
 }
 REASONING_PARSERS = {
     "think": f"{_REASONING}.think:ThinkParser",
     "qwen3": f"{_REASONING}.think:ThinkParser",
     "deepseek_r1": f"{_REASONING}.think:ThinkParser",
+    "harmony": f"{_REASONING}.harmony:HarmonyReasoningParser",
 }
 
 

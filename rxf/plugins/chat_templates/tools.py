@@ -174,3 +174,28 @@ class DeepSeekV3Syntax:
 
     def format_result(self, content: str) -> str:
         return f"{DS_OUTPUT_BEGIN}{content}{DS_OUTPUT_END}"
+
+
+@dataclass(frozen=True)
+class HarmonySyntax:
+    """gpt-oss's harmony calls: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
+    {...}<|call|>`; results as messages from the function (shown to a template without tool
+    support as user turns)."""
+
+    result_role: str = "user"
+
+    def describe_tools(self, functions: list[dict[str, Any]]) -> str:
+        listing = "\n".join(_json(f) for f in functions)
+        return (
+            f"# Tools\n\n## functions\n\n{listing}\n\nTo call a function, write a commentary message to it: "
+            "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{arguments as JSON}<|call|>"
+        )
+
+    def format_calls(self, calls: list[dict[str, Any]]) -> str:
+        return "".join(
+            f"<|channel|>commentary to=functions.{c['name']} <|constrain|>json<|message|>{_json(c['arguments'])}<|call|>"
+            for c in calls
+        )
+
+    def format_result(self, content: str) -> str:
+        return content

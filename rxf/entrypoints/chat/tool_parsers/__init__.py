@@ -18,6 +18,7 @@ from rxf.entrypoints.chat.tool_parsers.forced import NamedCallParser, RequiredCa
 DEFAULT_PARSER = "hermes"
 # A marker in a template's source -> the format its model writes (checked in this order).
 _TEMPLATE_MARKERS = (
+    ("<|channel|>", "harmony"),
     ("<function=", "qwen3_coder"),  # before hermes: its calls sit in <tool_call> blocks too
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
