@@ -226,7 +226,7 @@ class Runtime:
         check_n(n)
         call = prepare_chat(
             messages, params, chat_template=self.chat_template, tool_parser=self.tool_parser,
-            reasoning_parser=self.reasoning_parser,
+            tokenizer=self.tokenizer, reasoning_parser=self.reasoning_parser,
             takes_media=self.tokenizer_manager.preparer.mm_processor is not None, tools=tools,
             tool_choice=tool_choice, response_format=response_format, parallel_tool_calls=parallel_tool_calls,
             chat_template_kwargs=options.pop("chat_template_kwargs", None),

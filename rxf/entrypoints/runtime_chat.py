@@ -29,7 +29,7 @@ from rxf.entrypoints.chat.prompt import (
     template_variables,
 )
 from rxf.entrypoints.chat.reasoning import ReasoningParser
-from rxf.entrypoints.chat.reply import ReplyFormat, ReplyStream, reply_format
+from rxf.entrypoints.chat.reply import ReplyFormat, ReplyStream, constraint_start, reply_format
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.entrypoints.chat.tool_stream import finish_type
 from rxf.entrypoints.chat.tools import ToolPlan, new_call_id, plan_tools, tool_params
@@ -125,6 +125,7 @@ def prepare_chat(
     *,
     chat_template: Any,
     tool_parser: ToolCallParser,
+    tokenizer: Any,
     reasoning_parser: ReasoningParser | None = None,
     takes_media: bool = False,
     tools: Any = None,
@@ -170,7 +171,10 @@ def prepare_chat(
         constrained_by = "response_format" if constraint else None
     if reasoning_parser is not None and reasoning_parser.needs_special_tokens:
         params["skip_special_tokens"] = False
-    fmt = reply_format(prompt.text, reasoning_parser, plan, constrained=bool(constraints) or constrained_by is not None)
+    constrained = bool(constraints) or constrained_by is not None
+    fmt = reply_format(prompt.text, reasoning_parser, plan, constrained)
+    if constrained:
+        params |= constraint_start(fmt, tokenizer)
     return ChatCall(prompt, params, plan, constrained_by, fmt)
 
 

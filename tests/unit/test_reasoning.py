@@ -131,8 +131,9 @@ def test_where_the_output_starts():
     # Qwen3 with enable_thinking false: its template writes an empty, closed block.
     assert not parser.starts_inside(QWEN3_PROMPT + "<think>\n\n</think>\n\n")
     assert reply_format(R1_PROMPT, parser, None, constrained=False).inside
-    # A grammar constrains the output from its first token, so a constrained reply cannot think.
-    assert not reply_format(R1_PROMPT, parser, None, constrained=True).inside
+    # A constrained reply still thinks first when the prompt opened the block: its grammar waits for
+    # </think> (`constraint_start`).
+    assert reply_format(R1_PROMPT, parser, None, constrained=True).inside
 
 
 def test_choice_of_parser():
@@ -191,3 +192,26 @@ def test_template_variables():
         with pytest.raises(ChatInputError, match="chat_template_kwargs") as err:
             template_variables({bad: 1}, None)
         assert err.value.param == "chat_template_kwargs"
+
+
+def test_a_constraint_starts_after_the_reasoning_the_prompt_opened():
+    """/v1/chat/completions' plan: with a template that opens `<think>`, response_format's and
+    forced tools' grammars wait for the `</think>` tokens and the reply is read after them; with one
+    that does not (the model may not think), the grammar runs from the first token."""
+    from rxf.core.frontend.request_preparer import RequestPreparer
+    from rxf.entrypoints.openai.protocol import ChatCompletionRequest
+    from rxf.entrypoints.openai.serving_chat import plan_chat
+    from rxf.testing import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    opens = JinjaChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}<think>\n")
+    plain = JinjaChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    end_ids = tok.encode("</think>", add_special_tokens=False)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for fields in ({"response_format": {"type": "json_object"}}, {"tools": tools, "tool_choice": "required"}):
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+        for template, waits in ((opens, True), (plain, False)):
+            p = plan_chat(req, RequestPreparer(tok, 2048, 512), template, reasoning_parser=ThinkParser())
+            assert p.prompt.sampling_params.json_schema is not None
+            assert p.prompt.sampling_params.grammar_after == (end_ids if waits else [])
+            assert p.reply.inside == waits

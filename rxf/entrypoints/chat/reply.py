@@ -97,8 +97,19 @@ class ReplyStream:
 def reply_format(
     prompt: str, reasoning: ReasoningParser | None, tools: ToolPlan | None, constrained: bool
 ) -> ReplyFormat:
-    """The format of replies to `prompt` (the rendered chat). A `constrained` reply (a grammar from
-    its first token: response_format, forced tool calls) cannot think, so it starts outside any
-    reasoning block the prompt opened."""
-    inside = reasoning is not None and not constrained and reasoning.starts_inside(prompt)
+    """The format of replies to `prompt` (the rendered chat). A `constrained` reply (response_format,
+    forced tool calls) whose prompt opened a reasoning block with an `end_marker` thinks first: its
+    grammar starts after the marker (`constraint_start`). Any other constrained reply has its grammar
+    from the first token, so it cannot think: it starts outside any block."""
+    inside = reasoning is not None and reasoning.starts_inside(prompt)
+    if constrained and inside and reasoning.end_marker is None:
+        inside = False
     return ReplyFormat(reasoning, inside, tools)
+
+
+def constraint_start(fmt: ReplyFormat, tokenizer: Any) -> dict[str, Any]:
+    """The native parameter that holds a constrained reply's grammar until its reasoning ends
+    (`grammar_after`: the end marker's tokens, as the model writes them), or nothing."""
+    if not fmt.inside or fmt.reasoning is None or fmt.reasoning.end_marker is None:
+        return {}
+    return {"grammar_after": tokenizer.encode(fmt.reasoning.end_marker, add_special_tokens=False)}

@@ -24,7 +24,7 @@ from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.prompt import PROMPT_FIELDS, build_chat_prompt, template_variables
 from rxf.entrypoints.chat.reasoning import ReasoningParser, make_reasoning_parser
-from rxf.entrypoints.chat.reply import ReplyFormat, reply_format
+from rxf.entrypoints.chat.reply import ReplyFormat, constraint_start, reply_format
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser, make_parser
 from rxf.entrypoints.chat.tool_stream import finish_type
 from rxf.entrypoints.chat.tools import ToolPlan, plan_tools, tool_params
@@ -111,6 +111,8 @@ def plan_chat(
     if tools is not None and tools.json_schema is not None:
         constrained_by = "tools"
     reply = reply_format(prompt.text, reasoning_parser, tools, constrained=bool(constrained_by))
+    if constrained_by:
+        params |= constraint_start(reply, tokenizer)
     if reasoning_parser is not None and reasoning_parser.needs_special_tokens:
         params["skip_special_tokens"] = False
     options = RequestOptions(

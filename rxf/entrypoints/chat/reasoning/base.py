@@ -25,6 +25,9 @@ class ReasoningParser(ABC):
 
     name: str = ""
     markers: tuple[str, ...] = ()
+    # The text that ends the reasoning of output that starts inside it, when there is one: a
+    # constraint (response_format, forced tool calls) then starts after it (`grammar_after`).
+    end_marker: str | None = None
     # The markers are special tokens, so the output must be detokenized with them.
     needs_special_tokens: bool = False
 

@@ -14,6 +14,7 @@ _WHITESPACE = " \t\r\n"
 class ThinkParser(ReasoningParser):
     name = "think"
     markers = (OPEN, CLOSE)
+    end_marker = CLOSE
 
     def starts_inside(self, prompt: str) -> bool:
         return prompt.rstrip(_WHITESPACE).endswith(OPEN)
