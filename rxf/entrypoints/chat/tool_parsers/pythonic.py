@@ -10,7 +10,7 @@ import ast
 import json
 import re
 
-from rxf.entrypoints.chat.tool_parsers.base import CallPiece, Piece, ToolCallParser
+from rxf.entrypoints.chat.tool_parsers.base import CallPiece, Piece, ToolCallParser, array_pieces
 from rxf.entrypoints.chat.tool_parsers.json_scan import CallScan, skip_ws
 from rxf.plugins.chat_templates.tools import PythonicSyntax
 
@@ -57,42 +57,34 @@ def _parse_call(source: str) -> CallScan:
         return CallScan(valid=False)
 
 
+def _read_call(text: str, j: int) -> CallScan:
+    """The call at `text[j]`: pending (no name, valid) until its parenthesis closes, then whole."""
+    head = _CALL_HEAD.match(text, j)
+    if head is None:
+        return CallScan(valid=_NAME_PREFIX.match(text, j) is not None)  # valid: a name still arriving
+    end = _call_end(text, head.end() - 1)
+    if end is None:
+        return CallScan()
+    call = _parse_call(text[j:end])
+    call.end = end if call.valid else None
+    return call
+
+
 class PythonicParser(ToolCallParser):
     name = "pythonic"
     markers = (PYTHON_START, PYTHON_END)
     syntax = PythonicSyntax()
 
     def pieces(self, text: str) -> list[Piece]:
-        i = skip_ws(text, 0)
-        lead = text[:i]
-        if text.startswith(PYTHON_START, i):
-            i = skip_ws(text, i + len(PYTHON_START))
-        if i == len(text) or text[i] != "[":
+        lead = text[: skip_ws(text, 0)]
+        i = len(lead) + len(PYTHON_START) if text.startswith(PYTHON_START, len(lead)) else len(lead)
+        found = array_pieces(text, i, _read_call)
+        if not found:  # nothing after the list's opening (or the tag) yet
+            return [lead]
+        if not any(isinstance(piece, CallPiece) for piece in found):  # no list of calls: plain text
             return [text]
-        pieces: list[Piece] = [lead]
-        j = i + 1
-        while True:
-            j = skip_ws(text, j)
-            if j == len(text):
-                return pieces
-            if text[j] == "]":
-                k = skip_ws(text, j + 1)
-                after = k + len(PYTHON_END) if text.startswith(PYTHON_END, k) else j + 1
-                return [*pieces, text[after:]]
-            if text[j] == "," and len(pieces) > 1:
-                j += 1
-                continue
-            head = _CALL_HEAD.match(text, j)
-            if head is None:
-                if _NAME_PREFIX.match(text, j):  # a name still arriving
-                    return [*pieces, CallPiece(CallScan(), text[j:], closed=False)]
-                return [text] if len(pieces) == 1 else [*pieces, text[j:]]
-            end = _call_end(text, head.end() - 1)
-            if end is None:
-                return [*pieces, CallPiece(CallScan(), text[j:], closed=False)]
-            call = _parse_call(text[j:end])
-            if not call.valid:
-                return [text] if len(pieces) == 1 else [*pieces, text[j:]]
-            call.end = end
-            pieces.append(CallPiece(call, text[j:end], closed=True))
-            j = end
+        if isinstance(found[-1], str):  # the text after the list, without its closing tag
+            rest = found[-1]
+            k = skip_ws(rest, 0)
+            found[-1] = rest[k + len(PYTHON_END) :] if rest.startswith(PYTHON_END, k) else rest
+        return [lead, *found]

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from rxf.entrypoints.chat.tool_parsers.base import CallPiece, Piece, ToolCallParser
+from rxf.entrypoints.chat.tool_parsers.base import Piece, ToolCallParser, tagged_pieces
 from rxf.entrypoints.chat.tool_parsers.json_scan import CallScan
 from rxf.plugins.chat_templates.tools import Qwen3CoderSyntax
 
@@ -85,16 +85,4 @@ class Qwen3CoderParser(ToolCallParser):
         return CallScan(name=name, arguments="{" + ", ".join(members) + ("}" if closed else ""))
 
     def pieces(self, text: str) -> list[Piece]:
-        pieces: list[Piece] = []
-        pos = 0
-        while (start := text.find(OPEN, pos)) != -1:
-            pieces.append(text[pos:start])
-            close = text.find(CLOSE, start)
-            end = len(text) if close == -1 else close + len(CLOSE)
-            call = self._call(text[start + len(OPEN) : len(text) if close == -1 else close], close != -1)
-            pieces.append(CallPiece(call, text[start:end], closed=close != -1))
-            if close == -1:
-                return pieces
-            pos = end
-        pieces.append(text[pos:])
-        return pieces
+        return tagged_pieces(text, OPEN, CLOSE, self._call)
