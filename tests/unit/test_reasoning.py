@@ -215,3 +215,26 @@ def test_a_constraint_starts_after_the_reasoning_the_prompt_opened():
             assert p.prompt.sampling_params.json_schema is not None
             assert p.prompt.sampling_params.grammar_after == (end_ids if waits else [])
             assert p.reply.inside == waits
+
+
+def test_runtime_chat_results_carry_the_reasoning():
+    """`Runtime.chat`'s reading of a reply (`ChatCall`): the text after the reasoning,
+    `reasoning_content`, and the calls; streamed chunks carry the deltas."""
+    from rxf.entrypoints.chat.prompt import ChatPrompt
+    from rxf.entrypoints.runtime_chat import ChatCall
+
+    text = f"Checking.\n</think>\n\n{HERMES_CALL}"
+    plan = ToolPlan([], make_parser("hermes", None, None))
+    call = ChatCall(ChatPrompt("", None, None), {}, plan, None, ReplyFormat(ThinkParser(), True, plan))
+    stop = {"finish_reason": {"type": "stop"}}
+    out = call.reply({"text": text, "meta_info": stop})
+    assert (out["text"], out["reasoning_content"]) == ("", "Checking.")
+    assert [c["function"]["name"] for c in out["tool_calls"]] == ["get_weather"]
+    assert out["meta_info"]["finish_reason"]["type"] == "tool_calls"
+    chunks = [call.reply_chunk({"text": ch, "meta_info": {"finish_reason": None}}) for ch in text[:-1]]
+    chunks.append(call.reply_chunk({"text": text[-1], "meta_info": stop}))
+    assert "".join(c["reasoning_content"] for c in chunks) == "Checking."
+    assert "".join(c["text"] for c in chunks) == ""
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "tool_calls"
+    plain = ChatCall(ChatPrompt("", None, None), {}, None, None, ReplyFormat(ThinkParser(), False, None))
+    assert plain.reply({"text": "Hi", "meta_info": stop}) == {"text": "Hi", "reasoning_content": None, "meta_info": stop}
