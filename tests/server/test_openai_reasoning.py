@@ -2,9 +2,14 @@
 (it opens a `<think>` block after the generation prompt, as DeepSeek-R1's does, unless
 `chat_template_kwargs` turns `enable_thinking` off, as Qwen3's does). The reasoning parser is
 detected from the template. The reference is the same prompt, rendered by transformers from the
-same template, sent raw to /v1/completions: its text is the reply's reasoning, or its content."""
+same template, sent raw to /v1/completions: its text is the reply's reasoning, or its content.
+
+A recorded reply (reasoning, then a qwen3_coder tool call) is forced on the random model by a
+`regex` of its exact text, so the server's own reading of it is checked end to end."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from openai import BadRequestError, OpenAI
@@ -24,7 +29,10 @@ PARAMS = {"temperature": 0, "max_tokens": 12}
 def server(module_server_factory, tmp_path_factory):
     template = tmp_path_factory.mktemp("templates") / "thinking.jinja"
     template.write_text(THINKING_TEMPLATE)
-    return module_server_factory({"model.chat_template": str(template), "model.served_model_name": "thinker"})
+    return module_server_factory({
+        "model.chat_template": str(template), "model.served_model_name": "thinker",
+        "model.tool_call_parser": "qwen3_coder",
+    })
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +92,35 @@ def test_bad_template_variables_are_400s(client):
     with pytest.raises(BadRequestError) as err:
         client.chat.completions.create(model="thinker", messages=MESSAGES, reasoning_effort="extreme", **PARAMS)
     assert err.value.body["param"] == "reasoning_effort"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+RECORDED = (
+    "<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+    "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def literal_regex(text: str) -> str:
+    return "".join("\\n" if c == "\n" else "\\" + c if c in "\\.^$|?*+()[]{}" else c for c in text)
+
+
+def test_recorded_reply_with_reasoning_and_a_call(client):
+    body = {"chat_template_kwargs": {"enable_thinking": False}, "regex": literal_regex(RECORDED)}
+    args = {"model": "thinker", "messages": MESSAGES, "tools": TOOLS, "temperature": 0,
+            "extra_body": body}
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.message.reasoning_content == "The user wants the weather."
+    assert not choice.message.content and choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    reasoning, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            assert not delta.content
+            arguments += "".join(c.function.arguments or "" for c in delta.tool_calls or [])
+            finish = chunk.choices[0].finish_reason or finish
+    assert (reasoning, arguments, finish) == ("The user wants the weather.", call.function.arguments, "tool_calls")
