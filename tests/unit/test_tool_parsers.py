@@ -267,7 +267,7 @@ def test_parser_choice():
     assert detect_parser_name(Template()) == "qwen3_coder"
     assert parser_class("hermes").__name__ == "HermesParser"
     assert parser_class("rxf.entrypoints.chat.tool_parsers.forced:RequiredCallsParser") is RequiredCallsParser
-    with pytest.raises(ValueError, match="unknown tool call format 'nope'"):
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         parser_class("nope")
     with pytest.raises(ValueError, match="not a ToolCallParser subclass"):
         parser_class("json:JSONDecoder")

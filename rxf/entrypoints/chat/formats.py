@@ -11,7 +11,9 @@ from typing import Any
 
 from rxf.core.registry import PluginRegistry
 
+# Per kind: the setting that names one, and what its errors call it.
 SETTINGS = {"tool_call_formats": "model.tool_call_parser", "reasoning_parsers": "model.reasoning_parser"}
+LABELS = {"tool_call_formats": "tool call parser", "reasoning_parsers": "reasoning parser"}
 
 
 @functools.cache
@@ -31,7 +33,7 @@ def format_class(kind: str, name: str, base: type, registry: PluginRegistry | No
         module_name, _, attr = name.partition(":")
         if not attr:
             raise ValueError(
-                f"unknown {kind.replace('_', ' ')[:-1]} {name!r}: {setting} takes one of "
+                f"unknown {LABELS[kind]} {name!r}: {setting} takes one of "
                 f"{', '.join(registry.names(kind))} or 'package.module:Class'"
             )
         cls = getattr(importlib.import_module(module_name), attr, None)
