@@ -124,3 +124,39 @@ def test_recorded_reply_with_reasoning_and_a_call(client):
             arguments += "".join(c.function.arguments or "" for c in delta.tool_calls or [])
             finish = chunk.choices[0].finish_reason or finish
     assert (reasoning, arguments, finish) == ("The user wants the weather.", call.function.arguments, "tool_calls")
+
+
+HARMONY_RECORDED = (
+    "<|channel|>analysis<|message|>Need the weather in Paris.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>'
+)
+
+
+@pytest.fixture(scope="module")
+def harmony_client(module_server_factory):
+    """The tiny checkpoint read as gpt-oss's harmony (its chatml template names no format)."""
+    server = module_server_factory({
+        "model.served_model_name": "oss", "model.reasoning_parser": "harmony", "model.tool_call_parser": "harmony",
+    })
+    return OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_recorded_harmony_reply(harmony_client, stream):
+    args = {"model": "oss", "messages": MESSAGES, "tools": TOOLS, "temperature": 0, "stream": stream,
+            "extra_body": {"regex": literal_regex(HARMONY_RECORDED)}}
+    if not stream:
+        choice = harmony_client.chat.completions.create(**args).choices[0]
+        (call,) = choice.message.tool_calls
+        got = (choice.message.reasoning_content, choice.message.content, call.function.name, call.function.arguments)
+    else:
+        reasoning, content, names, arguments = "", "", [], ""
+        for chunk in harmony_client.chat.completions.create(**args):
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                content += choice.delta.content or ""
+                names += [c.function.name for c in choice.delta.tool_calls or [] if c.function.name]
+                arguments += "".join(c.function.arguments or "" for c in choice.delta.tool_calls or [])
+        got = (reasoning, content or None, *names, arguments)
+    assert got == ("Need the weather in Paris.", None, "get_weather", '{"city": "Paris", "days": 3}')
+    assert choice.finish_reason == "tool_calls"
