@@ -78,6 +78,8 @@ class ReplyStream:
 
     def feed(self, delta: str, final: bool) -> ReplyDelta:
         """What the reply's next text `delta` adds; `final` on its last piece."""
+        if self.format.reasoning is None and self.tool_stream is None:
+            return ReplyDelta("", delta, [])  # plain text: nothing to hold back or re-read
         self.text += delta
         part = self.format._split_reasoning(self.text, final)
         reasoning = (part.reasoning or "")[self.reasoning_sent :]
