@@ -188,6 +188,9 @@ def test_template_variables():
     bound = template.with_variables(template_variables({"enable_thinking": False}, "high"))
     assert bound.render(msgs) == "hi<think>\n\n</think>\n\neffort=high"
     assert template.render(msgs) == "hieffort=medium"  # the server's template is unchanged
+    arithmetic = JinjaChatTemplate("{{ messages[0].content }}{{ n + 1 }}")
+    with pytest.raises(ValueError, match="chat template"):  # a 400 naming messages, not a crash
+        arithmetic.with_variables({"n": "x"}).render(msgs)
     for bad in ("messages", "add_generation_prompt", "tokenize", "not a name"):
         with pytest.raises(ChatInputError, match="chat_template_kwargs") as err:
             template_variables({bad: 1}, None)

@@ -62,6 +62,12 @@ def hf_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# Besides jinja2's TemplateError, what rendering a template may raise for what it was given
+# (messages, a request's variables: `{{ n + 1 }}` with n = "x" is a TypeError): the client's
+# input, answered with a 400.
+_RENDER_ERRORS = (TypeError, ValueError, AttributeError, LookupError, ArithmeticError, RecursionError)
+
+
 @dataclass(frozen=True, kw_only=True)
 class _SourceTemplate(api.ChatTemplate):
     """A jinja-sourced template (the tokenizer's own, or a .jinja file), rendered by `_render`.
@@ -106,7 +112,7 @@ class HFChatTemplate(_SourceTemplate):
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.variables, **extra
             )
-        except TemplateError as exc:  # includes the template's own raise_exception(...)
+        except (TemplateError, *_RENDER_ERRORS) as exc:  # includes the template's own raise_exception(...)
             raise ValueError(f"chat template {self.name!r}: {exc}") from exc
 
     @property
@@ -164,7 +170,7 @@ class JinjaChatTemplate(_SourceTemplate):
                 **self.variables,
                 **extra,
             )
-        except TemplateError as exc:
+        except (TemplateError, *_RENDER_ERRORS) as exc:
             raise ValueError(f"chat template {self.name!r}: {exc}") from exc
 
     @property
