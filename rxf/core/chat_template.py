@@ -58,6 +58,12 @@ class ChatTemplate(ABC):
         """The template's source, where it has one (read to detect its tool-call format)."""
         return ""
 
+    def with_variables(self, variables: Mapping[str, Any]) -> ChatTemplate:
+        """This template rendering with extra template variables (a request's
+        `chat_template_kwargs`, `reasoning_effort`). A named template formats turns in code and
+        reads no variables, so by default it is returned as it is."""
+        return self
+
 
 class Turn(NamedTuple):
     """One validated message, its content flattened to text. `index` is its position in the

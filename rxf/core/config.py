@@ -30,6 +30,11 @@ class ModelConfig(_Section):
         None,
         description="tool-call format: 'hermes', 'llama3_json', 'mistral' or 'module:Class'; None: from the chat template",
     )
+    reasoning_parser: str | None = Field(
+        None,
+        description="reasoning format: 'think' (alias 'qwen3', 'deepseek_r1'), 'harmony', 'module:Class' or "
+        "'none'; None: from the chat template",
+    )
     context_length: int | None = Field(None, gt=0, description="defaults to the checkpoint's")
     trust_remote_code: bool = False
     load_format: Literal["safetensors", "random"] = Field(

@@ -87,3 +87,25 @@ def rxf_register_grammar_backends(register: RegisterFactory) -> None:
     ``rxf.core.grammar.GrammarBackend`` (``vocab_size``: the model's logits width, padding included).
     The factory runs on the backend's first use (the first constrained request), not at start-up.
     """
+
+
+@hookspec
+def rxf_register_tool_call_formats(register: RegisterFactory) -> None:
+    """Register tool-call formats by the name users put in ``model.tool_call_parser``.
+
+    The factory is a subclass of ``rxf.entrypoints.chat.tool_parsers.base.ToolCallParser``: the
+    parser that reads the model's calls out of its output (whole or streamed) together with the
+    ``syntax`` (a ``rxf.core.tool_syntax.ToolSyntax``) that writes tools and past calls into a
+    prompt whose chat template has no tool support, so what is written is what is read back.
+    Called in the process that owns the TokenizerManager, where replies are parsed.
+    """
+
+
+@hookspec
+def rxf_register_reasoning_parsers(register: RegisterFactory) -> None:
+    """Register reasoning parsers by the name users put in ``model.reasoning_parser``.
+
+    The factory is a subclass of ``rxf.entrypoints.chat.reasoning.base.ReasoningParser``, which
+    splits a thinking model's output into its reasoning and the reply after it (whole or streamed).
+    Called in the process that owns the TokenizerManager, where replies are parsed.
+    """

@@ -27,7 +27,15 @@ from rxf.core import hookspecs
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "rxf"
-KINDS = ("attention_backends", "models", "multimodal_processors", "chat_templates", "grammar_backends")
+KINDS = (
+    "attention_backends",
+    "models",
+    "multimodal_processors",
+    "chat_templates",
+    "grammar_backends",
+    "tool_call_formats",
+    "reasoning_parsers",
+)
 
 
 class PluginNotFoundError(KeyError):

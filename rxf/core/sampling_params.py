@@ -73,6 +73,8 @@ NUMERIC_BOUNDS: dict[str, Bound] = {
     "seed": Bound(0, SEED_SPACE, high_open=True),
 }
 LOGIT_BIAS_BOUND = Bound(-100, 100)
+# The longest token sequence a constraint may wait for (an end-of-reasoning marker is one to a few).
+MAX_GRAMMAR_AFTER = 32
 
 
 @dataclass
@@ -101,6 +103,9 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # The constraint starts once the output ends with these token ids (a thinking model's end of
+    # reasoning, `</think>`); what comes before them, and they, are free. Empty: from the first token.
+    grammar_after: list[int] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
@@ -154,6 +159,14 @@ class SamplingParams:
         constraints = [name for name in ("regex", "json_schema", "ebnf") if getattr(self, name) is not None]
         _require(len(constraints) <= 1, constraints[-1] if constraints else "regex",
                  "at most one of regex, json_schema and ebnf may be set", constraints)
+        if self.grammar_after:
+            _require(bool(constraints), "grammar_after", "needs a constraint (regex, json_schema or ebnf)",
+                     self.grammar_after)
+            _require(len(self.grammar_after) <= MAX_GRAMMAR_AFTER, "grammar_after",
+                     f"takes at most {MAX_GRAMMAR_AFTER} token ids", len(self.grammar_after))
+            for token_id in self.grammar_after:
+                in_vocab = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
+                _require(in_vocab, "grammar_after", f"ids must be in [0, {vocab_size or 'vocab_size'})", token_id)
 
     @property
     def grammar(self) -> tuple[str, str] | None:

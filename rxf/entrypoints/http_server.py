@@ -91,10 +91,12 @@ def _load_frontend(config: EngineConfig, tokenizer_path: str) -> tuple[Any, Any]
     registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     template = resolve_chat_template(config.model.chat_template, tokenizer, registry.chat_template)
-    if config.model.tool_call_parser is not None:  # a bad name fails the launch, not the first chat
-        from rxf.entrypoints.chat.tool_parsers import make_parser
+    # A bad format name fails the launch, not the first chat.
+    from rxf.entrypoints.chat.reasoning import make_reasoning_parser
+    from rxf.entrypoints.chat.tool_parsers import make_parser
 
-        make_parser(config.model.tool_call_parser, template, tokenizer)
+    make_parser(config.model.tool_call_parser, template, tokenizer, registry)
+    make_reasoning_parser(config.model.reasoning_parser, template, registry)
     return tokenizer, template
 
 

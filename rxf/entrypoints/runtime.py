@@ -29,6 +29,7 @@ from rxf.core.grammar import make_grammar_backend
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.launch.processes import EngineProcesses
 from rxf.core.registry import PluginRegistry
+from rxf.entrypoints.chat.reasoning import make_reasoning_parser
 from rxf.entrypoints.chat.tool_parsers import make_parser
 from rxf.entrypoints.choices import check_n, choice_requests, interleave, warm_prefixes
 from rxf.entrypoints.demo_model import resolve_model_path
@@ -55,7 +56,12 @@ class Runtime:
             self.chat_template = resolve_chat_template(
                 config.model.chat_template, self.tokenizer, self.registry.chat_template
             )
-            self.tool_parser = make_parser(config.model.tool_call_parser, self.chat_template, self.tokenizer)
+            self.tool_parser = make_parser(
+                config.model.tool_call_parser, self.chat_template, self.tokenizer, self.registry
+            )
+            self.reasoning_parser = make_reasoning_parser(
+                config.model.reasoning_parser, self.chat_template, self.registry
+            )
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="rxf-runtime-loop", daemon=True)
             self._thread.start()
@@ -119,7 +125,10 @@ class Runtime:
         {"name": ..., "schema": {...}}}) work as in /v1/chat/completions: with tools, the result's
         text is the reply without the call markup, plus `tool_calls` when the model made calls.
         Streamed with tools, each chunk's `text` is a delta without the markup and `tool_calls` the
-        call deltas parsed so far (as the server's SSE). `n` as in `generate`. Bad input raises
+        call deltas parsed so far (as the server's SSE). For a thinking model (a reasoning parser),
+        `text` is the reply after the reasoning and `reasoning_content` the reasoning (deltas when
+        streamed). The keywords `chat_template_kwargs` (e.g. {"enable_thinking": False}) and
+        `reasoning_effort` reach the chat template. `n` as in `generate`. Bad input raises
         ValueError naming the field."""
         call, prepared = self._prepare_chat(
             messages, sampling_params, tools, tool_choice, response_format, parallel_tool_calls, n, stream, options
@@ -217,8 +226,11 @@ class Runtime:
         check_n(n)
         call = prepare_chat(
             messages, params, chat_template=self.chat_template, tool_parser=self.tool_parser,
+            tokenizer=self.tokenizer, reasoning_parser=self.reasoning_parser,
             takes_media=self.tokenizer_manager.preparer.mm_processor is not None, tools=tools,
             tool_choice=tool_choice, response_format=response_format, parallel_tool_calls=parallel_tool_calls,
+            chat_template_kwargs=options.pop("chat_template_kwargs", None),
+            reasoning_effort=options.pop("reasoning_effort", None),
         )
         rid, request_options = _split_options(stream, options)
         return call, call.prepare(self.tokenizer_manager.preparer, request_options, rid)

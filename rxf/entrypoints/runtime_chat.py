@@ -26,10 +26,13 @@ from rxf.entrypoints.chat.prompt import (
     ChatPrompt,
     build_chat_prompt,
     response_format_constraint,
+    template_variables,
 )
+from rxf.entrypoints.chat.reasoning import ReasoningParser
+from rxf.entrypoints.chat.reply import ReplyFormat, ReplyStream, constraint_start, reply_format
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
-from rxf.entrypoints.chat.tool_stream import ToolCallStream, finish_type
-from rxf.entrypoints.chat.tools import ToolPlan, new_call_id, plan_tools, reply_calls, tool_params
+from rxf.entrypoints.chat.tool_stream import finish_type
+from rxf.entrypoints.chat.tools import ToolPlan, new_call_id, plan_tools, tool_params
 
 
 @dataclass
@@ -38,7 +41,12 @@ class ChatCall:
     params: dict[str, Any]  # native sampling params: the caller's, the template's stops, constraints
     tools: ToolPlan | None
     constraint_param: str | None  # the input that set the output constraint (None: none did)
-    streams: dict[int, ToolCallStream] = field(default_factory=dict)  # per choice index, while streaming
+    format: ReplyFormat | None = None  # how replies are read (None: for `tools` alone)
+    streams: dict[int, ReplyStream] = field(default_factory=dict)  # per choice index, while streaming
+
+    def __post_init__(self) -> None:
+        if self.format is None:
+            self.format = ReplyFormat(tools=self.tools)
 
     def prepare(self, preparer: RequestPreparer, options: RequestOptions, rid: str | None) -> PreparedRequest:
         """The prepared request (blocking: media decoding, grammar compiling); a RequestError
@@ -52,17 +60,24 @@ class ChatCall:
             raise exc.renamed(names) from None
 
     def reply(self, result: dict[str, Any]) -> dict[str, Any]:
-        """The native result; with tools offered, its text without the call markup and, when the
-        model made calls, `tool_calls`: [{id, type: "function", function: {name, arguments}}] (and
-        finish_reason type "tool_calls" if it ended by a stop)."""
-        if self.tools is None:
+        """The native result; for a thinking model, its text after the reasoning and
+        `reasoning_content` (None when it did not think); with tools offered, its text without the
+        call markup and, when the model made calls, `tool_calls`: [{id, type: "function", function:
+        {name, arguments}}] (and finish_reason type "tool_calls" if it ended by a stop)."""
+        assert self.format is not None
+        if self.tools is None and self.format.reasoning is None:
             return result
-        content, calls = reply_calls(self.tools, result["text"])
-        out = _with_finish({**result, "text": content}, bool(calls))
-        if calls:
+        parts = self.format.split(result["text"])
+        out = {**result, "text": parts.content}
+        if self.format.reasoning is not None:
+            out["reasoning_content"] = parts.reasoning
+        if self.tools is None:
+            return out
+        out = _with_finish(out, bool(parts.calls))
+        if parts.calls:
             out["tool_calls"] = [
                 {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                for c in calls
+                for c in parts.calls
             ]
         return out
 
@@ -70,12 +85,18 @@ class ChatCall:
         """A streamed chunk; with tools offered, its text delta without the call markup and its
         `tool_calls` deltas (`ToolCallStream`'s: a call's first names it, later ones add argument
         pieces), finish_reason type "tool_calls" on the last chunk of a reply that made calls."""
-        if self.tools is None:
+        assert self.format is not None
+        if self.tools is None and self.format.reasoning is None:
             return chunk
-        stream = self.streams.setdefault(chunk.get("index", 0), ToolCallStream(self.tools))
+        stream = self.streams.setdefault(chunk.get("index", 0), self.format.stream())
         final = chunk["meta_info"].get("finish_reason") is not None
-        content, calls = stream.feed(chunk["text"], final)
-        out = {**chunk, "text": content, "tool_calls": calls}
+        parts = stream.feed(chunk["text"], final)
+        out = {**chunk, "text": parts.content}
+        if self.format.reasoning is not None:
+            out["reasoning_content"] = parts.reasoning
+        if self.tools is None:
+            return out
+        out["tool_calls"] = parts.calls
         return _with_finish(out, stream.called) if final else out
 
     def reply_stream(self, chunks: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -104,16 +125,20 @@ def prepare_chat(
     *,
     chat_template: Any,
     tool_parser: ToolCallParser,
+    tokenizer: Any,
+    reasoning_parser: ReasoningParser | None = None,
     takes_media: bool = False,
     tools: Any = None,
     tool_choice: Any = None,
     response_format: Any = None,
     parallel_tool_calls: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    reasoning_effort: str | None = None,
 ) -> ChatCall:
     """The prompt and native params of a chat call, to prepare with `ChatCall.prepare`."""
     # Imported here, not at the top: the protocol's package loads the whole HTTP layer (FastAPI),
     # which a Runtime that never chats need not import.
-    from rxf.entrypoints.openai.protocol import ChatMessages, ResponseFormat, Tool
+    from rxf.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessages, ResponseFormat, Tool
 
     items = [m.model_dump(exclude_unset=True) for m in _validate(ChatMessages, messages, "messages")]
     entries = None if tools is None else [t.model_dump(exclude_none=True) for t in _validate(list[Tool], tools, "tools")]
@@ -129,7 +154,12 @@ def prepare_chat(
             f"at most one output constraint may be set; got {constraints[0]} and {constraints[1]}", constraints[1]
         )
     plan = plan_tools(entries, choice, parallel_tool_calls, tool_parser, constraints[0] if constraints else None)
-    prompt = build_chat_prompt(items, chat_template, tool_parser, plan, takes_media)
+    effort_type = ChatCompletionRequest.model_fields["reasoning_effort"].annotation
+    variables = template_variables(
+        _validate(dict[str, Any] | None, chat_template_kwargs, "chat_template_kwargs"),
+        _validate(effort_type, reasoning_effort, "reasoning_effort"),
+    )
+    prompt = build_chat_prompt(items, chat_template, tool_parser, plan, takes_media, variables)
     stop = params.get("stop") or []
     stop = [stop] if isinstance(stop, str) else list(stop)
     stop += [s for s in chat_template.stop_strings if s not in stop]
@@ -139,7 +169,13 @@ def prepare_chat(
         constrained_by: str | None = "tools"
     else:
         constrained_by = "response_format" if constraint else None
-    return ChatCall(prompt, params, plan, constrained_by)
+    if reasoning_parser is not None and reasoning_parser.needs_special_tokens:
+        params["skip_special_tokens"] = False
+    constrained = bool(constraints) or constrained_by is not None
+    fmt = reply_format(prompt.text, reasoning_parser, plan, constrained)
+    if constrained:
+        params |= constraint_start(fmt, tokenizer)
+    return ChatCall(prompt, params, plan, constrained_by, fmt)
 
 
 def _tool_choice(tool_choice: Any) -> str | dict[str, Any] | None:

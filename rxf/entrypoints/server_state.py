@@ -120,6 +120,16 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def server_registry(state: ServerState) -> Any:
+    """The plugin registry of the server's process (its chat formats are looked up there), loaded
+    once under the config's allow and deny lists."""
+    if "registry" not in state.extra:
+        from rxf.core.registry import PluginRegistry
+
+        state.extra["registry"] = PluginRegistry.load(state.config.plugins.allow, state.config.plugins.deny)
+    return state.extra["registry"]
+
+
 # Bodies over this (or of unknown length) are planned off the event loop: rendering thousands of
 # messages or tokenizing a batch of long prompts would hold every other client for tenths of a
 # second. Smaller ones are planned inline, which is cheaper than a thread hop.

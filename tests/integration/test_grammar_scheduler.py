@@ -142,3 +142,27 @@ def test_tokenizer_info_is_built_by_the_first_constrained_request_on_a_compile_t
     got = drain(sched)
     assert [_text(sched, got[r]["ids"]) for r in ("re", "re2")] == ["ok", "ok"]
     assert len(builds) == 1 and builds[0].startswith("rxf-grammar"), builds  # once, off the loop
+
+
+def _first_end(ids: list[int], after: list[int]) -> int:
+    """The length of the shortest prefix of `ids` that ends with `after`."""
+    return next(k for k in range(len(after), len(ids) + 1) if ids[k - len(after) : k] == after)
+
+
+def test_grammar_after_sleeps_until_the_output_ends_with_it(tiny_llama, hf_reference):
+    """A thinking model's constraint starts after its reasoning: the output is the unconstrained
+    greedy one up to and including the `grammar_after` tokens, then the grammar's; a request whose
+    tokens never come stays unconstrained."""
+    sched = make_scheduler(tiny_llama)
+    ps = prompts(2, seed=21)
+    free = [hf_reference(p, 12) for p in ps]
+    after = free[0][3:5]
+    never = [next(t for t in range(5, 500) if t not in free[1])]
+    sched.add_request(request("after", ps[0], 40, regex="(yes|no)!", grammar_after=after))
+    sched.add_request(request("never", ps[1], 12, regex="(yes|no)!", grammar_after=never))
+    got = drain(sched)
+    ids = got["after"]["ids"]
+    k = _first_end(free[0], after)
+    assert ids[:k] == free[0][:k]
+    assert re.fullmatch("(yes|no)!", _text(sched, ids[k:])) and got["after"]["finished"].type == "stop"
+    assert got["never"]["ids"] == free[1]

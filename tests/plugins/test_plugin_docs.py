@@ -108,6 +108,8 @@ CHECKS = {  # what each kind's example must resolve to; strings of unreleased in
     "chat_templates": _check_chat_template,
     "multimodal_processors": None,
     "grammar_backends": None,
+    "tool_call_formats": None,
+    "reasoning_parsers": None,
 }
 
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from rxf.core.frontend.outputs import GenerateOutput
 from rxf.core.frontend.request_preparer import RequestPreparer
 from rxf.core.ipc.messages import FinishReason
-from rxf.entrypoints.chat.tool_parsers import PARSERS
+from rxf.entrypoints.chat.tool_parsers import parser_class
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from rxf.entrypoints.openai.serving_chat import chat_events, chat_response, plan_chat
 from rxf.entrypoints.openai.serving_completions import plan_completion
@@ -197,7 +197,7 @@ def test_malformed_tools_are_named(fields, loc):
 
 
 def test_special_token_formats_keep_special_tokens(tok):
-    p = plan_chat(chat(tools=TOOLS), RequestPreparer(tok, CTX, VOCAB), HFChatTemplate(tok), tool_parser=PARSERS["mistral"]())
+    p = plan_chat(chat(tools=TOOLS), RequestPreparer(tok, CTX, VOCAB), HFChatTemplate(tok), tool_parser=parser_class("mistral")())
     assert p.prompt.sampling_params.skip_special_tokens is False
     assert plan(tok, tools=TOOLS).prompt.sampling_params.skip_special_tokens is True
 
@@ -214,14 +214,14 @@ def _hf_reference(tokenizer) -> str:
 
 def test_tool_aware_templates_get_the_structure(tool_tok):
     expected = _hf_reference(tool_tok)
-    syntax = PARSERS["hermes"].syntax
+    syntax = parser_class("hermes").syntax
     assert HFChatTemplate(tool_tok).render_with_tools(HISTORY, TOOLS, syntax) == expected
     assert JinjaChatTemplate(TOOL_TEMPLATE).render_with_tools(HISTORY, TOOLS, syntax) == expected
     assert '{"name": "get_weather", "arguments": {"city": "Rome"}}' in expected  # not JSON in a string
 
 
 def test_templates_without_tools_get_them_as_text(tok):
-    syntax = PARSERS["hermes"].syntax
+    syntax = parser_class("hermes").syntax
     prompt = HFChatTemplate(tok).render_with_tools(HISTORY, TOOLS, syntax)
     system = prompt.split("<|im_end|>")[0]
     assert system.startswith("<|im_start|>system\nBe brief.\n\n") and '"name": "get_weather"' in system
@@ -232,14 +232,14 @@ def test_templates_without_tools_get_them_as_text(tok):
 
 def test_builtin_templates_render_tools(tok):
     by_name = {t.name: t for t in BUILTIN_TEMPLATES}
-    chatml = by_name["chatml"].render_with_tools(HISTORY, TOOLS, PARSERS["hermes"].syntax)
+    chatml = by_name["chatml"].render_with_tools(HISTORY, TOOLS, parser_class("hermes").syntax)
     assert "<tools>" in chatml and "<tool_response>\n25 C" in chatml and chatml.endswith("<|im_start|>assistant\n")
-    llama3 = by_name["llama-3"].render_with_tools(HISTORY, TOOLS, PARSERS["llama3_json"].syntax)
+    llama3 = by_name["llama-3"].render_with_tools(HISTORY, TOOLS, parser_class("llama3_json").syntax)
     assert '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_weather"' in llama3
     assert llama3.count("<|start_header_id|>ipython<|end_header_id|>\n\n") == 2
     for name in ("llama-2", "vicuna"):  # strict alternation: the two results make one user turn
         prompt = by_name[name].render_with_tools(HISTORY + [{"role": "assistant", "content": "Both mild."}], TOOLS,
-                                                 PARSERS["hermes"].syntax)
+                                                 parser_class("hermes").syntax)
         assert "21 C" in prompt and "25 C" in prompt and "Both mild." in prompt
 
 

@@ -114,6 +114,7 @@ def test_reply_reads_calls_as_the_server_does():
     """The reply of a model that wrote Hermes call markup: the server's reader (`reply_message`) is
     the reference for the Python result's text and calls."""
     from rxf.entrypoints.chat.prompt import ChatPrompt
+    from rxf.entrypoints.chat.reply import ReplyFormat
     from rxf.entrypoints.chat.tool_parsers.hermes import HermesParser
     from rxf.entrypoints.chat.tools import ToolPlan
     from rxf.entrypoints.openai.tool_calls import reply_message
@@ -123,7 +124,7 @@ def test_reply_reads_calls_as_the_server_does():
             '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
     plan = ToolPlan(TOOLS, HermesParser())
     out = ChatCall(ChatPrompt("", None, None), {}, plan, None).reply({"text": text, "meta_info": {}})
-    content, calls = reply_message(plan, text)
+    content, calls = reply_message(ReplyFormat(tools=plan).split(text))
     assert out["text"] == content == "Checking."
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in out["tool_calls"]] == [
         (c.function.name, c.function.arguments) for c in calls

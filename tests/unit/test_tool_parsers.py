@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from rxf.entrypoints.chat.reply import ReplyFormat
 from rxf.entrypoints.chat.tool_parsers import (
-    PARSERS,
     NamedCallParser,
     RequiredCallsParser,
     ToolCallParser,
@@ -24,6 +24,7 @@ from rxf.entrypoints.chat.tool_stream import ToolCallStream
 from rxf.entrypoints.chat.tools import ToolPlan
 from rxf.entrypoints.openai.tool_calls import reply_message, tool_call_deltas
 from rxf.plugins.chat_templates.builtin import BUILTIN_TEMPLATES
+from rxf.plugins.chat_templates.tools import DeepSeekV3Syntax, PythonicSyntax, Qwen3CoderSyntax
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Zürich \"old\" town", "days": [1, 2], "unit": None}}
 NESTED = {"name": "search", "arguments": {"q": "a } ] { [ , : \\ b", "filters": {"tags": ["x"], "n": -1.5e3}}}
@@ -43,8 +44,46 @@ def mistral(calls: list[dict[str, Any]], before: str = "") -> str:
     return f"{before}[TOOL_CALLS] {json.dumps(calls)}"
 
 
+def qwen3_coder(calls: list[dict[str, Any]], before: str = "") -> str:
+    return before + Qwen3CoderSyntax().format_calls(calls)
+
+
+def pythonic(calls: list[dict[str, Any]]) -> str:
+    return PythonicSyntax().format_calls(calls)
+
+
+def deepseek_v3(calls: list[dict[str, Any]], before: str = "") -> str:
+    return before + DeepSeekV3Syntax().format_calls(calls)
+
+
+# As Qwen3-Coder writes them (its template's layout), DeepSeek-V3.1's newer form, Llama 4's tags.
+QWEN3_CODER_OUTPUT = (
+    "I'll check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich \"old\" town\n</parameter>\n"
+    "<parameter=days>\n[1, 2]\n</parameter>\n<parameter=unit>\nnull\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=ping>\n</function>\n</tool_call>"
+)
+DEEPSEEK_V31_OUTPUT = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+    + json.dumps(WEATHER["arguments"]) + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+)
+
 # (parser, model output, expected content, expected calls)
 CASES = [
+    ("qwen3_coder", QWEN3_CODER_OUTPUT, "I'll check both.", [WEATHER, EMPTY]),
+    ("qwen3_coder", qwen3_coder([NESTED], before="Searching. "), "Searching.", [NESTED]),
+    ("qwen3_coder", "<tool_call>\n<functionary>\n</tool_call> x", "<tool_call>\n<functionary>\n</tool_call> x", []),
+    ("qwen3_coder", "No calls: <tool_call is a tag.", "No calls: <tool_call is a tag.", []),
+    ("pythonic", pythonic([WEATHER, NESTED, EMPTY]), "", [WEATHER, NESTED, EMPTY]),
+    ("pythonic", "<|python_start|>" + pythonic([EMPTY]) + "<|python_end|>", "", [EMPTY]),
+    ("pythonic", '[get_weather(city="a)\\"b", days=[1, 2], unit=None)]', "", [
+        {"name": "get_weather", "arguments": {"city": 'a)"b', "days": [1, 2], "unit": None}}]),
+    ("pythonic", "[1, 2] are numbers", "[1, 2] are numbers", []),
+    ("pythonic", "[see(1)] positional", "[see(1)] positional", []),
+    ("pythonic", "Just text (no list).", "Just text (no list).", []),
+    ("deepseek_v3", deepseek_v3([WEATHER, NESTED], before="Let me look.\n\n"), "Let me look.", [WEATHER, NESTED]),
+    ("deepseek_v3", DEEPSEEK_V31_OUTPUT, "", [WEATHER]),
+    ("deepseek_v3", deepseek_v3([EMPTY]) + " Done.", "Done.", [EMPTY]),
+    ("deepseek_v3", "Plain text <｜tool▁sep｜> only", "Plain text <｜tool▁sep｜> only", []),
     ("hermes", hermes([WEATHER]), "", [WEATHER]),
     ("hermes", hermes([WEATHER, NESTED, EMPTY], before="Let me look.\n\n"), "Let me look.", [WEATHER, NESTED, EMPTY]),
     ("hermes", hermes([EMPTY], before="A", after="\nDone."), "A\nDone.", [EMPTY]),
@@ -94,14 +133,14 @@ def as_objects(calls: list[Any]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 def test_whole_output(name, text, content, calls):
-    scan = PARSERS[name]().parse(text)
+    scan = parser_class(name)().parse(text)
     assert scan.content == content
     assert as_objects([(c.name, c.arguments) for c in scan.calls]) == calls
 
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 def test_streamed_deltas_add_up_to_the_whole_output(name, text, content, calls):
-    parser = PARSERS[name]()
+    parser = parser_class(name)()
     whole = parser.parse(text)
     for seed in range(40):
         streamed, streamed_calls, firsts = collect_stream(parser, text, random.Random(seed))
@@ -112,10 +151,44 @@ def test_streamed_deltas_add_up_to_the_whole_output(name, text, content, calls):
         assert len({d.id for d in firsts}) == len(firsts)
 
 
+def fed(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[list[str]]]:
+    """The content and calls ([name, arguments]) that streaming `pieces` adds up to."""
+    stream = ToolCallStream(ToolPlan([], parser))
+    content, calls = "", {}
+    for k, piece in enumerate(pieces):
+        text, deltas = stream.feed(piece, final=k == len(pieces) - 1)
+        content += text
+        for delta in deltas:
+            entry = calls.setdefault(delta["index"], [delta["function"].get("name"), ""])
+            entry[1] += delta["function"]["arguments"]
+    return content, [calls[k] for k in sorted(calls)]
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_streamed_token_by_token_and_split_at_every_position(name, text, content, calls):
+    parser = parser_class(name)()
+    whole = parser.parse(text)
+    expected = (whole.content, [[c.name, c.arguments] for c in whole.calls])
+    assert fed(parser, list(text)) == expected
+    for k in range(len(text) + 1):
+        assert fed(parser, [text[:k], text[k:]]) == expected, k
+
+
+def test_qwen3_coder_reads_values_by_the_tools_schemas():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string"}, "n": {"type": "integer"}, "either": {"type": ["string", "null"]}}}}}]
+    parser = parser_class("qwen3_coder")().for_tools(tools)
+    text = qwen3_coder([{"name": "f", "arguments": {"code": "42", "n": 7, "either": "true", "other": "x"}}])
+    (call,) = parser.parse(text).calls
+    assert json.loads(call.arguments) == {"code": "42", "n": 7, "either": "true", "other": "x"}
+    # Without the schema, a value that reads as JSON is that JSON.
+    assert json.loads(parser_class("qwen3_coder")().parse(text).calls[0].arguments)["code"] == 42
+
+
 def test_markup_never_leaks_into_streamed_content():
     text = hermes([WEATHER, NESTED], before="Checking. ")
     for seed in range(40):
-        stream = ToolCallStream(ToolPlan([], PARSERS["hermes"]()))
+        stream = ToolCallStream(ToolPlan([], parser_class("hermes")()))
         rng, i, pieces = random.Random(seed), 0, []
         while i < len(text):
             step = rng.randint(1, 3)
@@ -125,17 +198,17 @@ def test_markup_never_leaks_into_streamed_content():
 
 
 def test_reply_message_shape():
-    plan = ToolPlan([], PARSERS["hermes"]())
-    content, calls = reply_message(plan, hermes([WEATHER, EMPTY], before="Ok "))
+    plan = ToolPlan([], parser_class("hermes")())
+    content, calls = reply_message(ReplyFormat(tools=plan).split(hermes([WEATHER, EMPTY], before="Ok ")))
     assert content == "Ok" and [c.function.name for c in calls] == ["get_weather", "ping"]
     assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
-    assert reply_message(plan, "just text") == ("just text", None)
-    assert reply_message(plan, hermes([EMPTY]))[0] is None  # no text besides the call: null content
+    assert reply_message(ReplyFormat(tools=plan).split("just text")) == ("just text", None)
+    assert reply_message(ReplyFormat(tools=plan).split(hermes([EMPTY])))[0] is None  # no text besides the call: null content
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
-    plan = ToolPlan([], PARSERS["hermes"](), max_calls=1)
-    _, calls = reply_message(plan, hermes([WEATHER, EMPTY]))
+    plan = ToolPlan([], parser_class("hermes")(), max_calls=1)
+    _, calls = reply_message(ReplyFormat(tools=plan).split(hermes([WEATHER, EMPTY])))
     assert [c.function.name for c in calls] == ["get_weather"]
     _, streamed, _ = collect_stream(plan.parser, hermes([WEATHER, EMPTY]), random.Random(0), max_calls=1)
     assert [c[0] for c in streamed] == ["get_weather"]
@@ -190,9 +263,11 @@ def test_parser_choice():
         source_text = "{% if tools %}...[TOOL_CALLS]...{% endif %}"
 
     assert detect_parser_name(Template()) == "mistral"
-    assert parser_class("hermes") is PARSERS["hermes"]
+    Template.source_text = "{% for tool in tools %}...<tool_call>\n<function={{ name }}>..."
+    assert detect_parser_name(Template()) == "qwen3_coder"
+    assert parser_class("hermes").__name__ == "HermesParser"
     assert parser_class("rxf.entrypoints.chat.tool_parsers.forced:RequiredCallsParser") is RequiredCallsParser
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         parser_class("nope")
-    with pytest.raises(ValueError, match="not a ToolCallParser"):
+    with pytest.raises(ValueError, match="not a ToolCallParser subclass"):
         parser_class("json:JSONDecoder")

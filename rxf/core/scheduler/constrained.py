@@ -11,6 +11,10 @@ output (`Scheduler._ensure_decode_space`), so matcher and `output_ids` still agr
 With overlap scheduling, a step that samples for a constrained request is resolved before the next
 step is planned (`Scheduler.step`): its matcher must accept the token before it can mask the next.
 
+A constraint with `grammar_after` (a thinking model's end-of-reasoning tokens) sleeps until the
+output ends with them: no mask, no matcher step. The token that completes them starts it
+(`grammar_start`), and the next sampled token is the grammar's first.
+
 Jump-forward (the compressed FSM of the SGLang paper): when the grammar allows a single continuation
 string, it is tokenized together with the newest token and appended at once; the request then
 extends those tokens in one EXTEND instead of one DECODE each. Only the newest token is ever
@@ -89,6 +93,7 @@ class ConstrainedDecoding:
                 continue
             stops = sorted(self.stop.eos_token_ids | set(req.sampling_params.stop_token_ids))
             req.grammar = self.backend.matcher(compiled, stops)
+            req.grammar_start = None if req.sampling_params.grammar_after else 0
         return failed
 
     @staticmethod
@@ -106,7 +111,7 @@ class ConstrainedDecoding:
     def mask(self, reqs: list[Req]) -> GrammarMask | None:
         """The step's bitmask for the constrained ones of `reqs` (the sampled rows), on the host;
         every constrained request has its output resolved (the scheduler sees to it)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        rows = [i for i, r in enumerate(reqs) if r.grammar_active]
         if not rows:
             return None
         bitmask = self.backend.allocate_bitmask(len(reqs))
@@ -123,6 +128,11 @@ class ConstrainedDecoding:
         complete grammar (stop token accepted) ends the request with "stop", one that took over
         `grammar.max_match_ms` this step (mask, accept, jump) with "abort"."""
         if req.grammar is None:
+            return self.stop.check(req)
+        if req.grammar_start is None:  # asleep until the output ends with `grammar_after`
+            after = req.sampling_params.grammar_after
+            if req.output_ids[-len(after) :] == after:
+                req.grammar_start = len(req.output_ids)
             return self.stop.check(req)
         start = time.perf_counter()
         token = req.output_ids[-1]

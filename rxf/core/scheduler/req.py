@@ -58,9 +58,16 @@ class Req:
     input_logprobs: dict[str, Any] | None = None
     input_logprobs_sent: bool = False
     # Structured output: the compile in flight (the request waits until it is done), then the
-    # matcher, which has accepted exactly `output_ids` (kept across retraction, like the output).
+    # matcher, which has accepted exactly `output_ids[grammar_start:]` (kept across retraction,
+    # like the output). `grammar_start` is None until the output ends with
+    # `sampling_params.grammar_after` (0 when that is empty): the matcher sleeps until then.
     grammar_future: Future[Any] | None = None
     grammar: GrammarMatcher | None = None
+    grammar_start: int | None = None
+
+    @property
+    def grammar_active(self) -> bool:
+        return self.grammar is not None and self.grammar_start is not None
 
     @property
     def rid(self) -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rxf.core.chat_template import PART_SEPARATOR
+from rxf.core.echo import echo
 from rxf.core.frontend.requests import GenerateRequest
 from rxf.core.ipc.messages import RequestOptions
 from rxf.entrypoints.chat import ChatInputError
@@ -21,6 +22,13 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # The native request's prompt fields as a chat request names them (`RequestError.renamed`): the
 # prompt is the messages, and a media error names the image or video inside them.
 PROMPT_FIELDS = {"text": "messages", "image_data": "messages: image", "video_data": "messages: video"}
+# Names rendering itself sets, or that transformers' apply_chat_template takes as its own arguments:
+# a request's template variables may not replace them.
+RESERVED_VARIABLES = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "bos_token", "eos_token", "chat_template", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs",
+})
 
 
 @dataclass
@@ -46,14 +54,18 @@ def build_chat_prompt(
     tools: ToolPlan | None = None,
     takes_media: bool = False,
     continue_final: bool = False,
+    variables: dict[str, Any] | None = None,
 ) -> ChatPrompt:
-    """The prompt of `messages` offering `tools`; media parts are refused unless the model
-    `takes_media` (has a multimodal processor). `continue_final`: the last message is the start of
-    the assistant's reply, which the model continues (the conversation before it is rendered up to
-    the assistant's turn, and that text follows, with no end of turn)."""
+    """The prompt of `messages` offering `tools`, the template given `variables` (see
+    `template_variables`); media parts are refused unless the model `takes_media` (has a
+    multimodal processor). `continue_final`: the last message is the start of the assistant's
+    reply, which the model continues (the conversation before it is rendered up to the assistant's
+    turn, and that text follows, with no end of turn)."""
     images: list[Any] | None = [] if takes_media else None
     videos: list[Any] | None = [] if takes_media else None
     offered = tools.tools if tools is not None else None
+    if variables:
+        chat_template = chat_template.with_variables(variables)
     items = template_messages(messages, images, videos)
     start = ""
     if continue_final:
@@ -86,3 +98,17 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> dict[s
     if kind == "json_schema":
         return {"json_schema": json.dumps(response_format["json_schema"]["schema"])}
     return {}
+
+
+def template_variables(chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None) -> dict[str, Any]:
+    """The template variables of a request: its `chat_template_kwargs` (e.g. `enable_thinking`)
+    and `reasoning_effort` (which gpt-oss's template reads; it wins over a kwarg of that name).
+    Raises ChatInputError for a name that is no identifier or that rendering sets itself."""
+    variables = dict(chat_template_kwargs or {})
+    for name in variables:
+        if not name.isidentifier() or name in RESERVED_VARIABLES:
+            reason = "is set by the server" if name in RESERVED_VARIABLES else "is not a template variable name"
+            raise ChatInputError(f"chat_template_kwargs: {echo(name)} {reason}", "chat_template_kwargs")
+    if reasoning_effort is not None:
+        variables["reasoning_effort"] = reasoning_effort
+    return variables

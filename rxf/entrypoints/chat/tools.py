@@ -71,7 +71,7 @@ def plan_tools(
         raise ChatInputError(f"tools: function names must be unique; repeated: {cut(', '.join(duplicates))}", "tools")
     max_calls = None if parallel_tool_calls else 1
     if not forced:
-        return ToolPlan(tools, markup_parser, max_calls=max_calls)
+        return ToolPlan(tools, markup_parser.for_tools(tools), max_calls=max_calls)
     if constraint is not None:
         described = f"{{function: {echo(named)}}}" if named is not None else repr(tool_choice)
         raise ChatInputError(f"tool_choice {described} cannot be combined with {constraint}", "tool_choice")

@@ -207,6 +207,9 @@ class ChatCompletionRequest(GenerationFields):
     parallel_tool_calls: bool = True
     # vLLM's extension: the final assistant message is the reply's start, which the model continues.
     continue_final_message: bool = False
+    # Variables for the chat template (e.g. {"enable_thinking": false}), as vLLM's and SGLang's.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # to the template
 
 
 class TokenizeRequest(_Request):
@@ -306,6 +309,7 @@ class ToolCall(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = _omit_if_none()  # a thinking model's reasoning (vLLM's name)
     tool_calls: list[ToolCall] | None = _omit_if_none()
 
 
@@ -343,6 +347,7 @@ class ToolCallDelta(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = _omit_if_none()
     content: str | None = _omit_if_none()
+    reasoning_content: str | None = _omit_if_none()
     tool_calls: list[ToolCallDelta] | None = _omit_if_none()
 
 

@@ -2,7 +2,8 @@
 
 As `Runtime.chat` does: the rendered prompt already holds its special tokens (so it is tokenized
 without adding any) and the template's stop strings are added to the request's own. Tools (see
-`tool_calls`) are shown through the template, and each reply is split into content and calls.
+`tool_calls`) are shown through the template, and each reply is split into its reasoning
+(`reasoning_content`, by the model's reasoning parser), content and calls (`chat.reply`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from rxf.core.frontend.request_preparer import RequestPreparer
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.entrypoints.chat import ChatInputError
-from rxf.entrypoints.chat.prompt import PROMPT_FIELDS, build_chat_prompt
+from rxf.entrypoints.chat.prompt import PROMPT_FIELDS, build_chat_prompt, template_variables
+from rxf.entrypoints.chat.reasoning import ReasoningParser, make_reasoning_parser
+from rxf.entrypoints.chat.reply import ReplyFormat, constraint_start, reply_format
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser, make_parser
-from rxf.entrypoints.chat.tool_stream import ToolCallStream, finish_type
+from rxf.entrypoints.chat.tool_stream import finish_type
 from rxf.entrypoints.chat.tools import ToolPlan, plan_tools, tool_params
 from rxf.entrypoints.choices import choice_requests, warm_prefixes
 from rxf.entrypoints.openai import generation as gen
@@ -51,7 +54,13 @@ from rxf.entrypoints.openai.sampling import (
 )
 from rxf.entrypoints.openai.sse import event, sse_response
 from rxf.entrypoints.openai.tool_calls import reply_message, tool_call_deltas
-from rxf.entrypoints.server_state import ServerState, prepare, server_state, until_disconnected
+from rxf.entrypoints.server_state import (
+    ServerState,
+    prepare,
+    server_registry,
+    server_state,
+    until_disconnected,
+)
 
 router = APIRouter()
 
@@ -63,6 +72,7 @@ class ChatPlan:
     reqs: list[PreparedRequest]  # request i (rid `<id>-<i>`) is choice i
     logprobs: bool
     tools: ToolPlan | None = None
+    reply: ReplyFormat = ReplyFormat()  # how each reply is read (reasoning, content, calls)
 
 
 def plan_chat(
@@ -70,9 +80,11 @@ def plan_chat(
     preparer: RequestPreparer,
     chat_template: Any,
     tool_parser: ToolCallParser | None = None,
+    reasoning_parser: ReasoningParser | None = None,
 ) -> ChatPlan:
     """The prepared requests for `req`; raises APIError(400) naming the field for any bad value.
-    `tool_parser` reads the model's tool calls (None: the one the chat template suggests).
+    `tool_parser` reads the model's tool calls (None: the one the chat template suggests);
+    `reasoning_parser` its reasoning (None: the model does not think).
     Blocking (template rendering, tokenizing, media decoding, grammar compiling): run it off the
     event loop."""
     check_chat(req)
@@ -85,8 +97,10 @@ def plan_chat(
     messages = [msg.model_dump(exclude_unset=True) for msg in req.messages]
     try:
         tools = plan_tools(tool_entries, tool_choice, req.parallel_tool_calls, tool_parser, constrained_by or None)
+        variables = template_variables(req.chat_template_kwargs, req.reasoning_effort)
         prompt = build_chat_prompt(
-            messages, chat_template, tool_parser, tools, preparer.mm_processor is not None, req.continue_final_message
+            messages, chat_template, tool_parser, tools, preparer.mm_processor is not None,
+            req.continue_final_message, variables,
         )
     except ChatInputError as exc:
         raise bad_request(str(exc), exc.param) from None
@@ -97,6 +111,11 @@ def plan_chat(
     params = native_params(req, requested, tuple(chat_template.stop_strings)) | constraint | tool_params(tools)
     if tools is not None and tools.json_schema is not None:
         constrained_by = "tools"
+    reply = reply_format(prompt.text, reasoning_parser, tools, constrained=bool(constrained_by))
+    if constrained_by:
+        params |= constraint_start(reply, tokenizer)
+    if reasoning_parser is not None and reasoning_parser.needs_special_tokens:
+        params["skip_special_tokens"] = False
     options = RequestOptions(
         stream=req.stream, return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0,
         cache_salt=req.cache_salt, priority=req.priority,
@@ -106,7 +125,8 @@ def plan_chat(
     native = prompt.request(params, options, rid, default_max_new_tokens=None)
     names = native_names(PROMPT_FIELDS, budget_field, "top_logprobs", constrained_by or None)
     prepared = prepare_request(preparer, native, names)
-    return ChatPlan(rid, prepared, choice_requests(prepared, [f"{rid}-{i}" for i in range(req.n)]), req.logprobs, tools)
+    reqs = choice_requests(prepared, [f"{rid}-{i}" for i in range(req.n)])
+    return ChatPlan(rid, prepared, reqs, req.logprobs, tools, reply)
 
 
 def _logprobs(plan: ChatPlan, out: GenerateOutput, token_str: TokenStr) -> ChatLogprobs | None:
@@ -123,10 +143,9 @@ def _finish(out: GenerateOutput, called: bool) -> str | None:
 
 
 def _message(plan: ChatPlan, text: str) -> ChatMessageOut:
-    if plan.tools is None:
-        return ChatMessageOut(content=text)
-    content, calls = reply_message(plan.tools, text)
-    return ChatMessageOut(content=content, tool_calls=calls)
+    reply = plan.reply.split(text)
+    content, calls = reply_message(reply)
+    return ChatMessageOut(content=content, reasoning_content=reply.reasoning or None, tool_calls=calls)
 
 
 def chat_response(
@@ -154,7 +173,7 @@ async def chat_events(
     """Per choice: one chunk with the role and empty content, content (and tool call) chunks, and
     the finish_reason on that choice's last chunk only."""
     created = int(time.time())
-    streams = [ToolCallStream(plan.tools) if plan.tools is not None else None for _ in plan.reqs]
+    streams = [plan.reply.stream() for _ in plan.reqs]
 
     def chunk(i: int, delta: Delta, logprobs: ChatLogprobs | None = None, finish: str | None = None) -> str:
         choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
@@ -167,15 +186,17 @@ async def chat_events(
         async for i, result in results:
             logprobs = _logprobs(plan, result, token_str)
             finish = gen.finish_reason(result)
-            delta = Delta(content=result.text or None)
             stream = streams[i]
-            if stream is not None:
-                content, calls = stream.feed(result.text, final=finish is not None)
-                delta = Delta(content=content or None, tool_calls=tool_call_deltas(calls) or None)
-                finish = _finish(result, stream.called)
+            parts = stream.feed(result.text, final=finish is not None)
+            delta = Delta(
+                content=parts.content or None,
+                reasoning_content=parts.reasoning or None,
+                tool_calls=tool_call_deltas(parts.calls) or None,
+            )
+            finish = _finish(result, stream.called)
             if finish is not None:
                 finals[i] = result
-            elif delta.content is None and delta.tool_calls is None and not (logprobs and logprobs.content):
+            elif not (delta.content or delta.reasoning_content or delta.tool_calls or (logprobs and logprobs.content)):
                 continue  # nothing to tell yet (the detokenizer may hold text back near a stop string)
             yield chunk(i, delta, logprobs, finish)
     if include_usage:
@@ -190,8 +211,9 @@ def tool_parser(state: ServerState) -> ToolCallParser:
     """The server's parser of the model's tool calls (`model.tool_call_parser`), made once."""
     parser = state.extra.get("tool_parser")
     if parser is None:
-        name = getattr(state.config.model, "tool_call_parser", None)
-        parser = state.extra["tool_parser"] = make_parser(name, state.chat_template, state.tokenizer)
+        name = state.config.model.tool_call_parser
+        parser = make_parser(name, state.chat_template, state.tokenizer, server_registry(state))
+        state.extra["tool_parser"] = parser
     return parser
 
 
@@ -202,7 +224,18 @@ async def prepare_chat(request: Request, state: ServerState, body: ChatCompletio
     has_media = tm.preparer.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
     forced_tools = bool(body.tools) and body.tool_choice not in (None, "none", "auto")
     slow = has_media or forced_tools or slow_to_plan(body)
-    return await prepare(request, plan_chat, body, tm.preparer, state.chat_template, tool_parser(state), off_loop=slow)
+    return await prepare(
+        request, plan_chat, body, tm.preparer, state.chat_template, tool_parser(state), reasoning_parser(state),
+        off_loop=slow,
+    )
+
+
+def reasoning_parser(state: ServerState) -> ReasoningParser | None:
+    """The server's parser of the model's reasoning (`model.reasoning_parser`), made once."""
+    if "reasoning_parser" not in state.extra:
+        name = state.config.model.reasoning_parser
+        state.extra["reasoning_parser"] = make_reasoning_parser(name, state.chat_template, server_registry(state))
+    return state.extra["reasoning_parser"]
 
 
 @router.post("/v1/chat/completions", response_model=None)

@@ -10,14 +10,15 @@ Kinds of template:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import warnings
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,13 +62,26 @@ def hf_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# Besides jinja2's TemplateError, what rendering a template may raise for what it was given
+# (messages, a request's variables: `{{ n + 1 }}` with n = "x" is a TypeError): the client's
+# input, answered with a 400.
+_RENDER_ERRORS = (TypeError, ValueError, AttributeError, LookupError, ArithmeticError, RecursionError)
+
+
+@dataclass(frozen=True, kw_only=True)
 class _SourceTemplate(api.ChatTemplate):
     """A jinja-sourced template (the tokenizer's own, or a .jinja file), rendered by `_render`.
     Tools go to the template itself when its source reads them, else into plain messages in the
-    parser's syntax (ChatTemplate's default)."""
+    parser's syntax (ChatTemplate's default). `variables` reach the template beside the messages
+    (checked by the caller not to shadow the ones rendering sets)."""
+
+    variables: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @abstractmethod
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any) -> str: ...
+
+    def with_variables(self, variables: Mapping[str, Any]) -> api.ChatTemplate:
+        return dataclasses.replace(self, variables={**self.variables, **variables})
 
     def render_with_tools(
         self,
@@ -96,9 +110,9 @@ class HFChatTemplate(_SourceTemplate):
 
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.variables, **extra
             )
-        except TemplateError as exc:  # includes the template's own raise_exception(...)
+        except (TemplateError, *_RENDER_ERRORS) as exc:  # includes the template's own raise_exception(...)
             raise ValueError(f"chat template {self.name!r}: {exc}") from exc
 
     @property
@@ -132,19 +146,12 @@ class JinjaChatTemplate(_SourceTemplate):
         logger.info("chat template: loaded %s", path)
         return cls(source, bos_token=bos_token, eos_token=eos_token, name=str(path))
 
-    @cached_property
+    @property
     def _compiled(self) -> jinja2.Template:
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        import jinja2
 
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
         try:
-            return env.from_string(self.source)
+            return _compile_jinja(self.source)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"chat template {self.name!r} is not valid jinja: {exc}") from exc
 
@@ -160,15 +167,29 @@ class JinjaChatTemplate(_SourceTemplate):
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **self.variables,
                 **extra,
             )
-        except TemplateError as exc:
+        except (TemplateError, *_RENDER_ERRORS) as exc:
             raise ValueError(f"chat template {self.name!r}: {exc}") from exc
 
     @property
     def source_text(self) -> str:
         return self.source
 
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_jinja(source: str) -> jinja2.Template:
+    """A template's source compiled once (copies with other `variables` share it)."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
 
 
 def takes_tools(source: str) -> bool:

@@ -1,42 +1,34 @@
 """Tool-call parsers by name, and the choice of one for a chat template.
 
-`model.tool_call_parser` names a built-in parser (`PARSERS`) or a third-party class as
-"package.module:Class" (a `ToolCallParser` subclass); unset, the chat template's own format is
-used, else the one its source text shows, else Hermes (the most common format).
+`model.tool_call_parser` names a registered tool-call format (`rxf_register_tool_call_formats`: a
+`ToolCallParser` subclass, which carries the format's `syntax` for templates without tool support;
+the builtins are registered by `rxf.plugins.chat_templates`) or a class as "package.module:Class"; unset, the chat
+template's own format is used, else the one its source text shows, else Hermes (the most common).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from rxf.core.registry import PluginRegistry
+from rxf.entrypoints.chat.formats import format_class
 from rxf.entrypoints.chat.tool_parsers.base import ParsedCall, Scan, ToolCallParser
 from rxf.entrypoints.chat.tool_parsers.forced import NamedCallParser, RequiredCallsParser
-from rxf.entrypoints.chat.tool_parsers.hermes import HermesParser
-from rxf.entrypoints.chat.tool_parsers.llama3_json import Llama3JsonParser
-from rxf.entrypoints.chat.tool_parsers.mistral import MistralParser
 
-PARSERS: dict[str, type[ToolCallParser]] = {
-    cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser)
-}
-DEFAULT_PARSER = HermesParser.name
+DEFAULT_PARSER = "hermes"
 # A marker in a template's source -> the format its model writes (checked in this order).
-_TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
+_TEMPLATE_MARKERS = (
+    ("<|channel|>", "harmony"),
+    ("<function=", "qwen3_coder"),  # before hermes: its calls sit in <tool_call> blocks too
+    ("<tool_call>", "hermes"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+    ("<|python_tag|>", "llama3_json"),
+)
 
 
-def parser_class(name: str) -> type[ToolCallParser]:
-    if name in PARSERS:
-        return PARSERS[name]
-    module_name, _, attr = name.partition(":")
-    if not attr:
-        raise ValueError(
-            f"unknown tool call parser {name!r}: model.tool_call_parser takes one of "
-            f"{', '.join(sorted(PARSERS))} or 'package.module:Class'"
-        )
-    cls = getattr(importlib.import_module(module_name), attr, None)
-    if not (isinstance(cls, type) and issubclass(cls, ToolCallParser)):
-        raise ValueError(f"tool call parser {name!r} is not a ToolCallParser subclass")
-    return cls
+def parser_class(name: str, registry: PluginRegistry | None = None) -> type[ToolCallParser]:
+    return format_class("tool_call_formats", name, ToolCallParser, registry)
 
 
 def detect_parser_name(chat_template: Any) -> str:
@@ -51,9 +43,11 @@ def detect_parser_name(chat_template: Any) -> str:
     return DEFAULT_PARSER
 
 
-def make_parser(name: str | None, chat_template: Any, tokenizer: Any) -> ToolCallParser:
+def make_parser(
+    name: str | None, chat_template: Any, tokenizer: Any, registry: PluginRegistry | None = None
+) -> ToolCallParser:
     """The parser for `model.tool_call_parser` (None: detected from the chat template)."""
-    cls = parser_class(name or detect_parser_name(chat_template))
+    cls = parser_class(name or detect_parser_name(chat_template), registry)
     if not cls.needs_special_tokens:
         return cls()
     special = getattr(tokenizer, "all_special_tokens", None) or []
@@ -61,7 +55,6 @@ def make_parser(name: str | None, chat_template: Any, tokenizer: Any) -> ToolCal
 
 
 __all__ = [
-    "PARSERS",
     "NamedCallParser",
     "ParsedCall",
     "RequiredCallsParser",

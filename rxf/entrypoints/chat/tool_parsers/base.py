@@ -15,7 +15,9 @@ which is exactly what a non-streamed response holds. To keep that true while tex
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from rxf.core.tool_syntax import ToolSyntax
 from rxf.entrypoints.chat.tool_parsers.json_scan import CallScan, scan_call, skip_ws
@@ -61,6 +63,12 @@ class ToolCallParser(ABC):
         # Special tokens other than the markers that appear when `needs_special_tokens` holds
         # (EOS, ...): they are not content.
         self.hidden = hidden
+
+    def for_tools(self, tools: list[dict[str, Any]]) -> ToolCallParser:
+        """The parser for replies to a request offering `tools` (OpenAI tool entries). A format that
+        writes argument values untyped (qwen3_coder's XML) reads them by the tools' schemas; the
+        JSON formats need nothing, so by default this is the parser itself."""
+        return self
 
     @abstractmethod
     def pieces(self, text: str) -> list[Piece]:
@@ -121,9 +129,10 @@ class ToolCallParser(ABC):
         return self.scan(text, final=True)
 
 
-def array_pieces(text: str, i: int) -> list[Piece]:
-    """The pieces of a JSON list of call objects starting at `text[i]` (after optional
-    whitespace), then of the text after the list. Text that is no such list is plain text."""
+def array_pieces(text: str, i: int, read: Callable[[str, int], CallScan] = scan_call) -> list[Piece]:
+    """The pieces of a list of calls starting at `text[i]` (after optional whitespace), then of the
+    text after the list; `read(text, j)` reads the call at `text[j]` (default: a JSON call object).
+    Text that is no such list is plain text."""
     i = skip_ws(text, i)
     if i == len(text):
         return []
@@ -140,10 +149,28 @@ def array_pieces(text: str, i: int) -> list[Piece]:
         if text[j] == ",":
             j += 1
             continue
-        call = scan_call(text, j)
+        call = read(text, j)
         if not call.valid and call.name is None:
             return [*pieces, text[j:]]
         pieces.append(CallPiece(call, text[j : len(text) if call.end is None else call.end], call.end is not None))
         if call.end is None:
             return pieces
         j = call.end
+
+
+def tagged_pieces(text: str, open_tag: str, close_tag: str, read: Callable[[str, bool], CallScan]) -> list[Piece]:
+    """The pieces of text holding calls in `open_tag`...`close_tag` blocks; `read(body, closed)`
+    reads the call in a block's body (so far; `closed` once its close tag came)."""
+    pieces: list[Piece] = []
+    pos = 0
+    while (start := text.find(open_tag, pos)) != -1:
+        pieces.append(text[pos:start])
+        close = text.find(close_tag, start)
+        end = len(text) if close == -1 else close + len(close_tag)
+        call = read(text[start + len(open_tag) : len(text) if close == -1 else close], close != -1)
+        pieces.append(CallPiece(call, text[start:end], closed=close != -1))
+        if close == -1:
+            return pieces
+        pos = end
+    pieces.append(text[pos:])
+    return pieces
