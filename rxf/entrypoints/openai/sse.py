@@ -50,8 +50,11 @@ async def _with_errors(events: AsyncGenerator[str, None]) -> AsyncGenerator[str,
 
 def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:
     """`events` must not yield DONE itself; it is added after the last event."""
+    return event_stream(_with_errors(events))
+
+
+def event_stream(events: AsyncGenerator[str, None]) -> StreamingResponse:
+    """`events` (whole server-sent events, errors included) as the response, never buffered."""
     return StreamingResponse(
-        _with_errors(events),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
