@@ -10,7 +10,7 @@ responses against it, tests/server/test_openapi_fuzz.py) finds the server as doc
   with the error body's schema; never 422;
 - the bearer scheme, on every route but /health, when `server.api_key` is set;
 - `/metrics` as Prometheus text, `stream: true` answers as `text/event-stream`;
-- the responses of /generate, /v1/completions and /v1/chat/completions, and `sampling_params`
+- the responses of /generate, /v1/completions, /v1/chat/completions and /v1/responses, and `sampling_params`
   (from `rxf.core.sampling_params.json_schema`: every field's type and range).
 """
 
@@ -24,6 +24,7 @@ from pydantic.json_schema import models_json_schema
 
 from rxf.entrypoints.http_errors import OPEN_PATHS
 from rxf.entrypoints.openai.protocol import ChatCompletionResponse, CompletionResponse
+from rxf.entrypoints.openai.responses_protocol import ResponseObject
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 ERROR_SCHEMA: dict[str, Any] = {
@@ -54,7 +55,7 @@ _GENERATE_RESULT: dict[str, Any] = {
 _REASONS = {
     400: "invalid request: the message names the field and the reason",
     401: "missing or invalid API key",
-    404: "no such model",
+    404: "no such model, or no such stored response",
     408: "the request's headers or body did not arrive within server.header_timeout_s / body_timeout_s",
     413: "the body exceeds server.max_body_bytes",
     503: "loading, shutting down, engine stopped, at capacity, or over server.max_connections (then Retry-After)",
@@ -62,9 +63,12 @@ _REASONS = {
 }
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 # Routes that can answer a stream (`"stream": true`): server-sent events, one JSON object per event.
-_STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions"}
+_STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
 # Routes checking the body's `model` (or the path's model id) against the served one.
-_MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}"}
+_MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}",
+                 "/v1/responses"}
+# Routes naming a stored response (the path's id, or `previous_response_id`): 404 when it is not stored.
+_STORED_RESPONSE_ROUTES = {"/v1/responses", "/v1/responses/{response_id}"}
 
 
 def _error(status: int) -> dict[str, Any]:
@@ -85,7 +89,7 @@ def _responses(path: str, op: dict[str, Any], with_key: bool) -> dict[str, Any]:
         statuses |= {400, 413}
     if with_key and path not in OPEN_PATHS:
         statuses.add(401)
-    if path in _MODEL_ROUTES:
+    if path in _MODEL_ROUTES or path in _STORED_RESPONSE_ROUTES:
         statuses.add(404)
     if path in _STREAMING:
         statuses.add(504)
@@ -105,8 +109,12 @@ def _success(path: str, ok: dict[str, Any]) -> dict[str, Any]:
         ok = _json({"$ref": "#/components/schemas/CompletionResponse"})
     elif path == "/v1/chat/completions":
         ok = _json({"$ref": "#/components/schemas/ChatCompletionResponse"})
+    elif path == "/v1/responses":
+        ok = _json({"$ref": "#/components/schemas/ResponseObject"})
     if path in _STREAMING:
-        sse = {"schema": {"type": "string"}, "description": "`data: {json}` events, then `data: [DONE]`"}
+        events = ("`event: <type>` + `data: {json}` events, the last one response.completed, .incomplete or .failed"
+                  if path == "/v1/responses" else "`data: {json}` events, then `data: [DONE]`")
+        sse = {"schema": {"type": "string"}, "description": events}
         ok = {**ok, "content": {**ok["content"], "text/event-stream": sse}}
     return ok
 
@@ -118,7 +126,8 @@ def openapi_document(app: FastAPI, with_key: bool) -> dict[str, Any]:
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     _, responses = models_json_schema(
-        [(ChatCompletionResponse, "serialization"), (CompletionResponse, "serialization")],
+        [(ChatCompletionResponse, "serialization"), (CompletionResponse, "serialization"),
+         (ResponseObject, "serialization")],
         ref_template="#/components/schemas/{model}",
     )
     schemas |= responses.get("$defs", {}) | {"ErrorResponse": ERROR_SCHEMA}

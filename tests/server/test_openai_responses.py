@@ -15,12 +15,8 @@ import pytest
 
 WEATHER = {
     "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 16},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "unit", "days"],
+    "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
     "additionalProperties": False,
 }
 TOOLS: list[dict[str, Any]] = [
