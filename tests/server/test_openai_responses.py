@@ -106,6 +106,19 @@ def test_stream_events(client, model):
         stream.get_final_response()
 
 
+def test_logprobs(client, model):
+    kwargs = dict(model=model, input="Name a colour.", max_output_tokens=6, top_logprobs=2,
+                  include=["message.output_text.logprobs"], **GREEDY)
+    logprobs = client.responses.create(**kwargs).output[0].content[0].logprobs
+    expected = chat(client, model, [{"role": "user", "content": "Name a colour."}], 6, logprobs=True,
+                    top_logprobs=2).choices[0].logprobs.content
+    assert [(lp.token, len(lp.top_logprobs)) for lp in logprobs] == [(lp.token, 2) for lp in expected]
+    assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in expected], abs=1e-4)
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [lp.token for lp in logprobs] == [lp.token for lp in events[-1].response.output[0].content[0].logprobs]
+
+
 def test_function_call_round_trip(client, model):
     first = client.responses.create(model=model, input=ASK, tools=TOOLS, max_output_tokens=80,
                                     tool_choice={"type": "function", "name": "get_weather"}, **GREEDY)
@@ -196,6 +209,7 @@ def test_retrieve_and_delete(client, model):
          "text.format"),
         ({"max_output_tokens": 100_000}, "max_output_tokens"),
         ({"temperature": -1}, "temperature"),
+        ({"top_logprobs": 21}, "top_logprobs"),
         ({"background": True}, "background"),
         ({"truncation": "auto"}, "truncation"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0]"),

@@ -28,6 +28,7 @@ from rxf.entrypoints.openai.responses_protocol import (
 from rxf.entrypoints.openai.sampling import bad_request
 from rxf.entrypoints.server_state import APIError
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # The chat request's fields as the Responses request names them (an error's `param` and the head
 # of its message).
 _FIELD_NAMES = {
@@ -88,6 +89,10 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or [])
+
+
 def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     fmt = req.text.format if req.text is not None else None
     if fmt is None:
@@ -119,6 +124,8 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]], mode
         "response_format": _response_format(req),
         "stream": req.stream,
         "user": req.user,
+        "logprobs": wants_logprobs(req),
+        "top_logprobs": req.top_logprobs,
     }
     try:
         return ChatCompletionRequest.model_validate(body)

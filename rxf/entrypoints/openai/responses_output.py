@@ -18,6 +18,8 @@ from typing import Any
 from rxf.core.frontend.outputs import GenerateOutput
 from rxf.entrypoints.chat.tools import new_call_id, reply_calls
 from rxf.entrypoints.openai import generation as gen
+from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs
+from rxf.entrypoints.openai.protocol import ChatTokenLogprob
 from rxf.entrypoints.openai.responses_protocol import (
     FunctionCallOut,
     FunctionToolChoice,
@@ -46,15 +48,24 @@ class ResponsePlan:
     chat: ChatPlan  # the one prepared request that serves it
     conversation: list[dict[str, Any]]  # chat messages: the previous response's, then this input's
     model: str
+    token_str: TokenStr | None = None  # set when the output's logprobs were asked for
     created_at: int = field(default_factory=lambda: int(time.time()))
 
 
-def message_item(text: str, status: str, item_id: str | None = None) -> OutputMessage:
-    return OutputMessage(id=item_id or new_item_id("msg"), status=status, content=[OutputText(text=text)])
+def token_logprobs(plan: ResponsePlan, out: GenerateOutput) -> list[ChatTokenLogprob]:
+    """The logprobs of `out`'s tokens (none unless asked for). With tools they cover every token,
+    call markup included, as chat's do."""
+    if plan.token_str is None or out.logprobs is None:
+        return []
+    return chat_logprobs(out.logprobs.output_token_logprobs, out.logprobs.output_top_logprobs, plan.token_str)
 
 
-def call_item(call_id: str, name: str, arguments: str, status: str, item_id: str | None = None) -> FunctionCallOut:
-    return FunctionCallOut(id=item_id or new_item_id("fc"), call_id=call_id, name=name, arguments=arguments, status=status)
+def message_item(text: str, status: str, logprobs: list[ChatTokenLogprob] | None = None) -> OutputMessage:
+    return OutputMessage(id=new_item_id("msg"), status=status, content=[OutputText(text=text, logprobs=logprobs or [])])
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str) -> FunctionCallOut:
+    return FunctionCallOut(id=new_item_id("fc"), call_id=call_id, name=name, arguments=arguments, status=status)
 
 
 def finish_status(out: GenerateOutput) -> tuple[str, IncompleteDetails | None]:
@@ -67,14 +78,15 @@ def finish_status(out: GenerateOutput) -> tuple[str, IncompleteDetails | None]:
     return "completed", None
 
 
-def output_items(plan: ResponsePlan, text: str, item_status: str) -> list[OutputItem]:
-    """The output items of a whole reply."""
+def output_items(plan: ResponsePlan, out: GenerateOutput, item_status: str) -> list[OutputItem]:
+    """The output items of the whole reply `out`."""
+    text = out.text
     # Seam for the reasoning parsers: the reply's reasoning text, split off here, becomes a
     # {"type": "reasoning", "content": [{"type": "reasoning_text", ...}]} item ahead of the message.
     content, calls = (text, []) if plan.chat.tools is None else reply_calls(plan.chat.tools, text)
     items: list[OutputItem] = []
     if content or not calls:
-        items.append(message_item(content, item_status))
+        items.append(message_item(content, item_status, token_logprobs(plan, out)))
     items += [call_item(new_call_id(), c.name, c.arguments, item_status) for c in calls]
     return items
 
@@ -134,7 +146,7 @@ def final_response(plan: ResponsePlan, out: GenerateOutput, output: list[OutputI
     """The finished response for the final output `out` (`output`: its items as streamed)."""
     status, incomplete = finish_status(out)
     if output is None:
-        output = output_items(plan, out.text, "incomplete" if status == "incomplete" else "completed")
+        output = output_items(plan, out, "incomplete" if status == "incomplete" else "completed")
     return response_object(plan, status, output, out, incomplete)
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
 from rxf.entrypoints.openai.protocol import (
+    ChatTokenLogprob,
     FunctionCallIn,
     FunctionDefinition,
     JsonSchemaFormat,
@@ -159,8 +160,11 @@ class ResponsesRequest(_Request):
     truncation: Literal["auto", "disabled"] | None = None
     background: bool = False
     user: str | None = None
-    # Accepted and not acted on: they tune OpenAI's own service (caching, billing, safety).
+    top_logprobs: int | None = None  # alternatives per output token (0 to 20): the logprobs are returned
+    # "message.output_text.logprobs" returns the output's logprobs; the other values are accepted and
+    # not acted on (they name OpenAI's hosted tools and encrypted reasoning).
     include: list[str] | None = None
+    # Accepted and not acted on: they tune OpenAI's own service (caching, billing, safety).
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     service_tier: str | None = None
@@ -192,7 +196,7 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = []
-    logprobs: list[Any] = []
+    logprobs: list[ChatTokenLogprob] = []  # one per output token, when asked for
 
 
 class OutputMessage(BaseModel):

@@ -26,6 +26,7 @@ from typing import Any
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.chat.tool_stream import ToolCallStream
 from rxf.entrypoints.openai import generation as gen
+from rxf.entrypoints.openai.protocol import ChatTokenLogprob
 from rxf.entrypoints.openai.responses_output import (
     ResponsePlan,
     call_item,
@@ -33,6 +34,7 @@ from rxf.entrypoints.openai.responses_output import (
     finish_status,
     message_item,
     response_object,
+    token_logprobs,
 )
 from rxf.entrypoints.openai.responses_protocol import (
     FunctionCallOut,
@@ -45,6 +47,10 @@ from rxf.entrypoints.openai.sse import to_api_error
 logger = logging.getLogger(__name__)
 
 
+def _dumped(logprobs: list[ChatTokenLogprob]) -> list[dict[str, Any]]:
+    return [lp.model_dump(mode="json") for lp in logprobs]
+
+
 class _Events:
     """The output items as they stream, and the events that tell them."""
 
@@ -53,6 +59,9 @@ class _Events:
         self.items: list[OutputItem] = []
         self.open: OutputItem | None = None  # the item receiving deltas (always the last one)
         self.calls: dict[int, FunctionCallOut] = {}  # ToolCallStream's call index -> its item
+        # Logprobs of tokens whose text has not been sent yet (held back near a stop string, or
+        # markup): they go with the next text delta.
+        self.logprobs: list[ChatTokenLogprob] = []
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": next(self._sequence), **fields}
@@ -77,9 +86,12 @@ class _Events:
         events = [] if isinstance(self.open, OutputMessage) else self.add(message_item("", "in_progress"))
         message = self.open
         assert isinstance(message, OutputMessage)
-        message.content[0].text += delta
+        part = message.content[0]
+        part.text += delta
+        part.logprobs += self.logprobs
         events.append(self.event("response.output_text.delta", item_id=message.id, output_index=len(self.items) - 1,
-                                 content_index=0, delta=delta, logprobs=[]))
+                                 content_index=0, delta=delta, logprobs=_dumped(self.logprobs)))
+        self.logprobs = []
         return events
 
     def call(self, delta: dict[str, Any]) -> list[str]:
@@ -106,9 +118,11 @@ class _Events:
         index = self.items.index(item)
         if isinstance(item, OutputMessage):
             part = item.content[0]
+            part.logprobs += self.logprobs  # tokens whose text never came (a trimmed stop string)
+            self.logprobs = []
             events = [
                 self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
-                           text=part.text, logprobs=[]),
+                           text=part.text, logprobs=_dumped(part.logprobs)),
                 self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
                            part=part.model_dump(mode="json")),
             ]
@@ -131,6 +145,7 @@ async def response_events(
         async with contextlib.aclosing(gen.iterate(tm, plan.chat.reqs)) as results:
             async for _, result in results:
                 done = result.finish_reason is not None
+                events.logprobs += token_logprobs(plan, result)
                 content, calls = stream.feed(result.text, final=done) if stream is not None else (result.text, [])
                 for event in events.text(content) if content else []:
                     yield event

@@ -19,6 +19,7 @@ from rxf.core.echo import echo
 from rxf.core.frontend.request_preparer import RequestPreparer
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.entrypoints.openai import generation as gen
+from rxf.entrypoints.openai.logprobs import TokenStr, token_str_fn
 from rxf.entrypoints.openai.responses_input import (
     chat_request,
     check_responses,
@@ -68,6 +69,7 @@ def plan_response(
     chat_template: Any,
     parser: ToolCallParser,
     model: str,
+    token_str: TokenStr,
 ) -> ResponsePlan:
     """The plan of `req` continuing the conversation `history`; raises APIError(400) naming the
     Responses field. Blocking (as `plan_chat`): run it off the event loop when it may be slow."""
@@ -76,7 +78,7 @@ def plan_response(
         chat = plan_chat(chat_request(req, conversation, model), preparer, chat_template, parser)
     except APIError as exc:
         raise responses_error(exc) from None
-    return ResponsePlan(new_item_id("resp"), req, chat, conversation, model)
+    return ResponsePlan(new_item_id("resp"), req, chat, conversation, model, token_str if chat.logprobs else None)
 
 
 def _slow_to_plan(req: ResponsesRequest, takes_media: bool) -> bool:
@@ -105,7 +107,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> ResponseO
         history = previous.conversation
     slow = _slow_to_plan(body, tm.preparer.mm_processor is not None)
     plan = await prepare(request, plan_response, body, history, tm.preparer, state.chat_template, tool_parser(state),
-                         state.served_model_name, off_loop=slow)
+                         state.served_model_name, token_str_fn(state.tokenizer), off_loop=slow)
     tm.check_capacity(len(plan.chat.reqs))
 
     def keep(response: ResponseObject) -> None:
