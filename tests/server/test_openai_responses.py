@@ -159,6 +159,22 @@ def test_streamed_function_call(client, model):
     assert [(i.name, i.arguments) for i in final.output] == [(i.name, i.arguments) for i in expected.output]
 
 
+def summary(output) -> list[tuple[str, str]]:
+    return [(i.type, i.content[0].text if i.type == "message" else i.name + i.arguments) for i in output]
+
+
+def test_auto_tools_stream_matches_create(client, model):
+    # (The demo model answers in text here; tests/unit/test_responses_stream.py streams calls read
+    # from markup.)
+    kwargs = dict(model=model, input=ASK, tools=TOOLS, max_output_tokens=60, **GREEDY)
+    expected = client.responses.create(**kwargs)
+    events = list(client.responses.create(stream=True, **kwargs))
+    final = events[-1].response
+    assert summary(final.output) == summary(expected.output) and final.status == expected.status
+    assert [e.item.type for e in events if e.type == "response.output_item.done"] == [i.type for i in final.output]
+    assert "<tool_call>" not in final.output_text
+
+
 @pytest.mark.parametrize("fmt", [
     {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True},
     {"type": "json_object"},
