@@ -1,7 +1,8 @@
 """Hostile and oversized input against one tiny server with an API key: (3) a hypothesis fuzz of
 the OpenAI bodies (completions, chat, responses) never gets a 5xx; a schemathesis fuzz of every
-route from the server's own OpenAPI document gets no 5xx and only responses the document describes; (6) every route but
-/health needs the key; the body size limit; the per-field limits; cache_salt isolation."""
+route from the server's own OpenAPI document gets no 5xx and only responses the document describes;
+(6) every route but /health needs the key; the body size limit; the per-field limits; cache_salt
+isolation."""
 
 from __future__ import annotations
 
