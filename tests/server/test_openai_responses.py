@@ -11,6 +11,7 @@ from typing import Any
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 WEATHER = {
@@ -185,6 +186,17 @@ def test_structured_output(client, model, fmt):
     assert response.status == "completed" and response.text.format.type == fmt["type"]
     value = json.loads(response.output_text)
     jsonschema.validate(value, PERSON if fmt["type"] == "json_schema" else {"type": "object"})
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
+def test_parse_with_a_pydantic_model(client, model):
+    parsed = client.responses.parse(model=model, input="Describe a person called Ada as JSON.", text_format=Person,
+                                    max_output_tokens=60, **GREEDY)
+    assert isinstance(parsed.output_parsed, Person) and parsed.status == "completed"
 
 
 def test_previous_response_continues_the_conversation(client, model):
