@@ -242,7 +242,10 @@ def test_retrieve_and_delete(client, model):
         ({"truncation": "auto"}, "truncation"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0]"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input"),
+        ({"instructions": "Be brief.", "input": [
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "x"},
+            {"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input[2].content[0]"),
         ({"input": None}, "input"),
     ],
 )

@@ -10,6 +10,7 @@ template's text parts, `input_image` an `image_url` part), consecutive `function
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -67,13 +68,15 @@ def _message(item: MessageItem, where: str) -> dict[str, Any]:
     return {"role": item.role, "content": [_part_text(p, f"{where}.content[{j}]") for j, p in enumerate(item.content)]}
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+def input_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[int]]:
     """`input` as chat messages (OpenAI's shapes, as new dicts: a stored conversation's are never
-    changed, other entries share them)."""
+    changed, other entries share them), and the index in `input` of each message's first item."""
     messages: list[dict[str, Any]] = []
+    sources: list[int] = []
     for i, item in enumerate(req.input or []):
         if isinstance(item, MessageItem):
             messages.append(_message(item, f"input[{i}]"))
+            sources.append(i)
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
@@ -81,12 +84,21 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)  # the same turn: its text, then its calls
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                sources.append(i)
         elif isinstance(item, FunctionCallOutputItem):
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            sources.append(i)
         # A reasoning item is not shown to the model again. (Seam: a template that renders earlier
         # reasoning would take it here, once the reasoning parsers exist.)
-    return messages
+    return messages, sources
+
+
+def message_sources(req: ResponsesRequest, history: list[dict[str, Any]], items: list[int]) -> list[str]:
+    """Per message of the chat request (`chat_request`'s order), the Responses field it came from."""
+    return (["instructions"] if req.instructions else []) + ["previous_response_id"] * len(history) + [
+        f"input[{i}]" for i in items
+    ]
 
 
 def wants_logprobs(req: ResponsesRequest) -> bool:
@@ -133,16 +145,21 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]], mode
         raise bad_request(f"the conversation is not valid: {exc.errors()[0]['msg']}", "input") from None
 
 
-def responses_error(error: APIError) -> APIError:
-    """`error` (raised by the chat layer) naming the Responses request's field."""
+def responses_error(error: APIError, sources: list[str]) -> APIError:
+    """`error` (raised by the chat layer) naming the Responses request's field; `sources` are
+    `message_sources`, so that "messages[3].content[0]: ..." reads "input[1].content[0]: ..."."""
     if error.param is None:
         return error
     head, bracket, rest = error.param.partition("[")
     name = _FIELD_NAMES.get(head)
     if name is None:
         return error
-    message = error.message
-    if message.startswith(head):
+    param, message = f"{name}{bracket}{rest}", error.message
+    at_message = re.match(r"messages\[(\d+)\]", message)
+    if at_message and int(at_message[1]) < len(sources):
+        message = sources[int(at_message[1])] + message[at_message.end():]
+        param = message.partition(": ")[0]
+    elif message.startswith(head):
         message = name + message[len(head):]
-    return APIError(error.status, message, type=error.type, param=f"{name}{bracket}{rest}",
+    return APIError(error.status, message, type=error.type, param=param,
                     code=None if error.code == error.status else error.code, headers=error.headers)

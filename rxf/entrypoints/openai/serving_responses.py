@@ -24,6 +24,7 @@ from rxf.entrypoints.openai.responses_input import (
     chat_request,
     check_responses,
     input_messages,
+    message_sources,
     responses_error,
 )
 from rxf.entrypoints.openai.responses_output import (
@@ -73,11 +74,12 @@ def plan_response(
 ) -> ResponsePlan:
     """The plan of `req` continuing the conversation `history`; raises APIError(400) naming the
     Responses field. Blocking (as `plan_chat`): run it off the event loop when it may be slow."""
-    conversation = history + input_messages(req)
+    messages, items = input_messages(req)
+    conversation = history + messages
     try:
         chat = plan_chat(chat_request(req, conversation, model), preparer, chat_template, parser)
     except APIError as exc:
-        raise responses_error(exc) from None
+        raise responses_error(exc, message_sources(req, history, items)) from None
     return ResponsePlan(new_item_id("resp"), req, chat, conversation, model, token_str if chat.logprobs else None)
 
 
