@@ -1,4 +1,5 @@
-"""The store of /v1/responses: bounded by entries (the oldest goes first) and by a TTL, on a fake clock."""
+"""The store of /v1/responses: bounded by entries and by characters (the oldest go first) and by a
+TTL, on a fake clock."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class Clock:
 
 
 def test_oldest_entries_go_first():
-    store = ResponseStore(max_entries=2, ttl_s=100, clock=Clock())
+    store = ResponseStore(max_entries=2, ttl_s=100, max_chars=10**6, clock=Clock())
     for i in range(3):
         store.put(response(f"r{i}"), [{"role": "user", "content": str(i)}])
     assert len(store) == 2 and store.get("r0") is None
@@ -32,7 +33,7 @@ def test_oldest_entries_go_first():
 
 def test_entries_expire_after_the_ttl():
     clock = Clock()
-    store = ResponseStore(max_entries=10, ttl_s=5, clock=clock)
+    store = ResponseStore(max_entries=10, ttl_s=5, max_chars=10**6, clock=clock)
     store.put(response("a"), [])
     clock.now = 3
     store.put(response("b"), [])
@@ -43,6 +44,20 @@ def test_entries_expire_after_the_ttl():
 
 
 def test_zero_entries_stores_nothing():
-    store = ResponseStore(max_entries=0, ttl_s=5, clock=Clock())
+    store = ResponseStore(max_entries=0, ttl_s=5, max_chars=10**6, clock=Clock())
     store.put(response("a"), [])
     assert store.get("a") is None and len(store) == 0
+
+
+def test_conversations_are_bounded_by_their_characters():
+    store = ResponseStore(max_entries=10, ttl_s=100, max_chars=100, clock=Clock())
+    turn = {"role": "user", "content": "x" * 36}  # 4 + 4 + 7 + 36 = 51 characters
+    store.put(response("a"), [turn])
+    store.put(response("b"), [turn])  # 102 > 100: "a" goes
+    assert store.get("a") is None and store.get("b") is not None
+    store.put(response("big"), [turn, turn])  # larger than the whole store: not kept, nothing dropped
+    assert store.get("big") is None and store.get("b") is not None
+    assert store.delete("b")
+    store.put(response("c"), [turn])
+    store.put(response("d"), [{"role": "user", "content": "y"}])
+    assert store.get("c") is not None and store.get("d") is not None  # the deleted entry's count went back

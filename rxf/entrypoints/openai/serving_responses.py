@@ -54,7 +54,9 @@ def response_store(state: ServerState) -> ResponseStore:
     store = state.extra.get("responses_store")
     if store is None:
         server = state.config.server
-        store = state.extra["responses_store"] = ResponseStore(server.responses_store_entries, server.responses_store_ttl_s)
+        store = state.extra["responses_store"] = ResponseStore(
+            server.responses_store_entries, server.responses_store_ttl_s, server.responses_store_max_mb * 10**6
+        )
     return store
 
 
