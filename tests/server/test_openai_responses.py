@@ -121,7 +121,7 @@ def test_logprobs(client, model):
 
 
 def test_function_call_round_trip(client, model):
-    first = client.responses.create(model=model, input=ASK, tools=TOOLS, max_output_tokens=80,
+    first = client.responses.create(model=model, input=ASK, tools=TOOLS, max_output_tokens=48,
                                     tool_choice={"type": "function", "name": "get_weather"}, **GREEDY)
     (call,) = first.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
@@ -130,22 +130,22 @@ def test_function_call_round_trip(client, model):
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 degrees."}
     # The agent's turn: the result answers the stored call...
     second = client.responses.create(model=model, previous_response_id=first.id, input=[result], tools=TOOLS,
-                                     tool_choice="none", max_output_tokens=24, **GREEDY)
+                                     tool_choice="none", max_output_tokens=16, **GREEDY)
     assert second.output[0].type == "message" and second.previous_response_id == first.id
     # ...as it does when the whole conversation is sent back as items, and as in chat.
     resent = client.responses.create(model=model, input=[{"role": "user", "content": ASK}, call.model_dump(), result],
-                                     tools=TOOLS, tool_choice="none", max_output_tokens=24, store=False, **GREEDY)
+                                     tools=TOOLS, tool_choice="none", max_output_tokens=16, store=False, **GREEDY)
     assert resent.output_text == second.output_text
     messages = [{"role": "user", "content": ASK},
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
                 {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 24 degrees."}]
-    assert_same_as_chat(second, chat(client, model, messages, 24, tools=CHAT_TOOLS, tool_choice="none"))
+    assert_same_as_chat(second, chat(client, model, messages, 16, tools=CHAT_TOOLS, tool_choice="none"))
 
 
 def test_streamed_function_call(client, model):
     kwargs = dict(model=model, input=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                  max_output_tokens=80, **GREEDY)
+                  max_output_tokens=60, **GREEDY)
     expected = client.responses.create(**kwargs)
     events = list(client.responses.create(stream=True, **kwargs))
     added = [e.item for e in events if e.type == "response.output_item.added"]
@@ -167,7 +167,7 @@ def summary(output) -> list[tuple[str, str]]:
 def test_auto_tools_stream_matches_create(client, model):
     # (The demo model answers in text here; tests/unit/test_responses_stream.py streams calls read
     # from markup.)
-    kwargs = dict(model=model, input=ASK, tools=TOOLS, max_output_tokens=60, **GREEDY)
+    kwargs = dict(model=model, input=ASK, tools=TOOLS, max_output_tokens=30, **GREEDY)
     expected = client.responses.create(**kwargs)
     events = list(client.responses.create(stream=True, **kwargs))
     final = events[-1].response
