@@ -1,4 +1,5 @@
-"""HTTP errors in OpenAI's shape (`{"error": {...}}`), the API-key check and the body size limit."""
+"""HTTP errors in the shape of the API a path belongs to (OpenAI's `{"error": {...}}`, or
+Anthropic's under /v1/messages), the API-key check and the body size limit."""
 
 from __future__ import annotations
 
@@ -17,11 +18,21 @@ from rxf.core.frontend.tokenizer_manager import (
     RequestError,
     RequestTimeoutError,
 )
+from rxf.entrypoints.anthropic import errors as anthropic_errors
 from rxf.entrypoints.body_text import InvalidTextError
 from rxf.entrypoints.server_state import APIError, engine_api_error
 
 # Routes answered without the API key: load balancers and orchestrators probe them.
 OPEN_PATHS = frozenset({"/health"})
+
+
+def error_body(error: APIError, path: str) -> dict[str, Any]:
+    """`error`'s body in the shape of the API that `path` belongs to."""
+    return anthropic_errors.error_body(error) if anthropic_errors.is_anthropic_path(path) else error.body()
+
+
+def error_response(error: APIError, path: str) -> JSONResponse:
+    return JSONResponse(error_body(error, path), status_code=error.status, headers=error.headers)
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:
@@ -71,18 +82,18 @@ def _body_parse_error(cause: BaseException) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def api_error(_: Request, e: Exception) -> JSONResponse:
+    async def api_error(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, APIError)
-        return e.response()
+        return error_response(e, request.url.path)
 
-    async def engine_error(_: Request, e: Exception) -> JSONResponse:
+    async def engine_error(request: Request, e: Exception) -> JSONResponse:
         error = engine_api_error(e)
         assert error is not None
-        return error.response()
+        return error_response(error, request.url.path)
 
-    async def validation(_: Request, e: Exception) -> JSONResponse:
+    async def validation(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, RequestValidationError)
-        return _validation_error(list(e.errors())).response()
+        return error_response(_validation_error(list(e.errors())), request.url.path)
 
     async def http_error(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, StarletteHTTPException)
@@ -93,11 +104,11 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         elif e.status_code == 400 and e.__cause__ is not None:  # FastAPI's "error parsing the body"
             message = _body_parse_error(e.__cause__)
-        return APIError(e.status_code, message, headers=e.headers).response()
+        return error_response(APIError(e.status_code, message, headers=e.headers), request.url.path)
 
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
         # Starlette re-raises after this response, and uvicorn logs the traceback.
-        return APIError(500, f"internal error: {type(e).__name__}").response()
+        return error_response(APIError(500, f"internal error: {type(e).__name__}"), request.url.path)
 
     app.add_exception_handler(APIError, api_error)
     for exc_type in (RequestError, EngineDeadError, OverloadedError, RequestTimeoutError):
@@ -108,8 +119,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class APIKeyMiddleware:
-    """Every route but OPEN_PATHS needs `Authorization: Bearer <key>`; compared in constant time.
-    A plain ASGI middleware (not BaseHTTPMiddleware), so streaming and disconnects pass untouched."""
+    """Every route but OPEN_PATHS needs the key, as `Authorization: Bearer <key>` or as
+    `x-api-key: <key>` (how Anthropic's clients send it); compared in constant time. A plain ASGI
+    middleware (not BaseHTTPMiddleware), so streaming and disconnects pass untouched."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -119,14 +131,18 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        auth = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"")
+        api_key = headers.get(b"x-api-key")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        bearer_ok = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        if bearer_ok or (api_key is not None and hmac.compare_digest(api_key.strip(), self.key)):
             await self.app(scope, receive, send)
             return
-        reason = "missing API key" if not auth else "invalid API key"
-        error = APIError(401, f"{reason}: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
-        await error.response()(scope, receive, send)
+        reason = "missing API key" if not auth and api_key is None else "invalid API key"
+        message = f"{reason}: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+        error = APIError(401, message, headers={"WWW-Authenticate": "Bearer"})
+        await error_response(error, scope["path"])(scope, receive, send)
 
 
 class BodyLimitMiddleware:
@@ -147,7 +163,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._error().response()(scope, receive, send)
+            await error_response(self._error(), scope["path"])(scope, receive, send)
             return
         received = 0
 

@@ -37,6 +37,7 @@ from rxf.core.config import EngineConfig
 from rxf.core.frontend.requests import RequestLimits, load_multimodal_processor
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.grammar import make_grammar_backend
+from rxf.entrypoints.anthropic import router as anthropic_router
 from rxf.entrypoints.http_errors import APIKeyMiddleware, BodyLimitMiddleware, install_error_handlers
 from rxf.entrypoints.http_transport import DrainMiddleware, GuardedH11Protocol, ensure_open_files
 from rxf.entrypoints.metrics import ServerMetrics
@@ -251,6 +252,7 @@ def create_app(
     install_openapi(app, with_key=bool(config.server.api_key))
     app.include_router(native_router)
     app.include_router(openai_router)
+    app.include_router(anthropic_router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_body_bytes)
     if config.server.api_key:  # a request without the key reads nothing
         app.add_middleware(APIKeyMiddleware, api_key=config.server.api_key)

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from rxf.core.config import ServerConfig
+from rxf.entrypoints.http_errors import error_body, error_response
 from rxf.entrypoints.server_state import RETRY_AFTER_S, APIError, ServerState
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,11 @@ _RESERVED_FDS = 512
 _WARN_INTERVAL_S = 10.0
 
 
-def _raw_response(error: APIError) -> bytes:
+def _raw_response(error: APIError, path: str) -> bytes:
     """A complete HTTP/1.1 answer that closes the connection, written past h11 (whose state may not
-    allow a response: no request was read yet, or the app is still reading one)."""
-    body = json.dumps(error.body()).encode()
+    allow a response: no request was read yet, or the app is still reading one). `path`: the
+    request's, when known (its API's error shape)."""
+    body = json.dumps(error_body(error, path)).encode()
     head = (
         f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}\r\n"
         f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
@@ -142,7 +144,8 @@ class GuardedH11Protocol(H11Protocol):
         cycle = self.cycle if phase == "body" else None
         if cycle is None or not cycle.response_started:
             message = f"the request's {phase} did not arrive within server.{field} = {limit} s"
-            self.transport.write(_raw_response(APIError(408, message, type="timeout_error", code="request_timeout")))
+            error = APIError(408, message, type="timeout_error", code="request_timeout")
+            self.transport.write(_raw_response(error, cycle.scope["path"] if cycle is not None else ""))
         if cycle is not None:  # the app reading the body sees a disconnect; its answer is dropped
             cycle.disconnected = True
             cycle.message_event.set()
@@ -181,7 +184,7 @@ class _OverCapacity:
         self.error = _unavailable(f"the server holds its maximum of {max_connections} connections; retry later")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.error.response()(scope, receive, send)
+        await error_response(self.error, scope.get("path", ""))(scope, receive, send)
 
 
 class DrainMiddleware:
@@ -196,7 +199,7 @@ class DrainMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.state.draining and scope["path"] != "/metrics":
-            await self.error.response()(scope, receive, send)
+            await error_response(self.error, scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -10,8 +10,11 @@ responses against it, tests/server/test_openapi_fuzz.py) finds the server as doc
   with the error body's schema; never 422;
 - the bearer scheme, on every route but /health, when `server.api_key` is set;
 - `/metrics` as Prometheus text, `stream: true` answers as `text/event-stream`;
-- the responses of /generate, /v1/completions, /v1/chat/completions and /v1/responses, and `sampling_params`
-  (from `rxf.core.sampling_params.json_schema`: every field's type and range).
+- the responses of /generate, /v1/completions, /v1/chat/completions, /v1/messages and
+  /v1/responses, and `sampling_params` (from `rxf.core.sampling_params.json_schema`: every field's
+  type and range);
+- Anthropic's error body and event stream on its routes (/v1/messages...), and its `x-api-key`
+  header as the key's other scheme.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
+from rxf.entrypoints.anthropic import errors as anthropic_errors
+from rxf.entrypoints.anthropic.protocol import MessageResponse
 from rxf.entrypoints.http_errors import OPEN_PATHS
 from rxf.entrypoints.openai.protocol import ChatCompletionResponse, CompletionResponse
 from rxf.entrypoints.openai.responses_protocol import ResponseObject
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+_ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["error"],
@@ -63,16 +69,19 @@ _REASONS = {
 }
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 # Routes that can answer a stream (`"stream": true`): server-sent events, one JSON object per event.
-_STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
+_STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"}
 # Routes checking the body's `model` (or the path's model id) against the served one.
-_MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}",
-                 "/v1/responses"}
+_MODEL_ROUTES = {
+    "/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}",
+    "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+}
 # Routes naming a stored response (the path's id, or `previous_response_id`): 404 when it is not stored.
 _STORED_RESPONSE_ROUTES = {"/v1/responses", "/v1/responses/{response_id}"}
 
 
-def _error(status: int) -> dict[str, Any]:
-    response: dict[str, Any] = {"description": _REASONS[status], "content": {"application/json": {"schema": _ERROR_REF}}}
+def _error(status: int, path: str) -> dict[str, Any]:
+    schema = _ANTHROPIC_ERROR_REF if anthropic_errors.is_anthropic_path(path) else _ERROR_REF
+    response: dict[str, Any] = {"description": _REASONS[status], "content": {"application/json": {"schema": schema}}}
     if status == 503:
         response["headers"] = _RETRY_AFTER
     return response
@@ -95,7 +104,7 @@ def _responses(path: str, op: dict[str, Any], with_key: bool) -> dict[str, Any]:
         statuses.add(504)
     if path == "/flush_cache":
         statuses.add(400)  # refused while requests run
-    responses |= {str(status): _error(status) for status in sorted(statuses)}
+    responses |= {str(status): _error(status, path) for status in sorted(statuses)}
     return responses
 
 
@@ -109,11 +118,16 @@ def _success(path: str, ok: dict[str, Any]) -> dict[str, Any]:
         ok = _json({"$ref": "#/components/schemas/CompletionResponse"})
     elif path == "/v1/chat/completions":
         ok = _json({"$ref": "#/components/schemas/ChatCompletionResponse"})
+    elif path == "/v1/messages":
+        ok = _json({"$ref": "#/components/schemas/MessageResponse"})
     elif path == "/v1/responses":
         ok = _json({"$ref": "#/components/schemas/ResponseObject"})
     if path in _STREAMING:
-        events = ("`event: <type>` + `data: {json}` events, the last one response.completed, .incomplete or .failed"
-                  if path == "/v1/responses" else "`data: {json}` events, then `data: [DONE]`")
+        events = "`data: {json}` events, then `data: [DONE]`"
+        if anthropic_errors.is_anthropic_path(path):
+            events = "`event: <type>` and `data: {json}` per event, from message_start to message_stop"
+        elif path == "/v1/responses":
+            events = "`event: <type>` and `data: {json}` per event, the last response.completed, .incomplete or .failed"
         sse = {"schema": {"type": "string"}, "description": events}
         ok = {**ok, "content": {**ok["content"], "text/event-stream": sse}}
     return ok
@@ -127,19 +141,24 @@ def openapi_document(app: FastAPI, with_key: bool) -> dict[str, Any]:
         schemas.pop(name, None)
     _, responses = models_json_schema(
         [(ChatCompletionResponse, "serialization"), (CompletionResponse, "serialization"),
-         (ResponseObject, "serialization")],
+         (MessageResponse, "serialization"), (ResponseObject, "serialization")],
         ref_template="#/components/schemas/{model}",
     )
-    schemas |= responses.get("$defs", {}) | {"ErrorResponse": ERROR_SCHEMA}
+    schemas |= responses.get("$defs", {}) | {
+        "ErrorResponse": ERROR_SCHEMA, "AnthropicErrorResponse": anthropic_errors.ERROR_SCHEMA,
+    }
     for path, ops in doc["paths"].items():
         for op in ops.values():
             op["responses"] = _responses(path, op, with_key)
             op["responses"]["200"] = _success(path, op["responses"]["200"])
             if with_key and path in OPEN_PATHS:
                 op["security"] = []  # probes need no key
-    if with_key:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        doc["security"] = [{"bearer": []}]
+    if with_key:  # either scheme carries the key
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+        }
+        doc["security"] = [{"bearer": []}, {"apiKey": []}]
     return doc
 
 

@@ -92,6 +92,6 @@ def test_after_uninstall_the_config_fails_with_unknown_architecture(env: PluginV
     failed = env.run("-m", "rxf.entrypoints.cli", "generate", str(config), "hello", check=False)
     assert failed.returncode != 0
     assert "unknown architecture 'GemmaForCausalLM'" in failed.stderr, failed.stderr[-3000:]
-    available = re.search(r"available: ([\w, ]+)", failed.stderr)
-    assert available and "LlamaForCausalLM" in available.group(1).split(", "), failed.stderr[-3000:]
-    assert "GemmaForCausalLM" not in available.group(1)
+    supported = re.search(r"supported: ([\w, ]+)", failed.stderr)
+    assert supported and "LlamaForCausalLM" in supported.group(1).split(", "), failed.stderr[-3000:]
+    assert "GemmaForCausalLM" not in supported.group(1).split(", ")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import anthropic
 import httpx
 import pytest
 import schemathesis
@@ -234,6 +235,59 @@ def test_fuzz_responses(http):
     _normal_request_works(http)
 
 
+_TEXT_BLOCK = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
+_BLOCK = st.one_of(
+    _TEXT_BLOCK,
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.text(max_size=6), "name": st.sampled_from(["f", "g"]),
+                           "input": st.dictionaries(st.text(max_size=4), st.integers(), max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.text(max_size=6),
+                           "content": st.one_of(st.text(max_size=10), st.lists(_TEXT_BLOCK, max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("image"), "source": st.fixed_dictionaries(
+        {"type": st.just("base64"), "media_type": st.just("image/png"), "data": st.text(max_size=8)})}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": st.text(max_size=10)}),
+)
+_VALID_MESSAGES = {
+    "model": st.just(MODEL),
+    "max_tokens": st.integers(1, 12),
+    "messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "assistant"]),
+        "content": st.one_of(st.text(max_size=30), st.lists(_BLOCK, max_size=3)),
+    }), min_size=1, max_size=3),
+    "system": st.one_of(st.text(max_size=20), st.lists(_TEXT_BLOCK, max_size=2)),
+    "stop_sequences": st.lists(st.text(min_size=1, max_size=4), max_size=4),
+    "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50),
+    "stream": st.booleans(),
+    "tools": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "bad name"]),
+                                             "input_schema": st.just({"type": "object"})}), max_size=2),
+    "tool_choice": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none"])}),
+                             st.fixed_dictionaries({"type": st.just("tool"), "name": st.sampled_from(["f", "h"])})),
+    "thinking": st.fixed_dictionaries({"type": st.just("enabled"), "budget_tokens": st.integers(-1, 100)}),
+    "unknown_field": _junk,
+}
+_WIDE_MESSAGES = {"max_tokens": _WIDE_COMMON["max_tokens"], "temperature": st.floats(-1, 3),
+                  "stop_sequences": st.lists(st.text(max_size=4), max_size=20)}
+
+
+def test_fuzz_messages(http):
+    """Anthropic's /v1/messages (its body translated into a chat request): no body gets a 5xx,
+    and errors keep Anthropic's shape."""
+    seen: list[int] = []
+
+    @_FUZZ
+    @given(_bodies(_VALID_MESSAGES, _WIDE_MESSAGES, ("model", "messages", "max_tokens")))
+    def run(body: dict) -> None:
+        r = http.post("/v1/messages", content=json.dumps(body, allow_nan=True), headers={"Content-Type": "application/json"})
+        assert r.status_code < 500, (body, r.status_code, r.text)
+        seen.append(r.status_code)
+        if r.status_code != 200:
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error", (body, r.text)
+        elif body.get("stream") is True:
+            assert "event: error" not in r.text, (body, r.text)
+
+    run()
+    _report("/v1/messages", seen)
+
+
 # The document's promises, checked on every response: no 5xx; each status, content type, header and
 # body as documented; a request without the key refused (the document declares bearer auth).
 _CONFORMANCE = [
@@ -293,6 +347,27 @@ def test_every_route_but_health_needs_the_api_key(srv, tiny_model_dir):
         r = httpx.request(method, f"{srv.url}{path}", json={})
         assert r.status_code == 401, (method, path, r.status_code, r.text)
     assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_x_api_key(srv):
+    """The key as Anthropic's clients send it (`x-api-key`) or as a bearer token; without it, a 401
+    in the API's shape on its routes."""
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{srv.url}/v1/messages", json=body, headers={"x-api-key": KEY}).status_code == 200
+    missing = httpx.post(f"{srv.url}/v1/messages", json=body)
+    wrong = httpx.post(f"{srv.url}/v1/messages", json=body, headers={"x-api-key": "nope"})
+    openai_shape = httpx.post(f"{srv.url}/v1/chat/completions", json=body)
+    assert missing.status_code == wrong.status_code == 401
+    assert missing.json()["error"]["type"] == "authentication_error" and missing.json()["type"] == "error"
+    assert "x-api-key" in missing.json()["error"]["message"]
+    assert openai_shape.status_code == 401 and openai_shape.json()["error"]["code"] == 401  # OpenAI's shape there
+    for auth in ({"default_headers": {"x-api-key": KEY}}, {"api_key": KEY}):
+        claude = anthropic.Anthropic(base_url=srv.url, max_retries=0, **auth)
+        msg = claude.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert msg.usage.output_tokens >= 1 and msg.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=srv.url, api_key="nope", max_retries=0).messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
 
 
 # ---- limits ----

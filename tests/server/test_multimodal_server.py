@@ -79,6 +79,32 @@ def test_openai_chat_with_data_url_image(mm_server) -> None:
     assert resp.usage.completion_tokens >= 1
 
 
+def test_anthropic_image_block_is_the_chat_image(mm_server) -> None:
+    """A base64 `image` block of /v1/messages reaches the multimodal path as the same image as an
+    OpenAI data-URL part: the same prompt tokens and the same greedy reply; a corrupt one is a 400
+    in Anthropic's shape."""
+    import anthropic
+
+    image = png(30, 30, seed=4)
+    client = openai.OpenAI(base_url=mm_server.base_url, api_key="none")
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, max_tokens=4, temperature=0, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": "What is in the picture?"}]}])
+    claude = anthropic.Anthropic(base_url=mm_server.url, api_key="none", max_retries=0)
+
+    def block(data: str) -> dict:
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+
+    msg = claude.messages.create(model=model, max_tokens=4, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
+        block(base64.b64encode(image).decode()), {"type": "text", "text": "What is in the picture?"}]}])
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens > 16
+    assert msg.usage.cache_read_input_tokens > 16  # the same image, by content: its prefix was cached
+    assert "".join(b.text for b in msg.content) == chat.choices[0].message.content
+    with pytest.raises(anthropic.BadRequestError, match="base64") as err:
+        claude.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [block("!!!")]}])
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize(
     ("url", "reason"),
     [

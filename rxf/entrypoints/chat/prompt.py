@@ -8,8 +8,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from rxf.core.chat_template import PART_SEPARATOR
 from rxf.core.frontend.requests import GenerateRequest
 from rxf.core.ipc.messages import RequestOptions
+from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.messages import render_messages, template_messages
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.entrypoints.chat.tools import ToolPlan
@@ -43,14 +45,36 @@ def build_chat_prompt(
     tool_parser: ToolCallParser | None,
     tools: ToolPlan | None = None,
     takes_media: bool = False,
+    continue_final: bool = False,
 ) -> ChatPrompt:
     """The prompt of `messages` offering `tools`; media parts are refused unless the model
-    `takes_media` (has a multimodal processor)."""
+    `takes_media` (has a multimodal processor). `continue_final`: the last message is the start of
+    the assistant's reply, which the model continues (the conversation before it is rendered up to
+    the assistant's turn, and that text follows, with no end of turn)."""
     images: list[Any] | None = [] if takes_media else None
     videos: list[Any] | None = [] if takes_media else None
     offered = tools.tools if tools is not None else None
-    text = render_messages(template_messages(messages, images, videos), chat_template, tool_parser, offered)
+    items = template_messages(messages, images, videos)
+    start = ""
+    if continue_final:
+        start, items = _reply_start(items), items[:-1]
+    text = render_messages(items, chat_template, tool_parser, offered) + start
     return ChatPrompt(text, images, videos)
+
+
+def _reply_start(items: list[dict[str, Any]]) -> str:
+    """The text of the final message, which must be an assistant's text (no calls, no media)."""
+    last = items[-1]
+    content = last.get("content") or ""
+    parts = [content] if isinstance(content, str) else content
+    if last["role"] != "assistant" or last.get("tool_calls") or any(
+        not isinstance(p, str) and p.get("type") != "text" for p in parts
+    ):
+        raise ChatInputError(
+            "continue_final_message needs the last message to be an assistant's text, without tool calls or media",
+            "messages",
+        )
+    return PART_SEPARATOR.join(p if isinstance(p, str) else str(p.get("text", "")) for p in parts)
 
 
 def response_format_constraint(response_format: dict[str, Any] | None) -> dict[str, str]:

@@ -36,6 +36,10 @@ class _Request(BaseModel):
         return data
 
 
+# The strict base of request bodies, shared with the other APIs' protocols (rxf.entrypoints.anthropic).
+RequestModel = _Request
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -201,6 +205,8 @@ class ChatCompletionRequest(GenerationFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: "auto"
     parallel_tool_calls: bool = True
+    # vLLM's extension: the final assistant message is the reply's start, which the model continues.
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(_Request):

@@ -85,7 +85,9 @@ def plan_chat(
     messages = [msg.model_dump(exclude_unset=True) for msg in req.messages]
     try:
         tools = plan_tools(tool_entries, tool_choice, req.parallel_tool_calls, tool_parser, constrained_by or None)
-        prompt = build_chat_prompt(messages, chat_template, tool_parser, tools, preparer.mm_processor is not None)
+        prompt = build_chat_prompt(
+            messages, chat_template, tool_parser, tools, preparer.mm_processor is not None, req.continue_final_message
+        )
     except ChatInputError as exc:
         raise bad_request(str(exc), exc.param) from None
     if req.max_completion_tokens is not None:
@@ -193,6 +195,16 @@ def tool_parser(state: ServerState) -> ToolCallParser:
     return parser
 
 
+async def prepare_chat(request: Request, state: ServerState, body: ChatCompletionRequest) -> ChatPlan:
+    """`plan_chat` for a route's request: off the event loop when it decodes media or compiles a
+    grammar (a forced tool choice, an output constraint)."""
+    tm = state.require_ready()
+    has_media = tm.preparer.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
+    forced_tools = bool(body.tools) and body.tool_choice not in (None, "none", "auto")
+    slow = has_media or forced_tools or slow_to_plan(body)
+    return await prepare(request, plan_chat, body, tm.preparer, state.chat_template, tool_parser(state), off_loop=slow)
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request
@@ -200,10 +212,7 @@ async def create_chat_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    has_media = tm.preparer.mm_processor is not None and any(isinstance(m.content, list) for m in body.messages)
-    forced_tools = bool(body.tools) and body.tool_choice not in (None, "none", "auto")
-    slow = has_media or forced_tools or slow_to_plan(body)
-    plan = await prepare(request, plan_chat, body, tm.preparer, state.chat_template, tool_parser(state), off_loop=slow)
+    plan = await prepare_chat(request, state, body)
     tm.check_capacity(len(plan.reqs))
     if body.n > 1:
         await warm_prefixes(tm, [plan.prompt])

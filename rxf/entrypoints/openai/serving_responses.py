@@ -43,7 +43,7 @@ from rxf.entrypoints.openai.responses_store import ResponseStore
 from rxf.entrypoints.openai.responses_stream import response_events
 from rxf.entrypoints.openai.sampling import check_model
 from rxf.entrypoints.openai.serving_chat import plan_chat, tool_parser
-from rxf.entrypoints.openai.sse import event_stream
+from rxf.entrypoints.openai.sse import sse_response
 from rxf.entrypoints.server_state import APIError, ServerState, prepare, server_state, until_disconnected
 
 router = APIRouter()
@@ -119,7 +119,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> ResponseO
             store.put(response, stored_conversation(plan, response))
 
     if body.stream:
-        return event_stream(response_events(tm, plan, keep))
+        # The events tell an engine failure themselves (response.failed); no [DONE] ends them.
+        return sse_response(response_events(tm, plan, keep), end="")
     results = await until_disconnected(request, gen.collect(tm, plan.chat.reqs))
     if results is None:
         return Response(status_code=499)  # the client left: its request was aborted, nobody reads this

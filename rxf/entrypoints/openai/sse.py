@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -30,9 +30,11 @@ def error_event(error: APIError) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _with_errors(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+async def _with_errors(
+    events: AsyncGenerator[str, None], on_error: Callable[[APIError], str], end: str
+) -> AsyncGenerator[str, None]:
     """Once the 200 headers are out, a failure can only be reported in the stream: as an error
-    event (which the openai client raises), then [DONE]. Cancellation is not caught: it must reach
+    event (which the client raises), then `end`. Cancellation is not caught: it must reach
     the engine requests so they are aborted."""
     try:
         async for item in events:
@@ -42,19 +44,20 @@ async def _with_errors(events: AsyncGenerator[str, None]) -> AsyncGenerator[str,
         if error is None:
             logger.exception("stream failed")
             error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
-        yield error_event(error)
+        yield on_error(error)
     finally:
         await events.aclose()  # closing it closes the engine requests under it
-    yield DONE
+    if end:
+        yield end
 
 
-def sse_response(events: AsyncGenerator[str, None]) -> StreamingResponse:
-    """`events` must not yield DONE itself; it is added after the last event."""
-    return event_stream(_with_errors(events))
-
-
-def event_stream(events: AsyncGenerator[str, None]) -> StreamingResponse:
-    """`events` (whole server-sent events, errors included) as the response, never buffered."""
+def sse_response(
+    events: AsyncGenerator[str, None], on_error: Callable[[APIError], str] = error_event, end: str = DONE
+) -> StreamingResponse:
+    """`events` must not yield `end` itself (OpenAI's [DONE]; "" for none); it is added after the
+    last event. A failure while streaming becomes the event `on_error` writes."""
     return StreamingResponse(
-        events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        _with_errors(events, on_error, end),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
