@@ -131,6 +131,13 @@ class ServerConfig(_Section):
     expose_internals: bool = Field(
         False, description="without an api_key: paths, the IPC directory and the whole config in the info routes"
     )
+    responses_store_entries: int = Field(
+        1024, ge=0, description="responses kept for GET /v1/responses/{id} and previous_response_id (0: none)"
+    )
+    responses_store_ttl_s: float = Field(3600.0, gt=0, description="a stored response is forgotten this long after it ended")
+    responses_store_max_mb: int = Field(
+        256, gt=0, description="stored conversations' text (image data URLs too), in millions of characters"
+    )
 
 
 class RuntimeConfig(_Section):

@@ -10,8 +10,9 @@ responses against it, tests/server/test_openapi_fuzz.py) finds the server as doc
   with the error body's schema; never 422;
 - the bearer scheme, on every route but /health, when `server.api_key` is set;
 - `/metrics` as Prometheus text, `stream: true` answers as `text/event-stream`;
-- the responses of /generate, /v1/completions, /v1/chat/completions and /v1/messages, and
-  `sampling_params` (from `rxf.core.sampling_params.json_schema`: every field's type and range);
+- the responses of /generate, /v1/completions, /v1/chat/completions, /v1/messages and
+  /v1/responses, and `sampling_params` (from `rxf.core.sampling_params.json_schema`: every field's
+  type and range);
 - Anthropic's error body and event stream on its routes (/v1/messages...), and its `x-api-key`
   header as the key's other scheme.
 """
@@ -28,6 +29,7 @@ from rxf.entrypoints.anthropic import errors as anthropic_errors
 from rxf.entrypoints.anthropic.protocol import MessageResponse
 from rxf.entrypoints.http_errors import OPEN_PATHS
 from rxf.entrypoints.openai.protocol import ChatCompletionResponse, CompletionResponse
+from rxf.entrypoints.openai.responses_protocol import ResponseObject
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
@@ -59,7 +61,7 @@ _GENERATE_RESULT: dict[str, Any] = {
 _REASONS = {
     400: "invalid request: the message names the field and the reason",
     401: "missing or invalid API key",
-    404: "no such model",
+    404: "no such model, or no such stored response",
     408: "the request's headers or body did not arrive within server.header_timeout_s / body_timeout_s",
     413: "the body exceeds server.max_body_bytes",
     503: "loading, shutting down, engine stopped, at capacity, or over server.max_connections (then Retry-After)",
@@ -67,12 +69,14 @@ _REASONS = {
 }
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 # Routes that can answer a stream (`"stream": true`): server-sent events, one JSON object per event.
-_STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages"}
+_STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"}
 # Routes checking the body's `model` (or the path's model id) against the served one.
 _MODEL_ROUTES = {
     "/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}",
-    "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
 }
+# Routes naming a stored response (the path's id, or `previous_response_id`): 404 when it is not stored.
+_STORED_RESPONSE_ROUTES = {"/v1/responses", "/v1/responses/{response_id}"}
 
 
 def _error(status: int, path: str) -> dict[str, Any]:
@@ -94,7 +98,7 @@ def _responses(path: str, op: dict[str, Any], with_key: bool) -> dict[str, Any]:
         statuses |= {400, 413}
     if with_key and path not in OPEN_PATHS:
         statuses.add(401)
-    if path in _MODEL_ROUTES:
+    if path in _MODEL_ROUTES or path in _STORED_RESPONSE_ROUTES:
         statuses.add(404)
     if path in _STREAMING:
         statuses.add(504)
@@ -116,10 +120,14 @@ def _success(path: str, ok: dict[str, Any]) -> dict[str, Any]:
         ok = _json({"$ref": "#/components/schemas/ChatCompletionResponse"})
     elif path == "/v1/messages":
         ok = _json({"$ref": "#/components/schemas/MessageResponse"})
+    elif path == "/v1/responses":
+        ok = _json({"$ref": "#/components/schemas/ResponseObject"})
     if path in _STREAMING:
         events = "`data: {json}` events, then `data: [DONE]`"
         if anthropic_errors.is_anthropic_path(path):
             events = "`event: <type>` and `data: {json}` per event, from message_start to message_stop"
+        elif path == "/v1/responses":
+            events = "`event: <type>` and `data: {json}` per event, the last response.completed, .incomplete or .failed"
         sse = {"schema": {"type": "string"}, "description": events}
         ok = {**ok, "content": {**ok["content"], "text/event-stream": sse}}
     return ok
@@ -133,7 +141,7 @@ def openapi_document(app: FastAPI, with_key: bool) -> dict[str, Any]:
         schemas.pop(name, None)
     _, responses = models_json_schema(
         [(ChatCompletionResponse, "serialization"), (CompletionResponse, "serialization"),
-         (MessageResponse, "serialization")],
+         (MessageResponse, "serialization"), (ResponseObject, "serialization")],
         ref_template="#/components/schemas/{model}",
     )
     schemas |= responses.get("$defs", {}) | {

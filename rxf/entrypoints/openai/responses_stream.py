@@ -1,0 +1,175 @@
+"""A streamed response: the Responses API's server-sent events (`event: <type>` + `data: {json}`,
+each with the next `sequence_number`, no `[DONE]`), as the `openai` SDK's `responses.stream`
+accumulates them.
+
+    response.created, response.in_progress
+    per output item, in order: response.output_item.added, then
+      a message:        response.content_part.added, response.output_text.delta ...,
+                        response.output_text.done, response.content_part.done
+      a function call:  response.function_call_arguments.delta ..., response.function_call_arguments.done
+    response.output_item.done
+    response.completed (or response.incomplete; response.failed with the error if the engine fails)
+
+Text after a call opens a new message item, so the items are in the order the model wrote them;
+the final response's `output` is exactly the items streamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from rxf.core.frontend.tokenizer_manager import TokenizerManager
+from rxf.entrypoints.chat.tool_stream import ToolCallStream
+from rxf.entrypoints.openai import generation as gen
+from rxf.entrypoints.openai.protocol import ChatTokenLogprob
+from rxf.entrypoints.openai.responses_output import (
+    ResponsePlan,
+    call_item,
+    final_response,
+    finish_status,
+    message_item,
+    response_object,
+    token_logprobs,
+)
+from rxf.entrypoints.openai.responses_protocol import (
+    FunctionCallOut,
+    OutputItem,
+    OutputMessage,
+    ResponseObject,
+)
+from rxf.entrypoints.openai.sse import to_api_error
+
+logger = logging.getLogger(__name__)
+
+
+def _dumped(logprobs: list[ChatTokenLogprob]) -> list[dict[str, Any]]:
+    return [lp.model_dump(mode="json") for lp in logprobs]
+
+
+class _Events:
+    """The output items as they stream, and the events that tell them."""
+
+    def __init__(self) -> None:
+        self._sequence = itertools.count()
+        self.items: list[OutputItem] = []
+        self.open: OutputItem | None = None  # the item receiving deltas (always the last one)
+        self.calls: dict[int, FunctionCallOut] = {}  # ToolCallStream's call index -> its item
+        # Logprobs of tokens whose text has not been sent yet (held back near a stop string, or
+        # markup): they go with the next text delta.
+        self.logprobs: list[ChatTokenLogprob] = []
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": next(self._sequence), **fields}
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def lifecycle(self, kind: str, response: ResponseObject) -> str:
+        return self.event(kind, response=response.model_dump(mode="json"))
+
+    def add(self, item: OutputItem) -> list[str]:
+        events = self.close()
+        self.items.append(item)
+        self.open = item
+        index = len(self.items) - 1
+        events.append(self.event("response.output_item.added", output_index=index, item=item.model_dump(mode="json")))
+        if isinstance(item, OutputMessage):
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(self.event("response.content_part.added", item_id=item.id, output_index=index,
+                                     content_index=0, part=part))
+        return events
+
+    def text(self, delta: str) -> list[str]:
+        events = [] if isinstance(self.open, OutputMessage) else self.add(message_item("", "in_progress"))
+        message = self.open
+        assert isinstance(message, OutputMessage)
+        part = message.content[0]
+        part.text += delta
+        part.logprobs += self.logprobs
+        events.append(self.event("response.output_text.delta", item_id=message.id, output_index=len(self.items) - 1,
+                                 content_index=0, delta=delta, logprobs=_dumped(self.logprobs)))
+        self.logprobs = []
+        return events
+
+    def call(self, delta: dict[str, Any]) -> list[str]:
+        """A `ToolCallStream` call delta: a call's first (id, name, arguments so far) or a fragment."""
+        events: list[str] = []
+        fragment = delta["function"].get("arguments") or ""
+        if "id" in delta:
+            item = call_item(delta["id"], delta["function"]["name"], "", "in_progress")
+            self.calls[delta["index"]] = item
+            events += self.add(item)
+        item = self.calls[delta["index"]]
+        if fragment:
+            item.arguments += fragment
+            events.append(self.event("response.function_call_arguments.delta", item_id=item.id,
+                                     output_index=self.items.index(item), delta=fragment))
+        return events
+
+    def close(self, status: str = "completed") -> list[str]:
+        """The events ending the open item (none if none is open)."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item.status = status
+        index = self.items.index(item)
+        if isinstance(item, OutputMessage):
+            part = item.content[0]
+            part.logprobs += self.logprobs  # tokens whose text never came (a trimmed stop string)
+            self.logprobs = []
+            events = [
+                self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
+                           text=part.text, logprobs=_dumped(part.logprobs)),
+                self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                           part=part.model_dump(mode="json")),
+            ]
+        else:
+            events = [self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                 name=item.name, arguments=item.arguments)]
+        return events + [self.event("response.output_item.done", output_index=index, item=item.model_dump(mode="json"))]
+
+
+async def response_events(
+    tm: TokenizerManager, plan: ResponsePlan, on_done: Callable[[ResponseObject], None]
+) -> AsyncGenerator[str, None]:
+    """The events of `plan`'s response; `on_done` gets the finished response (not a failed one)."""
+    events = _Events()
+    yield events.lifecycle("response.created", response_object(plan, "in_progress", []))
+    yield events.lifecycle("response.in_progress", response_object(plan, "in_progress", []))
+    stream = ToolCallStream(plan.chat.tools) if plan.chat.tools is not None else None
+    final = None
+    try:
+        async with contextlib.aclosing(gen.iterate(tm, plan.chat.reqs)) as results:
+            async for _, result in results:
+                done = result.finish_reason is not None
+                events.logprobs += token_logprobs(plan, result)
+                content, calls = stream.feed(result.text, final=done) if stream is not None else (result.text, [])
+                for event in events.text(content) if content else []:
+                    yield event
+                for call in calls:
+                    for event in events.call(call):
+                        yield event
+                if done:
+                    final = result
+    except Exception as exc:  # after the 200 a failure can only be told in the stream
+        error = to_api_error(exc)
+        if error is None:
+            logger.exception("response stream failed")
+        message = error.message if error is not None else f"internal error: {type(exc).__name__}"
+        for event in events.close("incomplete"):
+            yield event
+        yield events.lifecycle("response.failed", response_object(plan, "failed", events.items, error=message))
+        return
+    assert final is not None
+    if not events.items:  # a reply with neither text nor calls is one empty message
+        for event in events.add(message_item("", "in_progress")):
+            yield event
+    status, _ = finish_status(final)
+    for event in events.close("incomplete" if status == "incomplete" else "completed"):
+        yield event
+    response = final_response(plan, final, events.items)
+    on_done(response)
+    yield events.lifecycle("response.completed" if response.status == "completed" else "response.incomplete", response)

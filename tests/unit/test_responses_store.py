@@ -1,0 +1,63 @@
+"""The store of /v1/responses: bounded by entries and by characters (the oldest go first) and by a
+TTL, on a fake clock."""
+
+from __future__ import annotations
+
+from rxf.entrypoints.openai.responses_protocol import ResponseObject
+from rxf.entrypoints.openai.responses_store import ResponseStore
+
+
+def response(response_id: str) -> ResponseObject:
+    return ResponseObject(
+        id=response_id, created_at=0, status="completed", model="m", output=[], temperature=1.0, top_p=1.0,
+        tools=[], tool_choice="auto", parallel_tool_calls=True, text={"format": {"type": "text"}}, store=True,
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_oldest_entries_go_first():
+    store = ResponseStore(max_entries=2, ttl_s=100, max_chars=10**6, clock=Clock())
+    for i in range(3):
+        store.put(response(f"r{i}"), [{"role": "user", "content": str(i)}])
+    assert len(store) == 2 and store.get("r0") is None
+    assert store.get("r2").conversation == [{"role": "user", "content": "2"}]
+    assert store.delete("r1") and not store.delete("r1") and store.get("r1") is None
+
+
+def test_entries_expire_after_the_ttl():
+    clock = Clock()
+    store = ResponseStore(max_entries=10, ttl_s=5, max_chars=10**6, clock=clock)
+    store.put(response("a"), [])
+    clock.now = 3
+    store.put(response("b"), [])
+    clock.now = 5.5
+    assert store.get("a") is None and store.get("b") is not None
+    clock.now = 8.5
+    assert store.get("b") is None and len(store) == 0
+
+
+def test_zero_entries_stores_nothing():
+    store = ResponseStore(max_entries=0, ttl_s=5, max_chars=10**6, clock=Clock())
+    store.put(response("a"), [])
+    assert store.get("a") is None and len(store) == 0
+
+
+def test_conversations_are_bounded_by_their_characters():
+    store = ResponseStore(max_entries=10, ttl_s=100, max_chars=100, clock=Clock())
+    turn = {"role": "user", "content": "x" * 36}  # 4 + 4 + 7 + 36 = 51 characters
+    store.put(response("a"), [turn])
+    store.put(response("b"), [turn])  # 102 > 100: "a" goes
+    assert store.get("a") is None and store.get("b") is not None
+    store.put(response("big"), [turn, turn])  # larger than the whole store: not kept, nothing dropped
+    assert store.get("big") is None and store.get("b") is not None
+    assert store.delete("b")
+    store.put(response("c"), [turn])
+    store.put(response("d"), [{"role": "user", "content": "y"}])
+    assert store.get("c") is not None and store.get("d") is not None  # the deleted entry's count went back
