@@ -19,7 +19,7 @@ from rxf.core.ipc.messages import ABORT_REQUESTED, FinishReason
 from rxf.entrypoints.anthropic import translate
 from rxf.entrypoints.anthropic.errors import error_event
 from rxf.entrypoints.anthropic.stream import BlockWriter, message_events
-from rxf.entrypoints.chat.tool_parsers import HermesParser
+from rxf.entrypoints.chat.tool_parsers.hermes import HermesParser
 from rxf.entrypoints.chat.tools import ToolPlan, reply_calls
 from rxf.entrypoints.openai.serving_chat import ChatPlan
 from rxf.entrypoints.openai.sse import sse_response

@@ -13,7 +13,7 @@ import pytest
 from rxf.core.frontend.outputs import GenerateOutput
 from rxf.core.frontend.tokenizer_manager import EngineDeadError
 from rxf.core.ipc.messages import ABORT_REQUESTED, FinishReason
-from rxf.entrypoints.chat.tool_parsers import HermesParser
+from rxf.entrypoints.chat.tool_parsers.hermes import HermesParser
 from rxf.entrypoints.chat.tools import ToolPlan
 from rxf.entrypoints.openai.responses_output import ResponsePlan, output_items
 from rxf.entrypoints.openai.responses_protocol import ResponsesRequest
