@@ -61,6 +61,10 @@ class Req:
     # matcher, which has accepted exactly `output_ids` (kept across retraction, like the output).
     grammar_future: Future[Any] | None = None
     grammar: GrammarMatcher | None = None
+    # An embedding model's pooling so far (float32 [hidden], host): the sum of the computed
+    # tokens' states for mean pooling, else the last computed token's state.
+    pooled: torch.Tensor | None = None
+    embedding: bytes | None = None  # the finished pooling, as `TokenOut.embedding` carries it
 
     @property
     def rid(self) -> str:

@@ -218,12 +218,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]`."""
+        return self.lm_head(self.hidden_states(batch, input_embeds))
+
+    def hidden_states(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states (the final norm applied) of the rows in `batch.logits_indices`
+        only, `[n, hidden]` in the model's dtype: what the logits head reads, and what an
+        embedding model pools (`model.task = "embed"` calls this instead of `forward`)."""
         x, residual = self.model(batch, input_embeds)
-        if not batch.mode.is_decode():  # decode returns every row's logits, in order: no gather
+        if not batch.mode.is_decode():  # decode returns every row, in order: no gather
             idx = batch.logits_indices
             x, residual = x[idx], residual[idx]
         x, _ = self.model.norm(x, residual)
-        return self.lm_head(x)
+        return x
 
     def _skip(self, name: str) -> bool:
         # Old checkpoints store rotary inv_freq buffers; tied checkpoints may still store the head.
