@@ -10,7 +10,7 @@ responses against it, tests/server/test_openapi_fuzz.py) finds the server as doc
   with the error body's schema; never 422;
 - the bearer scheme, on every route but /health, when `server.api_key` is set;
 - `/metrics` as Prometheus text, `stream: true` answers as `text/event-stream`;
-- the responses of /generate, /v1/completions and /v1/chat/completions, and `sampling_params`
+- the responses of /generate, /v1/completions, /v1/chat/completions and /v1/embeddings, and `sampling_params`
   (from `rxf.core.sampling_params.json_schema`: every field's type and range).
 """
 
@@ -64,7 +64,11 @@ _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying"
 # Routes that can answer a stream (`"stream": true`): server-sent events, one JSON object per event.
 _STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions"}
 # Routes checking the body's `model` (or the path's model id) against the served one.
-_MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}"}
+_MODEL_ROUTES = {
+    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}"
+}
+# Routes whose requests run in the engine, so past server.request_timeout_s.
+_ENGINE_ROUTES = _STREAMING | {"/v1/embeddings"}
 
 
 def _error(status: int) -> dict[str, Any]:
@@ -87,7 +91,7 @@ def _responses(path: str, op: dict[str, Any], with_key: bool) -> dict[str, Any]:
         statuses.add(401)
     if path in _MODEL_ROUTES:
         statuses.add(404)
-    if path in _STREAMING:
+    if path in _ENGINE_ROUTES:
         statuses.add(504)
     if path == "/flush_cache":
         statuses.add(400)  # refused while requests run

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from rxf.entrypoints.openai import serving_chat, serving_completions, serving_models, tokenize
+from rxf.entrypoints.openai import (
+    serving_chat,
+    serving_completions,
+    serving_embeddings,
+    serving_models,
+    tokenize,
+)
 
 router = APIRouter()
-for _module in (serving_models, serving_completions, serving_chat, tokenize):
+for _module in (serving_models, serving_completions, serving_chat, serving_embeddings, tokenize):
     router.include_router(_module.router)
 
 __all__ = ["router"]
