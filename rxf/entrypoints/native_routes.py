@@ -91,6 +91,9 @@ class GenerateBody(_NativeBody):
     video_data: Any = None
 
 
+_NOT_BODY_OPTIONS = {"stream", "dimensions", "normalize"}
+
+
 class AbortBody(_NativeBody):
     rid: str
 
@@ -118,9 +121,11 @@ def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
     if batched and body.stream:
         raise APIError(400, "stream: streaming takes a single prompt, not a batch", param="stream")
     n = len(items)
-    # Each option of the body, per prompt (`stream` is one for the whole body).
+    # Each option of the body, per prompt (`stream` is one for the whole body; the embedding
+    # options are for the requests of /v1/embeddings and Runtime.embed).
     options = {
-        f.name: _per_item(f.name, getattr(body, f.name), n, batched) for f in fields(RequestOptions) if f.name != "stream"
+        f.name: _per_item(f.name, getattr(body, f.name), n, batched)
+        for f in fields(RequestOptions) if f.name not in _NOT_BODY_OPTIONS
     }
     params = _per_item("sampling_params", body.sampling_params, n, batched)
     if batched and isinstance(body.rid, str):

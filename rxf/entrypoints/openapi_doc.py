@@ -110,7 +110,9 @@ def _success(path: str, ok: dict[str, Any]) -> dict[str, Any]:
     elif path == "/v1/chat/completions":
         ok = _json({"$ref": "#/components/schemas/ChatCompletionResponse"})
     if path in _STREAMING:
-        sse = {"schema": {"type": "string"}, "description": "`data: {json}` events, then `data: [DONE]`"}
+        # Each event, as an SSE parser gives it (and schemathesis validates it): its `data` field.
+        event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+        sse = {"schema": event, "description": "`data: {json}` events, then `data: [DONE]`"}
         ok = {**ok, "content": {**ok["content"], "text/event-stream": sse}}
     return ok
 
