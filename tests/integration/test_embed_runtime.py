@@ -25,7 +25,10 @@ def checkpoint(tmp_path_factory):
 def runtime(checkpoint):
     from rxf import Runtime
 
-    config = runtime_config(checkpoint[0], chunk=8, model={"task": "embed"}, scheduler={"max_prefill_tokens": 64})
+    # Overlap on: a prompt's last chunk may be planned before its previous one is postprocessed.
+    config = runtime_config(
+        checkpoint[0], chunk=8, model={"task": "embed"}, scheduler={"max_prefill_tokens": 64, "overlap": True}
+    )
     with Runtime.from_config(config) as rt:
         yield rt
 

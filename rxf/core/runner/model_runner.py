@@ -290,8 +290,8 @@ class ModelRunner:
 
     def _init_cuda_graphs(self) -> CudaGraphRunner | None:
         cfg = self.config.cuda_graph
-        if self.device.type != "cuda" or not cfg.enabled:
-            return None
+        if self.device.type != "cuda" or not cfg.enabled or self.pooling is not None:
+            return None  # (an embedding model never decodes)
         if not self.attn_backend.supports_cuda_graph:
             logger.info("CUDA graphs off: backend %s cannot be captured", type(self.attn_backend).__name__)
             return None

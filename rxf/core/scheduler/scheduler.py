@@ -365,23 +365,26 @@ class Scheduler:
                 continue
             if i in result.prompt_logprobs:
                 req.input_logprobs = result.prompt_logprobs[i]
+            # Whether this step computed the prompt's last token (with overlap, a later chunk may be
+            # planned, growing kv_len, before this step is postprocessed).
+            completes = batch.prefix_lens[i] + batch.extend_lens[i] == req.seq_len
             if result.pooled is not None:
-                self._pool(req, result.pooled[i])
+                self._pool(req, result.pooled[i], completes)
             if not launched.decode[i] and req.kv is not None:
                 self.kv.cache(req)  # share the computed prompt with other requests while it runs
             if batch.sample[i]:
                 outs += self._accept(req, result, j, force_send=not launched.decode[i])
-            elif req.kv_len == req.seq_len and req.sampling_params.max_new_tokens == 0:
-                outs.append(self._finish(req, FinishReason("length")))  # prefill only
+            elif completes and req.sampling_params.max_new_tokens == 0:
+                outs.append(self._finish(req, FinishReason("length")))  # prefill only (or an embedding)
         return outs
 
-    def _pool(self, req: Req, part: torch.Tensor) -> None:
-        """Add a step's part of the request's embedding; once its whole prompt is computed (an
-        embedding request's budget is 0 tokens), the embedding is complete."""
+    def _pool(self, req: Req, part: torch.Tensor, complete: bool) -> None:
+        """Add a step's part of the request's embedding; `complete`: the step computed the rest of
+        its prompt (an embedding request's budget is 0 tokens), so the embedding is done."""
         assert self.pooling is not None
         mean = self.pooling.method == "mean"
         req.pooled = part if req.pooled is None or not mean else req.pooled + part
-        if req.kv_len == req.seq_len:
+        if complete:
             vector = req.pooled / len(req.origin_input_ids) if mean else req.pooled
             opts = req.options
             if opts.dimensions is not None:  # truncated first, then normalised: Matryoshka's order
