@@ -59,7 +59,8 @@ def test_batch_of_texts_matches_transformers(embed_client, embed_model) -> None:
 
 @pytest.mark.parametrize("batched", [False, True])
 def test_token_ids_base64(embed_client, embed_model, batched) -> None:
-    """The SDK asks for base64 unless told otherwise, and decodes it as float32."""
+    """The SDK asks for base64 unless told otherwise, and decodes it as float32. The batch repeats
+    the single prompt, which last-token pooling then finds in the prefix cache: the same vector."""
     path, ref = embed_model
     resp = embed_client.embeddings.create(model=str(path), input=IDS if batched else IDS[0])
     assert len(resp.data) == (2 if batched else 1)
@@ -109,3 +110,11 @@ def test_embedding_model_refuses_generation(embed_client, embed_model) -> None:
     with pytest.raises(openai.BadRequestError, match="/v1/embeddings"):
         embed_client.completions.create(model=path, prompt="Hi", max_tokens=4)
 
+
+
+def test_health_generate_and_model_info(embed_server) -> None:
+    with embed_server.client() as http:
+        assert http.get("/health_generate").json()["status"] == "ok"
+        info = http.get("/get_model_info").json()
+    assert info["is_generation"] is False
+    assert info["pooling"] == {"method": "last", "normalize": True, "hidden_size": 64, "matryoshka_dimensions": [16, 32]}
