@@ -80,11 +80,15 @@ def test_base64_is_the_float32_vector(embed_server, embed_model) -> None:
     np.testing.assert_array_equal(np.frombuffer(base64.b64decode(packed), "<f4"), np.array(floats, dtype="<f4"))
 
 
-def test_dimensions_truncate_then_renormalise(embed_client, embed_model) -> None:
+def test_dimensions_truncate_then_renormalise_and_normalize_false(embed_client, embed_model) -> None:
     path, ref = embed_model
     resp = embed_client.embeddings.create(model=str(path), input=IDS[0], dimensions=16, encoding_format="float")
     assert len(resp.data[0].embedding) == 16
     _close(resp.data[0].embedding, ref.embedding(IDS[0], "last", normalize=True, dimensions=16))
+    raw = embed_client.embeddings.create(
+        model=str(path), input=IDS[0], encoding_format="float", extra_body={"normalize": False}
+    )
+    _close(raw.data[0].embedding, ref.embedding(IDS[0], "last", normalize=False))
     with pytest.raises(openai.BadRequestError) as err:
         embed_client.embeddings.create(model=str(path), input=IDS[0], dimensions=8)
     assert err.value.body["param"] == "dimensions" and "[16, 32]" in err.value.body["message"]

@@ -391,7 +391,10 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"  # base64: the float32 little-endian bytes
     dimensions: int | None = None  # keep the first that many values, then renormalise
     user: str | None = None
-    priority: int = 0  # vLLM's extension, as on the generation routes
+    # vLLM's extensions: L2-normalise or not (None: as the model's pooling config says); priority
+    # as on the generation routes.
+    normalize: bool | None = None
+    priority: int = 0
 
 
 class Embedding(BaseModel):

@@ -38,7 +38,7 @@ def _inputs(given: str | list[str] | list[int] | list[list[int]]) -> list[str | 
 def plan_embeddings(req: EmbeddingRequest, preparer: RequestPreparer) -> list[PreparedRequest]:
     """One prepared request per input, in order; raises APIError(400) naming the field. Blocking
     (tokenizing): run it off the event loop for a large body."""
-    options = RequestOptions(dimensions=req.dimensions, priority=req.priority)
+    options = RequestOptions(dimensions=req.dimensions, normalize=req.normalize, priority=req.priority)
     rid = gen.new_id("embd")
     prepared = []
     for k, item in enumerate(_inputs(req.input)):
