@@ -4,7 +4,8 @@ vector: the pooling method, L2 normalisation, and which truncated sizes it was t
 Read once at start-up in the scheduler process from the checkpoint's sentence-transformers files
 (`modules.json`, the Pooling module's `config.json`, a `Normalize` module) and `config.json`
 (`matryoshka_dimensions`, `is_matryoshka`), then sent to the front end with the engine's figures
-(`to_info` / `from_info`): the scheduler pools, the front end truncates and normalises.
+(`to_info` / `from_info`): the front end checks each request's `dimensions` against it, and the
+scheduler pools, truncates and normalises (`Scheduler._pool`).
 """
 
 from __future__ import annotations
