@@ -278,7 +278,7 @@ class Scheduler:
         ready = [r for r in self.waiting if self._admissible(r)]
         adm = admit(
             order_waiting(ready, self.sc.policy, self.kv, self.rng),
-            [r for r in self.running if r.decoding],
+            self.running,
             self.kv,
             new_token_ratio=self.new_token_ratio,
             max_prefill_tokens=self.sc.max_prefill_tokens - sum(plan.extend_lens[plan.decode_rows :]),
