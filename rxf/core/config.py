@@ -40,6 +40,16 @@ class ModelConfig(_Section):
     load_format: Literal["safetensors", "random"] = Field(
         "safetensors", description="'random': no weights read, every parameter drawn at random (benchmarks of shapes)"
     )
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="'embed': serve pooled hidden states (/v1/embeddings) instead of generating text"
+    )
+    pooling: Literal["auto", "last", "mean"] = Field(
+        "auto", description="embed: how token states pool; 'auto': the checkpoint's sentence-transformers "
+        "config (1_Pooling/config.json), else the last token"
+    )
+    normalize: bool | None = Field(
+        None, description="embed: L2-normalise embeddings; None: as the checkpoint says (a 2_Normalize module)"
+    )
 
 
 class AttentionConfig(_Section):

@@ -55,6 +55,8 @@ def rxf_register_models(register: RegisterFactory) -> None:
     A class may also define the classmethod ``max_context_length(hf_config) -> int`` (the longest
     context the checkpoint serves, e.g. extended by its rope scaling; default
     ``max_position_embeddings``); it is then built with ``context_length=`` the context served.
+    One that defines ``hidden_states(batch) -> [n, hidden]`` (the final norm applied, the rows of
+    ``batch.logits_indices``) can serve embeddings (``model.task = "embed"``).
     Called in each scheduler process, when the model runner loads a checkpoint.
     """
 

@@ -91,6 +91,9 @@ class GenerateBody(_NativeBody):
     video_data: Any = None
 
 
+_NOT_BODY_OPTIONS = {"stream", "dimensions", "normalize"}
+
+
 class AbortBody(_NativeBody):
     rid: str
 
@@ -118,9 +121,11 @@ def _requests(body: GenerateBody) -> tuple[list[GenerateRequest], bool]:
     if batched and body.stream:
         raise APIError(400, "stream: streaming takes a single prompt, not a batch", param="stream")
     n = len(items)
-    # Each option of the body, per prompt (`stream` is one for the whole body).
+    # Each option of the body, per prompt (`stream` is one for the whole body; the embedding
+    # options are for the requests of /v1/embeddings and Runtime.embed).
     options = {
-        f.name: _per_item(f.name, getattr(body, f.name), n, batched) for f in fields(RequestOptions) if f.name != "stream"
+        f.name: _per_item(f.name, getattr(body, f.name), n, batched)
+        for f in fields(RequestOptions) if f.name not in _NOT_BODY_OPTIONS
     }
     params = _per_item("sampling_params", body.sampling_params, n, batched)
     if batched and isinstance(body.rid, str):
@@ -220,16 +225,19 @@ async def health(state: State) -> dict[str, Any]:
 
 @router.get("/health_generate")
 async def health_generate(state: State) -> dict[str, Any]:
-    """Healthy when a one-token generation goes through the whole engine in time."""
+    """Healthy when a one-token generation (an embedding model: an embedding) goes through the
+    whole engine in time."""
     tm = state.require_ready()
-    req = tm.preparer.prepare(GenerateRequest(
-        text="ping", sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=f"health-{uuid.uuid4().hex}"
-    ))
+    rid = f"health-{uuid.uuid4().hex}"
+    embed = tm.preparer.pooling is not None
+    params = None if embed else {"max_new_tokens": 1, "temperature": 0}
+    req = tm.preparer.prepare(GenerateRequest(text="ping", sampling_params=params, rid=rid, embed=embed))
+    what = "an embedding" if embed else "a one-token generation"
     try:
         result = await asyncio.wait_for(_one(tm, req), HEALTH_GENERATE_TIMEOUT_S)
     except TimeoutError:
-        raise APIError(503, f"a one-token generation took over {HEALTH_GENERATE_TIMEOUT_S:.0f} s") from None
-    return {"status": "ok", "output_ids": result["output_ids"]}
+        raise APIError(503, f"{what} took over {HEALTH_GENERATE_TIMEOUT_S:.0f} s") from None
+    return {"status": "ok", "output_ids": result.get("output_ids", [])}
 
 
 def _internals_shown(state: ServerState) -> bool:
@@ -258,7 +266,8 @@ async def get_model_info(state: State) -> dict[str, Any]:
         "vocab_size": info["vocab_size"],
         "dtype": info.get("dtype"),
         "device": info.get("device"),
-        "is_generation": True,
+        "is_generation": info.get("pooling") is None,  # SGLang's name: False for an embedding model
+        "pooling": info.get("pooling"),  # an embedding model's method, normalisation, sizes
     }
     if _internals_shown(state):
         out |= {"model_path": state.engine.model_path, "tokenizer_path": state.engine.tokenizer_path}

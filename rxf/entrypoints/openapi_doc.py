@@ -10,9 +10,9 @@ responses against it, tests/server/test_openapi_fuzz.py) finds the server as doc
   with the error body's schema; never 422;
 - the bearer scheme, on every route but /health, when `server.api_key` is set;
 - `/metrics` as Prometheus text, `stream: true` answers as `text/event-stream`;
-- the responses of /generate, /v1/completions, /v1/chat/completions, /v1/messages and
-  /v1/responses, and `sampling_params` (from `rxf.core.sampling_params.json_schema`: every field's
-  type and range);
+- the responses of /generate, /v1/completions, /v1/chat/completions, /v1/messages, /v1/responses
+  and /v1/embeddings, and `sampling_params` (from `rxf.core.sampling_params.json_schema`: every
+  field's type and range);
 - Anthropic's error body and event stream on its routes (/v1/messages...), and its `x-api-key`
   header as the key's other scheme.
 """
@@ -72,11 +72,13 @@ _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying"
 _STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"}
 # Routes checking the body's `model` (or the path's model id) against the served one.
 _MODEL_ROUTES = {
-    "/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}",
-    "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+    "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/tokenize", "/v1/detokenize",
+    "/v1/models/{model_id}", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
 }
 # Routes naming a stored response (the path's id, or `previous_response_id`): 404 when it is not stored.
 _STORED_RESPONSE_ROUTES = {"/v1/responses", "/v1/responses/{response_id}"}
+# Routes whose requests run in the engine, so past server.request_timeout_s.
+_ENGINE_ROUTES = _STREAMING | {"/v1/embeddings"}
 
 
 def _error(status: int, path: str) -> dict[str, Any]:
@@ -100,7 +102,7 @@ def _responses(path: str, op: dict[str, Any], with_key: bool) -> dict[str, Any]:
         statuses.add(401)
     if path in _MODEL_ROUTES or path in _STORED_RESPONSE_ROUTES:
         statuses.add(404)
-    if path in _STREAMING:
+    if path in _ENGINE_ROUTES:
         statuses.add(504)
     if path == "/flush_cache":
         statuses.add(400)  # refused while requests run
@@ -128,7 +130,9 @@ def _success(path: str, ok: dict[str, Any]) -> dict[str, Any]:
             events = "`event: <type>` and `data: {json}` per event, from message_start to message_stop"
         elif path == "/v1/responses":
             events = "`event: <type>` and `data: {json}` per event, the last response.completed, .incomplete or .failed"
-        sse = {"schema": {"type": "string"}, "description": events}
+        # Each event, as an SSE parser gives it (and schemathesis validates it): its `data` field.
+        event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+        sse = {"schema": event, "description": events}
         ok = {**ok, "content": {**ok["content"], "text/event-stream": sse}}
     return ok
 

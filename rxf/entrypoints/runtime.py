@@ -20,6 +20,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from rxf.core.config import EngineConfig, load_config
@@ -110,6 +111,25 @@ class Runtime:
         if stream:
             return self._iterate(self._stream(prepared, n))
         results = self._call(self._gather(prepared, n))
+        return results if batched else results[0]
+
+    def embed(
+        self, prompt: Prompt = None, *, input_ids: list[int] | list[list[int]] | None = None, **options: Any
+    ) -> Any:
+        """The embedding of one prompt (→ `{"embedding": [floats], "meta_info"}`) or of each of a
+        list (→ a list of them), on an embedding model (`model.task = "embed"`). `options`:
+        dimensions (keep the first that many values, then renormalise), normalize (None: as the
+        model's pooling config says), rid, cache_salt, priority. Bad input raises ValueError naming
+        the field."""
+        reqs, batched = self._embed_requests(prompt, input_ids, options)
+        prepared = [self.tokenizer_manager.preparer.prepare(r) for r in reqs]
+        results = self._call(self._gather(prepared, 1))
+        return results if batched else results[0]
+
+    async def async_embed(self, prompt: Prompt = None, *, input_ids: Any = None, **options: Any) -> Any:
+        reqs, batched = self._embed_requests(prompt, input_ids, options)
+        prepared = [await self.tokenizer_manager.preparer.prepare_async(r) for r in reqs]
+        results = await self._await(self._gather(prepared, 1))
         return results if batched else results[0]
 
     def chat(
@@ -217,6 +237,13 @@ class Runtime:
             for item, p in zip(items, per_item, strict=True)
         ]
         return reqs, batched
+
+    @classmethod
+    def _embed_requests(
+        cls, prompt: Prompt, input_ids: Any, options: dict[str, Any]
+    ) -> tuple[list[GenerateRequest], bool]:
+        reqs, batched = cls._requests(prompt, input_ids, None, False, 1, options)
+        return [replace(r, embed=True) for r in reqs], batched
 
     def _prepare_chat(
         self, messages: Any, params: dict[str, Any] | None, tools: Any, tool_choice: Any, response_format: Any,

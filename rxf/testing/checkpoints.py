@@ -156,3 +156,24 @@ def randomize_biases_and_norms(model: torch.nn.Module) -> None:
                 param.normal_(0.0, 0.1)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)
+
+
+def add_sentence_transformers_config(path: str | Path, pooling: str = "lasttoken", normalize: bool = True) -> Path:
+    """Make the checkpoint at `path` a sentence-transformers embedding model, as Qwen3-Embedding
+    ships: modules.json (Transformer, Pooling, and Normalize when `normalize`) and the Pooling
+    module's config with `pooling_mode_<pooling>` set ("lasttoken", "mean_tokens", "cls_token")."""
+    import json
+
+    path = Path(path)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    config = {f"pooling_mode_{mode}": mode == pooling for mode in modes} | {"include_prompt": True}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    return path

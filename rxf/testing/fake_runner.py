@@ -86,6 +86,7 @@ class FakeRunner:
         self.max_total_tokens = num_slots
         self.eos = eos
         self.eos_token_ids = [eos] if eos is not None else []
+        self.pooling = None  # a generative model
         self.overlap = overlap
         self.fail_forward = fail_forward  # a forward with a request whose rid contains it fails
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, "cpu")

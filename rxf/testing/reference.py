@@ -3,6 +3,7 @@
     ref = HFReference(checkpoint_dir)
     ref.logits([5, 80, 17])          # float32 [3, vocab]: every position's next-token logits
     ref.greedy([5, 80, 17], 16)      # 16 greedy tokens (argmax; EOS does not stop it)
+    ref.embedding([5, 80, 17], "mean", normalize=True)   # a pooled final hidden state
     assert_logits_close(ours, ref.logits(tokens))
 """
 
@@ -36,6 +37,16 @@ class HFReference:
         for _ in range(max_new_tokens):
             seq.append(int(self.logits(seq)[-1].argmax()))
         return seq[len(tokens) :]
+
+    @torch.inference_mode()
+    def embedding(self, tokens: list[int], method: str, normalize: bool, dimensions: int | None = None) -> torch.Tensor:
+        """float32 `[hidden or dimensions]`: the final hidden states (transformers' base model's
+        `last_hidden_state`, the final norm applied) pooled as sentence-transformers pools them
+        ("last": the last token's, "mean": the mean over all), truncated, then L2-normalised."""
+        states = self.model.model(torch.tensor([tokens])).last_hidden_state[0].float()
+        vector = states[-1] if method == "last" else states.mean(dim=0)
+        vector = vector[:dimensions]
+        return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
 
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4) -> None:

@@ -217,6 +217,7 @@ def test_model_info(http, long_context_model_dir):
     assert info["architecture"] == "LlamaForCausalLM"
     assert (info["context_length"], info["vocab_size"]) == (16384, 512)
     assert (info["dtype"], info["device"]) == ("float32", "cpu")
+    assert (info["is_generation"], info["pooling"]) == (True, None)  # an embedding model: test_embeddings.py
     assert info["served_model_name"]
 
 

@@ -73,6 +73,13 @@ def test_tokenize_round_trip(http, model):
 
 
 # ---- completions ----
+def test_generative_model_refuses_embeddings(client, model):
+    """It says how to serve embeddings (tests/server/test_embeddings.py serves them)."""
+    with pytest.raises(openai.BadRequestError, match="model.task = 'embed'") as err:
+        client.embeddings.create(model=model, input="Hi")
+    assert err.value.body["param"] == "model"
+
+
 def test_completion_basics(client, model):
     out = client.completions.create(model=model, prompt="hello world", **GREEDY)
     assert out.object == "text_completion" and out.model == model and out.id.startswith("cmpl-")

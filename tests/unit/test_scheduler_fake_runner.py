@@ -121,6 +121,18 @@ def test_retraction_under_a_small_pool_keeps_outputs(overlap):
     assert {rid: r["ids"] for rid, r in got.items()} == {rid: want(p, 24) for rid, p in ps.items()}
 
 
+def test_chunked_prompts_never_outgrow_the_pool_together(overlap):
+    """Eight 60-token prompts in chunks of 8 over 100 slots: admission counts each prompt's later
+    chunks, so the prompts started can always be finished (counting only the first chunk started
+    them all, and the engine stalled once their next chunks found no slot)."""
+    sched, runner = make(overlap, {"num_slots": 100}, **{"scheduler.chunked_prefill_size": 8})
+    ps = prompts(8, seed=5, lo=60, hi=60)
+    for rid, p in ps.items():
+        sched.add_request(request(rid, p, 2))
+    got = drain(sched)
+    assert {rid: r["ids"] for rid, r in got.items()} == {rid: want(p, 2) for rid, p in ps.items()}
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["separate", "mixed"])
 def test_chunked_prefill_and_decodes_share_steps_when_mixed(overlap, mixed):
     sched, runner = make(overlap, **{"scheduler.chunked_prefill_size": 8, "scheduler.mixed_chunked_prefill": mixed})

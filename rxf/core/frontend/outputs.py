@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from rxf.core.ipc.messages import FinishReason, StrOut
 
 # (logprob, token id); a prompt's first token has no logprob (None).
@@ -55,6 +57,11 @@ class Logprobs:
         return out
 
 
+def embedding_floats(data: bytes) -> list[float]:
+    """An embedding as `TokenOut.embedding` carries it, as floats."""
+    return np.frombuffer(data, "<f4").tolist()
+
+
 @dataclass
 class GenerateOutput:
     """A streamed chunk (`text` and `output_ids` are what it adds) or a final result (complete).
@@ -68,6 +75,8 @@ class GenerateOutput:
     cached_tokens: int
     finish_reason: FinishReason | None = None  # None while the request runs
     logprobs: Logprobs | None = None  # None unless the request asked for them
+    # An embedding request's pooled vector (float32 little-endian bytes), with its final result.
+    embedding: bytes | None = None
 
     def to_dict(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -79,4 +88,6 @@ class GenerateOutput:
         }
         if self.logprobs is not None:
             meta |= self.logprobs.to_dict()
+        if self.embedding is not None:
+            return {"embedding": embedding_floats(self.embedding), "meta_info": meta}
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}

@@ -11,7 +11,9 @@ trust it. Each rule is checked here only, so it means the same on every door:
 - the sampling parameters: types and ranges (`SamplingParams.from_dict`, `NUMERIC_BOUNDS`), the
   server's counts (`RequestLimits.check_params`), max_new_tokens fitted next to the prompt
   (`fit_max_new_tokens`), an output constraint validated by the grammar backend;
-- the options and the rid: types and ranges (priority: `RequestLimits.check_priority`).
+- the options and the rid: types and ranges (priority: `RequestLimits.check_priority`);
+- the task: an embedding request on an embedding model (`pooling` set) and only there; it takes
+  no sampling parameters, streaming or logprobs, and is prepared to compute its prompt only.
 
 Errors are `RequestError`s naming the field as the native request names it; another door states
 them in its own terms with `RequestError.renamed`.
@@ -37,6 +39,7 @@ from rxf.core.frontend.requests import (
     check_prompt_chars,
 )
 from rxf.core.ipc.messages import MultimodalItem, PreparedRequest, RequestOptions
+from rxf.core.pooling import Pooling
 from rxf.core.sampling_params import SamplingParams, fit_max_new_tokens
 
 if TYPE_CHECKING:
@@ -65,6 +68,7 @@ class RequestPreparer:
         limits: RequestLimits | None = None,
         mm_processor: Any = None,  # None: the model takes no images
         grammar: GrammarBackend | None = None,  # None: constraints are not compiled here
+        pooling: Pooling | None = None,  # an embedding model's (None: a generative model)
     ) -> None:
         self.tokenizer = tokenizer
         self.max_context_len = max_context_len
@@ -73,13 +77,15 @@ class RequestPreparer:
         self.limits = limits or RequestLimits()
         self.mm_processor = mm_processor
         self.grammar = grammar
+        self.pooling = pooling
 
     @classmethod
     def for_engine(cls, tokenizer: Any, engine_info: Mapping[str, Any], **kwargs: Any) -> RequestPreparer:
         """A preparer for the engine that reported `engine_info` (its scheduler's figures)."""
+        pooling = engine_info.get("pooling")
         return cls(
             tokenizer, engine_info["max_context_len"], engine_info["vocab_size"], engine_info.get("max_total_tokens"),
-            **kwargs,
+            pooling=Pooling.from_info(pooling) if pooling is not None else None, **kwargs,
         )
 
     def prepare(self, req: GenerateRequest) -> PreparedRequest:
@@ -89,6 +95,10 @@ class RequestPreparer:
         self._check_options(req.options)
         if req.rid is not None and not (isinstance(req.rid, str) and len(req.rid) <= MAX_RID_LEN):
             raise RequestError(f"rid: must be a string of at most {MAX_RID_LEN} characters")
+        self._check_task(req)
+        if req.embed:  # the prompt is computed and pooled; its one "step" samples nothing
+            ids, mm_items = self._prompt(req)
+            return PreparedRequest(req.rid or uuid.uuid4().hex, ids, SamplingParams(max_new_tokens=0), req.options, mm_items)
         params, budget_given = self._sampling_params(req.sampling_params)
         ids, mm_items = self._prompt(req)
         start = req.options.logprob_start_len
@@ -114,6 +124,36 @@ class RequestPreparer:
         if req.slow_to_prepare():
             return await asyncio.to_thread(self.prepare, req)
         return self.prepare(req)
+
+    def _check_task(self, req: GenerateRequest) -> None:
+        if self.pooling is not None and not req.embed:
+            raise RequestError(
+                "model: this model serves embeddings (model.task = 'embed'), not generation; "
+                "use /v1/embeddings (Runtime.embed)"
+            )
+        if self.pooling is None and req.embed:
+            raise RequestError(
+                "model: this model serves generation, not embeddings; serve an embedding model "
+                "with model.task = 'embed' for /v1/embeddings (Runtime.embed)"
+            )
+        options = req.options
+        if self.pooling is None:
+            for name in ("dimensions", "normalize"):
+                if getattr(options, name) is not None:
+                    raise RequestError(f"{name}: only embedding requests take it")
+            return
+        if req.sampling_params is not None:
+            raise RequestError("sampling_params: an embedding request samples nothing; leave them out")
+        if options.stream or options.return_logprob:
+            raise RequestError(f"{'stream' if options.stream else 'return_logprob'}: not available for embeddings")
+        if options.normalize is not None and not isinstance(options.normalize, bool):
+            raise RequestError(f"normalize: expected a boolean, got {echo(options.normalize)}")
+        if options.dimensions is not None:
+            if not _is_int(options.dimensions):
+                raise RequestError(f"dimensions: expected an integer, got {echo(options.dimensions)}")
+            reason = self.pooling.check_dimensions(options.dimensions)
+            if reason is not None:
+                raise RequestError(f"dimensions: {reason}")
 
     def _check_options(self, options: RequestOptions) -> None:
         for name in ("stream", "return_logprob"):

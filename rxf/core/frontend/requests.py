@@ -140,6 +140,9 @@ class GenerateRequest:
     # The budget when `sampling_params` gives no max_new_tokens (None: the whole remaining context);
     # cut to what fits next to the prompt (`fit_max_new_tokens`).
     default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
+    # An embedding request: the prompt's pooled hidden states, nothing generated (an embedding
+    # model serves only these, a generative model none; `sampling_params` must be left out).
+    embed: bool = False
 
     def slow_to_prepare(self) -> bool:
         """Media to decode, an output constraint to compile (the first one also builds the grammar

@@ -355,5 +355,5 @@ def _output(rid: str, last: StrOut, text: str, ids: list[int], logprobs: Logprob
     """An output holding `text` and `ids`, with the counts and finish of `last` (the newest)."""
     t = last.token
     return GenerateOutput(
-        rid, text, ids, t.prompt_tokens, t.completion_tokens, t.cached_tokens, t.finished, logprobs
+        rid, text, ids, t.prompt_tokens, t.completion_tokens, t.cached_tokens, t.finished, logprobs, t.embedding
     )

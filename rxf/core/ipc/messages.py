@@ -58,6 +58,10 @@ class RequestOptions:
     cache_salt: str | None = None
     # Under scheduler.policy = "priority": lower values are admitted first and retracted last.
     priority: int = 0
+    # Embedding requests only: keep the first `dimensions` values (Matryoshka truncation; None:
+    # all), then L2-normalise when `normalize` says so (None: as the model's pooling config says).
+    dimensions: int | None = None
+    normalize: bool | None = None
 
 
 class PreparedRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -178,6 +182,9 @@ class TokenOut(msgspec.Struct, array_like=True, gc=False):
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]]] | None = None
     input_token_ids: list[int] | None = None
+    # An embedding model's result, sent with the finished output: the pooled vector, truncated and
+    # normalised as the request asked, as float32 little-endian bytes.
+    embedding: bytes | None = None
 
 
 class BatchTokenOut(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -23,6 +23,7 @@ from rxf.core.config import EngineConfig
 from rxf.core.forward import ForwardBatch, ForwardMode
 from rxf.core.ipc.messages import MultimodalItem
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
+from rxf.core.pooling import Pooling
 from rxf.core.registry import PluginRegistry
 from rxf.core.runner import distributed
 from rxf.core.runner.cuda_graph_runner import (
@@ -204,6 +205,15 @@ class ModelRunner:
         else:
             self.model.load_weights(weights)
         self.model.eval()
+        # An embedding model pools the final hidden states (`hidden_states`) and computes no logits.
+        self.pooling = None
+        if config.model.task == "embed":
+            if not callable(getattr(self.model, "hidden_states", None)):
+                raise ValueError(
+                    f"model.task = 'embed': {model_cls.__name__} cannot serve embeddings (it gives no hidden_states)"
+                )
+            self.pooling = Pooling.from_checkpoint(model_path, self.hf_config, config.model.pooling, config.model.normalize)
+            logger.info("embedding model: %s pooling, normalize %s", self.pooling.method, self.pooling.normalize)
         feature_cache = getattr(self.model, "feature_cache", None)  # multimodal models' vision features
         if feature_cache is not None:
             feature_cache.max_bytes = config.multimodal.feature_cache_mb * 2**20
@@ -280,8 +290,8 @@ class ModelRunner:
 
     def _init_cuda_graphs(self) -> CudaGraphRunner | None:
         cfg = self.config.cuda_graph
-        if self.device.type != "cuda" or not cfg.enabled:
-            return None
+        if self.device.type != "cuda" or not cfg.enabled or self.pooling is not None:
+            return None  # (an embedding model never decodes)
         if not self.attn_backend.supports_cuda_graph:
             logger.info("CUDA graphs off: backend %s cannot be captured", type(self.attn_backend).__name__)
             return None
@@ -365,7 +375,8 @@ class ModelRunner:
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         """float32 logits `[num_logits, vocab]` on the device: per request in order, its requested
-        rows (decode: its one token; extend: new tokens logits_start[i].. or the last) ascending."""
+        rows (decode: its one token; extend: new tokens logits_start[i].. or the last) ascending.
+        An embedding model (`pooling` set) returns those rows' final hidden states instead."""
         self._validate(inp)
         if inp.mode.is_decode():
             with torch.inference_mode():
@@ -416,7 +427,7 @@ class ModelRunner:
                 mm_items=inp.mm_items,
             )
             self.attn_backend.init_forward_metadata(batch)
-            return self.model(batch)
+            return self.model.hidden_states(batch) if self.pooling is not None else self.model(batch)
 
     def _forward_decode(self, inp: ModelInput) -> torch.Tensor:
         """Replayed from a CUDA graph when a captured bucket holds the batch, else eager; either way the

@@ -24,6 +24,7 @@ from rxf.core.runner.sampling import GrammarMask
 
 if TYPE_CHECKING:
     from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
+    from rxf.core.pooling import Pooling
     from rxf.core.scheduler.req import Req
 
 # An input token that the previous step samples: its value reaches the forward on the device.
@@ -76,6 +77,9 @@ class StepResult:
     # (chosen token's logprob, [(token id, logprob)] top alternatives) for rows that asked.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
     prompt_logprobs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # An embedding model's step: row i is request i's part of its embedding (float32, on the host;
+    # see `StepExecutor._pool`). Nothing is sampled.
+    pooled: torch.Tensor | None = None
     row_errors: dict[int, BaseException] = field(default_factory=dict)  # per request: its sampling failed
     error: BaseException | None = None  # the whole step failed (its KV was not computed)
 
@@ -88,6 +92,7 @@ class StepRunner(Protocol):
     max_context_len: int
     max_total_tokens: int
     eos_token_ids: list[int]
+    pooling: Pooling | None  # an embedding model's pooling (None: a generative model)
     req_to_token_pool: ReqToTokenPool  # the scheduler uses only their host-side free lists
     token_to_kv_pool: TokenToKVPool
 

@@ -48,6 +48,7 @@ class _Layout:
     logprob_top_k: list[int] = field(default_factory=list)
     # (request index, top_k, number of prompt positions scored) in order
     prompt: list[tuple[int, int, int]] = field(default_factory=list)
+    pooled: bool = False  # an embedding step: the result is a float32 [requests, hidden] tensor
 
 
 @dataclass
@@ -90,6 +91,9 @@ class StepExecutor:
                 self.faults.check("forward", batch.reqs)
             inp, starts = self._model_input(batch)
             logits = self.runner.forward(inp)
+            if self.runner.pooling is not None:  # an embedding model: hidden states, nothing sampled
+                with torch.inference_mode():
+                    return self._pooled(inp, logits, layout)
         except Exception as exc:
             self._last_ids = None
             return _Done(layout, error=exc)
@@ -105,6 +109,9 @@ class StepExecutor:
             e - 1 if p is None else p - pre
             for p, pre, e in zip(batch.prompt_logits_from, batch.prefix_lens, batch.extend_lens, strict=True)
         ]
+        pooling = self.runner.pooling
+        if pooling is not None and pooling.method == "mean":  # every new token's state is pooled
+            logits_start = [0] * len(logits_start)
         starts, row = [], 0
         for s, e in zip(logits_start, batch.extend_lens, strict=True):
             starts.append(row)
@@ -139,6 +146,21 @@ class StepExecutor:
         )
         return inp, starts
 
+    def _pooled(self, inp: ModelInput, hidden: torch.Tensor, layout: _Layout) -> _Done:
+        """Each request's part of its embedding from this step's rows `hidden` (its new tokens'
+        final states for mean pooling, else its last token's): their float32 sum for mean pooling
+        (the scheduler adds a chunked prompt's parts and divides by its length), else the row."""
+        assert self.runner.pooling is not None
+        hidden = hidden.float()
+        if self.runner.pooling.method == "mean":
+            counts = torch.tensor(inp.extend_lens).to(hidden.device, non_blocking=True)
+            owner = torch.arange(len(inp.extend_lens), device=hidden.device).repeat_interleave(counts)
+            hidden = torch.zeros(len(inp.extend_lens), hidden.shape[1], device=hidden.device).index_add_(0, owner, hidden)
+        layout.pooled = True
+        done = _Done(layout)
+        _copy_to_host(done, hidden)
+        return done
+
     def _sample_and_pack(
         self, batch: StepBatch, inp: ModelInput, starts: list[int], logits: torch.Tensor, layout: _Layout
     ) -> _Done:
@@ -166,14 +188,7 @@ class StepExecutor:
             except Exception as exc:
                 done.row_errors[i] = exc
         if parts:
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-            if flat.is_cuda:
-                done.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-                done.host.copy_(flat, non_blocking=True)
-                done.event = torch.cuda.Event()
-                done.event.record()
-            else:
-                done.host = flat
+            _copy_to_host(done, torch.cat(parts) if len(parts) > 1 else parts[0])
         return done
 
     def _sample_rows(
@@ -260,8 +275,21 @@ class StepExecutor:
             return StepResult(error=done.error)
         if done.event is not None:
             done.event.synchronize()
+        if done.layout.pooled:
+            return StepResult(pooled=done.host)
         flat: list[float] = done.host.tolist() if done.host is not None else []
         return _unpack(handle.batch, done, flat, self.vocab_size)
+
+
+def _copy_to_host(done: _Done, result: torch.Tensor) -> None:
+    """Start the step's one device-to-host copy of `result` (pinned memory, with an event to wait on)."""
+    if result.is_cuda:
+        done.host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+        done.host.copy_(result, non_blocking=True)
+        done.event = torch.cuda.Event()
+        done.event.record()
+    else:
+        done.host = result
 
 
 def _unpack(batch: StepBatch, done: _Done, flat: list[float], vocab_size: int) -> StepResult:

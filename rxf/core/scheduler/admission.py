@@ -6,6 +6,11 @@ The seeds' rule: available = free + evictable - sum over running requests of
 future tokens fit in what is left. Its matched prefix is locked before it is counted (a locked
 prefix stops being evictable, so locking can shrink `available`) and released if it then no
 longer fits.
+
+A chunked prompt's later chunks are counted in full, for the requests admitted and for the
+running ones between chunks: they are owed, not estimated. Counting only the first chunk let
+more prompts start than the pool could finish, and once their next chunks found no slots none of
+them could progress (nothing decodes to free any): the engine stalled for good.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ MAX_NEW_TOKENS_ESTIMATE = 4096
 
 def _future_tokens(req: Req) -> int:
     return min(req.remaining_new_tokens, MAX_NEW_TOKENS_ESTIMATE)
+
+
+def _prompt_left(req: Req) -> int:
+    """Prompt tokens of a running request that no step has taken yet (its later chunks)."""
+    return 0 if req.decoding else req.seq_len - req.kv_len
 
 
 @dataclass
@@ -51,10 +61,10 @@ def admit(
     """
 
     def available() -> float:
-        return kv.available() - sum(_future_tokens(r) * new_token_ratio for r in running)
+        return kv.available() - sum(_prompt_left(r) + _future_tokens(r) * new_token_ratio for r in running)
 
     out = Admission()
-    futures = 0.0  # future tokens of the requests admitted so far (their prompt slots are taken)
+    futures = 0.0  # tokens owed to the requests admitted so far: later chunks, future tokens
     for req in ordered:
         if kv.free_rows() == 0:
             break
@@ -63,6 +73,7 @@ def admit(
         extend_len = req.seq_len - res.prefix_len
         if chunk_size is not None and not req.wants_prompt_logprobs():
             extend_len = req.chunk_len(res.prefix_len, min(extend_len, chunk_size))
+        rest = req.seq_len - res.prefix_len - extend_len  # its later chunks
         future = _future_tokens(req)
         # With nothing else running, the first request only needs room for its prompt: waiting
         # for room it can never get would stall the queue (it may later end "length" if it outgrows
@@ -71,7 +82,7 @@ def admit(
             future = 0
         too_many = bool(out.reqs or batch_nonempty) and out.new_tokens + extend_len > max_prefill_tokens
         # `available()` counts the prefix as locked now.
-        if too_many or futures + extend_len + future > available():
+        if too_many or futures + extend_len + rest + future > available():
             res.cancel()
             break
         if not res.allocate(extend_len):  # eviction freed less than counted on (it cancelled)
@@ -79,5 +90,5 @@ def admit(
         out.reqs.append(req)
         out.extend_lens.append(extend_len)
         out.new_tokens += extend_len
-        futures += future
+        futures += rest + future
     return out

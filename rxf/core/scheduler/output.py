@@ -71,6 +71,8 @@ def make_token_out(req: Req, finished: bool) -> TokenOut:
         stop=p.stop,
         no_stop_trim=p.no_stop_trim,
     )
+    if finished:
+        out.embedding = req.embedding
     if req.options.return_logprob:
         out.output_token_logprobs, req.pending_logprobs = req.pending_logprobs, []
         out.output_top_logprobs, req.pending_top_logprobs = req.pending_top_logprobs, []

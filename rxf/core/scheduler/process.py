@@ -98,6 +98,7 @@ def run_scheduler_process(
             "torch_threads": torch.get_num_threads(),
             "tp_size": config.parallel.tp_size,
             "dp_size": config.parallel.dp_size,
+            "pooling": runner.pooling.to_info() if runner.pooling is not None else None,
         }
     )
     _loop(scheduler, sockets)

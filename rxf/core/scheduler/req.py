@@ -68,6 +68,10 @@ class Req:
     @property
     def grammar_active(self) -> bool:
         return self.grammar is not None and self.grammar_start is not None
+    # An embedding model's pooling so far (float32 [hidden], host): the sum of the computed
+    # tokens' states for mean pooling, else the last computed token's state.
+    pooled: torch.Tensor | None = None
+    embedding: bytes | None = None  # the finished pooling, as `TokenOut.embedding` carries it
 
     @property
     def rid(self) -> str:

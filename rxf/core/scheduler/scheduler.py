@@ -93,7 +93,12 @@ class Scheduler:
         self.sc = config.scheduler
         self.runner = runner
         self.chunk_size = chunk_size(self.sc, runner.device.type)
-        self.tree = RadixCache(runner.token_to_kv_pool, disable=config.cache.disable_radix_cache)
+        self.pooling = runner.pooling  # an embedding model: prompts are pooled, nothing is sampled
+        # Mean pooling needs every prompt token's state, and a cached prefix's are not computed, so
+        # it runs without the prefix cache; last-token pooling keeps it (a cached prefix's KV is what
+        # computing it would give, and the last token is always computed: `KVManager._match`).
+        mean_pooling = self.pooling is not None and self.pooling.method == "mean"
+        self.tree = RadixCache(runner.token_to_kv_pool, disable=config.cache.disable_radix_cache or mean_pooling)
         self.kv = KVManager(runner.req_to_token_pool, runner.token_to_kv_pool, self.tree)
         eos = set(runner.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -273,7 +278,7 @@ class Scheduler:
         ready = [r for r in self.waiting if self._admissible(r)]
         adm = admit(
             order_waiting(ready, self.sc.policy, self.kv, self.rng),
-            [r for r in self.running if r.decoding],
+            self.running,
             self.kv,
             new_token_ratio=self.new_token_ratio,
             max_prefill_tokens=self.sc.max_prefill_tokens - sum(plan.extend_lens[plan.decode_rows :]),
@@ -360,13 +365,33 @@ class Scheduler:
                 continue
             if i in result.prompt_logprobs:
                 req.input_logprobs = result.prompt_logprobs[i]
+            # Whether this step computed the prompt's last token (with overlap, a later chunk may be
+            # planned, growing kv_len, before this step is postprocessed).
+            completes = batch.prefix_lens[i] + batch.extend_lens[i] == req.seq_len
+            if result.pooled is not None:
+                self._pool(req, result.pooled[i], completes)
             if not launched.decode[i] and req.kv is not None:
                 self.kv.cache(req)  # share the computed prompt with other requests while it runs
             if batch.sample[i]:
                 outs += self._accept(req, result, j, force_send=not launched.decode[i])
-            elif req.kv_len == req.seq_len and req.sampling_params.max_new_tokens == 0:
-                outs.append(self._finish(req, FinishReason("length")))  # prefill only
+            elif completes and req.sampling_params.max_new_tokens == 0:
+                outs.append(self._finish(req, FinishReason("length")))  # prefill only (or an embedding)
         return outs
+
+    def _pool(self, req: Req, part: torch.Tensor, complete: bool) -> None:
+        """Add a step's part of the request's embedding; `complete`: the step computed the rest of
+        its prompt (an embedding request's budget is 0 tokens), so the embedding is done."""
+        assert self.pooling is not None
+        mean = self.pooling.method == "mean"
+        req.pooled = part if req.pooled is None or not mean else req.pooled + part
+        if complete:
+            vector = req.pooled / len(req.origin_input_ids) if mean else req.pooled
+            opts = req.options
+            if opts.dimensions is not None:  # truncated first, then normalised: Matryoshka's order
+                vector = vector[: opts.dimensions]
+            if self.pooling.normalize if opts.normalize is None else opts.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            req.embedding = vector.numpy().astype("<f4").tobytes()
 
     def _accept(self, req: Req, result: StepResult, j: int, force_send: bool) -> list[TokenOut]:
         """The request's newly sampled token: record it, check the stop conditions, stream it."""

@@ -11,13 +11,14 @@ from fastapi import APIRouter
 from rxf.entrypoints.openai import (
     serving_chat,
     serving_completions,
+    serving_embeddings,
     serving_models,
     serving_responses,
     tokenize,
 )
 
 router = APIRouter()
-for _module in (serving_models, serving_completions, serving_chat, serving_responses, tokenize):
+for _module in (serving_models, serving_completions, serving_chat, serving_responses, serving_embeddings, tokenize):
     router.include_router(_module.router)
 
 __all__ = ["router"]

@@ -390,3 +390,37 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# ---- /v1/embeddings ----
+
+
+class EmbeddingRequest(_Request):
+    _body = True
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"  # base64: the float32 little-endian bytes
+    dimensions: int | None = None  # keep the first that many values, then renormalise
+    user: str | None = None
+    # vLLM's extensions: L2-normalise or not (None: as the model's pooling config says); priority
+    # as on the generation routes.
+    normalize: bool | None = None
+    priority: int = 0
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # a base64 string for encoding_format "base64"
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

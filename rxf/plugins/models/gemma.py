@@ -40,7 +40,7 @@ from rxf.plugins.models.layers.activation import GeluTanhAndMul
 from rxf.plugins.models.layers.bidirectional_blocks import BidirectionalBlocks
 from rxf.plugins.models.layers.norm import GemmaRMSNorm
 from rxf.plugins.models.layers.rope_scaling import scaled_context_length
-from rxf.plugins.models.llama import _STACKED, _effective_window, head_dim_of
+from rxf.plugins.models.llama import _STACKED, _effective_window, final_hidden_states, head_dim_of
 
 logger = logging.getLogger(__name__)
 
@@ -220,16 +220,15 @@ class Gemma2ForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]`, soft-capped where the config says."""
-        x, residual = self.model(batch, input_embeds)
-        if not batch.mode.is_decode():  # decode returns every row's logits, in order: no gather
-            idx = batch.logits_indices
-            x, residual = x[idx], residual[idx]
-        x, _ = self.model.norm(x, residual)
-        logits = self.lm_head(x)
+        logits = self.lm_head(self.hidden_states(batch, input_embeds))
         if self.final_logit_cap is not None:
             cap = float(self.final_logit_cap)
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def hidden_states(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """What the logits head reads, and what an embedding model pools: `final_hidden_states`."""
+        return final_hidden_states(self.model, batch, input_embeds)
 
     def _skip(self, name: str) -> bool:
         # Tied checkpoints may still store the head (transformers 4 saved it).

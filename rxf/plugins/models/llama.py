@@ -177,6 +177,18 @@ class LlamaModel(nn.Module):
         return x, residual
 
 
+def final_hidden_states(decoder: nn.Module, batch: ForwardBatch, input_embeds: torch.Tensor | None) -> torch.Tensor:
+    """The final hidden states (the final norm applied) of the rows in `batch.logits_indices` only,
+    `[n, hidden]` in the model's dtype, from a decoder stack that returns (output, residual) before
+    its final fused add-norm `decoder.norm`."""
+    x, residual = decoder(batch, input_embeds)
+    if not batch.mode.is_decode():  # decode returns every row, in order: no gather
+        idx = batch.logits_indices
+        x, residual = x[idx], residual[idx]
+    x, _ = decoder.norm(x, residual)
+    return x
+
+
 def _effective_window(window: int | None, served: int) -> int | None:
     """A window that covers every position served (`served` tokens of context) is no window (None
     keeps backends on their plain path)."""
@@ -218,12 +230,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]`."""
-        x, residual = self.model(batch, input_embeds)
-        if not batch.mode.is_decode():  # decode returns every row's logits, in order: no gather
-            idx = batch.logits_indices
-            x, residual = x[idx], residual[idx]
-        x, _ = self.model.norm(x, residual)
-        return self.lm_head(x)
+        return self.lm_head(self.hidden_states(batch, input_embeds))
+
+    def hidden_states(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """What the logits head reads, and what an embedding model pools (`model.task = "embed"`
+        calls this instead of `forward`): `final_hidden_states`."""
+        return final_hidden_states(self.model, batch, input_embeds)
 
     def _skip(self, name: str) -> bool:
         # Old checkpoints store rotary inv_freq buffers; tied checkpoints may still store the head.
