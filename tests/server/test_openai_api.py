@@ -122,6 +122,20 @@ def test_completion_stream_usage_only_when_asked(client, model):
     assert all(c.usage is None and len(c.choices) == 1 for c in body)
 
 
+def test_every_stream_starts_with_output(client, model, http):
+    """No streamed route sends a chunk before there is output: a client timing the first chunk
+    (vLLM's benchmark does) times the first token. Chat's role comes with it."""
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, stream=True, **GREEDY)
+    first = next(iter(chat)).choices[0].delta
+    assert first.role == "assistant" and first.content
+    completion = client.completions.create(model=model, prompt="Once", max_tokens=4, stream=True, **GREEDY)
+    assert next(iter(completion)).choices[0].text
+    native = post_stream(
+        http, "/generate", {"text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    )
+    assert native[0]["output_ids"] and native[0]["text"]
+
+
 def test_n_choices_share_the_prompt_prefill(client, model):
     prompt = "n choices of one prompt that is long enough to share: she sells sea shells by the sea shore"
     sampled = {"temperature": 1.0, "seed": 5, "extra_body": {"ignore_eos": True}}
@@ -281,7 +295,8 @@ def test_chat_stream(client, model):
     assert usage.choices == [] and usage.usage.completion_tokens == 24
     for i in range(2):
         mine = [c.choices[0] for c in body if c.choices[0].index == i]
-        assert mine[0].delta.role == "assistant" and mine[0].delta.content == ""
+        # The role comes with the choice's first token, in its first chunk (as vLLM streams).
+        assert mine[0].delta.role == "assistant" and mine[0].delta.content
         assert all(c.delta.role is None for c in mine[1:])
         assert "".join(c.delta.content or "" for c in mine) == full
         assert [c.finish_reason for c in mine].count("length") == 1 and mine[-1].finish_reason == "length"
