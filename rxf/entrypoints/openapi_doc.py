@@ -64,7 +64,10 @@ _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying"
 # Routes that can answer a stream (`"stream": true`): server-sent events, one JSON object per event.
 _STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions"}
 # Routes checking the body's `model` (or the path's model id) against the served one.
-_MODEL_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/v1/models/{model_id}"}
+_MODEL_ROUTES = {
+    "/v1/completions", "/v1/chat/completions", "/v1/tokenize", "/v1/detokenize", "/tokenize", "/detokenize",
+    "/v1/models/{model_id}",
+}
 
 
 def _error(status: int) -> dict[str, Any]:

@@ -72,6 +72,30 @@ def test_tokenize_round_trip(http, model):
         assert http.post(path, json=body).status_code in (400, 404)
 
 
+def test_root_tokenize_routes_in_vllms_shapes(http, model, tiny_model_dir):
+    """vLLM serves /tokenize and /detokenize at the root: the same bodies as /v1's, checked
+    against the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "Hello world, 你好"
+    out = http.post("/tokenize", json={"model": model, "prompt": text, "return_token_strs": True}).json()
+    ids = tokenizer.encode(text)
+    assert out == {
+        "count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": tokenizer.convert_ids_to_tokens(ids)
+    }
+    messages = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}
+    assert http.post("/tokenize", json=messages).json() == http.post("/v1/tokenize", json=messages).json()
+    assert http.post("/detokenize", json={"model": model, "tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    for path, body, status, param in [
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
+        ("/tokenize", {}, 400, "prompt"),
+    ]:
+        r = http.post(path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
 # ---- completions ----
 def test_completion_basics(client, model):
     out = client.completions.create(model=model, prompt="hello world", **GREEDY)
