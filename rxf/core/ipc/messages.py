@@ -178,6 +178,9 @@ class TokenOut(msgspec.Struct, array_like=True, gc=False):
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]]] | None = None
     input_token_ids: list[int] | None = None
+    # On the finishing output only: the request's scheduler times (time.perf_counter()), queued,
+    # first scheduled, first token, finished; the middle two None when it never got that far.
+    timings: list[float | None] | None = None
 
 
 class BatchTokenOut(msgspec.Struct, tag=True, array_like=True, gc=False):
