@@ -89,33 +89,27 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         gauge, counter, histogram = self._labeled(Gauge), self._labeled(Counter), self._labeled(Histogram)
-        self.running = _Twins(
-            gauge("rxf:num_running_reqs", "Requests in the running batch"),
-            gauge("vllm:num_requests_running", "Requests in the running batch"),
+        def twins(make: Any, doc: str, *names: str) -> _Twins:
+            return _Twins(*(make(name, doc) for name in names))
+
+        self.running = twins(gauge, "Requests in the running batch", "rxf:num_running_reqs", "vllm:num_requests_running")
+        self.queued = twins(
+            gauge, "Requests waiting to be scheduled", "rxf:num_queue_reqs", "vllm:num_requests_waiting"
         )
-        self.queued = _Twins(
-            gauge("rxf:num_queue_reqs", "Requests waiting to be scheduled"),
-            gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled"),
-        )
-        self.token_usage = _Twins(
-            gauge("rxf:token_usage", "Share of KV slots held by running requests or locked in the cache"),
-            gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 means all slots): rxf:token_usage"),
+        self.token_usage = twins(
+            gauge, "Share of KV slots held by running requests or locked in the cache (0..1)",
+            "rxf:token_usage", "vllm:kv_cache_usage_perc",
         )
         self.cache_hit_rate = gauge(
             "rxf:cache_hit_rate", "Prompt tokens served from the radix cache / all prompt tokens"
         )
-        self.prompt_tokens = _Twins(
-            counter("rxf:prompt_tokens", "Prompt tokens of started requests"),
-            counter("vllm:prompt_tokens", "Prompt tokens of started requests"),
-            counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+        self.prompt_tokens = twins(
+            counter, "Prompt tokens of started requests (each looked up in the prefix cache)",
+            "rxf:prompt_tokens", "vllm:prompt_tokens", "vllm:prefix_cache_queries",
         )
-        self.generation_tokens = _Twins(
-            counter("rxf:generation_tokens", "Generated tokens"),
-            counter("vllm:generation_tokens", "Generated tokens"),
-        )
-        self.cached_tokens = _Twins(
-            counter("rxf:cached_tokens", "Prompt tokens found in the radix cache"),
-            counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+        self.generation_tokens = twins(counter, "Generated tokens", "rxf:generation_tokens", "vllm:generation_tokens")
+        self.cached_tokens = twins(
+            counter, "Prompt tokens found in the prefix (radix) cache", "rxf:cached_tokens", "vllm:prefix_cache_hits"
         )
         self.preemptions = counter("vllm:num_preemptions", "Requests retracted (preempted) by the scheduler")
         self._preemptions_seen = 0
