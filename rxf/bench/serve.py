@@ -153,14 +153,46 @@ def print_summary(summary: dict[str, Any], title: str) -> None:
     print(format_table(summary, title), flush=True)
 
 
+def server_tokenizer(base_url: str, api_key: str | None = None) -> str | None:
+    """The tokenizer a server names in `/get_model_info`: its tokenizer path where it shows one (rxf
+    does to a caller with the API key, or with `server.expose_internals`), else its served model
+    name (rxf's default is the model's path or hub id; "demo" is the demo model). None when the
+    server does not say."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        info = httpx.get(f"{base_root(base_url)}/get_model_info", headers=headers, timeout=10).json()
+        name = info.get("tokenizer_path") or info.get("served_model_name")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+def _load_tokenizer(args: Any) -> Any:
+    """The tokenizer of --tokenizer, else --model, else the one the server names."""
+    from rxf.bench.datasets import load_tokenizer
+    from rxf.entrypoints.demo_model import resolve_model_path
+
+    name, source = args.tokenizer or args.model, "given"
+    if name is None:
+        name, source = server_tokenizer(args.base_url, args.api_key), "the server's"
+        if name is None:
+            raise SystemExit(
+                f"{args.base_url} does not name its tokenizer (no /get_model_info): pass --tokenizer PATH or hub id"
+            )
+    try:
+        return load_tokenizer(resolve_model_path(name))
+    except (OSError, ValueError) as exc:  # a path of another machine, a name that is no hub id
+        raise SystemExit(
+            f"{source} tokenizer {name!r} cannot be loaded here ({type(exc).__name__}: {exc}); "
+            "pass --tokenizer PATH or hub id"
+        ) from None
+
+
 def cmd_serve(args: Any) -> int:
     """`rxf bench serve`: see the CLI's help."""
-    from rxf.bench.datasets import load_tokenizer, workload_from_args
+    from rxf.bench.datasets import workload_from_args
 
-    tokenizer_path = args.tokenizer or args.model
-    if not tokenizer_path:
-        raise SystemExit("rxf bench serve needs --tokenizer PATH (or --model naming a tokenizer directory)")
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = _load_tokenizer(args)
     requests = workload_from_args(args, tokenizer)
     extra = json.loads(args.extra_body) if args.extra_body else None
     summary, results = asyncio.run(

@@ -157,7 +157,10 @@ def _add_bench_parser(sub: Any) -> None:
     serve.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000")
     serve.add_argument("--backend", choices=["openai", "openai-chat", "rxf"], default="openai")
     serve.add_argument("--model", default=None, help="the request's model field (and tokenizer, without --tokenizer)")
-    serve.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id for building prompts")
+    serve.add_argument(
+        "--tokenizer", default=None,
+        help="tokenizer directory or hub id for building prompts (default: the one the server names)",
+    )
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     _add_workload_args(serve)

@@ -181,6 +181,7 @@ async def _start_engine(app: FastAPI, state: ServerState, loader: _EngineLoader)
         mm_processor=load_multimodal_processor(state.config, loaded.engine.info), grammar=grammar,
     )
     await tm.start()
+    state.metrics.set_context_len(tm.max_context_len)
     tm.observer = state.metrics
     state.tokenizer_manager = tm
     loop = asyncio.get_running_loop()
@@ -245,7 +246,7 @@ def create_app(
     `on_engine_death` when a child died and `server.exit_on_engine_death` asks to stop."""
     app = FastAPI(title="rxf", version=_version(), lifespan=_lifespan)
     state = ServerState(config=config, served_model_name=config.model.served_model_name or config.model.path)
-    state.metrics = ServerMetrics()
+    state.metrics = ServerMetrics(state.served_model_name)
     app.state.server = state
     app.state.on_ready = on_ready
     app.state.on_startup_failure = on_startup_failure

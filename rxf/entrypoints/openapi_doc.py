@@ -73,7 +73,8 @@ _STREAMING = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/messa
 # Routes checking the body's `model` (or the path's model id) against the served one.
 _MODEL_ROUTES = {
     "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/tokenize", "/v1/detokenize",
-    "/v1/models/{model_id}", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+    "/tokenize", "/detokenize", "/v1/models/{model_id}", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/responses",
 }
 # Routes naming a stored response (the path's id, or `previous_response_id`): 404 when it is not stored.
 _STORED_RESPONSE_ROUTES = {"/v1/responses", "/v1/responses/{response_id}"}

@@ -5,7 +5,8 @@ arrives, then one every GAP_S. Send times are absolute (arrival + FIRST_S + i*GA
 jitter never accumulates. Usage (and rxf's meta_info) reports prompt_tokens = the prompt's word
 count and cached_tokens = half of it. A prompt starting with "FAIL" gets HTTP 500; one starting
 with "BREAK" gets an error event after its first token. The server records each request's arrival
-time and the peak number of requests in flight.
+time and the peak number of requests in flight. `model_info`, when given, is what
+`/get_model_info` answers.
 
 Runs uvicorn in a daemon thread on a free loopback port: `with FakeServer() as srv: srv.url`.
 """
@@ -29,7 +30,7 @@ GAP_S = 0.020
 
 
 class FakeServer:
-    def __init__(self, include_usage: bool = True) -> None:
+    def __init__(self, include_usage: bool = True, model_info: dict[str, Any] | None = None) -> None:
         self.include_usage = include_usage
         self.arrivals: list[float] = []  # time.perf_counter() of each request's arrival
         self.in_flight = 0
@@ -38,6 +39,8 @@ class FakeServer:
         self.app.post("/v1/completions")(self._completions)
         self.app.post("/v1/chat/completions")(self._chat)
         self.app.post("/generate")(self._generate)
+        if model_info is not None:  # what /get_model_info answers (else a 404, as a server without it)
+            self.app.get("/get_model_info")(lambda: model_info)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

@@ -161,11 +161,27 @@ def test_sharegpt_file(tokenizer: Any, tmp_path: Path) -> None:
     assert sharegpt_requests(tmp_path / "again.json", tokenizer, 2, output_len=3)[1].prompt == reqs[1].prompt
 
 
+def test_bench_serve_loads_the_tokenizer_the_server_names(tmp_path: Path) -> None:
+    make_tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    args = ["bench", "serve", "--dataset", "random", "--num-prompts", "2", "--input-len", "8", "--output-len", "3",
+            "--no-progress"]
+    with FakeServer(model_info={"served_model_name": str(tmp_path / "tok")}) as srv:
+        assert main([*args, "--base-url", srv.url]) == 0
+    # A path of the server's machine, or a server that does not say: a clear error naming the fix.
+    with FakeServer(model_info={"tokenizer_path": "/srv/elsewhere/model"}) as srv:
+        with pytest.raises(SystemExit, match=r"the server's tokenizer '/srv/elsewhere/model' cannot be loaded.*--tokenizer"):
+            main([*args, "--base-url", srv.url])
+    with FakeServer() as srv:
+        with pytest.raises(SystemExit, match="does not name its tokenizer.*--tokenizer"):
+            main([*args, "--base-url", srv.url])
+
+
 @pytest.mark.slow
-def test_bench_serve_against_the_real_server(server_factory: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_bench_serve_against_the_real_server(server_factory: Any, tmp_path: Path) -> None:
     srv = server_factory()
     out = tmp_path / "serve.json"
-    args = ["bench", "serve", "--base-url", srv.url, "--tokenizer", str(tiny_model_dir), "--dataset", "shared-prefix",
+    # No --tokenizer: the server names its own (/get_model_info).
+    args = ["bench", "serve", "--base-url", srv.url, "--dataset", "shared-prefix",
             "--num-groups", "2", "--prompts-per-group", "3", "--system-prompt-len", "48", "--question-len", "8",
             "--output-len", "6", "--max-concurrency", "2", "--no-progress", "--output", str(out)]
     assert main(args) == 0
@@ -173,7 +189,7 @@ def test_bench_serve_against_the_real_server(server_factory: Any, tiny_model_dir
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["output_tokens"] == 36 and summary["input_tokens"] == 6 * 56
     assert summary["server_cache_hit_rate"] > 0.3 and summary["usage_cache_hit_rate"] > 0.3
-    assert main(args[:6] + ["--backend", "rxf", "--num-prompts", "3", "--input-len", "20", "--output-len", "5",
+    assert main(args[:4] + ["--backend", "rxf", "--num-prompts", "3", "--input-len", "20", "--output-len", "5",
                             "--no-progress", "--output", str(out)]) == 0
     assert json.loads(out.read_text())["summary"]["output_tokens"] == 15
 

@@ -289,12 +289,16 @@ def test_non_stream_disconnect_aborts(http, server):
 
 # ---- metrics ----
 def scrape(http: httpx.Client) -> dict[str, float]:
+    """Every sample of /metrics by name and labels (but `le`, and `model_name`, which each carries:
+    the served model's id)."""
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    model = http.get("/v1/models").json()["data"][0]["id"]
     out = {}
     for family in text_string_to_metric_families(r.text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "le")
+            assert s.labels.get("model_name") == model, s
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("le", "model_name"))
             if "le" not in s.labels:
                 out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
@@ -313,10 +317,41 @@ def test_metrics(http):
     assert delta("rxf:prompt_tokens_total") >= 4
     assert delta("rxf:requests_total{finish_reason=length}") == 2
     assert delta("rxf:e2e_request_latency_seconds_count") == 2
-    assert delta("rxf:time_to_first_token_seconds_count") == 1
+    # Non-streaming requests too: the scheduler sends the time of their first token.
+    assert delta("rxf:time_to_first_token_seconds_count") == 2
     assert delta("rxf:inter_token_latency_seconds_count") == 5
     assert 0 < delta("rxf:time_to_first_token_seconds_sum") < delta("rxf:e2e_request_latency_seconds_sum")
     assert after["rxf:num_running_reqs"] == 0 and after["rxf:num_queue_reqs"] == 0
     assert 0 <= after["rxf:token_usage"] <= 1
     assert 0 <= after["rxf:cache_hit_rate"] <= 1
     assert "rxf:cached_tokens_total" in after
+
+    # vLLM's series: the same figures as rxf's where both have one, and the scheduler's phases of
+    # each request, which add up to no more than its end-to-end latency.
+    for rxf_name, vllm_name in [
+        ("rxf:num_running_reqs", "vllm:num_requests_running"),
+        ("rxf:num_queue_reqs", "vllm:num_requests_waiting"),
+        ("rxf:token_usage", "vllm:kv_cache_usage_perc"),
+        ("rxf:prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("rxf:prompt_tokens_total", "vllm:prefix_cache_queries_total"),
+        ("rxf:cached_tokens_total", "vllm:prefix_cache_hits_total"),
+        ("rxf:generation_tokens_total", "vllm:generation_tokens_total"),
+        ("rxf:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_sum"),
+        ("rxf:inter_token_latency_seconds_count", "vllm:inter_token_latency_seconds_count"),
+        ("rxf:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
+        ("rxf:requests_total{finish_reason=length}", "vllm:request_success_total{finished_reason=length}"),
+    ]:
+        assert after[rxf_name] == after[vllm_name], (rxf_name, vllm_name)
+    assert delta("vllm:request_success_total{finished_reason=length}") == 2
+    assert delta("vllm:request_generation_tokens_sum") == 10 and delta("vllm:request_generation_tokens_count") == 2
+    assert delta("vllm:request_prompt_tokens_sum") == delta("vllm:prompt_tokens_total") > 0
+    phases = {p: delta(f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "prefill", "decode", "inference")}
+    assert all(delta(f"vllm:request_{p}_time_seconds_count") == 2 for p in phases)
+    assert all(v >= 0 for v in phases.values()) and phases["decode"] > 0 and phases["prefill"] > 0
+    assert phases["prefill"] + phases["decode"] == pytest.approx(phases["inference"])
+    assert phases["queue"] + phases["inference"] < delta("vllm:e2e_request_latency_seconds_sum")
+    assert phases["prefill"] < delta("vllm:time_to_first_token_seconds_sum")
+    # Per request, decode time / (tokens - 1): 3 and 5 gaps, so between decode/5 and decode/3.
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 2
+    assert phases["decode"] / 5 <= delta("vllm:request_time_per_output_token_seconds_sum") <= phases["decode"] / 3
+    assert "vllm:num_preemptions_total" in after

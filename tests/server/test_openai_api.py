@@ -72,6 +72,30 @@ def test_tokenize_round_trip(http, model):
         assert http.post(path, json=body).status_code in (400, 404)
 
 
+def test_root_tokenize_routes_in_vllms_shapes(http, model, tiny_model_dir):
+    """vLLM serves /tokenize and /detokenize at the root: the same bodies as /v1's, checked
+    against the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "Hello world, 你好"
+    out = http.post("/tokenize", json={"model": model, "prompt": text, "return_token_strs": True}).json()
+    ids = tokenizer.encode(text)
+    assert out == {
+        "count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": tokenizer.convert_ids_to_tokens(ids)
+    }
+    messages = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}
+    assert http.post("/tokenize", json=messages).json() == http.post("/v1/tokenize", json=messages).json()
+    assert http.post("/detokenize", json={"model": model, "tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    for path, body, status, param in [
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
+        ("/tokenize", {}, 400, "prompt"),
+    ]:
+        r = http.post(path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
 # ---- completions ----
 def test_generative_model_refuses_embeddings(client, model):
     """It says how to serve embeddings (tests/server/test_embeddings.py serves them)."""
@@ -127,6 +151,20 @@ def test_completion_stream_usage_only_when_asked(client, model):
     assert last.choices == [] and last.usage.completion_tokens == 5
     assert last.usage.total_tokens == last.usage.prompt_tokens + 5
     assert all(c.usage is None and len(c.choices) == 1 for c in body)
+
+
+def test_every_stream_starts_with_output(client, model, http):
+    """No streamed route sends a chunk before there is output: a client timing the first chunk
+    (vLLM's benchmark does) times the first token. Chat's role comes with it."""
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, stream=True, **GREEDY)
+    first = next(iter(chat)).choices[0].delta
+    assert first.role == "assistant" and first.content
+    completion = client.completions.create(model=model, prompt="Once", max_tokens=4, stream=True, **GREEDY)
+    assert next(iter(completion)).choices[0].text
+    native = post_stream(
+        http, "/generate", {"text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    )
+    assert native[0]["output_ids"] and native[0]["text"]
 
 
 def test_n_choices_share_the_prompt_prefill(client, model):
@@ -288,7 +326,8 @@ def test_chat_stream(client, model):
     assert usage.choices == [] and usage.usage.completion_tokens == 24
     for i in range(2):
         mine = [c.choices[0] for c in body if c.choices[0].index == i]
-        assert mine[0].delta.role == "assistant" and mine[0].delta.content == ""
+        # The role comes with the choice's first token, in its first chunk (as vLLM streams).
+        assert mine[0].delta.role == "assistant" and mine[0].delta.content
         assert all(c.delta.role is None for c in mine[1:])
         assert "".join(c.delta.content or "" for c in mine) == full
         assert [c.finish_reason for c in mine].count("length") == 1 and mine[-1].finish_reason == "length"

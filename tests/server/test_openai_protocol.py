@@ -411,9 +411,11 @@ def test_chat_stream_events(prep, template):
     plan = plan_chat(prep, chat(n=2, stream=True, logprobs=True), template)
     tm = ScriptedTM(_stream_script)
     chunks = _payloads(asyncio.run(_drain(chat_events(tm, plan, _strs, "m", include_usage=True))))
-    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
     for i in range(2):
         mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        # The role comes with the choice's first token; no chunk goes out before it.
+        assert mine[0]["delta"] == {"role": "assistant", "content": f"<{i}"}
+        assert all("role" not in c["delta"] for c in mine[1:])
         assert "".join(c["delta"].get("content", "") for c in mine) == f"<{i}>"
         assert [c["finish_reason"] for c in mine][-1] == "length"
         assert sum(c["finish_reason"] is not None for c in mine) == 1
@@ -503,7 +505,7 @@ def test_closing_a_stream_aborts_every_engine_request(prep, template):
 
     async def read_some_then_hang_up() -> None:
         events = sse_response(chat_events(tm, plan, _strs, "m", False)).body_iterator
-        for _ in range(5):
+        for _ in range(3):  # each choice's first token; then every request hangs
             await anext(events)
         await events.aclose()
         await asyncio.sleep(0.01)  # the request tasks run their cleanup

@@ -14,11 +14,13 @@ from dataclasses import replace
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rxf.core.forward import ForwardMode
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
+from rxf.entrypoints.metrics import ServerMetrics
 from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config
 
 VOCAB, EOS = 50, 3
@@ -48,7 +50,7 @@ def run(sched: Scheduler, steps: int, got: dict[str, dict] | None = None) -> dic
             r = got.setdefault(out.rid, {"ids": [], "finished": None})
             assert r["finished"] is None, f"{out.rid}: output after its finish"
             r["ids"] += out.new_token_ids
-            r["finished"], r["cached"] = out.finished, out.cached_tokens
+            r["finished"], r["cached"], r["timings"] = out.finished, out.cached_tokens, out.timings
     return got
 
 
@@ -119,6 +121,14 @@ def test_retraction_under_a_small_pool_keeps_outputs(overlap):
     got = drain(sched)
     assert sched.counters.retractions > 0
     assert {rid: r["ids"] for rid, r in got.items()} == {rid: want(p, 24) for rid, p in ps.items()}
+    # Each finished request's times are in order (a retraction moves none of them back).
+    assert all(None not in r["timings"] and r["timings"] == sorted(r["timings"]) for r in got.values())
+    # The server's metrics count retractions as vLLM's preemptions.
+    metrics = ServerMetrics("m")
+    metrics.refresh(sched.stats())
+    metrics.refresh(sched.stats())  # a second scrape adds nothing
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples["vllm:num_preemptions_total"] == sched.counters.retractions
 
 
 def test_chunked_prompts_never_outgrow_the_pool_together(overlap):

@@ -131,6 +131,7 @@ def _merge_token_out(into: TokenOut, later: TokenOut) -> None:
             else:
                 mine.extend(extra)
     into.finished = later.finished
+    into.timings = later.timings
     into.prompt_tokens, into.completion_tokens, into.cached_tokens = (
         later.prompt_tokens, later.completion_tokens, later.cached_tokens
     )

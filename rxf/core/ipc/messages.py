@@ -185,6 +185,9 @@ class TokenOut(msgspec.Struct, array_like=True, gc=False):
     # An embedding model's result, sent with the finished output: the pooled vector, truncated and
     # normalised as the request asked, as float32 little-endian bytes.
     embedding: bytes | None = None
+    # On the finishing output only: the request's scheduler times (time.perf_counter()), queued,
+    # first scheduled, first token, finished; the middle two None when it never got that far.
+    timings: list[float | None] | None = None
 
 
 class BatchTokenOut(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from rxf.core.ipc.messages import FinishReason, TokenOut
@@ -73,6 +74,7 @@ def make_token_out(req: Req, finished: bool) -> TokenOut:
     )
     if finished:
         out.embedding = req.embedding
+        out.timings = [req.queued_at, req.scheduled_at, req.first_token_at, time.perf_counter()]
     if req.options.return_logprob:
         out.output_token_logprobs, req.pending_logprobs = req.pending_logprobs, []
         out.output_top_logprobs, req.pending_top_logprobs = req.pending_top_logprobs, []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,12 @@ class Req:
     # tokens' states for mean pooling, else the last computed token's state.
     pooled: torch.Tensor | None = None
     embedding: bytes | None = None  # the finished pooling, as `TokenOut.embedding` carries it
+    # Timestamps (time.perf_counter(): CLOCK_MONOTONIC on Linux, one clock for every process of the
+    # host, so the server's metrics compare them with their own): queued here, first admitted
+    # (retractions do not move it), first token sampled. Sent with the finishing output.
+    queued_at: float = field(default_factory=time.perf_counter)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
 
     @property
     def rid(self) -> str:

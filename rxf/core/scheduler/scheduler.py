@@ -288,8 +288,9 @@ class Scheduler:
         for req, extend_len in zip(adm.reqs, adm.extend_lens, strict=True):
             self.waiting.remove(req)
             self.running.append(req)
-            if req.cached_tokens is None:
+            if req.cached_tokens is None:  # its first admission
                 req.cached_tokens = req.cached_len
+                req.scheduled_at = time.perf_counter()
                 self.counters.prompt_tokens += len(req.origin_input_ids)
                 self.counters.cached_tokens += req.cached_len
             kv_len = req.kv_len - extend_len
@@ -396,6 +397,8 @@ class Scheduler:
     def _accept(self, req: Req, result: StepResult, j: int, force_send: bool) -> list[TokenOut]:
         """The request's newly sampled token: record it, check the stop conditions, stream it."""
         req.output_ids.append(result.next_ids[j])
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
         logprob = result.logprobs[j] if j < len(result.logprobs) else None
         if logprob is not None:
             req.pending_logprobs.append(logprob[0])

@@ -170,17 +170,18 @@ def chat_response(
 async def chat_events(
     tm: TokenizerManager, plan: ChatPlan, token_str: TokenStr, model: str, include_usage: bool
 ) -> AsyncGenerator[str, None]:
-    """Per choice: one chunk with the role and empty content, content (and tool call) chunks, and
-    the finish_reason on that choice's last chunk only."""
+    """Per choice: content (and tool call) chunks, the first of them also carrying the role, and the
+    finish_reason on that choice's last chunk only. No chunk goes out before the choice has output
+    (as vLLM streams): a client measuring time to first token by the first chunk measures the
+    first token, not the prefill's start."""
     created = int(time.time())
     streams = [plan.reply.stream() for _ in plan.reqs]
+    started = [False] * len(plan.reqs)
 
     def chunk(i: int, delta: Delta, logprobs: ChatLogprobs | None = None, finish: str | None = None) -> str:
         choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
         return event(ChatCompletionChunk(id=plan.id, created=created, model=model, choices=[choice]))
 
-    for i in range(len(plan.reqs)):
-        yield chunk(i, Delta(role="assistant", content=""))
     finals: list[Any] = [None] * len(plan.reqs)
     async with contextlib.aclosing(gen.iterate(tm, plan.reqs)) as results:
         async for i, result in results:
@@ -198,6 +199,9 @@ async def chat_events(
                 finals[i] = result
             elif not (delta.content or delta.reasoning_content or delta.tool_calls or (logprobs and logprobs.content)):
                 continue  # nothing to tell yet (the detokenizer may hold text back near a stop string)
+            if not started[i]:
+                started[i] = True
+                delta.role = "assistant"
             yield chunk(i, delta, logprobs, finish)
     if include_usage:
         yield event(

@@ -1,4 +1,5 @@
-"""POST /v1/tokenize and /v1/detokenize, with vLLM's bodies.
+"""POST /v1/tokenize and /v1/detokenize, with vLLM's bodies, and the same at vLLM's own paths
+(`/tokenize`, `/detokenize`, at the root).
 
 A prompt is tokenized as /v1/completions tokenizes it (special tokens added unless
 `add_special_tokens` is false); messages as /v1/chat/completions renders them (the template
@@ -49,6 +50,7 @@ def _tokenize(body: TokenizeRequest, state: ServerState) -> tuple[list[int], lis
 
 
 @router.post("/v1/tokenize")
+@router.post("/tokenize", operation_id="tokenize_root")
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = server_state(request)
     tm = state.require_ready()
@@ -61,6 +63,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 
 @router.post("/v1/detokenize")
+@router.post("/detokenize", operation_id="detokenize_root")
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = server_state(request)
     tm = state.require_ready()
