@@ -160,3 +160,36 @@ def test_recorded_harmony_reply(harmony_client, stream):
         got = (reasoning, content or None, *names, arguments)
     assert got == ("Need the weather in Paris.", None, "get_weather", '{"city": "Paris", "days": 3}')
     assert choice.finish_reason == "tool_calls"
+
+
+# Model-style replies of the formats whose models do not think, each read back by a server that
+# serves it (`model.tool_call_parser`): the same call, whole and streamed.
+FORMAT_RECORDED = {
+    "pythonic": '[get_weather(city="Paris", days=3)]',
+    # V3.1's form (V3's adds a "function" type and a json fence: over the tiny model's 512-token
+    # context beside the tools' system prompt, in its byte-level tokens).
+    "deepseek_v3": (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    ),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_RECORDED))
+def test_recorded_call_of_each_format(module_server_factory, fmt):
+    server = module_server_factory({"model.served_model_name": fmt, "model.tool_call_parser": fmt})
+    client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    args = {"model": fmt, "messages": MESSAGES, "tools": TOOLS, "temperature": 0,
+            "extra_body": {"regex": literal_regex(FORMAT_RECORDED[fmt])}}
+    out = client.chat.completions.create(**args)
+    choice = out.choices[0]
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 3})
+    assert not choice.message.content and choice.finish_reason == "tool_calls", out.usage
+    names, arguments, content = [], "", ""
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            names += [t.function.name for t in c.delta.tool_calls or [] if t.function.name]
+            arguments += "".join(t.function.arguments or "" for t in c.delta.tool_calls or [])
+    assert (names, json.loads(arguments), content) == (["get_weather"], {"city": "Paris", "days": 3}, "")
