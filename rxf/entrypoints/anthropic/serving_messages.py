@@ -1,10 +1,10 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the chat path.
 
 A request is translated into the chat request that /v1/chat/completions prepares (`translate`),
-so its prompt, tools, limits and errors are the chat route's; the reply is read back (as chat
-reads it: reasoning, text, calls) into content blocks (`translate.reply_blocks`) or streamed as Anthropic's events (`stream`). The `model` must be
-the served one (404 otherwise, as the OpenAI routes); the `anthropic-version` and `anthropic-beta`
-headers are accepted and not read.
+so its prompt, tools, limits and errors are the chat route's; the reply is read back as chat reads
+it (reasoning, text, calls) into content blocks (`translate.reply_blocks`) or streamed as
+Anthropic's events (`stream`). The `model` must be the served one (404 otherwise, as the OpenAI
+routes); the `anthropic-version` and `anthropic-beta` headers are accepted and not read.
 """
 
 from __future__ import annotations

@@ -105,9 +105,10 @@ def reasoning_tokens(plan: ResponsePlan, output_ids: list[int], reasoning: str) 
     search finds the prefix in a few decodes."""
     fmt = plan.chat.reply
     assert fmt.reasoning is not None  # there is reasoning only where there is a parser
+    split = fmt.reasoning.split
 
     def holds_it(k: int) -> bool:
-        part = fmt.reasoning.split(plan.decode(output_ids[:k]), final=False, inside=fmt.inside)  # type: ignore[union-attr]
+        part = split(plan.decode(output_ids[:k]), final=False, inside=fmt.inside)
         return len(part.reasoning or "") >= len(reasoning)
 
     low, high = 1, len(output_ids)  # the answer is in [low, high]: all tokens when none holds it

@@ -240,7 +240,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0  # the reasoning item's text, in tokens
+    reasoning_tokens: int = 0  # the output tokens that wrote the reasoning item's text
 
 
 class ResponseUsage(BaseModel):

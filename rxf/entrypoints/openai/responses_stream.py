@@ -18,6 +18,7 @@ the final response's `output` is exactly the items streamed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -196,6 +197,7 @@ async def response_events(
     status, _ = finish_status(final)
     for event in events.close("incomplete" if status == "incomplete" else "completed"):
         yield event
-    response = final_response(plan, final, events.items)
+    # Off the event loop: counting the reasoning's tokens decodes the output a few times.
+    response = await asyncio.to_thread(final_response, plan, final, events.items)
     on_done(response)
     yield events.lifecycle("response.completed" if response.status == "completed" else "response.incomplete", response)

@@ -10,6 +10,7 @@ continues its conversation.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -133,7 +134,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> ResponseO
     results = await until_disconnected(request, gen.collect(tm, plan.chat.reqs))
     if results is None:
         return Response(status_code=499)  # the client left: its request was aborted, nobody reads this
-    response = final_response(plan, results[0])
+    # Off the event loop: counting the reasoning's tokens decodes the output a few times.
+    response = await asyncio.to_thread(final_response, plan, results[0])
     keep(response)
     return response
 
