@@ -3,6 +3,8 @@
 `chat_template_kwargs` turns `enable_thinking` off, as Qwen3's does). The reasoning parser is
 detected from the template. The reference is the same prompt, rendered by transformers from the
 same template, sent raw to /v1/completions: its text is the reply's reasoning, or its content.
+The same reply read by /v1/responses is a reasoning item and a message, by /v1/messages a thinking
+block and a text block (`thinking` sets `enable_thinking`), through the `openai` and `anthropic` SDKs.
 
 A recorded reply (reasoning, then a qwen3_coder tool call) is forced on the random model by a
 `regex` of its exact text, so the server's own reading of it is checked end to end."""
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import pytest
 from openai import BadRequestError, OpenAI
 from transformers import AutoTokenizer
@@ -83,6 +86,60 @@ def test_chat_template_kwargs_turn_thinking_off(client, tiny_model_dir):
     message = chat(client, False, enable_thinking=False).choices[0].message
     assert message.content == raw and getattr(message, "reasoning_content", None) is None
     assert streamed(client, enable_thinking=False) == ("", raw)
+
+
+def expected_reply(client, tiny_model_dir, **variables) -> tuple[str | None, str, bool]:
+    """The (reasoning, content) that the raw completion of the rendered prompt reads as, and
+    whether the reasoning was closed."""
+    raw = raw_completion(client, tiny_model_dir, **variables)
+    if variables.get("enable_thinking") is False:
+        return None, raw, False
+    thought, closed, after = raw.partition("</think>")  # the model may (rarely) close the block
+    assert thought.strip()  # the tiny model writes something
+    return thought.strip(), after.lstrip() if closed else "", bool(closed)
+
+
+def test_responses_reasoning_item(client, tiny_model_dir):
+    reasoning, content, closed = expected_reply(client, tiny_model_dir)
+    args = {"model": "thinker", "input": MESSAGES[0]["content"], "temperature": 0, "max_output_tokens": 12,
+            "reasoning": {"effort": "low"}}
+    response = client.responses.create(**args)
+    with client.responses.stream(**args) as stream:
+        events = list(stream)
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    streamed = events[-1].response  # response.incomplete: the 12 tokens cut the reply short
+    assert response.status == streamed.status == "incomplete"
+    for got in (response, streamed):
+        item, message = got.output[0], got.output[-1]
+        assert item.type == "reasoning" and [part.text for part in item.content] == [reasoning]
+        assert message.type == "message" and message.content[0].text == content
+        # Every output token wrote reasoning, or those before the end marker did.
+        tokens = got.usage.output_tokens_details.reasoning_tokens
+        assert 0 < tokens < got.usage.output_tokens if closed else tokens == got.usage.output_tokens
+    assert "".join(deltas) == reasoning
+    assert len(streamed.output) == len(response.output) and streamed.usage == response.usage
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_messages_thinking_block(client, claude, tiny_model_dir, thinking):
+    """`thinking` enabled: a thinking block, then the text; disabled or left out: the template's
+    thinking is off, so the reply is text only."""
+    reasoning, content, _ = expected_reply(client, tiny_model_dir, enable_thinking=thinking)
+    switch = [{"thinking": {"type": "enabled", "budget_tokens": 1024}}] if thinking else [
+        {"thinking": {"type": "disabled"}}, {}]
+    for extra in switch:
+        args = {"model": "thinker", "messages": MESSAGES, "max_tokens": 12, "extra_body": {"temperature": 0}, **extra}
+        message = claude.messages.create(**args)
+        with claude.messages.stream(**args) as stream:
+            streamed = stream.get_final_message()
+        for got in (message, streamed):
+            blocks = [(b.type, b.thinking if b.type == "thinking" else b.text) for b in got.content]
+            assert blocks == [("thinking", reasoning)] * thinking + [("text", content)] * bool(content)
 
 
 def test_bad_template_variables_are_400s(client):

@@ -19,6 +19,8 @@ from rxf.core.ipc.messages import ABORT_REQUESTED, FinishReason
 from rxf.entrypoints.anthropic import translate
 from rxf.entrypoints.anthropic.errors import error_event
 from rxf.entrypoints.anthropic.stream import BlockWriter, message_events
+from rxf.entrypoints.chat.reasoning.think import ThinkParser
+from rxf.entrypoints.chat.reply import ReplyFormat
 from rxf.entrypoints.chat.tool_parsers.hermes import HermesParser
 from rxf.entrypoints.chat.tools import ToolPlan, reply_calls
 from rxf.entrypoints.openai.serving_chat import ChatPlan
@@ -43,13 +45,16 @@ class FakeEngine:
                                  finish_reason=self.finish if last else None)
 
 
-def _plan(tools: bool) -> ChatPlan:
-    return ChatPlan("chatcmpl-x", None, [None], False, ToolPlan(TOOLS, HermesParser()) if tools else None)  # type: ignore[arg-type]
+def _plan(tools: bool, thinks: bool = False) -> ChatPlan:
+    plan = ToolPlan(TOOLS, HermesParser()) if tools else None
+    reply = ReplyFormat(ThinkParser() if thinks else None, thinks, plan)
+    return ChatPlan("chatcmpl-x", None, [None], False, plan, reply)  # type: ignore[arg-type]
 
 
-def _events(pieces: list[str], finish: FinishReason, tools: bool = True) -> list[str]:
+def _events(pieces: list[str], finish: FinishReason, tools: bool = True, thinks: bool = False) -> list[str]:
     async def run() -> list[str]:
-        stream = message_events(FakeEngine(pieces, finish), _plan(tools), "demo", "msg_1", ["STOP"])  # type: ignore[arg-type]
+        plan = _plan(tools, thinks)
+        stream = message_events(FakeEngine(pieces, finish), plan, "demo", "msg_1", ["STOP"])  # type: ignore[arg-type]
         return [item async for item in stream]
 
     return asyncio.run(run())
@@ -127,8 +132,26 @@ def test_an_abort_is_an_error_event():
     assert "aborted" in error["error"]["message"]
 
 
+THOUGHT = "The user wants Paris.\n</think>\n\n" + REPLY  # the prompt opened the block
+
+
+@pytest.mark.parametrize("cut", [1, 3, 8, len(THOUGHT)])
+def test_reasoning_streams_as_a_thinking_block_first(cut):
+    """The reply's reasoning (its parser's) is one thinking block ahead of the text and calls, as
+    the non-streamed reply's blocks read."""
+    final = _final(_events(_pieces(THOUGHT, cut), FinishReason("stop", matched=2), thinks=True))
+    whole = _plan(True, thinks=True).reply.split(THOUGHT)
+    assert whole.reasoning == "The user wants Paris."
+    assert final.content[0].type == "thinking" and final.content[0].thinking == whole.reasoning
+    assert [b.type for b in final.content[1:]] == (["text", "tool_use", "tool_use"] if cut == len(THOUGHT) else
+                                                   ["text", "tool_use", "text", "tool_use"])
+    assert "".join(b.text for b in final.content if b.type == "text") == whole.content
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
+        ("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Lyon"})]
+
+
 def test_thinking_blocks_come_first():
-    """The seam for reasoning parsers: reasoning text opens a thinking block before the text."""
+    """Reasoning text opens a thinking block before the text."""
     writer = BlockWriter()
     raw = writer.thinking("Let me think.") + writer.thinking(" Done.") + writer.text("Paris.") + writer.close()
     events = _parsed(raw)

@@ -13,6 +13,8 @@ import pytest
 from rxf.core.frontend.outputs import GenerateOutput
 from rxf.core.frontend.tokenizer_manager import EngineDeadError
 from rxf.core.ipc.messages import ABORT_REQUESTED, FinishReason
+from rxf.entrypoints.chat.reasoning.think import ThinkParser
+from rxf.entrypoints.chat.reply import ReplyFormat
 from rxf.entrypoints.chat.tool_parsers.hermes import HermesParser
 from rxf.entrypoints.chat.tools import ToolPlan
 from rxf.entrypoints.openai.responses_output import ResponsePlan, output_items
@@ -22,7 +24,8 @@ from rxf.entrypoints.openai.serving_chat import ChatPlan
 
 
 def out(text: str, finish: FinishReason | None = None) -> GenerateOutput:
-    return GenerateOutput("r", text, [1], prompt_tokens=3, completion_tokens=1, cached_tokens=0, finish_reason=finish)
+    """An output whose tokens are its characters' code points."""
+    return GenerateOutput("r", text, [ord(c) for c in text], prompt_tokens=3, completion_tokens=1, cached_tokens=0, finish_reason=finish)
 
 
 class FakeTokenizerManager:
@@ -36,10 +39,17 @@ class FakeTokenizerManager:
             raise self.then
 
 
+def response_plan(tools: ToolPlan | None, thinks: bool = False) -> ResponsePlan:
+    """A plan whose replies are read with `tools`, and whose prompt opened a <think> block if it `thinks`."""
+    reply = ReplyFormat(ThinkParser() if thinks else None, thinks, tools)
+    chat = ChatPlan("c", None, [None], False, tools, reply)  # type: ignore[arg-type]
+    return ResponsePlan("resp_1", ResponsesRequest(input="hi"), chat, [], "m", lambda ids: "".join(map(chr, ids)))
+
+
 def events(
-    outputs: list[GenerateOutput], then: Exception | None = None, tools: ToolPlan | None = None
+    outputs: list[GenerateOutput], then: Exception | None = None, tools: ToolPlan | None = None, thinks: bool = False
 ) -> tuple[list[dict[str, Any]], list]:
-    plan = ResponsePlan("resp_1", ResponsesRequest(input="hi"), ChatPlan("c", None, [None], False, tools), [], "m")  # type: ignore[arg-type]
+    plan = response_plan(tools, thinks)
     done: list = []
 
     async def run() -> list[str]:
@@ -67,7 +77,7 @@ def test_calls_stream_as_the_whole_reply_reads(step):
     final = parsed[-1]["response"]
     assert parsed[-1]["type"] == "response.completed"
     summary = [(i["type"], i.get("name"), i.get("arguments"), i.get("content")) for i in final["output"]]
-    whole = ResponsePlan("r", ResponsesRequest(input="hi"), ChatPlan("c", None, [None], False, tools), [], "m")  # type: ignore[arg-type]
+    whole = response_plan(tools)
     expected = [(i.type, getattr(i, "name", None), getattr(i, "arguments", None),
                  [p.model_dump() for p in i.content] if i.type == "message" else None)
                 for i in output_items(whole, out(REPLY, FinishReason("stop")), "completed")]
@@ -97,3 +107,29 @@ def test_an_abort_on_request_is_an_incomplete_response():
     assert final["type"] == "response.incomplete" and final["response"]["incomplete_details"] == {"reason": None}
     assert final["response"]["output"][0]["content"][0]["text"] == "Hi there"
     assert [r.id for r in done] == ["resp_1"]
+
+
+THOUGHT = "Weather first, then time.\n</think>\n\n" + REPLY  # the prompt opened the block
+
+
+@pytest.mark.parametrize("step", [1, 4, len(THOUGHT)])
+def test_reasoning_streams_as_a_reasoning_item_first(step):
+    """The reasoning item's events come before the message's; the streamed output is the
+    non-streamed one, its usage counting the reasoning's tokens."""
+    tools = ToolPlan([], HermesParser())
+    chunks = [THOUGHT[i : i + step] for i in range(0, len(THOUGHT), step)]
+    parsed, _ = events([out(c) for c in chunks[:-1]] + [out(chunks[-1], FinishReason("stop"))], tools=tools, thinks=True)
+    final = parsed[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    reasoning = final["output"][0]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Weather first, then time."}]
+    deltas = [e["delta"] for e in parsed if e["type"] == "response.reasoning_text.delta"]
+    assert "".join(deltas) == reasoning["content"][0]["text"]
+    kinds = [e["type"] for e in parsed]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    whole = output_items(response_plan(tools, thinks=True), out(THOUGHT, FinishReason("stop")), "completed")
+    assert [(i.type, getattr(i, "arguments", None)) for i in whole] == [
+        (i["type"], i.get("arguments")) for i in final["output"]]
+    assert whole[0].content[0].text == reasoning["content"][0]["text"]
+    # The tokens are characters: the reasoning's, not its end marker's or the whitespace after it.
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == len("Weather first, then time.")

@@ -165,8 +165,9 @@ class _Conversation(RequestModel):
     system: str | list[TextBlock] | None = None
     tools: list[ClientTool] | None = None
     tool_choice: ToolChoice | None = None  # None: auto
-    # Accepted and checked; it will choose the template's thinking mode once reasoning parsers
-    # exist (the reply's reasoning then becomes a `thinking` block, see `translate.reply_blocks`).
+    # The template's thinking switch (`enable_thinking`): on when enabled, off when disabled or
+    # left out (Anthropic's default), the template's own choice when adaptive. `budget_tokens` is
+    # checked, not enforced (the reply's whole budget is `max_tokens`).
     thinking: Annotated[ThinkingEnabled | ThinkingOther, Field(discriminator="type")] | None = None
 
 

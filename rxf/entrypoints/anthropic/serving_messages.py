@@ -1,10 +1,10 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the chat path.
 
 A request is translated into the chat request that /v1/chat/completions prepares (`translate`),
-so its prompt, tools, limits and errors are the chat route's; the reply is read back into content
-blocks (`translate.reply_blocks`) or streamed as Anthropic's events (`stream`). The `model` must be
-the served one (404 otherwise, as the OpenAI routes); the `anthropic-version` and `anthropic-beta`
-headers are accepted and not read.
+so its prompt, tools, limits and errors are the chat route's; the reply is read back as chat reads
+it (reasoning, text, calls) into content blocks (`translate.reply_blocks`) or streamed as
+Anthropic's events (`stream`). The `model` must be the served one (404 otherwise, as the OpenAI
+routes); the `anthropic-version` and `anthropic-beta` headers are accepted and not read.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from rxf.entrypoints.anthropic.protocol import (
     TokenCount,
 )
 from rxf.entrypoints.anthropic.stream import message_events
-from rxf.entrypoints.chat.tools import reply_calls
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.sampling import check_model
 from rxf.entrypoints.openai.serving_chat import ChatPlan, prepare_chat
@@ -63,10 +62,10 @@ async def create_message(body: MessagesRequest, request: Request) -> MessageResp
     if results is None:
         return Response(status_code=499)  # the client left: its request was aborted, nobody reads this
     (result,) = results
-    content, calls = reply_calls(plan.tools, result.text) if plan.tools is not None else (result.text, [])
-    reason, sequence = translate.stop_reason(result, bool(calls), body.stop_sequences)
+    reply = plan.reply.split(result.text)
+    reason, sequence = translate.stop_reason(result, bool(reply.calls), body.stop_sequences)
     return MessageResponse(
-        id=message_id, content=translate.reply_blocks(None, content, calls), model=model,
+        id=message_id, content=translate.reply_blocks(reply.reasoning, reply.content, reply.calls), model=model,
         stop_reason=reason, stop_sequence=sequence, usage=translate.usage(result),
     )
 

@@ -20,7 +20,6 @@ from pydantic import BaseModel
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.anthropic import translate
 from rxf.entrypoints.anthropic.protocol import MessageResponse, TextOut, ThinkingOut, ToolUseOut
-from rxf.entrypoints.chat.tool_stream import ToolCallStream
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.serving_chat import ChatPlan
 
@@ -53,7 +52,7 @@ class BlockWriter:
         return event("content_block_delta", {"index": self.index, "delta": delta})
 
     def thinking(self, text: str) -> list[str]:
-        """Reasoning text (the seam for the reasoning parsers: nothing feeds it yet)."""
+        """Reasoning text (the reply's, as its reasoning parser reads it)."""
         if not text:
             return []
         events = self._start(ThinkingOut(thinking="")) if self.open != "thinking" else []
@@ -83,7 +82,7 @@ class BlockWriter:
 async def message_events(
     tm: TokenizerManager, plan: ChatPlan, model: str, message_id: str, stop_sequences: list[str] | None
 ) -> AsyncGenerator[str, None]:
-    tools = ToolCallStream(plan.tools) if plan.tools is not None else None
+    reply = plan.reply.stream()
     blocks = BlockWriter()
     started = False
     async with contextlib.aclosing(gen.iterate(tm, plan.reqs)) as results:
@@ -95,18 +94,17 @@ async def message_events(
                 yield event("message_start", {"message": message.model_dump()})
                 yield event("ping", {})
             final = result.finish_reason is not None
-            if tools is None:
-                events = blocks.text(result.text)
-            else:
-                content, calls = tools.feed(result.text, final=final)
-                # A call already open continues before any new text (text after a call comes once
-                # it is closed); calls that start in this piece come after the text before them.
-                events = [e for c in calls if "id" not in c for e in blocks.call(c)] + blocks.text(content)
-                events += [e for c in calls if "id" in c for e in blocks.call(c)]
+            parts = reply.feed(result.text, final=final)
+            # The reasoning comes first. A call already open continues before any new text (text
+            # after a call comes once it is closed); calls that start in this piece come after the
+            # text before them.
+            events = blocks.thinking(parts.reasoning)
+            events += [e for c in parts.calls if "id" not in c for e in blocks.call(c)] + blocks.text(parts.content)
+            events += [e for c in parts.calls if "id" in c for e in blocks.call(c)]
             for item in events:
                 yield item
             if final:
-                reason, sequence = translate.stop_reason(result, tools is not None and tools.called, stop_sequences)
+                reason, sequence = translate.stop_reason(result, reply.called, stop_sequences)
                 for item in blocks.close():
                     yield item
                 yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},

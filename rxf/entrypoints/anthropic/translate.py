@@ -7,7 +7,8 @@ a user message's `tool_result` blocks become `tool` messages (in order, the bloc
 user message each); an assistant's `tool_use` blocks become its `tool_calls`; text and image blocks
 become OpenAI content parts (an image as a data: URL, or its URL, for the multimodal path). Earlier
 `thinking` blocks are dropped, as chat templates drop earlier reasoning. A final assistant message
-is continued (`continue_final_message`).
+is continued (`continue_final_message`). `thinking` sets the template's `enable_thinking`; the
+reply's reasoning (the server's reasoning parser's) is its `thinking` block.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rxf.entrypoints.anthropic.protocol import (
     StopReason,
     TextBlock,
     TextOut,
+    ThinkingEnabled,
     ThinkingOut,
     ToolChoiceAny,
     ToolChoiceNone,
@@ -55,6 +57,8 @@ def chat_request(req: MessagesRequest | CountTokensRequest, takes_media: bool) -
             for t in req.tools
         ]
         body |= _tool_choice(req.tool_choice, counting)
+    if req.thinking is None or req.thinking.type != "adaptive":
+        body["chat_template_kwargs"] = {"enable_thinking": isinstance(req.thinking, ThinkingEnabled)}
     if isinstance(req, MessagesRequest):
         optional = {"top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences}
         body |= {"max_tokens": req.max_tokens, "temperature": req.temperature, "stream": req.stream}
@@ -186,8 +190,8 @@ def tool_input(call: ParsedCall) -> dict[str, Any]:
 
 
 def reply_blocks(reasoning: str | None, content: str, calls: list[ParsedCall]) -> list[BlockOut]:
-    """A whole reply's content blocks: its reasoning (the seam for the reasoning parsers, which
-    give it; None until then) as a thinking block, its text, then its calls."""
+    """A whole reply's content blocks: its reasoning (None: none) as a thinking block, its text,
+    then its calls."""
     blocks: list[BlockOut] = [ThinkingOut(thinking=reasoning)] if reasoning else []
     if content:
         blocks.append(TextOut(text=content))

@@ -209,7 +209,7 @@ class ChatCompletionRequest(GenerationFields):
     continue_final_message: bool = False
     # Variables for the chat template (e.g. {"enable_thinking": false}), as vLLM's and SGLang's.
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # to the template
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # to the template
 
 
 class TokenizeRequest(_Request):

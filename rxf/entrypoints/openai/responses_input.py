@@ -89,8 +89,7 @@ def input_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[in
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
             sources.append(i)
-        # A reasoning item is not shown to the model again. (Seam: a template that renders earlier
-        # reasoning would take it here, once the reasoning parsers exist.)
+        # A reasoning item is not shown to the model again (chat templates drop earlier reasoning).
     return messages, sources
 
 
@@ -138,6 +137,7 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]], mode
         "user": req.user,
         "logprobs": wants_logprobs(req),
         "top_logprobs": req.top_logprobs,
+        "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
     }
     try:
         return ChatCompletionRequest.model_validate(body)

@@ -1,9 +1,11 @@
 """A Responses API request's answer: the response object, its output items, and the conversation
 that `previous_response_id` continues, built from the chat plan's result.
 
-A reply is read as chat reads it (`chat.tools.reply_calls`): its text without the call markup is
-one `message` item with one `output_text` part (present when there is text or no call), each call
-a `function_call` item (`call_id` is the id a later `function_call_output` answers). Status:
+A reply is read as chat reads it (the chat plan's `ReplyFormat`): its reasoning, when the model's
+reasoning parser finds any, is a `reasoning` item with one `reasoning_text` part, first; its text
+without the reasoning and the call markup is one `message` item with one `output_text` part
+(present when there is text or no call), each call a `function_call` item (`call_id` is the id a
+later `function_call_output` answers). Status:
 "completed" (the reply ended), "incomplete" with reason `max_output_tokens` (cut by the budget) or
 no reason (aborted on request: `/abort_request`, a drain).
 """
@@ -12,11 +14,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rxf.core.frontend.outputs import GenerateOutput
-from rxf.entrypoints.chat.tools import new_call_id, reply_calls
+from rxf.entrypoints.chat.tools import new_call_id
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs
 from rxf.entrypoints.openai.protocol import ChatTokenLogprob
@@ -29,6 +32,8 @@ from rxf.entrypoints.openai.responses_protocol import (
     OutputMessage,
     OutputText,
     OutputTokensDetails,
+    ReasoningOut,
+    ReasoningText,
     ResponseErrorInfo,
     ResponseObject,
     ResponsesRequest,
@@ -48,6 +53,7 @@ class ResponsePlan:
     chat: ChatPlan  # the one prepared request that serves it
     conversation: list[dict[str, Any]]  # chat messages: the previous response's, then this input's
     model: str
+    decode: Callable[[list[int]], str]  # output tokens -> their text, as the engine detokenizes them
     token_str: TokenStr | None = None  # set when the output's logprobs were asked for
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -62,6 +68,10 @@ def token_logprobs(plan: ResponsePlan, out: GenerateOutput) -> list[ChatTokenLog
 
 def message_item(text: str, status: str, logprobs: list[ChatTokenLogprob] | None = None) -> OutputMessage:
     return OutputMessage(id=new_item_id("msg"), status=status, content=[OutputText(text=text, logprobs=logprobs or [])])
+
+
+def reasoning_item(text: str, status: str) -> ReasoningOut:
+    return ReasoningOut(id=new_item_id("rs"), status=status, content=[ReasoningText(text=text)])
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str) -> FunctionCallOut:
@@ -80,24 +90,47 @@ def finish_status(out: GenerateOutput) -> tuple[str, IncompleteDetails | None]:
 
 def output_items(plan: ResponsePlan, out: GenerateOutput, item_status: str) -> list[OutputItem]:
     """The output items of the whole reply `out`."""
-    text = out.text
-    # Seam for the reasoning parsers: the reply's reasoning text, split off here, becomes a
-    # {"type": "reasoning", "content": [{"type": "reasoning_text", ...}]} item ahead of the message.
-    content, calls = (text, []) if plan.chat.tools is None else reply_calls(plan.chat.tools, text)
-    items: list[OutputItem] = []
-    if content or not calls:
-        items.append(message_item(content, item_status, token_logprobs(plan, out)))
-    items += [call_item(new_call_id(), c.name, c.arguments, item_status) for c in calls]
+    reply = plan.chat.reply.split(out.text)
+    items: list[OutputItem] = [reasoning_item(reply.reasoning, item_status)] if reply.reasoning else []
+    if reply.content or not reply.calls:
+        items.append(message_item(reply.content, item_status, token_logprobs(plan, out)))
+    items += [call_item(new_call_id(), c.name, c.arguments, item_status) for c in reply.calls]
     return items
 
 
-def usage(out: GenerateOutput) -> ResponseUsage:
+def reasoning_tokens(plan: ResponsePlan, output_ids: list[int], reasoning: str) -> int:
+    """How many output tokens wrote `reasoning` (the whole reply's): the shortest prefix of
+    `output_ids` whose text holds all of it (the end marker and what follows are not counted).
+    The reasoning parser is prefix-stable, so a longer prefix never holds less of it, and a binary
+    search finds the prefix in a few decodes."""
+    fmt = plan.chat.reply
+    assert fmt.reasoning is not None  # there is reasoning only where there is a parser
+    split = fmt.reasoning.split
+
+    def holds_it(k: int) -> bool:
+        part = split(plan.decode(output_ids[:k]), final=False, inside=fmt.inside)
+        return len(part.reasoning or "") >= len(reasoning)
+
+    low, high = 1, len(output_ids)  # the answer is in [low, high]: all tokens when none holds it
+    while low < high:
+        mid = (low + high) // 2
+        if holds_it(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def usage(plan: ResponsePlan, out: GenerateOutput, output: list[OutputItem]) -> ResponseUsage:
+    """The usage of the final output `out` (complete: all its tokens), whose items are `output`."""
     chat_usage = gen.usage([[out]])
+    reasoning = "".join(part.text for item in output if isinstance(item, ReasoningOut) for part in item.content)
+    thought = reasoning_tokens(plan, out.output_ids, reasoning) if reasoning else 0
     return ResponseUsage(
         input_tokens=chat_usage.prompt_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=chat_usage.prompt_tokens_details.cached_tokens),
         output_tokens=chat_usage.completion_tokens,
-        output_tokens_details=OutputTokensDetails(),
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=thought),
         total_tokens=chat_usage.total_tokens,
     )
 
@@ -138,12 +171,13 @@ def response_object(
         store=req.store,
         metadata=req.metadata or {},
         user=req.user,
-        usage=usage(out) if out is not None else None,
+        usage=usage(plan, out, output) if out is not None else None,
     )
 
 
 def final_response(plan: ResponsePlan, out: GenerateOutput, output: list[OutputItem] | None = None) -> ResponseObject:
-    """The finished response for the final output `out` (`output`: its items as streamed)."""
+    """The finished response for the final output `out`, complete (its whole text and tokens;
+    `output`: its items as streamed)."""
     status, incomplete = finish_status(out)
     if output is None:
         output = output_items(plan, out, "incomplete" if status == "incomplete" else "completed")

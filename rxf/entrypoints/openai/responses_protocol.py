@@ -133,7 +133,8 @@ class TextConfig(_Request):
 
 
 class ReasoningConfig(_Request):
-    """Accepted and echoed: reasoning effort reaches no template yet (the reasoning parsers' work)."""
+    """`effort` is the chat template's `reasoning_effort` (gpt-oss's reads it); `summary` is
+    accepted and echoed (no summaries are written: the reasoning item holds the reasoning itself)."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -216,7 +217,22 @@ class FunctionCallOut(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | FunctionCallOut
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOut(BaseModel):
+    """The reply's reasoning (its reasoning parser's), ahead of the message."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = []
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = ReasoningOut | OutputMessage | FunctionCallOut
 
 
 class InputTokensDetails(BaseModel):
@@ -224,7 +240,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    reasoning_tokens: int = 0  # nothing is parsed as reasoning yet (the reasoning parsers' seam)
+    reasoning_tokens: int = 0  # the output tokens that wrote the reasoning item's text
 
 
 class ResponseUsage(BaseModel):

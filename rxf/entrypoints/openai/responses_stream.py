@@ -4,6 +4,8 @@ accumulates them.
 
     response.created, response.in_progress
     per output item, in order: response.output_item.added, then
+      the reasoning:    response.content_part.added, response.reasoning_text.delta ...,
+                        response.reasoning_text.done, response.content_part.done
       a message:        response.content_part.added, response.output_text.delta ...,
                         response.output_text.done, response.content_part.done
       a function call:  response.function_call_arguments.delta ..., response.function_call_arguments.done
@@ -16,7 +18,9 @@ the final response's `output` is exactly the items streamed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -24,7 +28,6 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
-from rxf.entrypoints.chat.tool_stream import ToolCallStream
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.protocol import ChatTokenLogprob
 from rxf.entrypoints.openai.responses_output import (
@@ -33,6 +36,7 @@ from rxf.entrypoints.openai.responses_output import (
     final_response,
     finish_status,
     message_item,
+    reasoning_item,
     response_object,
     token_logprobs,
 )
@@ -40,6 +44,7 @@ from rxf.entrypoints.openai.responses_protocol import (
     FunctionCallOut,
     OutputItem,
     OutputMessage,
+    ReasoningOut,
     ResponseObject,
 )
 from rxf.entrypoints.openai.sse import to_api_error
@@ -76,10 +81,19 @@ class _Events:
         self.open = item
         index = len(self.items) - 1
         events.append(self.event("response.output_item.added", output_index=index, item=item.model_dump(mode="json")))
-        if isinstance(item, OutputMessage):
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        if isinstance(item, OutputMessage | ReasoningOut):
+            part = item.content[0].model_dump(mode="json")
             events.append(self.event("response.content_part.added", item_id=item.id, output_index=index,
                                      content_index=0, part=part))
+        return events
+
+    def reasoning(self, delta: str) -> list[str]:
+        events = [] if isinstance(self.open, ReasoningOut) else self.add(reasoning_item("", "in_progress"))
+        item = self.open
+        assert isinstance(item, ReasoningOut)
+        item.content[0].text += delta
+        events.append(self.event("response.reasoning_text.delta", item_id=item.id, output_index=len(self.items) - 1,
+                                 content_index=0, delta=delta))
         return events
 
     def text(self, delta: str) -> list[str]:
@@ -126,6 +140,14 @@ class _Events:
                 self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
                            part=part.model_dump(mode="json")),
             ]
+        elif isinstance(item, ReasoningOut):
+            part = item.content[0]
+            events = [
+                self.event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
+                           text=part.text),
+                self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
+                           part=part.model_dump(mode="json")),
+            ]
         else:
             events = [self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                  name=item.name, arguments=item.arguments)]
@@ -139,21 +161,26 @@ async def response_events(
     events = _Events()
     yield events.lifecycle("response.created", response_object(plan, "in_progress", []))
     yield events.lifecycle("response.in_progress", response_object(plan, "in_progress", []))
-    stream = ToolCallStream(plan.chat.tools) if plan.chat.tools is not None else None
+    stream = plan.chat.reply.stream()
     final = None
+    text, output_ids = "", []  # the reply so far (each output holds what it adds)
     try:
         async with contextlib.aclosing(gen.iterate(tm, plan.chat.reqs)) as results:
             async for _, result in results:
                 done = result.finish_reason is not None
+                text += result.text
+                output_ids += result.output_ids
                 events.logprobs += token_logprobs(plan, result)
-                content, calls = stream.feed(result.text, final=done) if stream is not None else (result.text, [])
-                for event in events.text(content) if content else []:
+                parts = stream.feed(result.text, final=done)
+                for event in events.reasoning(parts.reasoning) if parts.reasoning else []:
                     yield event
-                for call in calls:
+                for event in events.text(parts.content) if parts.content else []:
+                    yield event
+                for call in parts.calls:
                     for event in events.call(call):
                         yield event
-                if done:
-                    final = result
+                if done:  # the complete final result, as a non-streamed request's
+                    final = dataclasses.replace(result, text=text, output_ids=output_ids)
     except Exception as exc:  # after the 200 a failure can only be told in the stream
         error = to_api_error(exc)
         if error is None:
@@ -164,12 +191,13 @@ async def response_events(
         yield events.lifecycle("response.failed", response_object(plan, "failed", events.items, error=message))
         return
     assert final is not None
-    if not events.items:  # a reply with neither text nor calls is one empty message
+    if all(isinstance(item, ReasoningOut) for item in events.items):  # neither text nor calls: one empty message
         for event in events.add(message_item("", "in_progress")):
             yield event
     status, _ = finish_status(final)
     for event in events.close("incomplete" if status == "incomplete" else "completed"):
         yield event
-    response = final_response(plan, final, events.items)
+    # Off the event loop: counting the reasoning's tokens decodes the output a few times.
+    response = await asyncio.to_thread(final_response, plan, final, events.items)
     on_done(response)
     yield events.lifecycle("response.completed" if response.status == "completed" else "response.incomplete", response)

@@ -10,6 +10,7 @@ continues its conversation.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from rxf.core.echo import echo
 from rxf.core.frontend.request_preparer import RequestPreparer
+from rxf.entrypoints.chat.reasoning import ReasoningParser
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, token_str_fn
@@ -42,7 +44,7 @@ from rxf.entrypoints.openai.responses_protocol import (
 from rxf.entrypoints.openai.responses_store import ResponseStore
 from rxf.entrypoints.openai.responses_stream import response_events
 from rxf.entrypoints.openai.sampling import check_model
-from rxf.entrypoints.openai.serving_chat import plan_chat, tool_parser
+from rxf.entrypoints.openai.serving_chat import plan_chat, reasoning_parser, tool_parser
 from rxf.entrypoints.openai.sse import sse_response
 from rxf.entrypoints.server_state import APIError, ServerState, prepare, server_state, until_disconnected
 
@@ -71,6 +73,7 @@ def plan_response(
     preparer: RequestPreparer,
     chat_template: Any,
     parser: ToolCallParser,
+    reasoning: ReasoningParser | None,
     model: str,
     token_str: TokenStr,
 ) -> ResponsePlan:
@@ -79,10 +82,17 @@ def plan_response(
     messages, items = input_messages(req)
     conversation = history + messages
     try:
-        chat = plan_chat(chat_request(req, conversation, model), preparer, chat_template, parser)
+        chat = plan_chat(chat_request(req, conversation, model), preparer, chat_template, parser, reasoning)
     except APIError as exc:
         raise responses_error(exc, message_sources(req, history, items)) from None
-    return ResponsePlan(new_item_id("resp"), req, chat, conversation, model, token_str if chat.logprobs else None)
+
+    skip_special_tokens = reasoning is None or not reasoning.needs_special_tokens  # as `plan_chat` asks
+
+    def decode(ids: list[int]) -> str:
+        return preparer.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    return ResponsePlan(new_item_id("resp"), req, chat, conversation, model, decode,
+                        token_str if chat.logprobs else None)
 
 
 def _slow_to_plan(req: ResponsesRequest, takes_media: bool) -> bool:
@@ -111,7 +121,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> ResponseO
         history = previous.conversation
     slow = _slow_to_plan(body, tm.preparer.mm_processor is not None)
     plan = await prepare(request, plan_response, body, history, tm.preparer, state.chat_template, tool_parser(state),
-                         state.served_model_name, token_str_fn(state.tokenizer), off_loop=slow)
+                         reasoning_parser(state), state.served_model_name, token_str_fn(state.tokenizer), off_loop=slow)
     tm.check_capacity(len(plan.chat.reqs))
 
     def keep(response: ResponseObject) -> None:
@@ -124,7 +134,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> ResponseO
     results = await until_disconnected(request, gen.collect(tm, plan.chat.reqs))
     if results is None:
         return Response(status_code=499)  # the client left: its request was aborted, nobody reads this
-    response = final_response(plan, results[0])
+    # Off the event loop: counting the reasoning's tokens decodes the output a few times.
+    response = await asyncio.to_thread(final_response, plan, results[0])
     keep(response)
     return response
 
