@@ -219,9 +219,12 @@ def test_recorded_harmony_reply(harmony_client, stream):
     assert choice.finish_reason == "tool_calls"
 
 
-# Model-style replies of the formats whose models do not think, each read back by a server that
-# serves it (`model.tool_call_parser`): the same call, whole and streamed.
+# A model-style reply in each of the other formats, read back by a server that serves it
+# (`model.tool_call_parser`): the same call, whole and streamed.
 FORMAT_RECORDED = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+    "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+    "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]',
     "pythonic": '[get_weather(city="Paris", days=3)]',
     # V3.1's form (V3's adds a "function" type and a json fence: over the tiny model's 512-token
     # context beside the tools' system prompt, in its byte-level tokens).
