@@ -116,6 +116,7 @@ class _LogitsRunner:
 
     device = torch.device("cpu")
     vocab_size = 10
+    pooling = None  # a generative model
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
