@@ -10,7 +10,7 @@ Roles: `qkv_proj`, `o_proj`, `gate_up_proj` (the GEMV then also applies SiLU·mu
 `down_proj`, `lm_head` (then writes float32 logits directly). A setting is `cublas` (the default for
 every role), `triton` (default tile sizes, split over K to fill the GPU), or a label
 `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as the benchmark prints it. The GEMV runs
-only on CUDA for at most `MAX_ROWS` rows (decode at batch 1-8, or an extend of that few tokens);
+only on CUDA, in bf16 or fp16, for at most `MAX_ROWS` rows (decode at batch 1-8, or an extend of that few tokens);
 larger batches keep cuBLAS.
 """
 
