@@ -42,6 +42,7 @@ Prints a table last; writes all figures as JSON to --output or, when $OUT is set
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -665,8 +666,12 @@ def main() -> None:
     ap.add_argument("--backends", default="triton,flashinfer", help="decode/kernels; offline uses the last")
     ap.add_argument("--model-dir", type=Path, default=None, help="default: /tmp/rxf-bench-<preset>")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--random-weights", action="store_true",
+                    help="no checkpoint written: the decode phase draws the weights at load, as for presets too large for the disk")
     args = ap.parse_args()
     p, phases, backends = PRESETS[args.preset], set(args.phases.split(",")), args.backends.split(",")
+    if args.random_weights:
+        p = dataclasses.replace(p, on_disk=False)
     model_dir = args.model_dir or Path(f"/tmp/rxf-bench-{args.preset}")
     RESULTS.update(date=datetime.now(UTC).isoformat(timespec="seconds"), preset=args.preset, command=" ".join(sys.argv),
                    device=torch.cuda.get_device_name(), torch=torch.__version__)

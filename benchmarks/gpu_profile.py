@@ -120,7 +120,7 @@ def gemv_env(value: str | None):
 def step_phase(p: gd.Preset, model_dir: Path, backend: str, label: str) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    sched = gd._engine(model_dir, backend, 64, 64 * 512 + 4096)
+    sched = gd._engine(model_dir, backend, 64, 64 * 512 + 4096, random_load=not p.on_disk)
     graphs = sched.runner.cuda_graphs
     assert graphs is not None, "CUDA graphs are off"
     gd._add(sched, 1, 128, 4000, p.vocab, "p")
@@ -260,7 +260,7 @@ def main() -> None:
     if "gemv" in phases:
         gd.phase("gemv", lambda: suggested.append(gpu_gemv.gemv_phase(p, RESULTS)))
     if "step" in phases:
-        if not (model_dir / "model.safetensors").exists():
+        if not (model_dir / ("model.safetensors" if p.on_disk else "config.json")).exists():
             gd.phase("build", lambda: gd.build_checkpoint(p, model_dir))
         variants = {"": None}  # label suffix -> RXF_GEMV (None: as the environment says)
         if args.gemv == "suggested" and suggested:
