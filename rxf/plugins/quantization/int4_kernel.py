@@ -10,6 +10,8 @@ K over programs (`SPLIT_K`) so that enough programs read the weight, adding into
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -44,11 +46,16 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, str
         tl.atomic_add(out_ptr + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
 
 
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _split_k(m: int, n_blocks: int, k: int, block_k: int, device: torch.device) -> int:
     """Programs along K: decode-sized batches fill about two programs per SM."""
     if m > 16 or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index)
     split = max(1, min(2 * sms // max(n_blocks, 1), k // block_k))
     while (k // block_k) % split:
         split -= 1
