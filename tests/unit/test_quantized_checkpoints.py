@@ -137,3 +137,19 @@ def test_a_plugin_registers_a_quantization_method(dense):
     harness = ModelHarness(dense, registry=registry, **{"model.quantization": "fp8-rows"})
     qkv = harness.runner.model.model.layers[0].self_attn.qkv_proj
     assert not torch.equal(qkv.weight, ModelHarness(dense).runner.model.model.layers[0].self_attn.qkv_proj.weight)
+
+
+def test_moe_experts_quantized_or_not(tmp_path):
+    """Quantized experts are refused at load naming the method; quantizing at load keeps the
+    experts in the model's dtype and rounds the attention projections only."""
+    mixtral = make_tiny_checkpoint(tmp_path / "mixtral", "MixtralForCausalLM", num_local_experts=4,
+                                   num_experts_per_tok=2, initializer_range=0.1, **SHAPE)
+    q = quantize_checkpoint(mixtral, tmp_path / "awq", "awq")
+    _rewrite(q, modules_to_not_convert=["gate"])  # the router, as AWQ's Mixtral checkpoints list it
+    message = _harness_error(q)
+    assert message.startswith("awq: quantized MoE experts (model.layers.0.mlp.experts)")
+    harness = ModelHarness(mixtral, **{"model.quantization": "fp8"})
+    layer = harness.runner.model.model.layers[0]
+    dense = ModelHarness(mixtral).runner.model.model.layers[0]
+    assert torch.equal(layer.mlp.experts.w13.weight, dense.mlp.experts.w13.weight)
+    assert not torch.equal(layer.self_attn.qkv_proj.weight, dense.self_attn.qkv_proj.weight)

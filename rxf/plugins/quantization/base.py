@@ -17,6 +17,7 @@ from torch import nn
 
 from rxf.core.quantization import QuantizationMethod
 from rxf.plugins.models.layers.linear import DENSE, _TPLinear
+from rxf.plugins.models.layers.moe import FusedExperts
 
 # rxf's fused projections and the checkpoint projections each holds.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -46,10 +47,17 @@ class LinearMethod(QuantizationMethod):
     skipped: tuple[str, ...] = ()
 
     def quantizes(self, module: nn.Module, name: str) -> bool:
-        if not isinstance(module, _TPLinear):
-            return False
         names = checkpoint_names(name)
-        return not any(name_matches(p, n) for p in self.skipped for n in names)
+        if any(name_matches(p, n) for p in self.skipped for n in names):
+            return False
+        if isinstance(module, FusedExperts):
+            if self.quant_config is None:
+                return False  # quantizing at load: the experts stay in the model's dtype
+            raise NotImplementedError(
+                f"{self.name}: quantized MoE experts ({name}) are not supported yet; the experts of a "
+                f"{self.name} checkpoint cannot load (its dense layers would)"
+            )
+        return isinstance(module, _TPLinear)
 
 
 def config_value(quant_config: dict[str, Any], key: str, allowed: Iterable[Any], method: str) -> Any:
