@@ -32,10 +32,7 @@ class AwqMethod(Int4Method):
 
     def __init__(self, quant_config: dict[str, Any] | None, dtype: torch.dtype) -> None:
         super().__init__(quant_config, dtype)
-        if quant_config is None or quant_config.get("quant_method") != "awq":
-            raise ValueError("awq loads AWQ checkpoints only (it cannot quantize at load); this checkpoint's "
-                             f"quant_method is {None if quant_config is None else quant_config.get('quant_method')!r}")
-        config_value(quant_config, "bits", (4,), "awq")
+        assert quant_config is not None  # Int4Method.__init__ refused None
         config_value(quant_config, "zero_point", (True,), "awq")
         config_value({"version": str(quant_config.get("version", "gemm")).lower()}, "version", ("gemm",), "awq")
         self.group_size = int(quant_config.get("group_size", 128))

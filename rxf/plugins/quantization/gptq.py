@@ -35,10 +35,7 @@ class GptqMethod(Int4Method):
 
     def __init__(self, quant_config: dict[str, Any] | None, dtype: torch.dtype) -> None:
         super().__init__(quant_config, dtype)
-        if quant_config is None or quant_config.get("quant_method") != "gptq":
-            raise ValueError("gptq loads GPTQ checkpoints only (it cannot quantize at load); this checkpoint's "
-                             f"quant_method is {None if quant_config is None else quant_config.get('quant_method')!r}")
-        config_value(quant_config, "bits", (4,), "gptq")
+        assert quant_config is not None  # Int4Method.__init__ refused None
         self.zero_offset = 1 if config_value(quant_config, "checkpoint_format", ("gptq", "gptq_v2"), "gptq") == "gptq" else 0
         self.desc_act = bool(quant_config.get("desc_act", False))
         self.group_size = int(quant_config.get("group_size", 128))

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from rxf.plugins.quantization.base import LinearMethod, become_dense
+from rxf.plugins.quantization.base import LinearMethod, become_dense, config_value
 
 SEQUENTIAL = tuple(range(8))
 
@@ -59,6 +60,14 @@ class Int4Method(LinearMethod):
     `unpack(layer)` reads them."""
 
     quant_params: tuple[str, ...] = ()
+
+    def __init__(self, quant_config: dict[str, Any] | None, dtype: torch.dtype) -> None:
+        super().__init__(quant_config, dtype)
+        found = None if quant_config is None else quant_config.get("quant_method")
+        if found != self.name:
+            raise ValueError(f"{self.name} loads {self.name} checkpoints only (it cannot quantize at load); this "
+                             f"checkpoint's quant_method is {found!r}")
+        config_value(quant_config, "bits", (4,), self.name)
 
     def unpack(self, layer: nn.Module) -> Int4Weights:
         raise NotImplementedError
