@@ -36,6 +36,14 @@ and each frees its GPU memory before the next:
              (triton.testing.do_bench, adding the host's launch overhead that eager steps pay)
   offline    `Runtime` throughput over N random requests (input 1024 +- 50%, output 256, ignore_eos)
   hf         transformers `generate` on the same checkpoint, batch 1 and 64, 128 prompt + 128 new
+
+`--quantization bf16,fp8,ct-fp8,awq` (default `bf16`) runs the decode and offline phases once per
+listed format, bf16 first, in the same call: `fp8` is the bf16 checkpoint's projections in
+Hugging Face's block-wise FP8 (128 x 128), `ct-fp8` compressed-tensors FP8 per channel with dynamic
+per-token activations, `awq` AWQ int4 (group 128); each is quantized on the GPU from the bf16
+checkpoint into `<model-dir>-<format>` (`rxf.testing.quantized_checkpoints`), and rxf serves it as
+a quantized checkpoint. Figures of a format carry its name (`decode_triton_fp8`, `offline_awq`)
+and the table gives each batch-1 and offline figure's ratio to bf16.
 Prints a table last; writes all figures as JSON to --output or, when $OUT is set, $OUT/gpu_decode.json.
 """
 
@@ -393,7 +401,24 @@ def end_to_end_rate(sched: Any, bs: int, tokens: int, vocab: int) -> float:
     return bs * tokens / (time.perf_counter() - start)
 
 
-def decode_phase(p: Preset, model_dir: Path, backend: str) -> None:
+QUANT_FORMATS = {"fp8": ("fp8", {}), "ct-fp8": ("ct-channel", {}), "awq": ("awq", {"group_size": 128})}
+
+
+def quantize_phase(model_dir: Path, name: str) -> Path:
+    """`<model_dir>-<name>`: the bf16 checkpoint with its projections quantized (on the GPU)."""
+    from rxf.testing.quantized_checkpoints import quantize_checkpoint
+
+    fmt, opts = QUANT_FORMATS[name]
+    target = model_dir.parent / f"{model_dir.name}-{name}"
+    if not (target / "model.safetensors").exists():
+        quantize_checkpoint(model_dir, target, fmt, device="cuda", **opts)
+    size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+    RESULTS[f"checkpoint_bytes_{name}"] = size
+    print(f"{name} checkpoint: {size / 1e9:.2f} GB in {target}")
+    return target
+
+
+def decode_phase(p: Preset, model_dir: Path, backend: str, tag: str = "") -> None:
     sched = _engine(model_dir, backend, max(p.decode_batches), max(p.decode_batches) * 512 + 4096, not p.on_disk)
     graphs = sched.runner.cuda_graphs
     if graphs is not None:
@@ -414,7 +439,7 @@ def decode_phase(p: Preset, model_dir: Path, backend: str) -> None:
         out[f"b{bs}_graphs"] = decode_rate(sched, bs, 64, p.vocab, graphs=True)
     for bs in p.hf_batches:
         out[f"e2e_b{bs}"] = end_to_end_rate(sched, bs, p.hf_tokens, p.vocab)
-    RESULTS[f"decode_{backend}"] = out
+    RESULTS[f"decode_{backend}{tag}"] = out
     print(json.dumps(out, indent=1))
 
 
@@ -573,7 +598,7 @@ def kernels_phase(p: Preset, backends: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- offline (Runtime)
-def offline_phase(p: Preset, model_dir: Path, n: int, backend: str) -> None:
+def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "") -> None:
     from rxf.entrypoints.runtime import Runtime
 
     rng = random.Random(0)
@@ -594,9 +619,10 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str) -> None:
         elapsed = time.perf_counter() - start
     out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     in_tokens = sum(map(len, prompts))
-    RESULTS["offline"] = {"requests": n, "backend": backend, "startup_s": started, "seconds": elapsed, "req_s": n / elapsed,
-                          "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed}
-    print(json.dumps(RESULTS["offline"], indent=1))
+    RESULTS[f"offline{tag}"] = {"requests": n, "backend": backend, "startup_s": started, "seconds": elapsed,
+                                "req_s": n / elapsed, "output_tok_s": out_tokens / elapsed,
+                                "total_tok_s": (in_tokens + out_tokens) / elapsed}
+    print(json.dumps(RESULTS[f"offline{tag}"], indent=1))
 
 
 # ---------------------------------------------------------------- transformers
@@ -654,6 +680,16 @@ def report(p: Preset) -> None:
                           for k, v in row.items())
         tri, fi = row.get("triton", {}).get("us"), row.get("flashinfer", {}).get("us")
         print(f"| kernel {label} (GPU time) | {cells} | {f'triton/flashinfer {tri / fi:.2f}' if tri and fi else ''} |")
+    for name in QUANT_FORMATS:
+        for backend in ("triton", "flashinfer"):
+            d, base = RESULTS.get(f"decode_{backend}_{name}"), RESULTS.get(f"decode_{backend}", {})
+            for key, value in (d or {}).items():
+                ratio = f"{value / base[key]:.2f}x bf16" if base.get(key) else ""
+                print(f"| {backend} {name} {key} | {value:.1f} | {ratio} |")
+        o, base = RESULTS.get(f"offline_{name}"), RESULTS.get("offline")
+        if o:
+            ratio = f"{o['output_tok_s'] / base['output_tok_s']:.2f}x bf16" if base else ""
+            print(f"| offline {o['requests']} req {name} ({o['backend']}): output tok/s | {o['output_tok_s']:.1f} | {ratio} |")
     if RESULTS.get("failed"):
         print("failed phases:", ", ".join(RESULTS["failed"]))
 
@@ -668,7 +704,13 @@ def main() -> None:
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--random-weights", action="store_true",
                     help="no checkpoint written: the decode phase draws the weights at load, as for presets too large for the disk")
+    ap.add_argument("--quantization", default="bf16",
+                    help=f"comma-separated: bf16 and/or {', '.join(QUANT_FORMATS)}; decode and offline run per format")
     args = ap.parse_args()
+    formats = args.quantization.split(",")
+    unknown = sorted(set(formats) - {"bf16", *QUANT_FORMATS})
+    if unknown:
+        ap.error(f"--quantization: unknown {', '.join(unknown)} (bf16, {', '.join(QUANT_FORMATS)})")
     p, phases, backends = PRESETS[args.preset], set(args.phases.split(",")), args.backends.split(",")
     if args.random_weights:
         p = dataclasses.replace(p, on_disk=False)
@@ -685,13 +727,23 @@ def main() -> None:
         phases -= {"offline", "hf"}
     if "bandwidth" in phases:
         phase("bandwidth", bandwidth)
+    if not p.on_disk and set(formats) - {"bf16"}:
+        print(f"quantized formats skipped: {args.preset}'s checkpoint is not on disk")
+        formats = ["bf16"]
+    dirs = {"bf16": model_dir}
+    for name in formats:
+        if name != "bf16" and phases & {"decode", "offline"}:
+            phase(f"quantize {name}", lambda n=name: dirs.update({n: quantize_phase(model_dir, n)}))
+    runs = [(name, "" if name == "bf16" else f"_{name}") for name in formats if name in dirs]
     if "decode" in phases:
-        for backend in backends:
-            phase(f"decode {backend}", lambda b=backend: decode_phase(p, model_dir, b))
+        for name, tag in runs:
+            for backend in backends:
+                phase(f"decode {backend} {name}", lambda b=backend, n=name, t=tag: decode_phase(p, dirs[n], b, t))
     if "kernels" in phases:
         phase("kernels", lambda: kernels_phase(p, backends))
     if "offline" in phases:
-        phase("offline", lambda: offline_phase(p, model_dir, args.num_requests, backends[-1]))
+        for name, tag in runs:
+            phase(f"offline {name}", lambda n=name, t=tag: offline_phase(p, dirs[n], args.num_requests, backends[-1], t))
     if "hf" in phases:
         phase("hf", lambda: hf_phase(p, model_dir))
     output = args.output or (Path(os.environ["OUT"]) / "gpu_decode.json" if os.environ.get("OUT") else None)

@@ -37,6 +37,12 @@ class ModelConfig(_Section):
     )
     context_length: int | None = Field(None, gt=0, description="defaults to the checkpoint's")
     trust_remote_code: bool = False
+    quantization: str | None = Field(
+        None,
+        description="quantization method ('fp8', 'compressed-tensors', 'awq', 'gptq' or a plugin's); None: the "
+        "checkpoint's quantization_config.quant_method. Set, it wins: 'fp8' on an unquantized checkpoint "
+        "quantizes it at load",
+    )
     load_format: Literal["safetensors", "random"] = Field(
         "safetensors", description="'random': no weights read, every parameter drawn at random (benchmarks of shapes)"
     )

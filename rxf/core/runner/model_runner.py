@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+from rxf.core import quantization
 from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer
 from rxf.core.config import EngineConfig
 from rxf.core.forward import ForwardBatch, ForwardMode
@@ -196,14 +197,19 @@ class ModelRunner:
             )
         served = {"context_length": self.max_context_len} if supported else {}
         random_weights = config.model.load_format == "random"
+        method = quantization.select_method(registry, self.hf_config, config.model.quantization, self.dtype)
+        if method is not None and random_weights:
+            raise ValueError("model.load_format 'random' draws dense weights; it cannot serve a quantized model")
         # Checked before the model is built: a missing or empty checkpoint raises now.
         weights = None if random_weights else iter_safetensors(model_path)
-        with torch.device(self.device):
+        with torch.device(self.device), quantization.building(method):
             self.model = model_cls(self.hf_config, dtype=self.dtype, **served)
+        quantization.materialize(self.model, method, self.device)
         if weights is None:
             fill_random_weights(self.model, config.runtime.seed)
         else:
             self.model.load_weights(weights)
+            quantization.finish_loading(self.model)
         self.model.eval()
         # An embedding model pools the final hidden states (`hidden_states`) and computes no logits.
         self.pooling = None
