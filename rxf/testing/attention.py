@@ -8,7 +8,7 @@ copies of the same pool, and returns both outputs and both pools' K buffers.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,6 +28,9 @@ class Layer:  # satisfies rxf.core.attention.AttentionLayer
     sliding_window: int | None = None
     logit_cap: float | None = None
     sinks: torch.Tensor | None = None  # float32 [num_heads]
+    # KV-cache scales, float32 0-d on the batch's device (make_case moves them there).
+    k_scale: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.float32))
+    v_scale: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.float32))
 
 
 def make_case(

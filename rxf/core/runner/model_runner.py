@@ -22,7 +22,7 @@ from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLaye
 from rxf.core.config import EngineConfig
 from rxf.core.forward import ForwardBatch, ForwardMode
 from rxf.core.ipc.messages import MultimodalItem
-from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
+from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool, kv_storage_dtype
 from rxf.core.pooling import Pooling
 from rxf.core.registry import PluginRegistry
 from rxf.core.runner import distributed
@@ -229,13 +229,14 @@ class ModelRunner:
         self.overlap = overlap_enabled(config, self.device)
         self._steps = StepExecutor(self, background=self.overlap and self.device.type != "cuda")
         logger.info(
-            "loaded %s (%s, %s) on %s in %.1fs; KV pool: %d slots (%.2f GiB), context %d",
+            "loaded %s (%s, %s) on %s in %.1fs; KV pool: %d tokens of %s (%.2f GiB), context %d",
             model_path,
             model_cls.__name__,
             str(self.dtype).removeprefix("torch."),
             self.device,
             time.perf_counter() - start,
             self.max_total_tokens,
+            str(self.kv_dtype).removeprefix("torch."),
             self.max_total_tokens * self.token_to_kv_pool.bytes_per_slot() / 2**30,
             self.max_context_len,
         )
@@ -249,14 +250,16 @@ class ModelRunner:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         num_layers = text.num_hidden_layers
         max_running = self.config.scheduler.max_running_requests
+        # What the pool stores: the model dtype, or FP8 (one byte an element: twice bf16's tokens).
+        self.kv_dtype = kv_storage_dtype(self.config.cache.kv_dtype, self.dtype)
         self.max_total_tokens = self.config.cache.max_total_tokens or self._slots_from_memory(
-            2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize, max_running
+            2 * num_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize, max_running
         )
         # Every rank's scheduler must admit the same requests: all size their pool like the fullest GPU.
         self.max_total_tokens = distributed.tp_min(self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
-            self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.dtype, self.device
+            self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.kv_dtype, self.device
         )
         self._attention_context = AttentionContext(
             self.req_to_token_pool,
