@@ -103,6 +103,10 @@ class AttentionBackend(ABC):
     # The optional layer features (ATTENTION_FEATURES) this backend implements, in every mode it
     # runs (extend over any cached prefix, decode, CUDA graphs).
     features: frozenset[str] = frozenset()
+    # Whether it stores into and reads an FP8 pool (`cache.kv_dtype`): quantizing with the layer's
+    # k_scale / v_scale on store and dequantizing on read, as `rxf.core.kv_pool` defines. A backend
+    # without it is refused for such a pool (it would read the bytes as the wrong values).
+    fp8_kv: bool = False
 
     @classmethod
     def missing_features(cls, layers: Iterable[AttentionLayer]) -> dict[str, list[int]]:

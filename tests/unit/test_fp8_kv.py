@@ -165,3 +165,26 @@ def test_fp8_pool_holds_twice_the_bf16_tokens(ckpt: Path) -> None:
     assert bf16.kv_dtype == torch.bfloat16 and fp8.kv_dtype == torch.float8_e4m3fn
     assert (bf16.max_total_tokens, fp8.max_total_tokens) == (1000, 2000)
     assert fp8.token_to_kv_pool.bytes_per_slot() * 2 == bf16.token_to_kv_pool.bytes_per_slot() == bf16_slot
+
+
+def test_backend_without_fp8_support_refused(ckpt: Path) -> None:
+    """A backend that does not say `fp8_kv` would read the pool's bytes as the wrong values: refused
+    by name, passed over by "auto"."""
+    from rxf.core.hookspecs import hookimpl
+    from rxf.plugins.attention.torch_native import TorchNativeBackend
+
+    class Bf16Only(TorchNativeBackend):
+        fp8_kv = False
+
+    class Plugin:
+        @hookimpl
+        def rxf_register_attention_backends(self, register) -> None:
+            register("bf16_only", Bf16Only)
+
+    registry = PluginRegistry.load()
+    registry.register_plugin(Plugin(), "bf16_only")
+    config = load_config(None, **{"runtime.device": "cpu", "cache.max_total_tokens": 64, "cache.kv_dtype": "fp8_e4m3",
+                                  "attention.backend": "bf16_only"})
+    with pytest.raises(RuntimeError, match="'bf16_only' cannot use an FP8 KV cache"):
+        ModelRunner(config, registry, str(ckpt))
+    assert ModelRunner(load_config(config, **{"cache.kv_dtype": "auto"}), registry, str(ckpt)).attn_backend.__class__ is Bf16Only

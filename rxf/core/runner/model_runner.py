@@ -22,7 +22,7 @@ from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLaye
 from rxf.core.config import EngineConfig
 from rxf.core.forward import ForwardBatch, ForwardMode
 from rxf.core.ipc.messages import MultimodalItem
-from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool, kv_storage_dtype
+from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool, is_fp8, kv_storage_dtype
 from rxf.core.pooling import Pooling
 from rxf.core.registry import PluginRegistry
 from rxf.core.runner import distributed
@@ -132,15 +132,21 @@ def _feature_gaps(cls: type[AttentionBackend], layers: list[AttentionLayer]) -> 
 
 
 def _select_backend(
-    registry: PluginRegistry, name: str, device: torch.device, layers: list[AttentionLayer]
+    registry: PluginRegistry, name: str, device: torch.device, layers: list[AttentionLayer], fp8_kv: bool = False
 ) -> type[AttentionBackend]:
     """A named backend, or for "auto" the available backend with the highest `auto_priority` among
-    those that implement every optional feature (`AttentionBackend.features`) the model's layers use.
-    A named backend that lacks one is refused: it would compute different attention."""
+    those that implement every optional feature (`AttentionBackend.features`) the model's layers use
+    and, with `fp8_kv` (an FP8 pool), read FP8 K/V. A named backend that lacks one is refused: it
+    would compute different attention."""
     if name != "auto":
         cls = registry.attention_backend(name)
         if not cls.is_available(device):
             raise RuntimeError(f"attention backend {name!r} is not available on {device}")
+        if fp8_kv and not cls.fp8_kv:
+            raise RuntimeError(
+                f"attention backend {name!r} cannot use an FP8 KV cache (cache.kv_dtype); choose another "
+                "attention.backend (torch_native, triton and flashinfer can) or cache.kv_dtype = 'auto'"
+            )
         gaps = _feature_gaps(cls, layers)
         if gaps:
             raise RuntimeError(
@@ -156,6 +162,9 @@ def _select_backend(
             logger.info("attention backend %s skipped: %s", candidate, e)
             continue
         if cls.auto_priority is None or not cls.is_available(device):
+            continue
+        if fp8_kv and not cls.fp8_kv:
+            logger.info("attention backend %s skipped: it cannot use an FP8 KV cache", candidate)
             continue
         gaps = _feature_gaps(cls, layers)
         if gaps:
@@ -220,9 +229,8 @@ class ModelRunner:
         self.eos_token_ids = _eos_token_ids(model_path, self.hf_config)
         self._init_memory(text)
         layers = [m for m in self.model.modules() if isinstance(m, AttentionLayer)]
-        self.attn_backend = _select_backend(registry, config.attention.backend, self.device, layers)(
-            self._attention_context
-        )
+        backend_cls = _select_backend(registry, config.attention.backend, self.device, layers, is_fp8(self.kv_dtype))
+        self.attn_backend = backend_cls(self._attention_context)
         self.cuda_graphs = self._init_cuda_graphs()
         # Overlap scheduling: `launch` returns before the step is done (CUDA: the work is only
         # enqueued; CPU: it runs in a worker thread) and the scheduler plans the next one meanwhile.

@@ -93,6 +93,7 @@ class FlashInferBackend(AttentionBackend):
     auto_priority = 20  # the fastest on CUDA when it imports
     supports_cuda_graph = True
     features = frozenset(ATTENTION_FEATURES)
+    fp8_kv = True
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:

@@ -66,6 +66,7 @@ class TritonAttnBackend(AttentionBackend):
     auto_priority = 10  # above torch_native (0); flashinfer ranks above this when importable
     supports_cuda_graph = True
     features = frozenset(ATTENTION_FEATURES)
+    fp8_kv = True
 
     # Decode split policy (see the module docstring); first guesses, to be tuned on the GPU. They and
     # the instance's target_programs may be overridden before the first batch and before
