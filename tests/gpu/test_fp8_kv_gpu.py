@@ -10,30 +10,22 @@
   mantissa bits, a relative error of at most 2^-4 per element; over random unit-variance q/k/v at
   these shapes the output moves by up to ~8% of its largest magnitude (measured on CPU in float32:
   0.042 prefill, 0.060 extend, 0.081 decode over 2047 keys), so the bound is 15%.
-- Decode replayed from CUDA graphs equals eager decode over an FP8 pool (the scales are read where
-  they live: device tensors for triton, constants captured for flashinfer).
+Decode replayed from CUDA graphs over an FP8 pool: tests/gpu/test_cuda_graph_gpu.py.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from rxf.core.config import load_config  # noqa: E402
-from rxf.core.forward import ForwardMode  # noqa: E402
 from rxf.core.kv_pool import TokenToKVPool  # noqa: E402
 from rxf.core.registry import PluginRegistry  # noqa: E402
-from rxf.core.runner.model_runner import ModelInput, ModelRunner  # noqa: E402
 from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
-from rxf.testing import make_tiny_checkpoint  # noqa: E402
 from rxf.testing.attention import assert_bf16_close, make_case, run_backend  # noqa: E402
 
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
@@ -112,51 +104,3 @@ def test_store_rounds_as_torch(kv_dtype: torch.dtype) -> None:
     mismatch = (ref.k_buffer[0].view(torch.uint8) != ours.k_buffer[0].view(torch.uint8)).float().mean().item()
     assert mismatch < 1e-3, f"{mismatch:.2%} of the rotated keys' bytes differ"  # float32 rotation order only
     assert torch.equal(ref.v_buffer[0].view(torch.uint8), ours.v_buffer[0].view(torch.uint8))
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama whose checkpoint carries KV-cache scales (not 1: a backend must apply them)."""
-    path = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("fp8-llama"), seed=3, hidden_size=512, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, intermediate_size=1024, num_hidden_layers=2,
-    )
-    weights = load_file(path / "model.safetensors")
-    for i in range(2):
-        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5)
-        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(2.0)
-    save_file(weights, path / "model.safetensors")
-    return path
-
-
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_fp8_decode_graph_replay_equals_eager(ckpt: Path, backend: str) -> None:
-    _backend(backend)
-    config = load_config({
-        "model": {"path": str(ckpt), "dtype": "bfloat16"}, "runtime": {"device": "cuda"},
-        "attention": {"backend": backend}, "scheduler": {"max_running_requests": 16},
-        "cache": {"max_total_tokens": 4096, "kv_dtype": "fp8_e4m3"},
-        "cuda_graph": {"batch_sizes": [1, 2, 4, 8, 16]},
-    })
-    runner = ModelRunner(config, PluginRegistry.load(), str(ckpt))
-    assert runner.token_to_kv_pool.dtype == E4M3 and runner.cuda_graphs is not None
-    assert runner.model.model.layers[1].self_attn.attn.v_scale.item() == 2.0
-    graphs = runner.cuda_graphs
-    gen = torch.Generator().manual_seed(0)
-    for bs in (1, 3, 13):
-        runner.req_to_token_pool.clear()
-        runner.token_to_kv_pool.clear()
-        prompts = [torch.randint(5, 500, (int(n),), generator=gen).tolist() for n in torch.randint(4, 300, (bs,))]
-        rows = [runner.req_to_token_pool.alloc() for _ in prompts]
-        slots = runner.token_to_kv_pool.alloc(sum(map(len, prompts)))
-        flat = [t for p in prompts for t in p]
-        runner.forward(ModelInput(ForwardMode.PREFILL, rows, flat, [0] * bs, [len(p) for p in prompts], slots))
-        decode = ModelInput(
-            ForwardMode.DECODE, rows, [7] * bs, [len(p) for p in prompts], [1] * bs, runner.token_to_kv_pool.alloc(bs)
-        )
-        assert graphs.can_run(ForwardMode.DECODE, bs)
-        replayed = runner.forward(decode).clone()
-        runner.cuda_graphs = None  # the same step again, eagerly: it rewrites the same K/V
-        eager = runner.forward(decode)
-        runner.cuda_graphs = graphs
-        torch.testing.assert_close(replayed, eager, rtol=0, atol=2e-2 * eager.abs().max().item(), msg=f"bs={bs}")
