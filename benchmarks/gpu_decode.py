@@ -1,7 +1,7 @@
 """GPU decode benchmark (issues 4, 18): one script for one call on the GPU machine.
 
     python benchmarks/gpu_decode.py [--preset llama3-8b|qwen3-8b|qwen3-30b-a3b|gpt-oss-20b|tiny] [--num-requests 1000]
-        [--phases jit,build,bandwidth,decode,kernels,offline,hf] [--model-dir DIR] [--output FILE]
+        [--phases jit,build,bandwidth,decode,kvcache,kernels,offline,hf] [--model-dir DIR] [--output FILE]
 
 A preset is a transformers config (architecture + fields): `llama3-8b` (Llama-3-8B), `qwen3-8b` and
 `qwen3-30b-a3b` (Qwen/Qwen3-8B's and Qwen/Qwen3-30B-A3B's config.json: 36 layers, head_dim 128; 48
@@ -30,6 +30,12 @@ and each frees its GPU memory before the next:
              the HF workload (128 prompt + 128 new tokens, end to end) at batch 1 and 64. Timed
              spans cover whole scheduler steps (schedule, forward, sample, outputs), between
              torch.cuda.synchronize() calls.
+  kvcache    per backend, decode throughput at long contexts with `cache.kv_dtype` = auto (bf16) and
+             fp8_e4m3, each pool sized from the same memory (cache.mem_fraction_static): 256 requests of
+             4096-token prompts are queued, and once every admitted request decodes, 64 decode steps are
+             timed. A bf16 pool may not hold all 256 (Llama-3-8B: 128 KiB a token), so it decodes
+             the batch that fits and the rest wait, as a server would; the running batch is reported
+             beside each rate. Not in the default phases (its prefill is ~1M tokens per KV dtype)
   kernels    attention micro-benchmarks, triton vs flashinfer vs torch_native, decode and extend at
              the model's head shape, with each output's error against torch_native: GPU time (kernel
              durations from torch.profiler, what a CUDA-graph replay pays) and wall time per call
@@ -328,9 +334,12 @@ def bandwidth() -> None:
 
 
 # ---------------------------------------------------------------- decode (in-process engine)
-def _engine(model_dir: Path, backend: str, max_running: int, slots: int, random_load: bool = False) -> Any:
+def _engine(
+    model_dir: Path, backend: str, max_running: int, slots: int | None, random_load: bool = False,
+    kv_dtype: str = "auto",
+) -> Any:
     """An in-process Scheduler + ModelRunner on `model_dir` (`random_load`: no checkpoint read,
-    `model.load_format = "random"`)."""
+    `model.load_format = "random"`; `slots` None: the pool sized from memory)."""
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
@@ -344,7 +353,7 @@ def _engine(model_dir: Path, backend: str, max_running: int, slots: int, random_
         "runtime": {"device": "cuda", "log_level": "warning"},
         "attention": {"backend": backend},
         "scheduler": {"max_running_requests": max_running, "max_prefill_tokens": 16384, "log_interval": 10**9},
-        "cache": {"max_total_tokens": slots},
+        "cache": {"max_total_tokens": slots, "kv_dtype": kv_dtype},
         # Each bucket's first-use kernel compiles (e.g. the MoE blocks tuned per token count) count
         # toward the capture budget; every bucket is to be captured here, as a server would after warm-up.
         "cuda_graph": {"capture_budget_s": 300},
@@ -441,6 +450,43 @@ def decode_phase(p: Preset, model_dir: Path, backend: str, tag: str = "") -> Non
         out[f"e2e_b{bs}"] = end_to_end_rate(sched, bs, p.hf_tokens, p.vocab)
     RESULTS[f"decode_{backend}{tag}"] = out
     print(json.dumps(out, indent=1))
+
+
+def long_context_rate(sched: Any, bs: int, context: int, steps: int, vocab: int, warm: int = 8) -> dict[str, float]:
+    """Generated tok/s over `steps` decode steps once every admitted request of `bs` queued ones
+    (`context`-token prompts) decodes; no request finishes within the window. The engine is spent
+    afterwards (requests are left queued and running)."""
+    _add(sched, bs, context, warm + steps + 64, vocab, f"k{bs}")
+    while True:  # admit until the queue is empty or a step admits nothing (the pool is full)
+        admitted = len(sched.running)
+        sched.step()
+        prefilling = any(not r.decoding for r in sched.running)
+        if not prefilling and (not sched.waiting or len(sched.running) == admitted):
+            break
+    for _ in range(warm):
+        sched.step()
+    torch.cuda.synchronize()
+    generated, start, running = sched.counters.generated_tokens, time.perf_counter(), 0
+    for _ in range(steps):
+        running += len(sched.running)
+        sched.step()
+    torch.cuda.synchronize()
+    return {"tok_s": (sched.counters.generated_tokens - generated) / (time.perf_counter() - start),
+            "mean_running": running / steps, "waiting": len(sched.waiting),
+            "max_total_tokens": sched.runner.max_total_tokens}
+
+
+def kvcache_phase(p: Preset, model_dir: Path, backend: str, bs: int = 256, context: int = 4096) -> None:
+    out: dict[str, Any] = {}
+    for kv_dtype in ("auto", "fp8_e4m3"):
+        sched = _engine(model_dir, backend, bs, None, not p.on_disk, kv_dtype=kv_dtype)
+        out[kv_dtype] = long_context_rate(sched, bs, context, 64, p.vocab)
+        print(kv_dtype, json.dumps(out[kv_dtype]), flush=True)
+        del sched
+        gc.collect()
+        torch.cuda.empty_cache()
+    out["fp8_over_bf16"] = out["fp8_e4m3"]["tok_s"] / out["auto"]["tok_s"]
+    RESULTS[f"kvcache_{backend}"] = out
 
 
 # ---------------------------------------------------------------- attention kernels
@@ -669,6 +715,13 @@ def report(p: Preset) -> None:
             elif key.startswith("e2e_b") and hf.get(key[4:]):
                 ratio = f"{value / hf[key[4:]]:.2f}x HF"
             print(f"| {backend} {key} | {value:.1f} | {ratio} |")
+    for backend in ("triton", "flashinfer"):
+        k = RESULTS.get(f"kvcache_{backend}")
+        for kv_dtype in ("auto", "fp8_e4m3") if k else ():
+            row = k[kv_dtype]
+            ratio = f"{k['fp8_over_bf16']:.2f}x bf16 KV" if kv_dtype != "auto" else ""
+            print(f"| {backend} decode, 256 x 4096-token contexts, kv_dtype {kv_dtype} ({row['max_total_tokens']} "
+                  f"slots, {row['mean_running']:.0f} running) | {row['tok_s']:.1f} | {ratio} |")
     for key, value in hf.items():
         print(f"| HF generate {key} ({p.hf_tokens}+{p.hf_tokens}) | {value:.1f} | |")
     if "offline" in RESULTS:
@@ -739,6 +792,9 @@ def main() -> None:
         for name, tag in runs:
             for backend in backends:
                 phase(f"decode {backend} {name}", lambda b=backend, n=name, t=tag: decode_phase(p, dirs[n], b, t))
+    if "kvcache" in phases:
+        for backend in backends:
+            phase(f"kvcache {backend}", lambda b=backend: kvcache_phase(p, model_dir, b))
     if "kernels" in phases:
         phase("kernels", lambda: kernels_phase(p, backends))
     if "offline" in phases:

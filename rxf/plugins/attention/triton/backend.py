@@ -16,6 +16,10 @@ kernel argument read off the layer at launch (window and cap as scalars, sinks a
 so layers with different windows share one plan and one captured graph. A windowed layer's decode uses
 the first cdiv(min(seq_len, window), min_split_len) of a request's splits; the rest exit at once.
 
+An FP8 pool (`cache.kv_dtype`) is quantized by the store kernel and dequantized in the attention
+kernels' registers with the layer's k_scale / v_scale (device tensors, so captured graphs read them
+where they live).
+
 Rotary embeddings are fused into the K/V store (`fuses_rope`): one launch per layer rotates q and k
 in place and writes the rotated k and v to the pool, for extend and decode alike.
 
@@ -62,6 +66,7 @@ class TritonAttnBackend(AttentionBackend):
     auto_priority = 10  # above torch_native (0); flashinfer ranks above this when importable
     supports_cuda_graph = True
     features = frozenset(ATTENTION_FEATURES)
+    fp8_kv = True
 
     # Decode split policy (see the module docstring); first guesses, to be tuned on the GPU. They and
     # the instance's target_programs may be overridden before the first batch and before
@@ -154,14 +159,16 @@ class TritonAttnBackend(AttentionBackend):
         self, layer: AttentionLayer, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rotary: Rotary | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One launch for K and V (pool.set_kv takes two), cast to the pool dtype; with `rotary`, the
-        same launch first rotates q and k in place."""
+        """One launch for K and V (pool.set_kv takes two), cast to the pool dtype (quantized with the
+        layer's scales in an FP8 pool); with `rotary`, the same launch first rotates q and k in place."""
         k_buf, v_buf = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
         if rotary is None:
-            self._store(k_buf, v_buf, batch.out_cache_loc, k, v)
+            self._store(k_buf, v_buf, batch.out_cache_loc, k, v, **scales)
         else:
             assert rotary.cos_sin_cache is not None, "fuses_rope said no to this rotary embedding"
-            self._rope_store(k_buf, v_buf, batch.out_cache_loc, q, k, v, batch.positions, rotary.cos_sin_cache)
+            self._rope_store(k_buf, v_buf, batch.out_cache_loc, q, k, v, batch.positions, rotary.cos_sin_cache,
+                             **scales)
         return k_buf, v_buf
 
     def forward_extend(
@@ -176,6 +183,7 @@ class TritonAttnBackend(AttentionBackend):
             batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
             self._extend.qo_start, self._extend.max_extend_len, layer.scaling,
             sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, sinks=layer.sinks,
+            k_scale=layer.k_scale, v_scale=layer.v_scale,
         )
         return out
 
@@ -191,6 +199,6 @@ class TritonAttnBackend(AttentionBackend):
             q, k_buf, v_buf, out, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
             batch.seq_lens, meta.num_kv_splits, meta.grid_splits, meta.mid_o, meta.mid_lse, layer.scaling,
             sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, sinks=layer.sinks,
-            min_split_len=self.min_split_len,
+            min_split_len=self.min_split_len, k_scale=layer.k_scale, v_scale=layer.v_scale,
         )
         return out

@@ -23,6 +23,10 @@ the W keys it reads (`_kv_range`): splits wholly before the window do not exist 
 masked, so a window of 128 costs 128 keys at any context. A soft-cap acts on stage 1's scores; the sink
 enters once, in stage 2, as a first "chunk" of log-sum-exp sink and zero value.
 
+An FP8 pool's K/V are upcast in registers and scaled as in extend.py (`kv_scales`): k_scale folds
+into stage 1's score scale and v_scale into each chunk's normalised output, so stage 2 merges values
+already scaled.
+
 LSEs are in base 2 (scores carry the log2(e) factor, as in extend.py); accumulation is fp32.
 """
 
@@ -32,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rxf.plugins.attention.triton.extend import attend_pool, feature_args
+from rxf.plugins.attention.triton.extend import attend_pool, feature_args, kv_scale_args, kv_scales
 
 _M_INIT = -1.0e30  # finite running-max start: fully masked steps give weights 0, never NaN
 
@@ -71,10 +75,10 @@ def _decode_split_kernel(
     Q, KBuf, VBuf, ReqToToken, req_pool_indices, seq_lens, num_kv_splits, MidO, MidLse,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-    qk_scale, cap_log2, window, min_split_len,
+    qk_scale, cap_log2, window, min_split_len, KScale, VScale,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
-    IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
+    IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -85,6 +89,7 @@ def _decode_split_kernel(
     start, end = _split_range(lo, seq_len, chunks, split)
     if start >= end:
         return
+    qk_scale, v_scale = kv_scales(qk_scale, KScale, VScale, KV_FP8)
 
     in_group = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = in_group < GROUP  # BLOCK_H is at least 16 (tl.dot's minimum), so rows may be padding
@@ -106,7 +111,7 @@ def _decode_split_kernel(
 
     # The chunk is non-empty, so l_i > 0 for every head row.
     tl.store(MidO + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
-             acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+             acc * (v_scale / l_i)[:, None], mask=mask_h[:, None] & mask_d[None, :])
     tl.store(MidLse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
 
 
@@ -182,6 +187,8 @@ def decode_attention(
     logit_cap: float | None = None,
     sinks: torch.Tensor | None = None,
     min_split_len: int = 1,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write into `out` [bs, H, D] the attention of q [bs, H, D] (one new token per request) over
     request b's keys req_to_token[req_pool_indices[b], 0:seq_lens[b]] in the pool.
@@ -191,7 +198,8 @@ def decode_attention(
     contents vary between calls with the same shapes and grid_splits, so the launches can be replayed
     from a CUDA graph. block_h / block_n override the tuned sizes (powers of two, at least 16).
     The optional features are the layer's (`rxf.core.attention.AttentionLayer`); with a window a
-    request uses at most cdiv(min(seq_len, window), min_split_len) of its chunks.
+    request uses at most cdiv(min(seq_len, window), min_split_len) of its chunks. k_scale / v_scale
+    are the layer's too, needed by an FP8 pool.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -206,16 +214,18 @@ def decode_attention(
     head_blocks = triton.cdiv(group, block_h)
     block_d = max(16, triton.next_power_of_2(head_dim))
     features = feature_args(scaling, sliding_window, logit_cap, sinks, q)
+    scales = kv_scale_args(k_buf, k_scale, v_scale, q)
     _decode_split_kernel[(bs, num_kv_heads * head_blocks, grid_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         features["qk_scale"], features["cap_log2"], features["window"], min_split_len,
+        scales["KScale"], scales["VScale"],
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n or _block_n(head_dim), BLOCK_D=block_d, M_INIT=_M_INIT,
         IEEE=q.dtype == torch.float32, HAS_WINDOW=features["HAS_WINDOW"], HAS_CAP=features["HAS_CAP"],
-        num_warps=num_warps, num_stages=num_stages,
+        KV_FP8=scales["KV_FP8"], num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(bs, num_heads)](
         mid_o, mid_lse, seq_lens, num_kv_splits, out,
