@@ -1,7 +1,8 @@
 """Quantized checkpoints on the CPU: each format's tiny Llama, written by `rxf.testing.quantized_checkpoints`
 from the format's documentation, must give the logits (1e-4 of the largest) and greedy tokens of
-transformers running its dequantized float32 twin: on the CPU every method dequantizes at load, so
-rxf computes with exactly the twin's weights."""
+transformers running its dequantized float32 twin. With `RXF_CPU_WEIGHT_PACKING=0` every method
+dequantizes at load on the CPU, so rxf computes with exactly the twin's weights (the packed int4
+path, bf16 activations, is tests/unit/test_cpu_weight_packing.py's)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_quantized_checkpoint_matches_its_dequantized_twin(dense, tmp_path, case):
+def test_quantized_checkpoint_matches_its_dequantized_twin(dense, tmp_path, monkeypatch, case):
+    monkeypatch.setenv("RXF_CPU_WEIGHT_PACKING", "0")
     fmt, opts = CASES[case]
     quantized = quantize_checkpoint(dense, tmp_path / "q", fmt, twin=tmp_path / "twin", **opts)
     ref = HFReference(tmp_path / "twin")

@@ -7,7 +7,9 @@ method unpacks its tensors into `Int4Weights` (codes `[K, N]`, zeros and scales 
 of each input feature `[K]`); then on CUDA the codes are packed again, eight consecutive input
 features to a word (`[K / 8, N]`), with input features sorted by group so that each group is a run
 of `group_size` rows (act-order GPTQ: the layer then permutes its input's columns the same way),
-for the dequantizing Triton GEMM of `int4_kernel.py`; elsewhere the weight is dequantized at load.
+for the dequantizing Triton GEMM of `int4_kernel.py`; on the CPU the same sorted codes are packed
+for torch's int4 matmul (`cpu_packing.py`, activations in bf16); where neither serves a layer its
+weight is dequantized at load.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rxf.plugins.quantization import cpu_packing
 from rxf.plugins.quantization.base import LinearMethod, become_dense, config_value
 
 SEQUENTIAL = tuple(range(8))
@@ -54,6 +57,17 @@ class Int4Weights:
         w = (self.codes.float() - self.zeros.float()[g]) * self.scales.float()[g]
         return w.t().to(dtype)
 
+    def group_runs(self, group_size: int) -> tuple[torch.Tensor, slice] | None:
+        """(the input order that makes each group a run of `group_size` inputs, the groups used), or
+        None when sorting by group does not give such runs (act order split by tensor parallelism)."""
+        order = torch.argsort(self.group_of, stable=True)
+        sorted_groups = self.group_of[order]
+        runs = torch.arange(len(order), device=order.device) // group_size
+        if not torch.equal(sorted_groups - sorted_groups[0], runs):
+            return None
+        first = int(sorted_groups[0])
+        return order, slice(first, first + int(runs[-1]) + 1)
+
 
 class Int4Method(LinearMethod):
     """A format's layers: `create_weights` registers its tensors and sets `layer.group_size`,
@@ -74,30 +88,34 @@ class Int4Method(LinearMethod):
 
     def process_loaded(self, layer: nn.Module) -> None:
         weights = self.unpack(layer)
-        if not layer.qweight.is_cuda:
+        cuda = layer.qweight.is_cuda
+        kernel_group = None if cuda else cpu_packing.int4_kernel_group(
+            layer.out_per_rank, layer.in_per_rank, layer.group_size)
+        runs = weights.group_runs(layer.group_size) if cuda or kernel_group else None
+        if runs is None:  # no kernel here, or groups that are not runs (act order split by tp)
             become_dense(layer, weights.dequantize(layer.dtype), self.quant_params)
             return
+        order, used = runs
         for name in self.quant_params:
             delattr(layer, name)
-        order = torch.argsort(weights.group_of, stable=True)
-        sorted_groups = weights.group_of[order]
-        runs = torch.arange(len(order), device=order.device) // layer.group_size
-        if not torch.equal(sorted_groups - sorted_groups[0], runs):
-            # Groups that are not runs of group_size (act order split by tensor parallelism).
-            layer.quant = None
-            layer.add_param("weight", weights.dequantize(layer.dtype))
-            return
+        codes, scales, zeros = weights.codes[order], weights.scales[used], weights.zeros[used]
+        if cuda:
+            layer.add_param("qweight", pack_int32(codes, dim=0))
+            layer.add_param("scales", scales.to(layer.dtype).contiguous())
+            layer.add_param("zeros", zeros.to(layer.dtype).contiguous())
+        else:
+            packed, scales_and_zeros = cpu_packing.pack_int4(codes.t(), scales, zeros, layer.group_size, kernel_group)
+            layer.add_param("qweight", packed)
+            layer.add_param("scales_and_zeros", scales_and_zeros)
+            layer.kernel_group = kernel_group
         identity = torch.equal(order, torch.arange(len(order), device=order.device))
-        first = int(sorted_groups[0])
-        used = slice(first, first + int(runs[-1]) + 1)
-        layer.add_param("qweight", pack_int32(weights.codes[order], dim=0))
-        layer.add_param("scales", weights.scales[used].to(layer.dtype).contiguous())
-        layer.add_param("zeros", weights.zeros[used].to(layer.dtype).contiguous())
         layer.input_order = None if identity else order
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from rxf.plugins.quantization.int4_kernel import int4_linear
-
         if layer.input_order is not None:
             x = x.index_select(-1, layer.input_order)
+        if not x.is_cuda:
+            return cpu_packing.int4_linear(x, layer.qweight, layer.kernel_group, layer.scales_and_zeros, bias)
+        from rxf.plugins.quantization.int4_kernel import int4_linear
+
         return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.group_size, bias)

@@ -1,0 +1,85 @@
+"""Weight-only int4 and int8 matmuls on the CPU, through torch's packed-weight ops.
+
+int4: `torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)` computes
+`x @ W.T` with `W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`, g = k // group, group one of
+32 / 64 / 128 / 256, `packed` made from int32 codes `[N, K]` by `_convert_weight_to_int4pack_for_cpu`
+(N a multiple of 16) and `scales_and_zeros` `[G, N, 2]`. A format that stores `(q - z) * s` maps
+onto it exactly with `zero = (8 - z) * s`; one whose groups are a multiple of 32 but none of those
+sizes repeats each group's scale over its runs of the largest size that divides it.
+
+int8: `torch.ops.aten._weight_int8pack_mm(x, q, scales)` computes `x @ (q * scales[:, None]).T` for
+int8 `q` `[N, K]` and one scale per output row; K must be a multiple of 16 (other widths crash
+torch 2.13's kernel for batches of more than one row).
+
+Both ops are fast for bf16 activations only (float32 runs a slow reference loop: 1.2 ms against
+16 us for a 960 x 576 int4 matmul of one row, measured), so activations are cast to bf16 around
+the call and `scales_and_zeros` / `scales` are held in bf16: a relative rounding of 2^-9 on every
+activation and on every scale, the parity the tests state. The op accumulates in float32.
+
+`RXF_CPU_WEIGHT_PACKING=0` turns the packed path off: every int4 / int8 method then dequantizes at
+load and computes in the model's dtype with exactly the weights its format encodes (the parity
+reference, and the path where the ops are missing or a layer's shape does not fit them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "RXF_CPU_WEIGHT_PACKING"
+INT4_GROUPS = (256, 128, 64, 32)  # the group sizes the int4 op takes, largest first
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def enabled() -> bool:
+    """Whether the packed ops serve CPU layers (read at each load, so a test can switch it)."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def int4_kernel_group(n: int, k: int, group: int) -> int | None:
+    """The op's group size for a layer of `n` outputs and `k` inputs in groups of `group`, or None
+    where the op cannot serve it (packing off, N not a multiple of 16, groups not a multiple of 32)."""
+    if not enabled() or n % 16 or k % group:
+        return None
+    return next((g for g in INT4_GROUPS if group % g == 0), None)
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+              kernel_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, scales_and_zeros) for codes `[N, K]` (0..15) encoding `(q - z) * s` with
+    scales and zeros (in code units) `[G, N]` for groups of `group` inputs."""
+    repeat = group // kernel_group
+    s = scales.float().repeat_interleave(repeat, 0)
+    z = zeros.float().repeat_interleave(repeat, 0)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    scales_and_zeros = torch.stack([s, (8 - z) * s], dim=-1).to(COMPUTE_DTYPE).contiguous()
+    return packed, scales_and_zeros
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, kernel_group: int, scales_and_zeros: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE), packed, kernel_group, scales_and_zeros)
+    return _finish(out, x, bias)
+
+
+def int8_fits(k: int) -> bool:
+    return enabled() and k % 16 == 0
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    shape = x.shape
+    out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE), q, scales)
+    return _finish(out, x, bias)
+
+
+def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias

@@ -1,0 +1,103 @@
+"""The CPU's packed int4 / int8 weights (`rxf.plugins.quantization.cpu_packing`).
+
+Layer level: the packed matmul against the dequantized weight computed here, with the op's own
+roundings reproduced (bf16 activations, bf16 scales and zeros, a float32 sum rounded to a bf16
+output): for a few rows (decode) that reproduces it exactly (measured: 0 difference), so the test
+allows one bf16 step (2^-8 relative). Larger batches take another path inside torch (measured
+1.5e-3 of the largest output from that emulation); there the test bounds the error against the
+exact float32 product at 1e-2 of its norm. Model level: a tiny checkpoint against transformers on
+its dequantized float32 twin, where the bf16 roundings are the difference: measured 0.9-1.2% of the
+logits' norm on these 2-layer models (each of 4 matmuls per layer rounds its input and the weights'
+scales by up to 2^-9, and the model's random weights amplify it), so 3% bounds it while a misplaced
+group or zero (errors of order 100%) fails. Greedy tokens of a random tiny model sit too close
+together to survive that (its top logits differ by less than 1%); tests/integration/test_demo_q4.py
+checks greedy tokens on the real demo model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rxf.plugins.quantization import cpu_packing
+from rxf.testing.checkpoints import make_tiny_checkpoint
+from rxf.testing.model_harness import ModelHarness
+from rxf.testing.quantized_checkpoints import quantize_checkpoint
+from rxf.testing.reference import HFReference
+
+PROMPTS = [[5, 80, 17, 300, 42, 9, 77, 123], [400, 12, 33, 7, 250]]
+SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+MODEL_TOLERANCE = 0.03  # of the logits' norm: see the module docstring
+
+pytestmark = pytest.mark.skipif(not cpu_packing.enabled(), reason="torch lacks the packed int4 / int8 CPU ops")
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def _assert_matmul_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """One bf16 rounding step apart at most (the op's output is bf16)."""
+    torch.testing.assert_close(out, ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
+
+
+def _assert_near_exact(out: torch.Tensor, exact: torch.Tensor) -> None:
+    assert ((out - exact).norm() / exact.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize(("n", "k", "group", "kernel_group"), [(96, 256, 32, 32), (48, 256, 128, 128),
+                                                                (32, 192, 96, 32), (16, 512, 256, 256)])
+def test_int4_matmul_is_the_dequantized_weight_of_q_minus_z_times_s(n, k, group, kernel_group):
+    gen = torch.Generator().manual_seed(n + group)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).half()
+    assert cpu_packing.int4_kernel_group(n, k, group) == kernel_group
+    packed, scales_and_zeros = cpu_packing.pack_int4(codes, scales, zeros, group, kernel_group)
+    x = torch.randn(5, k, generator=gen)
+    out = cpu_packing.int4_linear(x, packed, kernel_group, scales_and_zeros, None)
+    s = _bf16(scales.float()).repeat_interleave(group, 0)
+    zero = _bf16((8 - zeros) * scales.float()).repeat_interleave(group, 0)
+    w = (codes.float().t() - 8) * s + zero  # [K, N], the op's convention with the bf16 roundings
+    assert out.dtype == torch.float32 and out.shape == (5, n)
+    _assert_matmul_close(out, _bf16(_bf16(x) @ w))
+    exact = (codes.float().t() - zeros.repeat_interleave(group, 0)) * scales.float().repeat_interleave(group, 0)
+    prefill = torch.randn(2, 20, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    out = cpu_packing.int4_linear(prefill, packed, kernel_group, scales_and_zeros, bias)
+    assert out.shape == (2, 20, n)
+    _assert_near_exact(out - bias, prefill @ exact)
+
+
+def test_int4_shapes_the_op_cannot_take_are_not_packed(monkeypatch):
+    assert cpu_packing.int4_kernel_group(100, 256, 32) is None  # outputs not a multiple of 16
+    assert cpu_packing.int4_kernel_group(96, 256, 16) is None  # groups below the op's 32
+    assert cpu_packing.int4_kernel_group(96, 200, 40) is None
+    assert cpu_packing.int8_fits(72) is False  # torch's int8 kernel needs K % 16 for batches > 1
+    monkeypatch.setenv(cpu_packing.ENV, "0")
+    assert cpu_packing.int4_kernel_group(96, 256, 32) is None and not cpu_packing.int8_fits(256)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("dense"), seed=3, initializer_range=0.1, **SHAPE)
+
+
+def _relative_errors(harness: ModelHarness, reference: HFReference) -> list[float]:
+    errors = []
+    for prompt, ours in zip(PROMPTS, harness.prefill_logits(PROMPTS), strict=True):
+        ref = reference.logits(prompt)
+        errors.append(((ours - ref).norm() / ref.norm()).item())
+    return errors
+
+
+@pytest.mark.parametrize(("fmt", "opts"), [("awq", {"group_size": 32}),
+                                           ("gptq", {"sym": False, "desc_act": True, "group_size": 64})])
+def test_int4_checkpoints_run_packed_near_their_dequantized_twin(dense, tmp_path, fmt, opts):
+    quantized = quantize_checkpoint(dense, tmp_path / "q", fmt, twin=tmp_path / "twin", **opts)
+    harness = ModelHarness(quantized)
+    layer = harness.runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.qweight.dtype == torch.uint8 and layer.scales_and_zeros.dtype == torch.bfloat16
+    assert (layer.input_order is not None) == opts.get("desc_act", False)  # act order permutes inputs
+    errors = _relative_errors(harness, HFReference(tmp_path / "twin"))
+    assert all(0 < e < MODEL_TOLERANCE for e in errors), errors
