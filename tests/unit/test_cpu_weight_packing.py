@@ -101,3 +101,54 @@ def test_int4_checkpoints_run_packed_near_their_dequantized_twin(dense, tmp_path
     assert (layer.input_order is not None) == opts.get("desc_act", False)  # act order permutes inputs
     errors = _relative_errors(harness, HFReference(tmp_path / "twin"))
     assert all(0 < e < MODEL_TOLERANCE for e in errors), errors
+
+
+# Online: the dequantized path (packing off) holds exactly the weights the packed path multiplies by
+# (`online_int.py`), so each weight is checked against the unquantized one (at most half a step of
+# its row's or group's scale off), the packed logits against the dequantized path's (the bf16
+# roundings: 3%, as above), and the logits against the unquantized model's: per-weight errors of
+# about 0.7% (int8: a step of absmax / 127) and 8% (int4: a step of a 32-weight group's range / 15)
+# of a Gaussian row's scale compound over the tiny model's 8 matmuls to 2.7% and 33-38% of the
+# logits' norm (measured, as online FP8's 2.6% gives 9-10%); the bounds leave twice that.
+ONLINE = {"int8": 0.06, "int4": 0.7, "int4-g128": 0.8}
+
+
+@pytest.mark.parametrize("method", sorted(ONLINE))
+def test_online_integer_quantization(dense, monkeypatch, method):
+    packed = ModelHarness(dense, **{"model.quantization": method})
+    down = packed.runner.model.model.layers[0].mlp.down_proj
+    assert hasattr(down, "weight_int8" if method == "int8" else "scales_and_zeros") and not hasattr(down, "weight")
+    monkeypatch.setenv(cpu_packing.ENV, "0")
+    reference = ModelHarness(dense, **{"model.quantization": method})
+    unquantized = ModelHarness(dense)
+    for name, param in reference.runner.model.named_parameters():
+        original = dict(unquantized.runner.model.named_parameters())[name]
+        if name.endswith("proj.weight"):
+            error = (param - original).abs()
+            if method == "int8":
+                step = original.abs().amax(dim=1, keepdim=True) / 127
+            else:
+                group = 32 if method == "int4" else 128
+                grouped = original.reshape(original.shape[0], -1, group)
+                step = ((grouped.amax(-1) - grouped.amin(-1)) / 15).repeat_interleave(group, 1)
+            # Half a step, plus bf16's rounding of the scale (and offset) the codes were chosen for.
+            assert (error <= step * (0.5 + 2**-7) + original.abs() * 2**-7).all(), name
+        else:
+            assert torch.equal(param, original), name
+    hf = HFReference(dense)
+    for ours, theirs, prompt in zip(packed.prefill_logits(PROMPTS), reference.prefill_logits(PROMPTS), PROMPTS, strict=True):
+        assert ((ours - theirs).norm() / theirs.norm()).item() < MODEL_TOLERANCE
+        ref = hf.logits(prompt)
+        assert 0 < ((theirs - ref).norm() / ref.norm()).item() < ONLINE[method]
+
+
+def test_online_integer_methods_refuse_what_they_cannot_serve(dense, tmp_path):
+    odd = make_tiny_checkpoint(tmp_path / "odd", hidden_size=192, intermediate_size=256, num_attention_heads=4,
+                               num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"'int4-g128': model\.layers\.0\.self_attn\.qkv_proj has 192 inputs, not a "
+                                         r"multiple of the group size 128"):
+        ModelHarness(odd, **{"model.quantization": "int4-g128"})
+    awq = quantize_checkpoint(dense, tmp_path / "awq", "awq")
+    with pytest.raises(ValueError, match="'int8' quantizes an unquantized checkpoint at load; this checkpoint is "
+                                         "quantized with 'awq'"):
+        ModelHarness(awq, **{"model.quantization": "int8"})

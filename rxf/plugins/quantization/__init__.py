@@ -1,7 +1,8 @@
 """Builtin quantization methods, registered lazily (imported only when a checkpoint selects one).
 
 `fp8` (Hugging Face block-wise FP8, and online FP8 of an unquantized checkpoint), `compressed-tensors`
-(llm-compressor's FP8 checkpoints), `awq` and `gptq` (int4 weight-only). See `rxf.core.quantization`.
+(llm-compressor's FP8 checkpoints), `awq` and `gptq` (int4 weight-only), `int8` / `int4` / `int4-g64` /
+`int4-g128` (integer weight-only quantization at load, for the CPU). See `rxf.core.quantization`.
 """
 
 from __future__ import annotations
@@ -15,3 +16,7 @@ def rxf_register_quantization_methods(register: RegisterFactory) -> None:
     register("compressed-tensors", "rxf.plugins.quantization.compressed_tensors:CompressedTensorsMethod")
     register("awq", "rxf.plugins.quantization.awq:AwqMethod")
     register("gptq", "rxf.plugins.quantization.gptq:GptqMethod")
+    register("int8", "rxf.plugins.quantization.online_int:OnlineInt8Method")
+    register("int4", "rxf.plugins.quantization.online_int:OnlineInt4Method")
+    register("int4-g64", "rxf.plugins.quantization.online_int:OnlineInt4G64Method")
+    register("int4-g128", "rxf.plugins.quantization.online_int:OnlineInt4G128Method")

@@ -57,9 +57,14 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gr
     repeat = group // kernel_group
     s = scales.float().repeat_interleave(repeat, 0)
     z = zeros.float().repeat_interleave(repeat, 0)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     scales_and_zeros = torch.stack([s, (8 - z) * s], dim=-1).to(COMPUTE_DTYPE).contiguous()
-    return packed, scales_and_zeros
+    return pack_codes(codes), scales_and_zeros
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes `[N, K]` (0..15) in the int4 op's packed layout (its tile count argument is
+    ignored on the CPU)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, kernel_group: int, scales_and_zeros: torch.Tensor,
