@@ -11,7 +11,8 @@ so the core and the models name no method. The model runner:
 2. builds the model inside `building(method)`, where the linear layers ask `active_method()`
    whether to leave their dense weight unallocated (`materialize` then gives each layer either the
    method's parameters or, for a layer the method leaves alone, its dense weight);
-3. loads the checkpoint, then calls `finish_loading(model)`: each quantized layer is turned into the
+3. loads the checkpoint (the method's `checkpoint_weights` when it reads another file), then calls
+   `finish_loading(model)`: each quantized layer is turned into the
    form its device computes with (repacked for a kernel, or dequantized).
 
 Without a method none of this runs: unquantized models keep their code path and speed.
@@ -47,6 +48,12 @@ class QuantizationMethod:
     def __init__(self, quant_config: dict[str, Any] | None, dtype: torch.dtype) -> None:
         self.quant_config = quant_config
         self.dtype = dtype
+
+    def checkpoint_weights(self, model_path: str) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """The `(name, tensor)` pairs to load, for a method that reads its weights from a file other
+        than the directory's safetensors (`gguf`); None (the default): the safetensors. Called before
+        the model is built, so the method may decide from the file which layers it `quantizes`."""
+        return None
 
     def quantizes(self, module: nn.Module, name: str) -> bool:
         """Whether this method takes over `module` (named `name` in the model); False leaves it

@@ -177,8 +177,14 @@ def quantize_checkpoint(
     config = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config(fmt, **opts)}, indent=2))
     if twin is not None:
-        twin = Path(twin)
-        shutil.copytree(src, twin, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"), dirs_exist_ok=True)
-        save_file(dense, str(twin / "model.safetensors"), metadata={"format": "pt"})
-        (twin / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2))
+        write_twin(src, twin, dense)
     return dst
+
+
+def write_twin(src: Path, twin: str | Path, dense: dict[str, torch.Tensor]) -> None:
+    """`src`'s config and tokenizer with the float32 tensors `dense`: a quantized checkpoint's twin."""
+    twin = Path(twin)
+    shutil.copytree(src, twin, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"), dirs_exist_ok=True)
+    save_file(dense, str(twin / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (twin / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2))

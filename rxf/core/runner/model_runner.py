@@ -210,7 +210,10 @@ class ModelRunner:
         if method is not None and random_weights:
             raise ValueError("model.load_format 'random' draws dense weights; it cannot serve a quantized model")
         # Checked before the model is built: a missing or empty checkpoint raises now.
-        weights = None if random_weights else iter_safetensors(model_path)
+        weights = None
+        if not random_weights:
+            weights = method.checkpoint_weights(model_path) if method is not None else None
+            weights = iter_safetensors(model_path) if weights is None else weights
         with torch.device(self.device), quantization.building(method):
             self.model = model_cls(self.hf_config, dtype=self.dtype, **served)
         quantization.materialize(self.model, method, self.device)

@@ -2,7 +2,8 @@
 
 `fp8` (Hugging Face block-wise FP8, and online FP8 of an unquantized checkpoint), `compressed-tensors`
 (llm-compressor's FP8 checkpoints), `awq` and `gptq` (int4 weight-only), `int8` / `int4` / `int4-g64` /
-`int4-g128` (integer weight-only quantization at load, for the CPU). See `rxf.core.quantization`.
+`int4-g128` (integer weight-only quantization at load, for the CPU), `gguf` (a Llama GGUF's Q4_0 /
+Q4_1 blocks as they are). See `rxf.core.quantization`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ def rxf_register_quantization_methods(register: RegisterFactory) -> None:
     register("compressed-tensors", "rxf.plugins.quantization.compressed_tensors:CompressedTensorsMethod")
     register("awq", "rxf.plugins.quantization.awq:AwqMethod")
     register("gptq", "rxf.plugins.quantization.gptq:GptqMethod")
+    register("gguf", "rxf.plugins.quantization.gguf:GgufMethod")
     register("int8", "rxf.plugins.quantization.online_int:OnlineInt8Method")
     register("int4", "rxf.plugins.quantization.online_int:OnlineInt4Method")
     register("int4-g64", "rxf.plugins.quantization.online_int:OnlineInt4G64Method")

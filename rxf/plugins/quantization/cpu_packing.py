@@ -67,6 +67,18 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
 
 
+def set_packed_int4(layer: torch.nn.Module, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                    kernel_group: int) -> None:
+    """Give `layer` the packed int4 weight that `packed_int4_linear` computes with."""
+    layer.add_param("qweight", packed)
+    layer.add_param("scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE).contiguous())
+    layer.kernel_group = kernel_group
+
+
+def packed_int4_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return int4_linear(x, layer.qweight, layer.kernel_group, layer.scales_and_zeros, bias)
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, kernel_group: int, scales_and_zeros: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     shape = x.shape

@@ -105,9 +105,7 @@ class Int4Method(LinearMethod):
             layer.add_param("zeros", zeros.to(layer.dtype).contiguous())
         else:
             packed, scales_and_zeros = cpu_packing.pack_int4(codes.t(), scales, zeros, layer.group_size, kernel_group)
-            layer.add_param("qweight", packed)
-            layer.add_param("scales_and_zeros", scales_and_zeros)
-            layer.kernel_group = kernel_group
+            cpu_packing.set_packed_int4(layer, packed, scales_and_zeros, kernel_group)
         identity = torch.equal(order, torch.arange(len(order), device=order.device))
         layer.input_order = None if identity else order
 
@@ -115,7 +113,7 @@ class Int4Method(LinearMethod):
         if layer.input_order is not None:
             x = x.index_select(-1, layer.input_order)
         if not x.is_cuda:
-            return cpu_packing.int4_linear(x, layer.qweight, layer.kernel_group, layer.scales_and_zeros, bias)
+            return cpu_packing.packed_int4_linear(layer, x, bias)
         from rxf.plugins.quantization.int4_kernel import int4_linear
 
         return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.group_size, bias)

@@ -92,12 +92,10 @@ class OnlineInt4Method(OnlineIntMethod):
             become_dense(layer, dense, ("weight",))
             return
         del layer.weight
-        layer.add_param("qweight", cpu_packing.pack_codes(codes))
-        layer.add_param("scales_and_zeros", torch.stack([scale, offset], dim=-1).contiguous())
-        layer.kernel_group = kernel_group
+        cpu_packing.set_packed_int4(layer, cpu_packing.pack_codes(codes), torch.stack([scale, offset], dim=-1), kernel_group)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_packing.int4_linear(x, layer.qweight, layer.kernel_group, layer.scales_and_zeros, bias)
+        return cpu_packing.packed_int4_linear(layer, x, bias)
 
 
 class OnlineInt4G64Method(OnlineInt4Method):
