@@ -2,6 +2,7 @@
 
     RXF_CACHE_DIR=/tmp/rxfcache python benchmarks/bench_cpu_decode.py \
         [--config examples/demo.toml] [--output results.json] [--rounds 3] [--cold]
+        [--quantization none int8 int4 gguf]
 
 What is timed (greedy, N new tokens forced, the same prompt token ids for both engines):
   load     `Runtime.from_config(config)` until it returns (the model already prepared).
@@ -11,6 +12,9 @@ What is timed (greedy, N new tokens forced, the same prompt token ids for both e
            tokens after the first / time after the first), B requests in one batch call.
   hf       `AutoModelForCausalLM.generate` (fp32, CPU, do_sample=False, min_new_tokens=N) on the
            same checkpoint directory: batch 1 (TTFT from a streamer) and batch B (left padding).
+
+With --quantization, rxf alone: 1 request (plain and streamed) for each `model.quantization` in
+turn (a fresh engine each, every round in the same order), with decode rates as ratios to the first.
 
 Each round runs every rxf measurement, then every HF measurement, so the two engines never compute
 at once and a change in the machine's load between rounds hits both alike. The report gives, per
@@ -232,10 +236,11 @@ def measure_warm_load(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- the two engines
 class RxfBench:
-    def __init__(self, args: argparse.Namespace, single: list[int], batch: list[list[int]]) -> None:
+    def __init__(self, args: argparse.Namespace, single: list[int], batch: list[list[int]],
+                 extra: dict[str, Any] | None = None) -> None:
         from rxf import Runtime
 
-        self.rt = Runtime.from_config(args.config, **overrides(args))
+        self.rt = Runtime.from_config(args.config, **overrides(args), **(extra or {}))
         self.single, self.batch = single, batch
         self.params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
         self.threads = self.rt.engine.info["torch_threads"]
@@ -501,6 +506,53 @@ def run_rounds(args: argparse.Namespace, results: dict[str, Any], model_path: st
         }
 
 
+def run_quantizations(args: argparse.Namespace, results: dict[str, Any], model_path: str) -> None:
+    """--quantization: 1 request (plain and streamed) with each `model.quantization` in turn, every
+    round starting each engine afresh in the same order, so the machine's drift hits all alike."""
+    from transformers import AutoTokenizer
+
+    prompts = chat_prompt_ids(AutoTokenizer.from_pretrained(model_path))
+    single, batch = prompts[args.bs1_prompt], prompts[:1]
+    rounds: list[dict[str, Any]] = []
+    for i in range(args.rounds):
+        print(f"round {i + 1}/{args.rounds}", flush=True)
+        r: dict[str, Any] = {}
+        for q in args.quantization:
+            start = time.perf_counter()
+            bench = RxfBench(args, single, batch, {"model.quantization": None if q == "none" else q})
+            load_s = time.perf_counter() - start
+            try:
+                r[q] = {"load_s": load_s, "bs1": timed(args, f"{q}: 1 request", bench.one),
+                        "bs1_stream": timed(args, f"{q}: 1 request streamed", bench.one_streamed)}
+            finally:
+                bench.close()
+        rounds.append(r)
+    results["rounds_by_quantization"] = rounds
+    base = args.quantization[0]
+    results["summary_by_quantization"] = {
+        q: {
+            "load_s": summarize([r[q] for r in rounds], "load_s"),
+            "bs1_output_tok_s": summarize([r[q]["bs1"] for r in rounds], "output_tok_s"),
+            "bs1_decode_tok_s": summarize([r[q]["bs1_stream"] for r in rounds], "decode_tok_s"),
+            f"decode_ratio_to_{base}": summarize(
+                [{"r": r[q]["bs1_stream"]["decode_tok_s"] / r[base]["bs1_stream"]["decode_tok_s"]} for r in rounds], "r"),
+            "others_cores": summarize([r[q]["bs1_stream"]["cpu"] for r in rounds], "others_cores"),
+        }
+        for q in args.quantization
+    }
+
+
+def quantization_report(results: dict[str, Any]) -> str:
+    summary = results["summary_by_quantization"]
+    base = next(iter(summary))
+    lines = [f"| model.quantization | 1 request: output tok/s | decode-only tok/s | decode / {base} per round | "
+             "engine start s | other processes' cores |", "|---|---|---|---|---|---|"]
+    for q, row in summary.items():
+        lines.append(f"| {q} | {fmt(row['bs1_output_tok_s'], 1)} | {fmt(row['bs1_decode_tok_s'], 1)} | "
+                     f"{fmt(row[f'decode_ratio_to_{base}'], 2)} | {fmt(row['load_s'], 1)} | {fmt(row['others_cores'], 2)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="examples/demo.toml")
@@ -517,6 +569,8 @@ def main() -> None:
     ap.add_argument("--max-wait", type=float, default=300, help="give up waiting for quiet after this many s")
     ap.add_argument("--max-other-cores", type=float, default=0.25, help="repeat a call if others used more")
     ap.add_argument("--retries", type=int, default=3, help="repeats of one call at most")
+    ap.add_argument("--quantization", nargs="+", default=None,
+                    help="compare these model.quantization values (none: unquantized) at 1 request, rxf only")
     ap.add_argument("--_cold-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._cold_child:
@@ -541,7 +595,10 @@ def main() -> None:
     if args.load_repeats:
         results["warm_load"] = measure_warm_load(args)
 
-    if args.rounds:
+    if args.quantization:
+        run_quantizations(args, results, resolve_model_path(load_config(args.config).model.path))
+        print(quantization_report(results))
+    elif args.rounds:
         run_rounds(args, results, resolve_model_path(load_config(args.config).model.path))
     elif "warm_load" in results:
         results["summary"] = {"load_s": summarize(results["warm_load"], "load_s")}

@@ -64,6 +64,12 @@ class QuantizationMethod:
         """Register the module's parameters (each with its `weight_loader`), on the current device."""
         raise NotImplementedError
 
+    def after_load(self, module: nn.Module, name: str) -> QuantizationMethod | None:
+        """The method for a layer that always loads its dense weight and may be quantized after
+        (`quantize_after_load`: the logits head, whose weight a tied embedding shares), or None
+        (the default): it stays dense. The returned method's `process_loaded` / `apply` serve it."""
+        return None
+
     def process_loaded(self, module: nn.Module) -> None:
         """After the checkpoint is loaded: convert the module's parameters to what `apply` uses."""
 
@@ -128,7 +134,8 @@ def select_method(
 
 def materialize(model: nn.Module, method: QuantizationMethod | None, device: torch.device) -> None:
     """Give every layer built under `building(method)` its weights: the method's parameters where it
-    `quantizes` the layer, else the dense weight the layer left unallocated."""
+    `quantizes` the layer, else the dense weight the layer left unallocated; a layer that is
+    quantized after loading (`quantize_after_load`) gets the method's `after_load` choice."""
     if method is None:
         return
     with torch.device(device):
@@ -140,6 +147,8 @@ def materialize(model: nn.Module, method: QuantizationMethod | None, device: tor
                     method.create_weights(module)
                 else:
                     module.create_dense_weight()
+            elif getattr(module, "quantize_after_load", False):
+                module.quant = method.after_load(module, name)
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from rxf.plugins.quantization import cpu_packing
+from rxf.plugins.quantization.online_int import quantize_int8_rows
 from rxf.testing.checkpoints import make_tiny_checkpoint
 from rxf.testing.model_harness import ModelHarness
 from rxf.testing.quantized_checkpoints import quantize_checkpoint
@@ -69,6 +70,19 @@ def test_int4_matmul_is_the_dequantized_weight_of_q_minus_z_times_s(n, k, group,
     _assert_near_exact(out - bias, prefill @ exact)
 
 
+def test_int8_matmul_is_q_times_the_row_scale():
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(100, 64, generator=gen) * 0.05  # 100 rows: the int8 op takes any N
+    q, scale = quantize_int8_rows(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16
+    dequantized = q.float() * scale.float()[:, None]
+    assert ((dequantized - w).abs() <= scale.float()[:, None] / 2 + 1e-7).all()  # half a step per weight
+    x = torch.randn(5, 64, generator=gen)
+    _assert_matmul_close(cpu_packing.int8_linear(x, q, scale, None), _bf16(_bf16(x) @ dequantized.t()))
+    prefill = torch.randn(3, 7, 64, generator=gen)
+    _assert_near_exact(cpu_packing.int8_linear(prefill, q, scale, None), prefill @ dequantized.t())
+
+
 def test_int4_shapes_the_op_cannot_take_are_not_packed(monkeypatch):
     assert cpu_packing.int4_kernel_group(100, 256, 32) is None  # outputs not a multiple of 16
     assert cpu_packing.int4_kernel_group(96, 256, 16) is None  # groups below the op's 32
@@ -106,7 +120,8 @@ def test_int4_checkpoints_run_packed_near_their_dequantized_twin(dense, tmp_path
 # Online: the dequantized path (packing off) holds exactly the weights the packed path multiplies by
 # (`online_int.py`), so each weight is checked against the unquantized one (at most half a step of
 # its row's or group's scale off), the packed logits against the dequantized path's (the bf16
-# roundings: 3%, as above), and the logits against the unquantized model's: per-weight errors of
+# roundings and the int8 logits head, which the dequantized path leaves dense: measured 1.1-1.2%,
+# bound 3% as above), and the logits against the unquantized model's: per-weight errors of
 # about 0.7% (int8: a step of absmax / 127) and 8% (int4: a step of a 32-weight group's range / 15)
 # of a Gaussian row's scale compound over the tiny model's 8 matmuls to 2.7% and 33-38% of the
 # logits' norm (measured, as online FP8's 2.6% gives 9-10%); the bounds leave twice that.
@@ -118,6 +133,7 @@ def test_online_integer_quantization(dense, monkeypatch, method):
     packed = ModelHarness(dense, **{"model.quantization": method})
     down = packed.runner.model.model.layers[0].mlp.down_proj
     assert hasattr(down, "weight_int8" if method == "int8" else "scales_and_zeros") and not hasattr(down, "weight")
+    assert packed.runner.model.lm_head.weight_int8.dtype == torch.int8  # the head, int8 per row
     monkeypatch.setenv(cpu_packing.ENV, "0")
     reference = ModelHarness(dense, **{"model.quantization": method})
     unquantized = ModelHarness(dense)
@@ -140,6 +156,20 @@ def test_online_integer_quantization(dense, monkeypatch, method):
         assert ((ours - theirs).norm() / theirs.norm()).item() < MODEL_TOLERANCE
         ref = hf.logits(prompt)
         assert 0 < ((theirs - ref).norm() / ref.norm()).item() < ONLINE[method]
+
+
+def test_int8_logits_head_rescores_its_top_logits_densely(dense):
+    """The head's int8 logits come out of the op in bf16; the 16 highest of each row are the dense
+    head's (so greedy choices between near-ties are the dense model's), the rest an int8 estimate."""
+    head = ModelHarness(dense, **{"model.quantization": "int8"}).runner.model.lm_head
+    hidden = torch.randn(3, head.weight.shape[1], generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        ours, exact = head(hidden), hidden @ head.weight.t()
+        estimate = cpu_packing.int8_linear(hidden, head.weight_int8, head.weight_scale, None)
+    top = estimate.topk(16, dim=-1).indices
+    torch.testing.assert_close(ours.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours.argmax(-1), exact.argmax(-1))
+    assert ((ours - exact).norm() / exact.norm()).item() < 0.02  # int8 rows: half a step of absmax / 127
 
 
 def test_online_integer_methods_refuse_what_they_cannot_serve(dense, tmp_path):

@@ -11,7 +11,10 @@ output row: Q4_0 `{fp16 d; u8 qs[16]}`, `w = (q - 8) * d`; Q4_1 `{fp16 d; fp16 m
 m = -8 d) and are packed for torch's int4 matmul on the CPU in groups of 32 (`cpu_packing.py`:
 scale d, offset m + 8 d), never through float32. A fused layer (qkv, gate_up) keeps 4-bit codes
 only when all its projections are Q4_0 / Q4_1; every other tensor (Q8_0, Q6_K, F16, F32, ...) is
-dequantized by the `gguf` package as transformers' GGUF loader does, and loads as usual.
+dequantized by the `gguf` package as transformers' GGUF loader does, and loads as usual; the logits
+head (the demo's is its Q8_0 embedding, tied) then computes in int8 per row (`online_int.Int8Head`:
+its Q8_0 values requantized with one scale per row instead of per block of 32, the embedding
+lookup keeps them as they are).
 
 llama.cpp's converter permutes the rows of each attention head of q and k (its rope rotates
 adjacent pairs, Hugging Face's rotates halves): rows are put back into Hugging Face's order here,
@@ -32,9 +35,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from rxf.core.quantization import QuantizationMethod
 from rxf.plugins.models.layers.linear import TensorLayout
 from rxf.plugins.quantization import cpu_packing
 from rxf.plugins.quantization.base import FUSED_PARTS, LinearMethod, become_dense, checkpoint_names
+from rxf.plugins.quantization.online_int import Int8Head
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +155,9 @@ class GgufMethod(LinearMethod):
         if taken:
             self.taken.update(names)
         return taken
+
+    def after_load(self, module: nn.Module, name: str) -> QuantizationMethod | None:
+        return Int8Head(None, self.dtype)
 
     def create_weights(self, layer: nn.Module) -> None:
         n, k = layer.out_per_rank, layer.in_per_rank

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rxf.core.quantization import QuantizationMethod
 from rxf.core.runner import distributed
 from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
 from rxf.plugins.models.layers.linear import copy_weight, resolve_tp
@@ -64,12 +65,18 @@ class LogitsHead(VocabEmbedding):
     asks for it for `lm_head`, writing float32 directly at tp_size 1 (no separate cast)."""
 
     gemv: DecodeGemv | None = None
+    # A quantization method may serve the head once its dense weight is loaded (`after_load` in
+    # rxf.core.quantization); the weight itself stays, for the embedding it may be tied to.
+    quantize_after_load = True
+    quant: QuantizationMethod | None = None
 
     def use_decode_gemv(self) -> None:
         self.gemv = decode_gemv("lm_head", self.weight, out_dtype=torch.float32 if self.tp_size == 1 else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and self.gemv.applies(hidden):
+        if self.quant is not None:
+            logits = self.quant.apply(self, hidden, None)
+        elif self.gemv is not None and self.gemv.applies(hidden):
             logits = self.gemv(hidden, self.weight, None)
         else:
             logits = F.linear(hidden, self.weight)
