@@ -39,9 +39,10 @@ class ModelConfig(_Section):
     trust_remote_code: bool = False
     quantization: str | None = Field(
         None,
-        description="quantization method ('fp8', 'compressed-tensors', 'awq', 'gptq' or a plugin's); None: the "
-        "checkpoint's quantization_config.quant_method. Set, it wins: 'fp8' on an unquantized checkpoint "
-        "quantizes it at load",
+        description="quantization method ('fp8', 'compressed-tensors', 'awq', 'gptq', 'gguf', 'int8', 'int4', "
+        "'int4-g64', 'int4-g128' or a plugin's); None: the checkpoint's quantization_config.quant_method. Set, it "
+        "wins: 'fp8', 'int8' and 'int4*' on an unquantized checkpoint quantize it at load, 'gguf' reads the .gguf "
+        "file in the model directory",
     )
     load_format: Literal["safetensors", "random"] = Field(
         "safetensors", description="'random': no weights read, every parameter drawn at random (benchmarks of shapes)"

@@ -187,8 +187,12 @@ class GgufMethod(LinearMethod):
 
 
 def _field(reader: Any, key: str) -> Any:
-    """A metadata value of the GGUF."""
+    """A scalar or string metadata value of the GGUF (read from its parts: `ReaderField.contents()`
+    is newer than the gguf>=0.10 rxf requires)."""
+    from gguf import GGUFValueType
+
     field = reader.fields.get(key)
     if field is None:
         raise ValueError(f"model.quantization 'gguf': the GGUF has no {key} metadata")
-    return field.contents()
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if field.types[0] == GGUFValueType.STRING else value.item()
