@@ -1,0 +1,191 @@
+"""The CPU attention backend: decode reads the paged pool in place, extend is batched across requests.
+
+- DECODE: one `torch.compile`d kernel per layer for the whole batch (`cpu_decode.py`): K/V are read
+  from the pool by slot inside the generated loops, never copied out, in float32 whatever the
+  model's dtype (SDPA's CPU kernel with a mask is ~4x slower in bf16 than in fp32; this is not).
+- EXTEND: the requests are packed into a few padded groups (requests of similar length together, so
+  padding stays under `MAX_PADDING` of the work), and each group is one SDPA call (the CPU flash
+  kernel) over K/V gathered from the pool once per group and layer, with one mask per group that
+  holds causality, each request's length and the layer's sliding window. Layers with a soft-cap or
+  sinks use torch_native's `explicit_attention` over the same padded group.
+
+Every feature torch_native has (GQA, sliding windows, soft-caps, sinks) runs in both modes. Without
+a working C++ compiler (Inductor's requirement) decode falls back to torch_native's, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
+from rxf.plugins.attention.cpu_decode import compiled_decode_attention
+from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
+
+if TYPE_CHECKING:
+    from rxf.core.forward import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# A group's padded work (requests x longest new tokens x longest sequence) may exceed the sum of its
+# requests' own (new tokens x sequence) by this factor before a request starts a new group.
+MAX_PADDING = 1.25
+
+
+def pack_groups(extend_lens: list[int], seq_lens: list[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """Request indices in groups for padded attention: longest sequences first, a request joins the
+    current group while the group's padded area stays within `max_padding` of its real area."""
+    order = sorted(range(len(seq_lens)), key=lambda i: (seq_lens[i], extend_lens[i]), reverse=True)
+    groups: list[list[int]] = []
+    real = longest_new = longest_seq = 0
+    for i in order:
+        e, s = extend_lens[i], seq_lens[i]
+        grown = (real + e * s, max(longest_new, e), max(longest_seq, s))
+        if groups and (len(groups[-1]) + 1) * grown[1] * grown[2] <= max_padding * grown[0]:
+            groups[-1].append(i)
+            real, longest_new, longest_seq = grown
+        else:
+            groups.append([i])
+            real, longest_new, longest_seq = e * s, e, s
+    return groups
+
+
+@dataclass
+class _Group:
+    """One padded extend group of b requests, E = its longest new-token count, S = its longest
+    sequence. Padded query row r*E + j is request r's new token j (rows past its count are padding)."""
+
+    q_rows: torch.Tensor  # [b * E] int64: the row of q each padded query row reads (padding: row 0)
+    real: torch.Tensor  # [n] int64: the padded rows that are real tokens ...
+    dst: torch.Tensor  # [n] int64: ... and the output rows they are written to
+    slots: torch.Tensor  # [b, S] int64: the keys' pool slots (padding: slot 0, masked out)
+    query_pos: torch.Tensor  # [b, E, 1] int64: absolute positions of the queries (padding: 0)
+    key_valid: torch.Tensor  # [b, 1, S] bool: a real key of the request
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [b, 1, E, S]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Query i sees key j iff j is the request's, j <= i and, with a window W, i - W < j. A padding
+        row sees key 0 (a real key of every request): no row is all masked."""
+        if window not in self.masks:
+            key_pos = torch.arange(self.slots.shape[1], device=self.slots.device)[None, None, :]
+            visible = self.key_valid & (key_pos <= self.query_pos)
+            if window is not None:
+                visible &= key_pos > self.query_pos - window
+            self.masks[window] = visible.unsqueeze(1)
+        return self.masks[window]
+
+
+class CpuBackend(TorchNativeBackend):
+    auto_priority = 5  # above torch_native (0) on the CPU; GPU backends rank above it on CUDA
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def __init__(self, ctx: AttentionContext) -> None:
+        super().__init__(ctx)
+        self._groups: list[_Group] = []
+        self._first_key: dict[int | None, torch.Tensor] = {}  # decode: window -> [bs] first visible key
+        self._no_sinks: dict[int, torch.Tensor] = {}  # heads -> float32 -inf [heads] (no sink)
+        self._decode = compiled_decode_attention()
+        try:  # compile the plain layers' graphs now (batch 1 and larger) rather than in the first request
+            k_buf, v_buf = ctx.token_to_kv_pool.get_kv_buffer(0)
+            for bs in (1, 2):
+                q = torch.zeros(bs, ctx.num_heads, ctx.head_dim, dtype=ctx.dtype, device=ctx.device)
+                slots = torch.zeros(bs, 3, dtype=torch.int64, device=ctx.device)
+                seq_lens = torch.full((bs,), 3, dtype=torch.int32, device=ctx.device)
+                no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)
+                self._decode(q, k_buf, v_buf, slots, seq_lens, seq_lens * 0, no_sinks, ctx.head_dim**-0.5, None)
+        except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
+            logger.warning("cpu attention: compiled decode unavailable (%s: %s); decode runs torch_native's",
+                           type(e).__name__, e)
+            self._decode = None
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        super().init_forward_metadata(batch)  # the [bs, max_len] slot table; torch_native's decode state
+        self._groups = [] if batch.mode.is_decode() else self._plan_extend(batch)
+        self._first_key = {}
+
+    def _plan_extend(self, batch: ForwardBatch) -> list[_Group]:
+        device = batch.seq_lens.device
+        starts, start = [], 0  # each request's first row in q
+        for n in batch.extend_lens_cpu:
+            starts.append(start)
+            start += n
+        groups = []
+        for members in pack_groups(batch.extend_lens_cpu, batch.seq_lens_cpu):
+            longest_new = max(batch.extend_lens_cpu[i] for i in members)
+            longest_seq = max(batch.seq_lens_cpu[i] for i in members)
+            col = torch.arange(longest_new)
+            q_rows, query_pos, real, dst = [], [], [], []
+            for r, i in enumerate(members):
+                n, prefix = batch.extend_lens_cpu[i], batch.prefix_lens_cpu[i]
+                is_real = col < n
+                q_rows.append(torch.where(is_real, starts[i] + col, 0))
+                query_pos.append(torch.where(is_real, prefix + col, 0))
+                real.append(r * longest_new + col[:n])
+                dst.append(starts[i] + col[:n])
+            index = torch.tensor(members, device=device)
+            groups.append(
+                _Group(
+                    q_rows=torch.cat(q_rows).to(device),
+                    real=torch.cat(real).to(device),
+                    dst=torch.cat(dst).to(device),
+                    slots=self._slots[index, :longest_seq],
+                    query_pos=torch.stack(query_pos).to(device)[:, :, None],
+                    key_valid=self._valid[index, None, :longest_seq],
+                )
+            )
+        return groups
+
+    def _store(
+        self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' K/V at their slots; the layer's pool buffers, in the pool's dtype."""
+        pool = batch.token_to_kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        return pool.get_kv_buffer(layer.layer_id)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        k_buf, v_buf = self._store(layer, batch, k, v)
+        plain = not (layer_features(layer) - {"sliding_window"})  # SDPA takes the window in its mask
+        gqa = layer.num_heads != layer.num_kv_heads
+        out = torch.empty_like(q)
+        for g in self._groups:
+            b, num_keys = g.slots.shape
+            qg = q.index_select(0, g.q_rows).view(b, -1, *q.shape[1:]).transpose(1, 2)  # [b, H, E, D]
+            flat = g.slots.reshape(-1)
+            kg = k_buf.index_select(0, flat).view(b, num_keys, *k_buf.shape[1:]).transpose(1, 2).to(q.dtype)
+            vg = v_buf.index_select(0, flat).view(b, num_keys, *v_buf.shape[1:]).transpose(1, 2).to(q.dtype)
+            mask = g.mask(layer.sliding_window)
+            if plain:
+                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
+            else:
+                o = explicit_attention(qg, kg, vg, mask, layer)
+            out.index_copy_(0, g.dst, o.transpose(1, 2).flatten(0, 1).index_select(0, g.real))
+        return out
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if self._decode is None:
+            return super().forward_decode(q, k, v, layer, batch)
+        k_buf, v_buf = self._store(layer, batch, k, v)
+        window = layer.sliding_window
+        if window not in self._first_key:  # shared by the layers of one window
+            first = torch.zeros_like(batch.seq_lens) if window is None else (batch.seq_lens - window).clamp_min(0)
+            self._first_key[window] = first
+        sinks = layer.sinks
+        if sinks is None:
+            sinks = self._no_sinks.get(layer.num_heads)
+            if sinks is None:
+                sinks = self._no_sinks[layer.num_heads] = torch.full((layer.num_heads,), float("-inf"), device=q.device)
+        return self._decode(
+            q, k_buf, v_buf, self._slots, batch.seq_lens, self._first_key[window], sinks, layer.scaling, layer.logit_cap
+        )
