@@ -5,8 +5,9 @@
   model's dtype (SDPA's CPU kernel with a mask is ~4x slower in bf16 than in fp32; this is not).
 - EXTEND: the requests are packed into a few padded groups (requests of similar length together, so
   padding stays under `MAX_PADDING` of the work), and each group is one SDPA call (the CPU flash
-  kernel) over K/V gathered from the pool once per group and layer, with one mask per group that
-  holds causality, each request's length and the layer's sliding window. Layers with a soft-cap or
+  kernel) over K/V gathered from the pool once per group and layer: with SDPA's causal flag where no
+  member has a cached prefix, else with one mask per group that holds causality, each request's
+  length and the layer's sliding window. Layers with a soft-cap or
   sinks use torch_native's `explicit_attention` over the same padded group.
 
 Every feature torch_native has (GQA, sliding windows, soft-caps, sinks) runs in both modes. Without
@@ -65,6 +66,10 @@ class _Group:
     slots: torch.Tensor  # [b, S] int64: the keys' pool slots (padding: slot 0, masked out)
     query_pos: torch.Tensor  # [b, E, 1] int64: absolute positions of the queries (padding: 0)
     key_valid: torch.Tensor  # [b, 1, S] bool: a real key of the request
+    # No member has a cached prefix: request r's keys are its new tokens, so SDPA's own causal mask
+    # (query j sees keys <= j) is exact for every real row, and its kernel skips the blocks above the
+    # diagonal (at 16 x 512 tokens an explicit mask made prefill 1.5x slower).
+    no_prefix: bool
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # window -> [b, 1, E, S]
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -138,6 +143,7 @@ class CpuBackend(TorchNativeBackend):
                     slots=self._slots[index, :longest_seq],
                     query_pos=torch.stack(query_pos).to(device)[:, :, None],
                     key_valid=self._valid[index, None, :longest_seq],
+                    no_prefix=not any(batch.prefix_lens_cpu[i] for i in members),
                 )
             )
         return groups
@@ -163,11 +169,13 @@ class CpuBackend(TorchNativeBackend):
             flat = g.slots.reshape(-1)
             kg = k_buf.index_select(0, flat).view(b, num_keys, *k_buf.shape[1:]).transpose(1, 2).to(q.dtype)
             vg = v_buf.index_select(0, flat).view(b, num_keys, *v_buf.shape[1:]).transpose(1, 2).to(q.dtype)
-            mask = g.mask(layer.sliding_window)
-            if plain:
+            if plain and g.no_prefix and layer.sliding_window is None:
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
+            elif plain:
+                mask = g.mask(layer.sliding_window)
                 o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa)
             else:
-                o = explicit_attention(qg, kg, vg, mask, layer)
+                o = explicit_attention(qg, kg, vg, g.mask(layer.sliding_window), layer)
             out.index_copy_(0, g.dst, o.transpose(1, 2).flatten(0, 1).index_select(0, g.real))
         return out
 
