@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rxf.plugins.attention.cpu import CpuBackend, pack_groups
+from rxf.plugins.attention.cpu import COMPILE_ENV, CpuBackend, pack_groups
 from rxf.testing import make_tiny_checkpoint
-from rxf.testing.attention import assert_bf16_close, compare_backends
+from rxf.testing.attention import assert_bf16_close, compare_backends, make_case
 from rxf.testing.model_parity import check_logits, check_runtime_greedy
 
 SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0])
@@ -36,6 +36,13 @@ BATCHES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def compile_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every backend built here (Runtime's scheduler too) waits for its compiled decode, so decode
+    runs the compiled kernel, not the torch_native fallback it uses meanwhile."""
+    monkeypatch.setenv(COMPILE_ENV, "startup")
+
+
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("features", list(FEATURES))
 def test_matches_torch_native_fp32(features: str, batch: str) -> None:
@@ -50,6 +57,17 @@ def test_matches_torch_native_bf16(features: str, batch: str) -> None:
     out, ref, k, ref_k = compare_backends(CpuBackend, *BATCHES[batch], **SHAPE, dtype=torch.bfloat16, **FEATURES[features])
     assert_bf16_close(out, ref)
     assert torch.equal(k, ref_k)
+
+
+def test_background_compile_takes_over_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(COMPILE_ENV, "background")
+    ctx = make_case([4], [1], **SHAPE, dtype=torch.float32)[0]
+    backend = CpuBackend(ctx)
+    assert backend.compiled.wait(120), "the background compile did not finish"
+    assert backend._decode is not None
+    monkeypatch.setenv(COMPILE_ENV, "soon")
+    with pytest.raises(ValueError, match=COMPILE_ENV):
+        CpuBackend(ctx)
 
 
 def test_pack_groups_bounds_padding() -> None:

@@ -10,13 +10,18 @@
   length and the layer's sliding window. Layers with a soft-cap or
   sinks use torch_native's `explicit_attention` over the same padded group.
 
-Every feature torch_native has (GQA, sliding windows, soft-caps, sinks) runs in both modes. Without
-a working C++ compiler (Inductor's requirement) decode falls back to torch_native's, with a warning.
+Every feature torch_native has (GQA, sliding windows, soft-caps, sinks) runs in both modes. The
+decode kernels compile in a background thread (`COMPILE_ENV`); until they are ready, and for good
+without a working C++ compiler (Inductor's requirement, with a warning), decode is torch_native's.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,13 +29,18 @@ import torch
 import torch.nn.functional as F
 
 from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
-from rxf.plugins.attention.cpu_decode import compiled_decode_attention
+from rxf.plugins.attention.cpu_decode import compiled_decode_attention, warm_up
 from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
 
 if TYPE_CHECKING:
     from rxf.core.forward import ForwardBatch
 
 logger = logging.getLogger(__name__)
+
+# When the decode kernels compile: "background" (default: start-up does not wait; decode runs
+# torch_native's until they are ready, ~2 s with Inductor's disk cache warm, 10-20 s cold) or
+# "startup" (the backend's constructor waits: what benchmarks and tests want).
+COMPILE_ENV = "RXF_CPU_ATTENTION_COMPILE"
 
 # A group's padded work (requests x longest new tokens x longest sequence) may exceed the sum of its
 # requests' own (new tokens x sequence) by this factor before a request starts a new group.
@@ -96,24 +106,36 @@ class CpuBackend(TorchNativeBackend):
         self._groups: list[_Group] = []
         self._first_key: dict[int | None, torch.Tensor] = {}  # decode: window -> [bs] first visible key
         self._no_sinks: dict[int, torch.Tensor] = {}  # heads -> float32 -inf [heads] (no sink)
-        self._decode = compiled_decode_attention()
-        try:  # compile the plain layers' graphs now (batch 1 and larger) rather than in the first request
-            k_buf, v_buf = ctx.token_to_kv_pool.get_kv_buffer(0)
-            for bs in (1, 2):
-                q = torch.zeros(bs, ctx.num_heads, ctx.head_dim, dtype=ctx.dtype, device=ctx.device)
-                slots = torch.zeros(bs, 3, dtype=torch.int64, device=ctx.device)
-                seq_lens = torch.full((bs,), 3, dtype=torch.int32, device=ctx.device)
-                no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)
-                self._decode(q, k_buf, v_buf, slots, seq_lens, seq_lens * 0, no_sinks, ctx.head_dim**-0.5, None)
+        # Until the compiled kernels are ready decode runs torch_native's (the same results).
+        self._decode: Callable[..., torch.Tensor] | None = None
+        self._step_decode = self._decode
+        self.compiled = threading.Event()  # set once compiling is over, done or failed
+        when = os.environ.get(COMPILE_ENV, "background")
+        if when not in ("background", "startup"):
+            raise ValueError(f"{COMPILE_ENV}={when!r}: must be 'background' or 'startup'")
+        if when == "startup":
+            self._compile()
+        else:
+            threading.Thread(target=self._compile, name="rxf-cpu-attention-compile", daemon=True).start()
+
+    def _compile(self) -> None:
+        start = time.perf_counter()
+        try:
+            kernel = compiled_decode_attention()
+            warm_up(kernel, self.ctx)
         except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
-            logger.warning("cpu attention: compiled decode unavailable (%s: %s); decode runs torch_native's",
-                           type(e).__name__, e)
-            self._decode = None
+            logger.warning("cpu attention: no compiled decode (%s: %s); decode stays torch_native's", type(e).__name__, e)
+        else:
+            self._decode = kernel
+            logger.info("cpu attention: decode kernels compiled in %.1f s", time.perf_counter() - start)
+        finally:
+            self.compiled.set()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         super().init_forward_metadata(batch)  # the [bs, max_len] slot table; torch_native's decode state
         self._groups = [] if batch.mode.is_decode() else self._plan_extend(batch)
         self._first_key = {}
+        self._step_decode = self._decode  # one forward's layers all take the same path
 
     def _plan_extend(self, batch: ForwardBatch) -> list[_Group]:
         device = batch.seq_lens.device
@@ -182,7 +204,7 @@ class CpuBackend(TorchNativeBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        if self._decode is None:
+        if self._step_decode is None:
             return super().forward_decode(q, k, v, layer, batch)
         k_buf, v_buf = self._store(layer, batch, k, v)
         window = layer.sliding_window
@@ -194,6 +216,6 @@ class CpuBackend(TorchNativeBackend):
             sinks = self._no_sinks.get(layer.num_heads)
             if sinks is None:
                 sinks = self._no_sinks[layer.num_heads] = torch.full((layer.num_heads,), float("-inf"), device=q.device)
-        return self._decode(
+        return self._step_decode(
             q, k_buf, v_buf, self._slots, batch.seq_lens, self._first_key[window], sinks, layer.scaling, layer.logit_cap
         )

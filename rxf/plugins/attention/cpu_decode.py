@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rxf.core.attention import AttentionContext
 
 logger = logging.getLogger(__name__)
 
@@ -75,3 +79,15 @@ def compiled_decode_attention() -> Callable[..., torch.Tensor]:
     if _compiled is None:
         _compiled = torch.compile(paged_decode_attention, dynamic=True)
     return _compiled
+
+
+def warm_up(kernel: Callable[..., torch.Tensor], ctx: AttentionContext) -> None:
+    """Compile `kernel`'s graphs for plain layers of `ctx`'s shapes and dtype: batch 1 and larger.
+    Reads slot 0 of layer 0's pool buffers only (the reserved slot, never written to)."""
+    k_buf, v_buf = ctx.token_to_kv_pool.get_kv_buffer(0)
+    no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)
+    for bs in (1, 2):
+        q = torch.zeros(bs, ctx.num_heads, ctx.head_dim, dtype=ctx.dtype, device=ctx.device)
+        slots = torch.zeros(bs, 3, dtype=torch.int64, device=ctx.device)
+        seq_lens = torch.full((bs,), 3, dtype=torch.int32, device=ctx.device)
+        kernel(q, k_buf, v_buf, slots, seq_lens, torch.zeros_like(seq_lens), no_sinks, ctx.head_dim**-0.5, None)
