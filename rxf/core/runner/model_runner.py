@@ -97,14 +97,22 @@ def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): there oneDNN's bf16 matmuls
+    beat fp32 (half the weight bytes per token; the demo model decodes ~2x faster, see
+    benchmarks/RESULTS.md "CPU bf16"); elsewhere bf16 is emulated."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
-    if device.type != "cuda":
-        return torch.float32  # CPU half-precision matmuls are slow and less accurate
     ckpt = getattr(hf_config, "dtype", None)
     ckpt = getattr(torch, ckpt, None) if isinstance(ckpt, str) else ckpt
-    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+    half = ckpt in (torch.bfloat16, torch.float16)
+    if device.type != "cuda":  # a half-precision checkpoint in bf16 where the CPU has it, else fp32
+        return torch.bfloat16 if half and cpu_has_native_bf16() else torch.float32
+    return ckpt if half else torch.bfloat16
 
 
 def _as_list(value: Any) -> list[int]:

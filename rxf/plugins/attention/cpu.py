@@ -17,6 +17,7 @@ without a working C++ compiler (Inductor's requirement, with a warning), decode 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
-from rxf.plugins.attention.cpu_decode import compiled_decode_attention, warm_up
+from rxf.plugins.attention.cpu_decode import decode_attention, warm_up
 from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
 
 if TYPE_CHECKING:
@@ -116,17 +117,19 @@ class CpuBackend(TorchNativeBackend):
         if when == "startup":
             self._compile()
         else:
-            threading.Thread(target=self._compile, name="rxf-cpu-attention-compile", daemon=True).start()
+            thread = threading.Thread(target=self._compile, name="rxf-cpu-attention-compile", daemon=True)
+            thread.start()
+            # An interpreter that exits while Inductor compiles aborts (std::terminate): wait for it.
+            atexit.register(thread.join)
 
     def _compile(self) -> None:
         start = time.perf_counter()
         try:
-            kernel = compiled_decode_attention()
-            warm_up(kernel, self.ctx)
+            warm_up(self.ctx)
         except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
             logger.warning("cpu attention: no compiled decode (%s: %s); decode stays torch_native's", type(e).__name__, e)
         else:
-            self._decode = kernel
+            self._decode = decode_attention
             logger.info("cpu attention: decode kernels compiled in %.1f s", time.perf_counter() - start)
         finally:
             self.compiled.set()

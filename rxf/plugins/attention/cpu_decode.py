@@ -18,7 +18,7 @@ graph (a model's layers share them): a model compiles two to four graphs.
 
 from __future__ import annotations
 
-import logging
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,6 @@ import torch
 if TYPE_CHECKING:
     from rxf.core.attention import AttentionContext
 
-logger = logging.getLogger(__name__)
 
 
 def paged_decode_attention(
@@ -68,26 +67,39 @@ def paged_decode_attention(
     return out.reshape(bs, kv_heads * group, head_dim).to(q.dtype)
 
 
+# One compile at a time per process: a backend's background warm-up and another's first call with
+# new shapes must not compile the same function from two threads (dynamo's guards then misfire).
+_lock = threading.Lock()
 _compiled: Callable[..., torch.Tensor] | None = None
+_warmed: set[tuple] = set()  # (dtype, pool dtype, heads, kv heads, head_dim) already compiled
+# Graphs per process: dtypes x shapes x (soft-cap or not) x (batch 1 or not); tests in one process
+# build many models, dynamo's default of 8 per function would send the rest to eager.
+RECOMPILE_LIMIT = 64
 
 
-def compiled_decode_attention() -> Callable[..., torch.Tensor]:
-    """`paged_decode_attention` through torch.compile (one per process: the graphs it compiles are
-    shared by every layer and backend instance). Inductor caches its kernels on disk (its default
-    cache directory), so only a process's first compile of a graph on a machine takes long."""
+def decode_attention(*args: object) -> torch.Tensor:
+    """`paged_decode_attention` compiled by torch.compile; the graphs are shared by every layer and
+    backend of the process. Inductor caches its kernels on disk (its default cache directory), so
+    only a machine's first compile of a graph takes long (10-20 s; later processes ~2 s)."""
     global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(paged_decode_attention, dynamic=True)
-    return _compiled
+    with _lock:
+        if _compiled is None:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            _compiled = torch.compile(paged_decode_attention, dynamic=True)
+        return _compiled(*args)
 
 
-def warm_up(kernel: Callable[..., torch.Tensor], ctx: AttentionContext) -> None:
-    """Compile `kernel`'s graphs for plain layers of `ctx`'s shapes and dtype: batch 1 and larger.
-    Reads slot 0 of layer 0's pool buffers only (the reserved slot, never written to)."""
+def warm_up(ctx: AttentionContext) -> None:
+    """Compile the graphs of plain layers of `ctx`'s shapes and dtype, batch 1 and larger (once per
+    process). Reads slot 0 of layer 0's pool buffers only (the reserved slot, never written to)."""
     k_buf, v_buf = ctx.token_to_kv_pool.get_kv_buffer(0)
+    key = (ctx.dtype, k_buf.dtype, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim)
+    if key in _warmed:
+        return
     no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)
     for bs in (1, 2):
         q = torch.zeros(bs, ctx.num_heads, ctx.head_dim, dtype=ctx.dtype, device=ctx.device)
         slots = torch.zeros(bs, 3, dtype=torch.int64, device=ctx.device)
         seq_lens = torch.full((bs,), 3, dtype=torch.int32, device=ctx.device)
-        kernel(q, k_buf, v_buf, slots, seq_lens, torch.zeros_like(seq_lens), no_sinks, ctx.head_dim**-0.5, None)
+        decode_attention(q, k_buf, v_buf, slots, seq_lens, torch.zeros_like(seq_lens), no_sinks, ctx.head_dim**-0.5, None)
+    _warmed.add(key)
