@@ -37,9 +37,9 @@ _WATCH_POLL_S = 0.01
 
 # The scheduler processes' environment, where the user's sets none of it. OpenMP threads (torch's CPU
 # ops) sleep at the end of a parallel region instead of spinning: with libgomp's default spin, a
-# thread that waits for a peer descheduled by another process burns the core that peer needs, and
-# on a 2-core machine with one core busy decode fell from 12-20 to 3-5 tok/s (2 threads; passive:
-# 15-17). Measured in benchmarks/RESULTS.md ("CPU threads").
+# thread that waits for a peer descheduled by another process burns the core that peer needs. On the
+# 2-core machine beside other jobs, demo decode with 2 threads fell to 2-5 tok/s spinning against
+# 12-20 passive (benchmarks/RESULTS.md, "OpenMP threads on a busy machine").
 SCHEDULER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
