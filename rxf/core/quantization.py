@@ -14,6 +14,11 @@ so the core and the models name no method. The model runner:
 3. loads the checkpoint, then calls `finish_loading(model)`: each quantized layer is turned into the
    form its device computes with (repacked for a kernel, or dequantized).
 
+Mixture-of-experts layers (`FusedExperts`) go through the same three steps: a method that takes
+them over registers their stacked `[E, ...]` parameters and computes their forward in
+`apply_experts`. Routers are built inside `unquantized()`: they stay dense under every method (as
+quantized MoE checkpoints store them).
+
 Without a method none of this runs: unquantized models keep their code path and speed.
 """
 
@@ -64,13 +69,30 @@ class QuantizationMethod:
         """The module's `x @ W.T + bias` (the linear layers route their matmul here)."""
         raise NotImplementedError
 
+    def apply_experts(
+        self, module: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """A `FusedExperts` module's forward (its contract: `moe.experts_native`'s) for the experts
+        this method took over; a method that takes none need not define it."""
+        raise NotImplementedError
 
-_ACTIVE: list[QuantizationMethod] = []
+
+_ACTIVE: list[QuantizationMethod | None] = []
 
 
 def active_method() -> QuantizationMethod | None:
-    """The method of the model being built now (inside `building`), else None."""
+    """The method of the model being built now (inside `building`, and not `unquantized`), else None."""
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def unquantized() -> Iterator[None]:
+    """Layers built inside this stay dense whatever the method (a MoE router)."""
+    _ACTIVE.append(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
 
 
 @contextlib.contextmanager

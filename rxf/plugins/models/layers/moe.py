@@ -159,6 +159,11 @@ class StackedExpertWeight(nn.Module):
             self.bias.weight_loader = self.bias_loader
             self.bias.shard_ids = self.shard_ids
 
+    def checkpoint_rows(self) -> int:
+        """Rows of one checkpoint tensor of this projection (an expert's full gate, up or down)."""
+        part = self.rows // self.parts
+        return part * self.tp_size if self.split_dim == 0 else part
+
     def add_param(self, name: str, data: torch.Tensor, layout: TensorLayout = DENSE) -> nn.Parameter:
         """Register `data` `[E, ...]` as parameter `name`, each expert's slice loaded from its checkpoint
         tensors as `layout` says of one expert's projection (`linear.TensorLayout`: dim 0 runs along
@@ -190,7 +195,7 @@ class StackedExpertWeight(nn.Module):
                 raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)} "
                                  f"x tp_size {self.tp_size} along dim 0")
             src = src.narrow(0, self.tp_rank * n, n)
-        elif layout.in_dim is not None:
+        elif layout.in_dim is not None and self.tp_size > 1:
             if layout.in_pack == 1 and src.shape[1] != self.cols * self.tp_size:
                 raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)} "
                                  f"x tp_size {self.tp_size} along dim 1")
