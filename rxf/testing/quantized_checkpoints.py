@@ -54,6 +54,19 @@ def _fp8_block(w: torch.Tensor, bn: int, bk: int) -> tuple[dict[str, torch.Tenso
     return {"weight": q, "weight_scale_inv": scale}, q.float() * full
 
 
+def fp8_experts(w: torch.Tensor, block_k: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked expert weights `w` `[E, N, K]` as the fused MoE kernels take them: (FP8 `w`, float32
+    scales `[E, N, ceil(K / block_k)]`, or `[E, N, 1]` per row for block_k None, the float32 weight
+    they encode): each row's (or row's block of block_k inputs') absmax mapped to 448, rounded by
+    torch (the Triton interpreter's float-to-FP8 cast is wrong; it reads FP8 correctly)."""
+    e, n, k = w.shape
+    g = block_k or k
+    blocks = torch.nn.functional.pad(w.float(), (0, (-k) % g)).view(e, n, -1, g)
+    scale = blocks.abs().amax(dim=3).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[..., None]).view(e, n, -1)[..., :k].to(FP8)
+    return q, scale.contiguous(), q.float() * scale.repeat_interleave(g, dim=2)[..., :k]
+
+
 def _fp8_rows(w: torch.Tensor, per_channel: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().max().reshape(1, 1)
     scale = amax.clamp(min=1e-12) / 448.0

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 from rxf.plugins.models.layers import fused_moe_decode  # noqa: E402
 from rxf.plugins.models.layers.fused_moe import BlockConfig, align_pairs, fused_experts  # noqa: E402
 from rxf.plugins.models.layers.moe import ExpertScales, GatedActivation, experts_native, select_experts  # noqa: E402
+from rxf.testing.quantized_checkpoints import fp8_experts  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 SMALL = BlockConfig(16, 32, 32, down_block_n=16, group_m=2)  # several column and K blocks at tiny shapes
@@ -124,19 +125,6 @@ def test_biases_and_clamped_activation_match_torch_path(tokens, experts, top_k, 
     assert not torch.allclose(unclamped, ref, rtol=1e-2), "the clamp changes nothing: the test cannot fail"
     with pytest.raises(ValueError, match="both expert biases or neither"):
         fused_experts(x, w13, w2, weights, ids, b13=b13)
-
-
-def fp8_experts(w: torch.Tensor, block_k: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(FP8 `w` `[E, N, K]`, its float32 scales as `ExpertScales` holds them, the float32 weight they
-    encode): each row's (block_k None) or each row's block of block_k inputs' absmax mapped to 448,
-    rounded by torch (the interpreter's own float-to-FP8 cast is wrong; it reads FP8 correctly)."""
-    e, n, k = w.shape
-    g = block_k or k
-    blocks = torch.nn.functional.pad(w.float(), (0, (-k) % g)).view(e, n, -1, g)
-    scale = blocks.abs().amax(dim=3).clamp(min=1e-12) / 448.0  # [E, N, K blocks]
-    q = (blocks / scale[..., None]).view(e, n, -1)[..., :k].to(torch.float8_e4m3fn)
-    full = scale.repeat_interleave(g, dim=2)[..., :k]
-    return q, scale.contiguous(), q.float() * full
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

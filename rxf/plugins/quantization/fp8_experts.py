@@ -36,6 +36,12 @@ def _projections(experts: FusedExperts) -> tuple[StackedExpertWeight, StackedExp
     return experts.w13, experts.w2
 
 
+def keeps_fp8(weight: torch.Tensor) -> bool:
+    """Whether experts whose weight lives where `weight` does run the FP8 kernels (CUDA), rather
+    than being dequantized at load."""
+    return weight.is_cuda
+
+
 def _add_fp8_weight(proj: StackedExpertWeight) -> None:
     proj.add_param("weight", torch.empty(proj.num_experts, proj.rows, proj.cols, dtype=fp8_ops.FP8), _FP8_WEIGHT)
 
@@ -92,7 +98,7 @@ def _become_dense(experts: FusedExperts, dense: list[torch.Tensor]) -> None:
 
 def process_block(experts: FusedExperts, block_k: int) -> None:
     w13, w2 = _projections(experts)
-    if not w13.weight.is_cuda:
+    if not keeps_fp8(w13.weight):
         _become_dense(experts, [fp8_ops.dequantize_blocks(p.weight.data, p.weight_scale_inv.data, block_k, experts.dtype)
                                 for p in (w13, w2)])
         return
@@ -105,7 +111,7 @@ def process_rows(experts: FusedExperts) -> None:
     """Checkpoint FP8 with row or tensor scales, or (`online`) the dense weights just loaded."""
     w13, w2 = _projections(experts)
     scales = [_per_row(p, p.weight_scale.data) for p in (w13, w2)]
-    if not w13.weight.is_cuda:
+    if not keeps_fp8(w13.weight):
         _become_dense(experts, [fp8_ops.dequantize_rows(p.weight.data, s, experts.dtype)
                                 for p, s in zip((w13, w2), scales, strict=True)])
         return
