@@ -16,7 +16,7 @@ from rxf.core.registry import PluginRegistry
 from rxf.testing.checkpoints import make_tiny_checkpoint
 from rxf.testing.model_harness import ModelHarness
 from rxf.testing.model_parity import check_logits
-from rxf.testing.quantized_checkpoints import quantize_checkpoint
+from rxf.testing.quantized_checkpoints import fp8_experts, quantize_checkpoint
 from rxf.testing.reference import HFReference
 
 PROMPTS = [[5, 80, 17, 300, 42, 9, 77, 123], [400, 12, 33, 7, 250]]
@@ -203,3 +203,17 @@ def test_quantized_experts_bad_input_and_int4_refusal(moe_dense, tmp_path):
     awq = quantize_checkpoint(mixtral, tmp_path / "awq", "awq")
     _rewrite(awq, modules_to_not_convert=["gate"])  # the router, as AWQ's Mixtral checkpoints list it
     assert _harness_error(awq).startswith("awq: quantized MoE experts (model.layers.0.mlp.experts)")
+
+
+def test_random_weights_quantized_at_load(moe_dense, tmp_path):
+    """`model.load_format = "random"` with online FP8 (the benchmarks' checkpoints too large for the
+    disk): the random draws, experts included, rounded per row through FP8; a quantized checkpoint
+    cannot take random weights."""
+    dense = moe_dense["Qwen3MoeForCausalLM"]
+    drawn = ModelHarness(dense, **{"model.load_format": "random"}).runner.model.model.layers[1].mlp.experts
+    online = ModelHarness(dense, **{"model.load_format": "random", "model.quantization": "fp8"})
+    experts = online.runner.model.model.layers[1].mlp.experts
+    for ours, theirs in ((experts.w13.weight, drawn.w13.weight), (experts.w2.weight, drawn.w2.weight)):
+        assert torch.equal(ours, fp8_experts(theirs, None)[2])
+    q = quantize_checkpoint(dense, tmp_path / "q", "fp8")
+    assert "cannot serve a quantized checkpoint" in _harness_error(q, **{"model.load_format": "random"})
