@@ -26,6 +26,14 @@ pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13
 Up to `fused_moe_decode.MAX_TOKENS` tokens without a caller's block sizes take `fused_moe_decode`'s
 two GEMV-shaped launches instead (no alignment, the top-k sum fused).
 
+FP8 weights (`scales`: `moe.ExpertScales`) are weight-only in both paths: each weight tile is loaded
+in FP8 (half the bytes), upcast to x.dtype in registers and multiplied by its scales in float32 —
+per row once after the K loop, or per K tile for block scales (a tile never spans two scale
+blocks). Weight-only rather than FP8 x FP8 `tl.dot` with per-token activation scales: decode is
+bound by the weight reads, which this halves, and prefill keeps bf16's accuracy at bf16's tensor-core
+rate (the FP8 dot would double that rate at large M, at the cost of an activation-quantization
+launch and its error).
+
 Block sizes: the caller's, else those tuned for this shape and GPU (`fused_moe_table`, written by
 benchmarks/gpu_moe_tune.py), else `pick_config`'s heuristic.
 """

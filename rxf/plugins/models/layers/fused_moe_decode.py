@@ -19,6 +19,8 @@ choice p % k (as in `fused_moe`). Weights as `FusedExperts` holds them: w13 `[E,
 
 Both stream weight tiles through `tl.dot` against the activation row padded to a 16-column tile (as
 `gemv_kernel` does), so Triton's software pipeline keeps `num_stages` tiles in flight per program.
+FP8 weights are upcast in registers and scaled as `fused_moe` describes (block scales shrink the
+K tiles to the scale block when it is smaller).
 
 Counters: one int32 buffer per device (`_counters`), shared by every layer. Invariant between
 launches: all zero (each launch resets the counters it used). The layers of a forward run one after
