@@ -5,7 +5,8 @@ quantizes — their parameters, how checkpoint tensors load into them, what runs
 so the core and the models name no method. The model runner:
 
 1. picks the method (`select_method`): `model.quantization` when set, else the checkpoint's
-   `quantization_config.quant_method`, else none. The configured name wins; the checkpoint's
+   `quantization_config.quant_method` (unless the model class reads that format itself, listing it
+   in `native_quant_methods`: gpt-oss's MXFP4 experts), else none. The configured name wins; the checkpoint's
    `quantization_config` (or None: an unquantized checkpoint, quantized online at load) goes to
    the method, which refuses a config it cannot read;
 2. builds the model inside `building(method)`, where the linear layers ask `active_method()`
@@ -122,12 +123,14 @@ def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:
 
 
 def select_method(
-    registry: PluginRegistry, hf_config: Any, configured: str | None, dtype: torch.dtype
+    registry: PluginRegistry, hf_config: Any, configured: str | None, dtype: torch.dtype,
+    native: tuple[str, ...] = (),
 ) -> QuantizationMethod | None:
-    """The method that loads this checkpoint (see the module docstring for the rule), or None."""
+    """The method that loads this checkpoint (see the module docstring for the rule), or None;
+    `native`: the formats the model class reads itself."""
     quant_config = checkpoint_quant_config(hf_config)
     name = configured or (quant_config or {}).get("quant_method")
-    if name is None:
+    if name is None or (configured is None and name in native):
         return None
     if name not in registry.names("quantization_methods"):
         source = "model.quantization" if configured else "config.json quantization_config.quant_method"

@@ -206,7 +206,8 @@ class ModelRunner:
             )
         served = {"context_length": self.max_context_len} if supported else {}
         random_weights = config.model.load_format == "random"
-        method = quantization.select_method(registry, self.hf_config, config.model.quantization, self.dtype)
+        method = quantization.select_method(registry, self.hf_config, config.model.quantization, self.dtype,
+                                            getattr(model_cls, "native_quant_methods", ()))
         if method is not None and random_weights and method.quant_config is not None:
             raise ValueError("model.load_format 'random' draws dense weights; it cannot serve a quantized checkpoint "
                              "(a method that quantizes at load, model.quantization = 'fp8', quantizes them)")
