@@ -160,8 +160,12 @@ def test_fp8_scales_that_the_kernels_cannot_take_are_refused() -> None:
     q2, s2, _ = fp8_experts(w2, 48)
     with pytest.raises(ValueError, match="scale blocks of 48 inputs"):
         fused_experts(x, q13, q2, weights, ids, scales=ExpertScales(s13, s2, 48))
+    q13, s13, _ = fp8_experts(w13, 32)
+    q2, s2, _ = fp8_experts(w2, 32)
     with pytest.raises(ValueError, match="w13 scales must be float32"):
-        fused_experts(x, q13, q2, weights, ids, scales=ExpertScales(s13.half(), s2, 48))
+        fused_experts(x, q13, q2, weights, ids, scales=ExpertScales(s13.half(), s2, 32))
+    with pytest.raises(ValueError, match=r"w2 scales must be float32 \[4, 64, 2\]"):
+        fused_experts(x, q13, q2, weights, ids, scales=ExpertScales(s13, s2[:, :, :1].contiguous(), 32))
 
 
 def test_native_biased_expert_is_the_reference_formula() -> None:

@@ -102,6 +102,8 @@ def process_block(experts: FusedExperts, block_k: int) -> None:
         _become_dense(experts, [fp8_ops.dequantize_blocks(p.weight.data, p.weight_scale_inv.data, block_k, experts.dtype)
                                 for p in (w13, w2)])
         return
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"fp8: weight_block_size columns {block_k}: FP8 experts on CUDA take powers of two >= 16")
     for proj in (w13, w2):
         proj.add_param("weight_scale_inv", proj.weight_scale_inv.data.float().contiguous())
     experts.fp8_scales = ExpertScales(w13.weight_scale_inv, w2.weight_scale_inv, block_k)

@@ -295,7 +295,7 @@ def fused_experts(
                                                activation=activation, scales=scales)
     num_pairs = num_tokens * top_k
     cfg = config or tuned_config(num_tokens, w13, x.dtype) or pick_config(num_pairs, num_experts, x.element_size())
-    scale_args, s13, s2 = kernel_scale_args(scales, cfg.block_k, x.device)
+    scale_args, s13, s2 = kernel_scale_args(scales, cfg.block_k, w13, w2)
     cfg = dataclasses.replace(cfg, block_k=scale_args.pop("kernel_block_k"))
     sorted_pairs, block_expert, total = align_pairs(topk_ids, num_experts, cfg.block_m)
     num_blocks = block_expert.numel()

@@ -197,7 +197,7 @@ def decode_experts(
     y = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     bn, bk, warps, stages = GATE_UP_BLOCKS
-    scale_args, s13, s2 = kernel_scale_args(scales, bk, x.device)
+    scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
         x, w13, b13 if has_bias else w13, s13, act, ids, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if has_bias else 0, s13.stride(0), s13.stride(1),
@@ -207,7 +207,7 @@ def decode_experts(
         num_stages=stages, **scale_args,
     )
     bn, bk, warps, stages = DOWN_BLOCKS
-    scale_args, s13, s2 = kernel_scale_args(scales, bk, x.device)
+    scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     blocks = num_tokens * triton.cdiv(hidden, bn)
     partials = torch.empty(blocks * top_k * bn, dtype=torch.float32, device=x.device) if top_k > 1 else y
     _down_kernel[(blocks, top_k)](

@@ -110,20 +110,20 @@ class ExpertScales:
 
 
 def kernel_scale_args(
-    scales: ExpertScales | None, block_k: int, device: torch.device
+    scales: ExpertScales | None, block_k: int, w13: torch.Tensor, w2: torch.Tensor
 ) -> tuple[dict[str, int | bool], torch.Tensor, torch.Tensor]:
-    """(the kernels' scale constexprs plus `kernel_block_k`, the w13 and w2 scale tensors) for
-    K tiles of `block_k` inputs. Block scales need every K tile inside one scale block: the tile
+    """(the fused MoE kernels' scale constexprs plus `kernel_block_k`, the w13 and w2 scale tensors)
+    for K tiles of `block_k` inputs. Block scales need every K tile inside one scale block: the tile
     shrinks to the scale block when larger (both powers of two, so one then divides the other).
-    Without scales the scale pointers are dummies the kernels never read."""
+    Without scales the weights stand in for the scale pointers, which the kernels then never read."""
     if scales is None:
-        dummy = torch.empty(1, 1, 1, device=device)
-        return {"ROW_SCALED": False, "BLOCK_SCALED": False, "SCALE_BK": 1, "kernel_block_k": block_k}, dummy, dummy
-    for name, t in (("w13", scales.w13), ("w2", scales.w2)):
-        if t.dtype != torch.float32 or t.dim() != 3:
-            raise ValueError(f"fused_experts: {name} scales must be float32 [E, N, K blocks], got "
-                             f"{t.dtype} {tuple(t.shape)}")
+        return {"ROW_SCALED": False, "BLOCK_SCALED": False, "SCALE_BK": 1, "kernel_block_k": block_k}, w13, w2
     bk = scales.block_k
+    for name, t, w in (("w13", scales.w13, w13), ("w2", scales.w2, w2)):
+        blocks = 1 if bk is None else -(-w.shape[2] // bk)
+        if t.dtype != torch.float32 or t.shape != (*w.shape[:2], blocks):
+            raise ValueError(f"fused_experts: {name} scales must be float32 {[*w.shape[:2], blocks]} for weights "
+                             f"{list(w.shape)}, got {t.dtype} {list(t.shape)}")
     if bk is None:
         return {"ROW_SCALED": True, "BLOCK_SCALED": False, "SCALE_BK": 1, "kernel_block_k": block_k}, scales.w13, scales.w2
     if bk < 16 or bk & (bk - 1):
