@@ -206,9 +206,11 @@ class ModelRunner:
             )
         served = {"context_length": self.max_context_len} if supported else {}
         random_weights = config.model.load_format == "random"
-        method = quantization.select_method(registry, self.hf_config, config.model.quantization, self.dtype)
-        if method is not None and random_weights:
-            raise ValueError("model.load_format 'random' draws dense weights; it cannot serve a quantized model")
+        method = quantization.select_method(registry, self.hf_config, config.model.quantization, self.dtype,
+                                            getattr(model_cls, "native_quant_methods", ()))
+        if method is not None and random_weights and method.quant_config is not None:
+            raise ValueError("model.load_format 'random' draws dense weights; it cannot serve a quantized checkpoint "
+                             "(a method that quantizes at load, model.quantization = 'fp8', quantizes them)")
         # Checked before the model is built: a missing or empty checkpoint raises now.
         weights = None if random_weights else iter_safetensors(model_path)
         with torch.device(self.device), quantization.building(method):
@@ -218,7 +220,7 @@ class ModelRunner:
             fill_random_weights(self.model, config.runtime.seed)
         else:
             self.model.load_weights(weights)
-            quantization.finish_loading(self.model)
+        quantization.finish_loading(self.model)
         self.model.eval()
         # An embedding model pools the final hidden states (`hidden_states`) and computes no logits.
         self.pooling = None
