@@ -244,6 +244,29 @@ class GrammarConfig(_Section):
     )
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding: propose draft tokens and verify them all in one forward of the model.
+
+    The output is the one decoding without it gives: the same tokens under greedy sampling, the same
+    distribution under temperature sampling (see `rxf/core/speculative/`)."""
+
+    method: Literal["none", "ngram"] = Field(
+        "none", description="'ngram': draft the continuation of the newest tokens' latest match in prompt + output"
+    )
+    num_draft_tokens: int = Field(4, gt=0, le=64, description="draft tokens proposed per request per step (at most)")
+    ngram_min_match: int = Field(1, gt=0, description="shortest suffix matched against prompt + output")
+    ngram_max_match: int = Field(4, gt=0, le=16, description="longest suffix matched (tried first)")
+    max_batch_size: int = Field(
+        8, gt=0, description="speculate only while at most this many requests decode (a larger batch is compute-bound)"
+    )
+
+    @model_validator(mode="after")
+    def _windows(self) -> SpeculativeConfig:
+        if self.ngram_min_match > self.ngram_max_match:
+            raise ValueError(f"ngram_min_match {self.ngram_min_match} must be <= ngram_max_match {self.ngram_max_match}")
+        return self
+
+
 class PluginsConfig(_Section):
     allow: list[str] | None = Field(None, description="only these plugins load (RXF_PLUGINS too)")
     deny: list[str] = Field(default_factory=list, description="these plugins never load")
@@ -301,6 +324,7 @@ class EngineConfig(BaseSettings):
     multimodal: MultimodalConfig = MultimodalConfig()
     parallel: ParallelConfig = ParallelConfig()
     grammar: GrammarConfig = GrammarConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     # NoDecode: RXF_PLUGINS is the filter string "a,b,-c" (see `_plugins_filter`), not this section as JSON.
     plugins: Annotated[PluginsConfig, NoDecode] = PluginsConfig()
 

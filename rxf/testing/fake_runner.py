@@ -129,8 +129,10 @@ class FakeRunner:
                 where, token = self.kv.get(slot, (None, None))
                 assert where == pos, f"request {req.rid}: slot {slot} at position {pos} holds position {where}"
                 seq.append(token)
-            if batch.sample[i]:
-                sampled.append(next_token(seq, self.vocab_size, self.eos))
+            # A request with drafts samples after its newest token and after each draft.
+            n_samples = batch.num_samples(i)
+            for k in range(n_samples):
+                sampled.append(next_token(seq[: len(seq) - n_samples + 1 + k], self.vocab_size, self.eos))
         assert t == batch.num_tokens == batch.out_cache_loc.numel()
         step.result.next_ids = sampled
         step.result.logprobs = [None] * len(sampled)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from rxf.core.grammar import GrammarMatcher
     from rxf.core.kvcache.kv_manager import KVHandle
     from rxf.core.kvcache.radix_cache import TokenKey
+    from rxf.core.speculative.ngram import NgramIndex
 
 
 @dataclass(eq=False)
@@ -65,6 +66,10 @@ class Req:
     grammar_future: Future[Any] | None = None
     grammar: GrammarMatcher | None = None
     grammar_start: int | None = None
+    # Speculative decoding: the n-gram index of its tokens (built at its first drafted step) and
+    # its decode forwards while speculation was on (`meta_info["spec_verify_ct"]`).
+    ngram: NgramIndex | None = None
+    spec_verify_ct: int = 0
 
     @property
     def grammar_active(self) -> bool:
