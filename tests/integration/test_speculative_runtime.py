@@ -73,3 +73,58 @@ def test_retraction_under_a_tiny_kv_budget_keeps_greedy_exact(cyclic_model, refe
         extra = rt.get_stats().extra
     assert [o["output_ids"] for o in outs] == want
     assert extra["retractions"] > 0 and extra["accepted_tokens"] > 0, extra
+
+
+def _filtered(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """The sampler's distribution by definition: the top_k logits, softmax at `temperature`."""
+    probs = torch.zeros_like(logits, dtype=torch.float64)
+    values, ids = logits.double().topk(top_k)
+    return probs.index_put_((ids,), torch.softmax(values / temperature, dim=0))
+
+
+def _chi_square_p(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float]) -> float:
+    n = sum(counts.values())
+    assert set(counts) <= set(exact), f"sampled outside the support: {set(counts) - set(exact)}"
+    stat = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
+    df = len(exact) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_sampling_with_drafts_keeps_the_target_distribution(cyclic_model, reference):
+    """The first three tokens of 1200 seeded samples, with and without speculation, against the
+    exact joint distribution from transformers' logits. The prompt holds each likely first token
+    followed by its likeliest successor, so the third token is often sampled at a verified draft
+    position (the second draft accepted) and otherwise after a rejection."""
+    temperature, top_k, n = 0.8, 2, 1200
+    prompt = list(PROMPTS[0])
+    for _ in range(8):  # each likely first token appears in the prompt, before its likeliest successor
+        firsts = reference.logits(prompt)[-1].topk(top_k).indices.tolist()
+        if all(a in prompt for a in firsts):
+            break
+        prompt = [t for a in firsts for t in (a, int(reference.logits(prompt + [a])[-1].argmax()))] + prompt
+    exact: dict[tuple[int, ...], float] = {}
+    p1 = _filtered(reference.logits(prompt)[-1], temperature, top_k)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = _filtered(reference.logits(prompt + [a])[-1], temperature, top_k)
+        for b in p2.nonzero().flatten().tolist():
+            p3 = _filtered(reference.logits(prompt + [a, b])[-1], temperature, top_k)
+            for c in p3.nonzero().flatten().tolist():
+                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    params = [
+        {"max_new_tokens": 5, "temperature": temperature, "top_k": top_k, "ignore_eos": True, "seed": i}
+        for i in range(n)
+    ]
+    with_drafts = {**SPEC, "max_batch_size": 128}  # every decode step of the batch drafts
+    for spec in (with_drafts, {"method": "none"}):
+        config = runtime_config(cyclic_model, chunk=None, speculative=spec, scheduler={"max_running_requests": 128})
+        with Runtime.from_config(config) as rt:
+            outs = [o for i in range(0, n, 400) for o in rt.generate(input_ids=[prompt] * 400, sampling_params=params[i : i + 400])]
+            extra = rt.get_stats().extra
+        counts: dict[tuple[int, ...], int] = {}
+        for out in outs:
+            key = tuple(out["output_ids"][:3])
+            counts[key] = counts.get(key, 0) + 1
+        p_value = _chi_square_p(counts, exact)
+        assert p_value > 1e-3, (spec["method"], p_value, counts, exact)
+        if spec is with_drafts:
+            assert 0 < extra["accepted_tokens"] < extra["drafted_tokens"], extra
