@@ -12,12 +12,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.core.speculative.accept import accepted_tokens
 from rxf.core.speculative.ngram import NgramIndex
+from rxf.entrypoints.metrics import ServerMetrics
 from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config
 
 VOCAB = 3
@@ -101,6 +103,13 @@ def test_drafts_are_verified_and_outputs_match_decoding_without_them():
     assert sum(len(b.input_ids) for b in runner.batches if b.drafts) > 0
     sched.flush_cache()
     assert sched.kv.free_slots() == runner.token_to_kv_pool.num_slots  # nothing leaked
+    metrics = ServerMetrics("m")
+    metrics.refresh(sched.stats())
+    metrics.refresh(sched.stats())  # a second scrape adds nothing
+    samples = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert samples["rxf:spec_draft_tokens_total"] == samples["vllm:spec_decode_num_draft_tokens_total"] == c.drafted_tokens
+    assert samples["rxf:spec_accepted_tokens_total"] == c.accepted_tokens
+    assert samples["rxf:spec_verify_steps_total"] == c.verify_steps
 
 
 def test_stops_inside_an_accepted_span_cut_the_output_exactly():
