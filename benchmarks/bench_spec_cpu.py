@@ -6,9 +6,10 @@ prompt-lookup decoding (the same idea) on vs off as the peer, in one run.
 Workload: input-grounded chat requests, where the answer copies the prompt: "repeat this passage
 with one word changed" and code edits (rename, add a line). Each request runs alone (batch 1),
 greedy, up to --max-new-tokens tokens (it stops at EOS, the same tokens with speculation on or
-off), after one warm-up request. Reported per engine and mode: output tokens / wall time of the
-requests (prefill included), and for rxf the accept length = completion_tokens / spec_verify_ct
-(tokens per decode forward). llama.cpp runs in its own venv (`llama-cpp-python`, given by
+off), after one warm-up request, streamed. Reported per engine and mode: output tokens / wall time
+of the requests (end to end, prefill included), decode tokens/s (the tokens after the first / the
+time after the first token arrived), and for rxf the accept length = completion_tokens /
+spec_verify_ct (tokens per decode forward). llama.cpp runs in its own venv (`llama-cpp-python`, given by
 --llamacpp-python) on the GGUF the demo model is converted from (Q4_1 weights: its absolute speed is
 not comparable with rxf's float32; its on/off ratio is), with `LlamaPromptLookupDecoding`
 (`--draft-tokens` tokens, its max n-gram size 2, its default) against no draft model.
@@ -69,39 +70,62 @@ for mode in ("off", "on"):
                 verbose=False, seed=0)
     msgs = lambda p: [{"role": "user", "content": p}]
     llm.create_chat_completion(msgs("Hello"), max_tokens=8, temperature=0.0)  # warm-up
-    tokens, seconds, texts = 0, 0.0, []
+    tokens, seconds, decode_s, texts = 0, 0.0, 0.0, []
     for p in args["prompts"]:
         start = time.perf_counter()
-        r = llm.create_chat_completion(msgs(p), max_tokens=args["max_new_tokens"], temperature=0.0)
-        seconds += time.perf_counter() - start
-        tokens += r["usage"]["completion_tokens"]
-        texts.append(r["choices"][0]["message"]["content"])
-    out[mode] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "texts": texts}
+        first, n, text = None, 0, ""
+        for chunk in llm.create_chat_completion(msgs(p), max_tokens=args["max_new_tokens"], temperature=0.0,
+                                                stream=True):
+            delta = chunk["choices"][0]["delta"].get("content")
+            if delta:
+                first = first or time.perf_counter()
+                text += delta
+        end = time.perf_counter()
+        n = len(llm.tokenize(text.encode(), add_bos=False, special=False))  # streamed chunks carry no usage
+        seconds += end - start
+        decode_s += end - first
+        tokens += n
+        texts.append(text)
+    out[mode] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                 "decode_tokens_per_s": (tokens - len(args["prompts"])) / decode_s, "texts": texts}
     del llm
 print(json.dumps(out))
 """
 
 
 def run_rxf(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
     from rxf import Runtime
+    from rxf.entrypoints.demo_model import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("demo"))
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in PROMPTS]
 
     overrides = {"runtime.cpu_threads": args.threads, "speculative.method": method,
-                 "speculative.num_draft_tokens": args.draft_tokens}
+                 "speculative.num_draft_tokens": args.draft_tokens, "speculative.ngram_min_match": args.min_match}
     with Runtime.from_config(REPO / "examples" / "demo.toml", **overrides) as rt:
         params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
         rt.chat([{"role": "user", "content": "Hello"}], {"temperature": 0, "max_new_tokens": 8})  # warm-up
         tokens = verify = 0
-        seconds = 0.0
+        seconds = decode_s = 0.0
         texts = []
-        for p in PROMPTS:
+        for p in chats:
             start = time.perf_counter()
-            out = rt.chat([{"role": "user", "content": p}], params)
-            seconds += time.perf_counter() - start
-            meta = out["meta_info"]
+            first, text = None, ""
+            for chunk in rt.generate(p, params, stream=True):
+                first = first or time.perf_counter()
+                text += chunk["text"]
+                meta = chunk["meta_info"]
+            end = time.perf_counter()
+            seconds += end - start
+            decode_s += end - first
             tokens += meta["completion_tokens"]
             verify += meta.get("spec_verify_ct", 0)
-            texts.append(out["text"])
-    result = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "texts": texts}
+            texts.append(text)
+    result = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+              "decode_tokens_per_s": (tokens - len(PROMPTS)) / decode_s, "texts": texts}
     if verify:
         result["accept_length"] = tokens / verify
     return result
@@ -122,8 +146,9 @@ def main() -> None:
     parser.add_argument("--llamacpp-python", default=None, help="python of a venv with llama-cpp-python (else skipped)")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/rxf-bench-spec"), help="where the GGUF is kept")
     parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--draft-tokens", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draft-tokens", type=int, default=8)
+    parser.add_argument("--min-match", type=int, default=2, help="rxf's speculative.ngram_min_match")
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     load = os.getloadavg()
@@ -135,7 +160,7 @@ def main() -> None:
     results["load_after"] = os.getloadavg()
     print(f"load average before {load[0]:.2f}, after {results['load_after'][0]:.2f} (cores: {os.cpu_count()})")
     print(f"rxf greedy texts identical with and without speculation: {same}")
-    print(f"{'engine':10} {'mode':4} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'accept':>7}")
+    print(f"{'engine':10} {'mode':4} {'tokens':>7} {'seconds':>8} {'tok/s':>7} {'decode tok/s':>12} {'accept':>7}")
     for engine in ("rxf", "llamacpp"):
         modes = results.get(engine)
         if modes is None:
@@ -146,8 +171,11 @@ def main() -> None:
         for mode in ("off", "on"):
             r = modes[mode]
             accept = f"{r['accept_length']:.2f}" if "accept_length" in r else "-"
-            print(f"{engine:10} {mode:4} {r['tokens']:7d} {r['seconds']:8.2f} {r['tokens_per_s']:7.2f} {accept:>7}")
-        print(f"{engine:10} on/off tokens/s: {modes['on']['tokens_per_s'] / modes['off']['tokens_per_s']:.2f}x")
+            print(f"{engine:10} {mode:4} {r['tokens']:7d} {r['seconds']:8.2f} {r['tokens_per_s']:7.2f} "
+                  f"{r['decode_tokens_per_s']:12.2f} {accept:>7}")
+        on, off = modes["on"], modes["off"]
+        print(f"{engine:10} on/off: {on['tokens_per_s'] / off['tokens_per_s']:.2f}x end to end, "
+              f"{on['decode_tokens_per_s'] / off['decode_tokens_per_s']:.2f}x decode")
     if args.output:
         args.output.write_text(json.dumps(results, indent=2))
 

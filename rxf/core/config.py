@@ -253,11 +253,14 @@ class SpeculativeConfig(_Section):
     method: Literal["none", "ngram"] = Field(
         "none", description="'ngram': draft the continuation of the newest tokens' latest match in prompt + output"
     )
-    num_draft_tokens: int = Field(4, gt=0, le=64, description="draft tokens proposed per request per step (at most)")
-    ngram_min_match: int = Field(1, gt=0, description="shortest suffix matched against prompt + output")
+    # Defaults measured on the CPU with the demo model (benchmarks/RESULTS.md): a verify of 9 tokens
+    # costs ~2.4x a decode step at batch 1 and ~3.4x at batch 8, and single-token matches mostly
+    # propose wrong drafts, so a match needs 3 tokens and speculation stops above 4 decoding requests.
+    num_draft_tokens: int = Field(8, gt=0, le=64, description="draft tokens proposed per request per step (at most)")
+    ngram_min_match: int = Field(3, gt=0, description="shortest suffix matched against prompt + output")
     ngram_max_match: int = Field(4, gt=0, le=16, description="longest suffix matched (tried first)")
     max_batch_size: int = Field(
-        8, gt=0, description="speculate only while at most this many requests decode (a larger batch is compute-bound)"
+        4, gt=0, description="speculate only while at most this many requests decode (verifying costs more per request in larger batches)"
     )
 
     @model_validator(mode="after")
