@@ -30,7 +30,9 @@ SCHEMA = json.dumps({
 
 
 def _runtime(method: str) -> Runtime:
-    return Runtime.from_config(DEMO, **{"runtime.cpu_threads": 1, "speculative.method": method})
+    # Every request of the concurrent batch drafts (the default stops above 4 decoding requests).
+    overrides = {"runtime.cpu_threads": 1, "speculative.method": method, "speculative.max_batch_size": 8}
+    return Runtime.from_config(DEMO, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from rxf.testing.checkpoints import make_tiny_checkpoint
 from rxf.testing.model_parity import runtime_config
 from rxf.testing.reference import HFReference
 
-SPEC = {"method": "ngram", "num_draft_tokens": 4, "ngram_max_match": 3}
+SPEC = {"method": "ngram", "num_draft_tokens": 4, "ngram_min_match": 1, "ngram_max_match": 3, "max_batch_size": 8}
 PROMPTS = [[5, 17, 33, 48, 17, 33, 60, 7, 9], [100, 101, 102, 103, 100, 101], list(range(40, 70)), [9, 9, 9, 200]]
 
 

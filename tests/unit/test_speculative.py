@@ -23,7 +23,9 @@ from rxf.entrypoints.metrics import ServerMetrics
 from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config
 
 VOCAB = 3
-SPEC = {"speculative": {"method": "ngram", "num_draft_tokens": 4, "ngram_min_match": 1, "ngram_max_match": 3}}
+SPEC = {"speculative": {
+    "method": "ngram", "num_draft_tokens": 4, "ngram_min_match": 1, "ngram_max_match": 3, "max_batch_size": 8,
+}}
 
 
 def brute_force(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
@@ -60,8 +62,8 @@ def test_accepted_tokens_stop_at_the_first_disagreement():
         accepted_tokens([5], [5])
 
 
-def make(num_slots: int = 512, **config) -> tuple[Scheduler, FakeRunner]:
-    runner = FakeRunner(num_slots=num_slots, vocab_size=VOCAB)
+def make(num_slots: int = 512, overlap: bool = False, **config) -> tuple[Scheduler, FakeRunner]:
+    runner = FakeRunner(num_slots=num_slots, vocab_size=VOCAB, overlap=overlap)
     return Scheduler(fake_config(**{**SPEC, **config}), runner, FakeTokenizer(), check_memory=True), runner
 
 
@@ -89,8 +91,9 @@ def prompts(n: int, seed: int) -> dict[str, list[int]]:
     return {f"r{i}": [rng.randrange(VOCAB) for _ in range(rng.randint(4, 30))] for i in range(n)}
 
 
-def test_drafts_are_verified_and_outputs_match_decoding_without_them():
-    sched, runner = make()
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_drafts_are_verified_and_outputs_match_decoding_without_them(overlap):
+    sched, runner = make(overlap=overlap)
     ps = prompts(6, seed=1)
     for rid, p in ps.items():
         sched.add_request(request(rid, p, 40))
@@ -101,6 +104,7 @@ def test_drafts_are_verified_and_outputs_match_decoding_without_them():
     # Every decode forward counted once: 40 tokens = 1 from prefill + the decode steps' tokens.
     assert all(r["verify"] < 39 for r in got.values()), got
     assert sum(len(b.input_ids) for b in runner.batches if b.drafts) > 0
+    assert runner.max_unresolved == 1 or overlap  # (with overlap, only steps without drafts overlap)
     sched.flush_cache()
     assert sched.kv.free_slots() == runner.token_to_kv_pool.num_slots  # nothing leaked
     metrics = ServerMetrics("m")
