@@ -20,7 +20,7 @@ from rxf.core.scheduler.scheduler import Scheduler
 from rxf.core.speculative.accept import accepted_tokens
 from rxf.core.speculative.ngram import NgramIndex
 from rxf.entrypoints.metrics import ServerMetrics
-from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config
+from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config, run_steps
 
 VOCAB = 3
 SPEC = {"speculative": {
@@ -73,15 +73,7 @@ def request(rid: str, prompt: list[int], max_new: int, **params) -> PreparedRequ
 
 
 def drain(sched: Scheduler) -> dict[str, dict]:
-    got: dict[str, dict] = {}
-    for _ in range(5000):
-        if not sched.has_work:
-            break
-        for out in sched.step():
-            r = got.setdefault(out.rid, {"ids": [], "finished": None})
-            assert r["finished"] is None, f"{out.rid}: output after its finish"
-            r["ids"] += out.new_token_ids
-            r["finished"], r["verify"] = out.finished, out.spec_verify_ct
+    got = run_steps(sched, 5000)
     assert not sched.has_work
     return got
 
