@@ -12,10 +12,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
+from rxf.core.scheduler.req import Req
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.core.speculative.accept import accepted_tokens
 from rxf.core.speculative.ngram import NgramIndex
@@ -155,3 +157,39 @@ def test_no_drafts_above_the_batch_size_limit():
         sched.add_request(request(rid, p, 20))
     drain(sched)
     assert all(sum(map(bool, b.drafts)) <= 2 and len(b.reqs) <= 2 for b in runner.batches if b.drafts)
+
+
+def test_grammar_masks_every_drafted_position_and_cuts_drafts_it_rejects():
+    """Row t of a drafted request's bitmask is the mask after its first t drafts (a fresh matcher
+    stepping through them is the reference); drafts stop before the first disallowed one and
+    before one that completes the grammar; the matcher is left where it was."""
+    from rxf.core.config import GrammarConfig
+    from rxf.core.scheduler.constrained import ConstrainedDecoding
+    from rxf.core.scheduler.output import StopChecker
+    from rxf.plugins.grammar.xgrammar_backend import XGrammarBackend
+    from rxf.testing.checkpoints import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer(512)
+    backend = XGrammarBackend(tokenizer, 512, GrammarConfig())
+    try:
+        compiled = backend.compile("regex", "ab(c|d)e")
+        decoding = ConstrainedDecoding(backend, fake_config(), tokenizer, StopChecker(tokenizer, [], 256))
+        ids = {ch: tokenizer.convert_tokens_to_ids(ch) for ch in "abcde"}
+        eos = tokenizer.eos_token_id
+        req = Req(request("g", [1, 2], 8), grammar=backend.matcher(compiled, [eos]), grammar_start=0)
+        a, b, c, d, e = (ids[ch] for ch in "abcde")
+        assert decoding.valid_prefix(req, [a, b, c, e, eos, a]) == 4  # the stop token would complete it: left out
+        assert decoding.valid_prefix(req, [a, d]) == 1  # "d" is not allowed after "a"
+        drafts = [a, b, c]
+        mask = decoding.mask([req], [drafts])
+        assert mask.rows == [0, 1, 2, 3]
+        reference = backend.matcher(compiled, [eos])
+        want = backend.allocate_bitmask(4)
+        for t in range(4):
+            reference.fill_bitmask(want, t)
+            if t < len(drafts):
+                assert reference.accept_token(drafts[t])
+        assert torch.equal(mask.bitmask, want)
+        assert req.grammar.accept_token(a) and not req.grammar.accept_token(c)  # rolled back to the start
+    finally:
+        backend.close()
