@@ -54,6 +54,7 @@ from rxf.core.scheduler.policy import order_waiting
 from rxf.core.scheduler.req import Req
 from rxf.core.scheduler.speculation import Speculator
 from rxf.core.speculative.accept import accepted_tokens
+from rxf.core.speculative.draft import DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,10 @@ class _Launched:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: StepRunner, tokenizer, check_memory: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, runner: StepRunner, tokenizer, check_memory: bool = False,
+        draft: DraftModel | None = None,
+    ) -> None:
         self.config = config
         self.sc = config.scheduler
         self.runner = runner
@@ -114,7 +118,7 @@ class Scheduler:
         self.stop = StopChecker(tokenizer, sorted(eos), runner.max_context_len)
         self.grammar = ConstrainedDecoding.create(config, tokenizer, runner.vocab_size, self.stop)
         spec = config.speculative
-        self.spec = None if spec.method == "none" else Speculator(spec, self.grammar, runner.max_context_len)
+        self.spec = None if spec.method == "none" else Speculator(spec, self.grammar, runner.max_context_len, draft)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # requests holding KV (decoding, or between prefill chunks)
         self.new_token_ratio = self.sc.init_new_token_ratio
@@ -271,7 +275,7 @@ class Scheduler:
         take only free slots: they never evict cached prefixes or retract a request."""
         if self.spec is None or not self.spec.applies(len(decoding)):
             return [[] for _ in decoding]
-        drafts = [self.spec.drafts(r) for r in decoding]
+        drafts = self.spec.propose(decoding)
         if len(decoding) + sum(map(len, drafts)) > self.kv.free_slots():
             return [[] for _ in decoding]
         return drafts
@@ -372,6 +376,8 @@ class Scheduler:
             decoding.remove(victim)
             self.running.remove(victim)
             self.kv.release(victim)
+            if self.spec is not None:
+                self.spec.release(victim)
             self.waiting.insert(0, victim)
             self.counters.retractions += 1
             logger.info(
@@ -505,6 +511,8 @@ class Scheduler:
         elif req in self.waiting:  # retracted while its last step ran
             self.waiting.remove(req)
         self.kv.release(req)
+        if self.spec is not None:
+            self.spec.release(req)
         return make_token_out(req, finished=True)
 
     # ---- stats ----

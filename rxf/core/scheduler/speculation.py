@@ -1,5 +1,8 @@
 """Speculative decoding in the scheduler: which decoding requests get drafts, and how many.
 
+Proposers: "ngram" (`speculative/ngram.py`, per request on the host) and "draft" (a smaller model
+run ahead of the target, `speculative/draft.py`, batched over the step's requests).
+
 Drafts are planned with the decode rows (`Scheduler._plan_decode`): each request's newest token
 plus its drafts become an extend over its cached prefix, with a slot for every drafted token taken
 before the step is launched, so admission counts them as used. Drafts take free slots only: they
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from rxf.core.config import SpeculativeConfig
 from rxf.core.scheduler.constrained import ConstrainedDecoding
 from rxf.core.scheduler.req import Req
+from rxf.core.speculative.draft import DraftModel
 from rxf.core.speculative.ngram import NgramIndex
 
 logger = logging.getLogger(__name__)
@@ -39,34 +43,51 @@ class SpecCounters:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, grammar: ConstrainedDecoding, max_context_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, grammar: ConstrainedDecoding, max_context_len: int,
+        draft: DraftModel | None = None,
+    ) -> None:
+        if (config.method == "draft") != (draft is not None):
+            raise ValueError("speculative.method 'draft' needs the draft model's runner (and only it)")
         self.config = config
         self.grammar = grammar
         self.max_context_len = max_context_len
+        self.draft = draft
         self.counters = SpecCounters()
 
     def applies(self, num_decoding: int) -> bool:
         """Whether a decode step of this many requests speculates."""
         return 0 < num_decoding <= self.config.max_batch_size
 
-    def drafts(self, req: Req) -> list[int]:
-        """The request's draft tokens for its next decode step (possibly none)."""
+    def propose(self, reqs: list[Req]) -> list[list[int]]:
+        """Each request's draft tokens for its next decode step (possibly none)."""
+        budgets = [self._budget(r) for r in reqs]
+        if self.draft is not None:
+            drafts = self.draft.propose(reqs, budgets)
+        else:
+            drafts = [self._ngram(r, b) if b > 0 else [] for r, b in zip(reqs, budgets, strict=True)]
+        return [
+            d[: self.grammar.valid_prefix(r, d)] if d and r.grammar_active else d
+            for r, d in zip(reqs, drafts, strict=True)
+        ]
+
+    def _budget(self, req: Req) -> int:
         if req.inflight or (req.grammar is not None and not req.grammar_active):
-            return []
+            return 0
         p = req.sampling_params
         # The step emits up to len(drafts) + 1 tokens and extends len(drafts) + 1 positions.
-        budget = min(
-            self.config.num_draft_tokens, p.max_new_tokens - req.generated - 1, self.max_context_len - req.seq_len
-        )
-        if budget <= 0:
-            return []
+        return min(self.config.num_draft_tokens, p.max_new_tokens - req.generated - 1, self.max_context_len - req.seq_len)
+
+    def _ngram(self, req: Req, budget: int) -> list[int]:
         if req.ngram is None:
             req.ngram = NgramIndex(self.config.ngram_min_match, self.config.ngram_max_match)
         req.ngram.sync(req.origin_input_ids, req.output_ids)
-        drafts = req.ngram.propose(budget)
-        if drafts and req.grammar_active:
-            drafts = drafts[: self.grammar.valid_prefix(req, drafts)]
-        return drafts
+        return req.ngram.propose(budget)
+
+    def release(self, req: Req) -> None:
+        """The request gives up its KV (finish, abort, retraction): so does its draft's."""
+        if self.draft is not None:
+            self.draft.release(req)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.counters.drafted_tokens += drafted
