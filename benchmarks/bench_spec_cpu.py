@@ -13,6 +13,10 @@ spec_verify_ct (tokens per decode forward). llama.cpp runs in its own venv (`lla
 --llamacpp-python) on the GGUF the demo model is converted from (Q4_1 weights: its absolute speed is
 not comparable with rxf's float32; its on/off ratio is), with `LlamaPromptLookupDecoding`
 (`--draft-tokens` tokens, its max n-gram size 2, its default) against no draft model.
+
+`--verify-cost` measures instead what a verify forward costs against a decode step (the demo
+model's `ModelRunner` directly, 300-token prefixes): the median of 5 forwards of k + 1 tokens per
+request, k = 0 (a decode step), 4 and 8, at batch 1, 2, 4 and 8.
 """
 
 from __future__ import annotations
@@ -141,6 +145,39 @@ def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def verify_cost(args: argparse.Namespace) -> None:
+    import torch
+
+    from rxf.core.forward import ForwardMode
+    from rxf.core.runner.model_runner import ModelInput
+    from rxf.entrypoints.demo_model import resolve_model_path
+    from rxf.testing.model_harness import ModelHarness
+
+    harness = ModelHarness(resolve_model_path("demo"), **{"runtime.cpu_threads": args.threads, "model.dtype": "float32",
+                                                          "cache.max_total_tokens": 8192})
+    runner = harness.runner
+    for bs in (1, 2, 4, 8):
+        prompts = [list(range(100 + i, 400 + i)) for i in range(bs)]
+        rows, slots = harness._start(prompts)
+        times = {}
+        with torch.inference_mode():
+            harness._prefill(prompts, rows, slots, all_logits=False)
+            for k in (0, 4, 8):
+                n, runs = k + 1, []
+                for _ in range(5):
+                    new = runner.token_to_kv_pool.alloc(n * bs)
+                    mode = ForwardMode.DECODE if k == 0 else ForwardMode.EXTEND
+                    inp = ModelInput(mode, rows, [5] * n * bs, [300] * bs, [n] * bs, new,
+                                     logits_start=None if k == 0 else [0] * bs)
+                    start = time.perf_counter()
+                    runner.forward(inp)
+                    runs.append(time.perf_counter() - start)
+                    runner.token_to_kv_pool.free(new)
+                times[k] = sorted(runs)[2]
+        print(f"batch {bs}: decode step {times[0] * 1e3:.1f} ms; verify of 5 tokens {times[4] / times[0]:.2f}x, "
+              f"of 9 tokens {times[8] / times[0]:.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llamacpp-python", default=None, help="python of a venv with llama-cpp-python (else skipped)")
@@ -150,7 +187,11 @@ def main() -> None:
     parser.add_argument("--min-match", type=int, default=2, help="rxf's speculative.ngram_min_match")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--verify-cost", action="store_true", help="measure verify forwards against decode steps")
     args = parser.parse_args()
+    if args.verify_cost:
+        verify_cost(args)
+        return
     load = os.getloadavg()
     results: dict[str, Any] = {"load_before": load, "args": {k: str(v) for k, v in vars(args).items()}}
     results["rxf"] = {"off": run_rxf("none", args), "on": run_rxf("ngram", args)}
