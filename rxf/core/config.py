@@ -37,6 +37,12 @@ class ModelConfig(_Section):
     )
     context_length: int | None = Field(None, gt=0, description="defaults to the checkpoint's")
     trust_remote_code: bool = False
+    quantization: str | None = Field(
+        None,
+        description="quantization method ('fp8', 'compressed-tensors', 'awq', 'gptq' or a plugin's); None: the "
+        "checkpoint's quantization_config.quant_method. Set, it wins: 'fp8' on an unquantized checkpoint "
+        "quantizes it at load",
+    )
     load_format: Literal["safetensors", "random"] = Field(
         "safetensors", description="'random': no weights read, every parameter drawn at random (benchmarks of shapes)"
     )
@@ -109,6 +115,12 @@ class CacheConfig(_Section):
     mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="GPU: weights+KV share of memory")
     cpu_kv_cache_gb: float = Field(2.0, gt=0, description="CPU: KV budget when max_total_tokens unset")
     page_size: Literal[1] = 1
+    kv_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto",
+        description="what the KV pool stores: 'auto' the model dtype; 'fp8_e4m3' / 'fp8_e5m2' one byte per "
+        "element with per-layer scales (the checkpoint's k_scale / v_scale, else 1.0): twice the tokens of "
+        "bf16 in the same memory",
+    )
 
 
 class ServerConfig(_Section):

@@ -17,6 +17,7 @@ if torch.cuda.is_available():
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from rxf.plugins.models.layers import fused_moe_decode  # noqa: E402
 from rxf.plugins.models.layers.fused_moe import BlockConfig, align_pairs, fused_experts  # noqa: E402
 from rxf.plugins.models.layers.moe import GatedActivation, experts_native, select_experts  # noqa: E402
 
@@ -69,6 +70,34 @@ def test_all_tokens_on_one_expert_and_empty_batch() -> None:
 
 
 GPT_OSS = GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "hidden", "inter", "biased"),
+    [
+        (1, 8, 4, 64, 48, False),  # batch-1 decode: four partials summed by the last program
+        (3, 4, 1, 48, 40, False),  # top-1: no partials; dims off the block sizes (masked tails)
+        (4, 6, 3, 300, 70, True),  # MAX_TOKENS tokens sharing experts, a K tail past one block, biases
+    ],
+)
+def test_decode_kernels_match_torch_path(tokens, experts, top_k, hidden, inter, biased, dtype) -> None:
+    """`fused_moe_decode` (which `fused_experts` takes for <= MAX_TOKENS tokens without a config)
+    against the torch path, with gpt-oss's biases and clamp where `biased`; the counters it used are
+    left zeroed for the next launch (the invariant every later layer relies on)."""
+    x, w13, w2, weights, ids = problem(tokens, experts, top_k, hidden, inter, dtype, seed=tokens + 10)
+    kw = {}
+    if biased:
+        gen = torch.Generator().manual_seed(3)
+        w13 = w13 * 6
+        kw = {"b13": torch.randn(experts, 2 * inter, generator=gen).to(dtype),
+              "b2": torch.randn(experts, hidden, generator=gen).to(dtype), "activation": GPT_OSS}
+    ref = experts_native(x.float(), w13.float(), w2.float(), weights, ids,
+                         **{k: v.float() if torch.is_tensor(v) else v for k, v in kw.items()})
+    out = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, **kw)
+    assert_matches(out, ref, dtype)
+    assert_matches(fused_experts(x, w13, w2, weights, ids, **kw), ref, dtype)  # the same path
+    assert not fused_moe_decode._counters(x.device, 1).any(), "a counter was left set"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -97,6 +97,7 @@ def run_scheduler_process(
             "vocab_size": runner.vocab_size,
             "device": str(runner.device),
             "dtype": str(runner.dtype).removeprefix("torch."),
+            "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
             "attention_backend": type(runner.attn_backend).__name__,
             "architecture": type(runner.model).__name__,
             "torch_threads": torch.get_num_threads(),

@@ -23,6 +23,9 @@ pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13
 4. The top-k sum `y.view(T, k, H).sum(1)`, in float32, cast to x.dtype: a fixed order of additions
    (no atomics), so results do not depend on scheduling.
 
+Up to `fused_moe_decode.MAX_TOKENS` tokens without a caller's block sizes take `fused_moe_decode`'s
+two GEMV-shaped launches instead (no alignment, the top-k sum fused).
+
 Block sizes: the caller's, else those tuned for this shape and GPU (`fused_moe_table`, written by
 benchmarks/gpu_moe_tune.py), else `pick_config`'s heuristic.
 """
@@ -37,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers import fused_moe_table
+from rxf.plugins.models.layers import fused_moe_decode, fused_moe_table
 from rxf.plugins.models.layers.moe import SILU, GatedActivation
 
 
@@ -257,6 +260,8 @@ def fused_experts(
     if has_bias and (b13.stride(-1) != 1 or b2.stride(-1) != 1):
         raise ValueError("fused_experts needs expert biases with a contiguous last dimension")
     x = x.contiguous()
+    if config is None and num_tokens <= fused_moe_decode.MAX_TOKENS:
+        return fused_moe_decode.decode_experts(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, activation=activation)
     num_pairs = num_tokens * top_k
     cfg = config or tuned_config(num_tokens, w13, x.dtype) or pick_config(num_pairs, num_experts, x.element_size())
     sorted_pairs, block_expert, total = align_pairs(topk_ids, num_experts, cfg.block_m)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rxf.core import quantization
 from rxf.core.runner import distributed
 from rxf.plugins.models.layers.linear import copy_weight
 
@@ -171,8 +172,13 @@ class FusedExperts(nn.Module):
             raise ValueError(f"intermediate_size {intermediate_size} is not divisible by tp_size {tp[0]}")
         inter = intermediate_size // tp[0]
         self.activation = activation
+        # Under a quantization method `materialize` asks it whether it takes the experts over.
+        self.quant_pending = quantization.active_method() is not None
         self.w13 = StackedExpertWeight(num_experts, 2 * inter, hidden_size, 0, 2, tp, dtype, bias)
         self.w2 = StackedExpertWeight(num_experts, hidden_size, inter, 1, 1, tp, dtype, bias)
+
+    def create_dense_weight(self) -> None:
+        """Left unquantized: the weights built in `__init__` stay."""
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         extra = {"b13": self.w13.bias, "b2": self.w2.bias, "activation": self.activation}
