@@ -39,12 +39,12 @@ def _runtime(method: str) -> Runtime:
 def outputs():
     """Every case, with speculation off and on, run concurrently (one batch, as a server sees them):
     (params, prompt index, n, options); then a stop-string case built from the plain output."""
-    greedy = {"temperature": 0, "max_new_tokens": 32}
+    greedy = {"temperature": 0, "max_new_tokens": 24}
     cases = [
         ({**greedy}, 0, 1, {"return_logprob": True, "top_logprobs_num": 2}),
         ({**greedy}, 1, 1, {}),
         ({**greedy, "max_new_tokens": 13}, 0, 1, {}),  # the budget ends inside an accepted span
-        ({**greedy, "json_schema": SCHEMA, "max_new_tokens": 40}, 0, 1, {}),
+        ({**greedy, "json_schema": SCHEMA, "max_new_tokens": 32}, 0, 1, {}),
         ({**greedy}, 1, 2, {}),
         ({**greedy}, 1, 1, {"stream": True}),
     ]
