@@ -1,6 +1,7 @@
 """Speculative decoding on the demo model (SmolLM2-135M-Instruct): n-gram drafts on an
 input-grounded prompt give the same greedy tokens, finish reasons and logprobs as decoding without
-them, with stops inside accepted spans, `n` > 1, a JSON schema (jump-forward on) and streaming.
+them, with stops inside accepted spans, `n` > 1, a JSON schema (jump-forward on), a regex whose mask
+applies at every drafted position, and streaming.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def outputs():
         ({**greedy, "json_schema": SCHEMA, "max_new_tokens": 32}, 0, 1, {}),
         ({**greedy}, 1, 2, {}),
         ({**greedy}, 1, 1, {"stream": True}),
+        ({**greedy, "regex": "[A-Za-z ,.]+"}, 0, 1, {}),  # a mask at every drafted position
     ]
     results = {}
     for method in ("none", "ngram"):
@@ -66,17 +68,17 @@ def outputs():
 
 def test_greedy_outputs_are_identical(outputs):
     off, on = outputs["none"], outputs["ngram"]
-    for i in (0, 1, 2, 3, 6):
+    for i in (0, 1, 2, 3, 6, 7):
         a, b = off[i], on[i]
         assert b["output_ids"] == a["output_ids"] and b["text"] == a["text"], f"case {i}"
         assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"], f"case {i}"
-    assert on[6]["meta_info"]["finish_reason"]["type"] == "stop" and on[2]["meta_info"]["completion_tokens"] == 13
+    assert on[7]["meta_info"]["finish_reason"]["type"] == "stop" and on[2]["meta_info"]["completion_tokens"] == 13
     # n = 2: both choices identical to the plain ones.
     assert [c["output_ids"] for c in on[4]] == [c["output_ids"] for c in off[4]]
     json.loads(on[3]["text"])  # the schema's instance
-    # Accept length > 1 on the input-grounded prompts.
-    meta = on[0]["meta_info"]
-    assert meta["spec_verify_ct"] < meta["completion_tokens"] - 1, meta
+    # Accept length > 1 on the input-grounded prompt, with and without a regex.
+    for meta in (on[0]["meta_info"], on[6]["meta_info"]):
+        assert meta["spec_verify_ct"] < meta["completion_tokens"] - 1, meta
     assert "spec_verify_ct" not in off[0]["meta_info"]
 
 
