@@ -49,7 +49,7 @@ def decode_case(dtype: torch.dtype, bs: int, length: int) -> None:
     valid = torch.arange(length)[None] < seq_lens[:, None]
     slots = torch.where(valid, torch.randperm(num_slots - 1)[: bs * length].view(bs, length) + 1, 0)
     q = torch.randn(bs, heads, head_dim, dtype=dtype)
-    scale, no_sinks = head_dim**-0.5, torch.full((heads,), float("-inf"))
+    scale, no_sinks, one = head_dim**-0.5, torch.full((heads,), float("-inf")), torch.ones(())
 
     def gathered() -> tuple[torch.Tensor, torch.Tensor]:
         flat, shape = slots.reshape(-1), (bs, length, kv_heads, head_dim)
@@ -69,7 +69,7 @@ def decode_case(dtype: torch.dtype, bs: int, length: int) -> None:
         return (probs @ v.transpose(1, 2).float()).view(bs, heads, head_dim).to(dtype)
 
     def compiled() -> torch.Tensor:
-        return decode_attention(q, k_buf, v_buf, slots, seq_lens, seq_lens * 0, no_sinks, scale, None)
+        return decode_attention(q, k_buf, v_buf, one, one, slots, seq_lens, seq_lens * 0, no_sinks, scale, None)
 
     start = time.perf_counter()
     compiled()

@@ -1,7 +1,7 @@
 """GPU decode benchmark (issues 4, 18): one script for one call on the GPU machine.
 
     python benchmarks/gpu_decode.py [--preset llama3-8b|qwen3-8b|qwen3-30b-a3b|gpt-oss-20b|tiny] [--num-requests 1000]
-        [--phases jit,build,bandwidth,decode,kernels,offline,hf] [--model-dir DIR] [--output FILE]
+        [--phases jit,build,bandwidth,decode,kvcache,kernels,offline,hf] [--model-dir DIR] [--output FILE]
 
 A preset is a transformers config (architecture + fields): `llama3-8b` (Llama-3-8B), `qwen3-8b` and
 `qwen3-30b-a3b` (Qwen/Qwen3-8B's and Qwen/Qwen3-30B-A3B's config.json: 36 layers, head_dim 128; 48
@@ -30,18 +30,36 @@ and each frees its GPU memory before the next:
              the HF workload (128 prompt + 128 new tokens, end to end) at batch 1 and 64. Timed
              spans cover whole scheduler steps (schedule, forward, sample, outputs), between
              torch.cuda.synchronize() calls.
+  kvcache    per backend, decode throughput at long contexts with `cache.kv_dtype` = auto (bf16) and
+             fp8_e4m3, each pool sized from the same memory (cache.mem_fraction_static): 256 requests of
+             4096-token prompts are queued, and once every admitted request decodes, 64 decode steps are
+             timed. A bf16 pool may not hold all 256 (Llama-3-8B: 128 KiB a token), so it decodes
+             the batch that fits and the rest wait, as a server would; the running batch is reported
+             beside each rate. Not in the default phases (its prefill is ~1M tokens per KV dtype)
   kernels    attention micro-benchmarks, triton vs flashinfer vs torch_native, decode and extend at
              the model's head shape, with each output's error against torch_native: GPU time (kernel
              durations from torch.profiler, what a CUDA-graph replay pays) and wall time per call
              (triton.testing.do_bench, adding the host's launch overhead that eager steps pay)
   offline    `Runtime` throughput over N random requests (input 1024 +- 50%, output 256, ignore_eos)
   hf         transformers `generate` on the same checkpoint, batch 1 and 64, 128 prompt + 128 new
+
+`--quantization bf16,fp8,ct-fp8,awq` (default `bf16`) runs the decode and offline phases once per
+listed format, bf16 first, in the same call: `fp8` is the bf16 checkpoint's projections in
+Hugging Face's block-wise FP8 (128 x 128), `ct-fp8` compressed-tensors FP8 per channel with dynamic
+per-token activations, `awq` AWQ int4 (group 128); each is quantized on the GPU from the bf16
+checkpoint into `<model-dir>-<format>` (`rxf.testing.quantized_checkpoints`), and rxf serves it as
+a quantized checkpoint. A preset whose checkpoint is not on disk (qwen3-30b-a3b, or
+--random-weights) runs `fp8` as online FP8 instead: `model.quantization = "fp8"` over the random
+bf16 weights quantizes every projection, experts included, per output row at load (the other
+formats need a checkpoint and are skipped for it). Figures of a format carry its name
+(`decode_triton_fp8`, `offline_awq`) and the table gives each batch-1 and offline figure's ratio to bf16.
 Prints a table last; writes all figures as JSON to --output or, when $OUT is set, $OUT/gpu_decode.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -319,9 +337,13 @@ def bandwidth() -> None:
 
 
 # ---------------------------------------------------------------- decode (in-process engine)
-def _engine(model_dir: Path, backend: str, max_running: int, slots: int, random_load: bool = False) -> Any:
+def _engine(
+    model_dir: Path, backend: str, max_running: int, slots: int | None, random_load: bool = False,
+    kv_dtype: str = "auto", quantization: str | None = None,
+) -> Any:
     """An in-process Scheduler + ModelRunner on `model_dir` (`random_load`: no checkpoint read,
-    `model.load_format = "random"`)."""
+    `model.load_format = "random"`; `slots` None: the pool sized from memory; `quantization`:
+    `model.quantization`)."""
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
@@ -331,11 +353,11 @@ def _engine(model_dir: Path, backend: str, max_running: int, slots: int, random_
 
     config = load_config({
         "model": {"path": str(model_dir), "dtype": "bfloat16", "context_length": 8192,
-                  "load_format": "random" if random_load else "safetensors"},
+                  "load_format": "random" if random_load else "safetensors", "quantization": quantization},
         "runtime": {"device": "cuda", "log_level": "warning"},
         "attention": {"backend": backend},
         "scheduler": {"max_running_requests": max_running, "max_prefill_tokens": 16384, "log_interval": 10**9},
-        "cache": {"max_total_tokens": slots},
+        "cache": {"max_total_tokens": slots, "kv_dtype": kv_dtype},
         # Each bucket's first-use kernel compiles (e.g. the MoE blocks tuned per token count) count
         # toward the capture budget; every bucket is to be captured here, as a server would after warm-up.
         "cuda_graph": {"capture_budget_s": 300},
@@ -392,8 +414,26 @@ def end_to_end_rate(sched: Any, bs: int, tokens: int, vocab: int) -> float:
     return bs * tokens / (time.perf_counter() - start)
 
 
-def decode_phase(p: Preset, model_dir: Path, backend: str) -> None:
-    sched = _engine(model_dir, backend, max(p.decode_batches), max(p.decode_batches) * 512 + 4096, not p.on_disk)
+QUANT_FORMATS = {"fp8": ("fp8", {}), "ct-fp8": ("ct-channel", {}), "awq": ("awq", {"group_size": 128})}
+
+
+def quantize_phase(model_dir: Path, name: str) -> Path:
+    """`<model_dir>-<name>`: the bf16 checkpoint with its projections quantized (on the GPU)."""
+    from rxf.testing.quantized_checkpoints import quantize_checkpoint
+
+    fmt, opts = QUANT_FORMATS[name]
+    target = model_dir.parent / f"{model_dir.name}-{name}"
+    if not (target / "model.safetensors").exists():
+        quantize_checkpoint(model_dir, target, fmt, device="cuda", **opts)
+    size = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+    RESULTS[f"checkpoint_bytes_{name}"] = size
+    print(f"{name} checkpoint: {size / 1e9:.2f} GB in {target}")
+    return target
+
+
+def decode_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quantization: str | None = None) -> None:
+    sched = _engine(model_dir, backend, max(p.decode_batches), max(p.decode_batches) * 512 + 4096, not p.on_disk,
+                    quantization=quantization)
     graphs = sched.runner.cuda_graphs
     if graphs is not None:
         RESULTS[f"{backend}_graphs"] = {"sizes": graphs.sizes, "capture_s": graphs.capture_s,
@@ -413,8 +453,45 @@ def decode_phase(p: Preset, model_dir: Path, backend: str) -> None:
         out[f"b{bs}_graphs"] = decode_rate(sched, bs, 64, p.vocab, graphs=True)
     for bs in p.hf_batches:
         out[f"e2e_b{bs}"] = end_to_end_rate(sched, bs, p.hf_tokens, p.vocab)
-    RESULTS[f"decode_{backend}"] = out
+    RESULTS[f"decode_{backend}{tag}"] = out
     print(json.dumps(out, indent=1))
+
+
+def long_context_rate(sched: Any, bs: int, context: int, steps: int, vocab: int, warm: int = 8) -> dict[str, float]:
+    """Generated tok/s over `steps` decode steps once every admitted request of `bs` queued ones
+    (`context`-token prompts) decodes; no request finishes within the window. The engine is spent
+    afterwards (requests are left queued and running)."""
+    _add(sched, bs, context, warm + steps + 64, vocab, f"k{bs}")
+    while True:  # admit until the queue is empty or a step admits nothing (the pool is full)
+        admitted = len(sched.running)
+        sched.step()
+        prefilling = any(not r.decoding for r in sched.running)
+        if not prefilling and (not sched.waiting or len(sched.running) == admitted):
+            break
+    for _ in range(warm):
+        sched.step()
+    torch.cuda.synchronize()
+    generated, start, running = sched.counters.generated_tokens, time.perf_counter(), 0
+    for _ in range(steps):
+        running += len(sched.running)
+        sched.step()
+    torch.cuda.synchronize()
+    return {"tok_s": (sched.counters.generated_tokens - generated) / (time.perf_counter() - start),
+            "mean_running": running / steps, "waiting": len(sched.waiting),
+            "max_total_tokens": sched.runner.max_total_tokens}
+
+
+def kvcache_phase(p: Preset, model_dir: Path, backend: str, bs: int = 256, context: int = 4096) -> None:
+    out: dict[str, Any] = {}
+    for kv_dtype in ("auto", "fp8_e4m3"):
+        sched = _engine(model_dir, backend, bs, None, not p.on_disk, kv_dtype=kv_dtype)
+        out[kv_dtype] = long_context_rate(sched, bs, context, 64, p.vocab)
+        print(kv_dtype, json.dumps(out[kv_dtype]), flush=True)
+        del sched
+        gc.collect()
+        torch.cuda.empty_cache()
+    out["fp8_over_bf16"] = out["fp8_e4m3"]["tok_s"] / out["auto"]["tok_s"]
+    RESULTS[f"kvcache_{backend}"] = out
 
 
 # ---------------------------------------------------------------- attention kernels
@@ -572,7 +649,7 @@ def kernels_phase(p: Preset, backends: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- offline (Runtime)
-def offline_phase(p: Preset, model_dir: Path, n: int, backend: str) -> None:
+def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "") -> None:
     from rxf.entrypoints.runtime import Runtime
 
     rng = random.Random(0)
@@ -593,9 +670,10 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str) -> None:
         elapsed = time.perf_counter() - start
     out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     in_tokens = sum(map(len, prompts))
-    RESULTS["offline"] = {"requests": n, "backend": backend, "startup_s": started, "seconds": elapsed, "req_s": n / elapsed,
-                          "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed}
-    print(json.dumps(RESULTS["offline"], indent=1))
+    RESULTS[f"offline{tag}"] = {"requests": n, "backend": backend, "startup_s": started, "seconds": elapsed,
+                                "req_s": n / elapsed, "output_tok_s": out_tokens / elapsed,
+                                "total_tok_s": (in_tokens + out_tokens) / elapsed}
+    print(json.dumps(RESULTS[f"offline{tag}"], indent=1))
 
 
 # ---------------------------------------------------------------- transformers
@@ -642,6 +720,13 @@ def report(p: Preset) -> None:
             elif key.startswith("e2e_b") and hf.get(key[4:]):
                 ratio = f"{value / hf[key[4:]]:.2f}x HF"
             print(f"| {backend} {key} | {value:.1f} | {ratio} |")
+    for backend in ("triton", "flashinfer"):
+        k = RESULTS.get(f"kvcache_{backend}")
+        for kv_dtype in ("auto", "fp8_e4m3") if k else ():
+            row = k[kv_dtype]
+            ratio = f"{k['fp8_over_bf16']:.2f}x bf16 KV" if kv_dtype != "auto" else ""
+            print(f"| {backend} decode, 256 x 4096-token contexts, kv_dtype {kv_dtype} ({row['max_total_tokens']} "
+                  f"slots, {row['mean_running']:.0f} running) | {row['tok_s']:.1f} | {ratio} |")
     for key, value in hf.items():
         print(f"| HF generate {key} ({p.hf_tokens}+{p.hf_tokens}) | {value:.1f} | |")
     if "offline" in RESULTS:
@@ -653,6 +738,16 @@ def report(p: Preset) -> None:
                           for k, v in row.items())
         tri, fi = row.get("triton", {}).get("us"), row.get("flashinfer", {}).get("us")
         print(f"| kernel {label} (GPU time) | {cells} | {f'triton/flashinfer {tri / fi:.2f}' if tri and fi else ''} |")
+    for name in QUANT_FORMATS:
+        for backend in ("triton", "flashinfer"):
+            d, base = RESULTS.get(f"decode_{backend}_{name}"), RESULTS.get(f"decode_{backend}", {})
+            for key, value in (d or {}).items():
+                ratio = f"{value / base[key]:.2f}x bf16" if base.get(key) else ""
+                print(f"| {backend} {name} {key} | {value:.1f} | {ratio} |")
+        o, base = RESULTS.get(f"offline_{name}"), RESULTS.get("offline")
+        if o:
+            ratio = f"{o['output_tok_s'] / base['output_tok_s']:.2f}x bf16" if base else ""
+            print(f"| offline {o['requests']} req {name} ({o['backend']}): output tok/s | {o['output_tok_s']:.1f} | {ratio} |")
     if RESULTS.get("failed"):
         print("failed phases:", ", ".join(RESULTS["failed"]))
 
@@ -665,8 +760,18 @@ def main() -> None:
     ap.add_argument("--backends", default="triton,flashinfer", help="decode/kernels; offline uses the last")
     ap.add_argument("--model-dir", type=Path, default=None, help="default: /tmp/rxf-bench-<preset>")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--random-weights", action="store_true",
+                    help="no checkpoint written: the decode phase draws the weights at load, as for presets too large for the disk")
+    ap.add_argument("--quantization", default="bf16",
+                    help=f"comma-separated: bf16 and/or {', '.join(QUANT_FORMATS)}; decode and offline run per format")
     args = ap.parse_args()
+    formats = args.quantization.split(",")
+    unknown = sorted(set(formats) - {"bf16", *QUANT_FORMATS})
+    if unknown:
+        ap.error(f"--quantization: unknown {', '.join(unknown)} (bf16, {', '.join(QUANT_FORMATS)})")
     p, phases, backends = PRESETS[args.preset], set(args.phases.split(",")), args.backends.split(",")
+    if args.random_weights:
+        p = dataclasses.replace(p, on_disk=False)
     model_dir = args.model_dir or Path(f"/tmp/rxf-bench-{args.preset}")
     RESULTS.update(date=datetime.now(UTC).isoformat(timespec="seconds"), preset=args.preset, command=" ".join(sys.argv),
                    device=torch.cuda.get_device_name(), torch=torch.__version__)
@@ -680,13 +785,31 @@ def main() -> None:
         phases -= {"offline", "hf"}
     if "bandwidth" in phases:
         phase("bandwidth", bandwidth)
+    dirs, online = {"bf16": model_dir}, {}  # format -> checkpoint; format -> model.quantization over random weights
+    if not p.on_disk:
+        skipped = [f for f in formats if f not in ("bf16", "fp8")]
+        if skipped:
+            print(f"{', '.join(skipped)} skipped: {args.preset}'s checkpoint is not on disk (fp8 runs online)")
+        formats = [f for f in formats if f in ("bf16", "fp8")]
+        if "fp8" in formats:
+            dirs["fp8"], online["fp8"] = model_dir, "fp8"
+    for name in formats:
+        if name not in dirs and phases & {"decode", "offline"}:
+            phase(f"quantize {name}", lambda n=name: dirs.update({n: quantize_phase(model_dir, n)}))
+    runs = [(name, "" if name == "bf16" else f"_{name}") for name in formats if name in dirs]
     if "decode" in phases:
+        for name, tag in runs:
+            for backend in backends:
+                phase(f"decode {backend} {name}",
+                      lambda b=backend, n=name, t=tag: decode_phase(p, dirs[n], b, t, online.get(n)))
+    if "kvcache" in phases:
         for backend in backends:
-            phase(f"decode {backend}", lambda b=backend: decode_phase(p, model_dir, b))
+            phase(f"kvcache {backend}", lambda b=backend: kvcache_phase(p, model_dir, b))
     if "kernels" in phases:
         phase("kernels", lambda: kernels_phase(p, backends))
     if "offline" in phases:
-        phase("offline", lambda: offline_phase(p, model_dir, args.num_requests, backends[-1]))
+        for name, tag in runs:
+            phase(f"offline {name}", lambda n=name, t=tag: offline_phase(p, dirs[n], args.num_requests, backends[-1], t))
     if "hf" in phases:
         phase("hf", lambda: hf_phase(p, model_dir))
     output = args.output or (Path(os.environ["OUT"]) / "gpu_decode.json" if os.environ.get("OUT") else None)

@@ -120,7 +120,7 @@ def gemv_env(value: str | None):
 def step_phase(p: gd.Preset, model_dir: Path, backend: str, label: str) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    sched = gd._engine(model_dir, backend, 64, 64 * 512 + 4096)
+    sched = gd._engine(model_dir, backend, 64, 64 * 512 + 4096, random_load=not p.on_disk)
     graphs = sched.runner.cuda_graphs
     assert graphs is not None, "CUDA graphs are off"
     gd._add(sched, 1, 128, 4000, p.vocab, "p")
@@ -191,7 +191,7 @@ def step_phase(p: gd.Preset, model_dir: Path, backend: str, label: str) -> None:
 def attn_phase(p: gd.Preset) -> None:
     from rxf.core.forward import ForwardMode
     from rxf.core.registry import PluginRegistry
-    from rxf.plugins.attention.triton.decode import decode_attention
+    from rxf.plugins.attention.triton.decode import counters_needed, decode_attention
 
     registry = PluginRegistry.load()
     shapes = [(1, 4095), (16, 4095), (64, 1023), (256, 511)]
@@ -220,6 +220,7 @@ def attn_phase(p: gd.Preset) -> None:
             nsplit = torch.full((bs,), splits, dtype=torch.int32, device="cuda")
             mid_o = torch.empty(bs, p.heads, splits, q.shape[-1], device="cuda")
             mid_lse = torch.empty(bs, p.heads, splits, device="cuda")
+            counters = torch.zeros(counters_needed(bs, p.heads, p.kv_heads), dtype=torch.int32, device="cuda")
             for block_n in (32, 64, 128):
                 for warps in (4, 8):
                     for stages in (1, 2, 3):
@@ -227,7 +228,7 @@ def attn_phase(p: gd.Preset) -> None:
                         call = functools.partial(
                             decode_attention, q, k_buf, v_buf, o, case.batch.req_to_token_pool.req_to_token,
                             case.batch.req_pool_indices, case.batch.seq_lens, nsplit, splits, mid_o, mid_lse,
-                            case.layer.scaling, block_n=block_n, num_warps=warps, num_stages=stages)
+                            counters, case.layer.scaling, block_n=block_n, num_warps=warps, num_stages=stages)
                         try:
                             us, _ = gd.kernel_time_us(call, iters=10)
                             err = ((o.float().view_as(ref) - ref).norm() / ref.norm()).item()
@@ -260,7 +261,7 @@ def main() -> None:
     if "gemv" in phases:
         gd.phase("gemv", lambda: suggested.append(gpu_gemv.gemv_phase(p, RESULTS)))
     if "step" in phases:
-        if not (model_dir / "model.safetensors").exists():
+        if not (model_dir / ("model.safetensors" if p.on_disk else "config.json")).exists():
             gd.phase("build", lambda: gd.build_checkpoint(p, model_dir))
         variants = {"": None}  # label suffix -> RXF_GEMV (None: as the environment says)
         if args.gemv == "suggested" and suggested:

@@ -34,6 +34,10 @@ class AttentionLayer(Protocol):
                       (Gemma 2's attn_logit_softcapping).
       sinks           float32 [num_heads]: a learned per-head logit that joins the softmax's
                       denominator only (exp(sink) is added to the sum; it has no value), gpt-oss.
+
+    k_scale / v_scale (float32 0-d tensors on the layer's device, 1.0 unless the checkpoint gives them)
+    are the layer's per-tensor KV-cache scales: an FP8 pool stores k / k_scale and v / v_scale, and a
+    backend reading it multiplies back (`rxf.core.kv_pool`); a pool of the model dtype ignores them.
     """
 
     layer_id: int
@@ -44,6 +48,8 @@ class AttentionLayer(Protocol):
     sliding_window: int | None
     logit_cap: float | None
     sinks: torch.Tensor | None
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
 
 
 # The optional features, by their AttentionLayer attribute names (what `AttentionBackend.features` lists).
@@ -97,6 +103,10 @@ class AttentionBackend(ABC):
     # The optional layer features (ATTENTION_FEATURES) this backend implements, in every mode it
     # runs (extend over any cached prefix, decode, CUDA graphs).
     features: frozenset[str] = frozenset()
+    # Whether it stores into and reads an FP8 pool (`cache.kv_dtype`): quantizing with the layer's
+    # k_scale / v_scale on store and dequantizing on read, as `rxf.core.kv_pool` defines. A backend
+    # without it is refused for such a pool (it would read the bytes as the wrong values).
+    fp8_kv: bool = False
 
     @classmethod
     def missing_features(cls, layers: Iterable[AttentionLayer]) -> dict[str, list[int]]:

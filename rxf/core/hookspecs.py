@@ -111,3 +111,16 @@ def rxf_register_reasoning_parsers(register: RegisterFactory) -> None:
     splits a thinking model's output into its reasoning and the reply after it (whole or streamed).
     Called in the process that owns the TokenizerManager, where replies are parsed.
     """
+
+
+@hookspec
+def rxf_register_quantization_methods(register: RegisterFactory) -> None:
+    """Register quantization methods by the name a checkpoint's `quantization_config.quant_method`
+    gives (or users put in ``model.quantization``, which wins over the checkpoint's).
+
+    The factory is a subclass of ``rxf.core.quantization.QuantizationMethod``, built once per model
+    as ``cls(quant_config, dtype)`` (``quant_config``: the checkpoint's quantization_config, None
+    for an unquantized checkpoint quantized at load); it gives the linear layers it takes over
+    their parameters, their weight loading and their matmul. Called in each scheduler process,
+    when the model runner loads a checkpoint.
+    """

@@ -35,6 +35,7 @@ KINDS = (
     "grammar_backends",
     "tool_call_formats",
     "reasoning_parsers",
+    "quantization_methods",
 )
 
 

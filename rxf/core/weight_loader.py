@@ -2,12 +2,14 @@
 
 Two halves, both model-agnostic: `iter_safetensors` yields `(name, tensor)` pairs one tensor at a
 time (peak host memory is one tensor, not the checkpoint), and `load_named_weights` routes each
-pair to a parameter's `weight_loader`, fusing per-projection tensors into stacked parameters.
+pair to a parameter's `weight_loader`, fusing per-projection tensors into stacked parameters, and
+a checkpoint's per-layer KV-cache scales to the attention layers' `k_scale` / `v_scale` buffers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -90,6 +92,34 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def kv_scale_targets(model: nn.Module) -> dict[str, list[torch.Tensor]]:
+    """Checkpoint name -> the KV-cache scale buffers it fills. An attention layer's buffer
+    `B.attn.k_scale` (B its block, e.g. `model.layers.3.self_attn`) is filled by whichever of the
+    names FP8 checkpoints use is present: `B.k_scale` (compressed-tensors, Quark), `B.k_proj.k_scale`
+    (ModelOpt), `B.k_proj.output_scale` (older compressed-tensors), the same for v, the deprecated
+    `B.kv_scale` (one scale for both) and the buffer's own name."""
+    targets: dict[str, list[torch.Tensor]] = {}
+    for name, buf in model.named_buffers():
+        layer, _, kind = name.rpartition(".")
+        if kind not in ("k_scale", "v_scale"):
+            continue
+        block, proj = layer.rpartition(".")[0], f"{kind[0]}_proj"
+        for alias in (name, f"{block}.{kind}", f"{block}.{proj}.{kind}", f"{block}.{proj}.output_scale",
+                      f"{block}.kv_scale"):
+            targets.setdefault(alias, []).append(buf)
+    return targets
+
+
+def _load_kv_scale(buffers: list[torch.Tensor], loaded: torch.Tensor) -> None:
+    if loaded.numel() != 1:
+        raise ValueError(f"a KV-cache scale must be per-tensor (one number), got shape {tuple(loaded.shape)}")
+    value = float(loaded.float())
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"a KV-cache scale must be a positive finite number, got {value}")
+    for buf in buffers:
+        buf.fill_(value)
+
+
 def _sample(names: Sequence[str], limit: int = 20) -> str:
     more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
@@ -103,7 +133,8 @@ def load_named_weights(
 ) -> None:
     """Copy checkpoint tensors into `model`'s parameters, matching names exactly except that a
     checkpoint name containing `.{part}.` of a stacked mapping goes to shard `shard_id` of the fused
-    parameter named with `.{fused}.` instead.
+    parameter named with `.{fused}.` instead. KV-cache scales go to their buffers (`kv_scale_targets`);
+    a checkpoint without them leaves the buffers at 1.0.
 
     Raises ValueError naming every checkpoint tensor that fits no parameter (and is not skipped) and
     every parameter, or shard of a fused parameter, that no checkpoint tensor filled.
@@ -112,9 +143,16 @@ def load_named_weights(
     expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
     filled: set[tuple[str, str | int | None]] = set()
     unplaced: list[str] = []
+    kv_scales = kv_scale_targets(model)
     with torch.no_grad():
         for name, tensor in weights:
             if skip is not None and skip(name):
+                continue
+            if name in kv_scales:
+                try:
+                    _load_kv_scale(kv_scales[name], tensor)
+                except ValueError as e:
+                    raise ValueError(f"cannot load checkpoint tensor {name}: {e}") from None
                 continue
             target, shard = name, None
             for fused, part, shard_id in stacked:

@@ -249,8 +249,8 @@ def _internals_shown(state: ServerState) -> bool:
 # What anyone may read of the engine and its config: what a client needs to use the model and what
 # monitoring needs, but no path, address or secret.
 _PUBLIC_ENGINE_INFO = (
-    "architecture", "max_context_len", "max_total_tokens", "vocab_size", "dtype", "device", "attention_backend",
-    "tp_size", "dp_size",
+    "architecture", "max_context_len", "max_total_tokens", "vocab_size", "dtype", "kv_dtype", "device",
+    "attention_backend", "tp_size", "dp_size",
 )
 _PUBLIC_CONFIG_SECTIONS = ("scheduler", "cache", "grammar")  # not multimodal: its allowed roots and hosts
 

@@ -8,7 +8,7 @@ copies of the same pool, and returns both outputs and both pools' K buffers.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,34 +28,40 @@ class Layer:  # satisfies rxf.core.attention.AttentionLayer
     sliding_window: int | None = None
     logit_cap: float | None = None
     sinks: torch.Tensor | None = None  # float32 [num_heads]
+    # KV-cache scales, float32 0-d on the batch's device (make_case moves them there).
+    k_scale: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.float32))
+    v_scale: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.float32))
 
 
 def make_case(
     prefix_lens: list[int], extend_lens: list[int], *, heads: int, kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: str, seed: int = 0, sliding_window: int | None = None,
-    logit_cap: float | None = None, sinks: torch.Tensor | None = None,
+    logit_cap: float | None = None, sinks: torch.Tensor | None = None, kv_dtype: torch.dtype | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[AttentionContext, ForwardBatch, Layer, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The layer uses the optional features given (`sinks` float32 [heads], moved to `device`)."""
+    """The layer uses the optional features given (`sinks` float32 [heads], moved to `device`). The
+    pool stores `kv_dtype` (default: `dtype`); an FP8 one with the layer's `kv_scales` (k, v)."""
     gen = torch.Generator().manual_seed(seed)
     bs = len(prefix_lens)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     max_context = max(seq_lens) + 8
     num_slots = sum(seq_lens) + 64
     req_pool = ReqToTokenPool(bs + 2, max_context, device)
-    kv_pool = TokenToKVPool(num_slots, 2, kv_heads, head_dim, dtype, device)
+    kv_pool = TokenToKVPool(num_slots, 2, kv_heads, head_dim, kv_dtype or dtype, device)
     req_pool.req_to_token.random_(1, num_slots)  # stale entries beyond each seq_len
     rows = [bs + 1 - i for i in range(bs)]  # rows out of order
     kv_pool.alloc(7)  # slots do not start at 1
     layer = Layer(
         1, heads, kv_heads, head_dim, scaling=head_dim**-0.5, sliding_window=sliding_window, logit_cap=logit_cap,
         sinks=None if sinks is None else sinks.to(device, torch.float32),
+        k_scale=torch.tensor(kv_scales[0], device=device), v_scale=torch.tensor(kv_scales[1], device=device),
     )
     new_slots = []
     for row, p, n in zip(rows, prefix_lens, seq_lens, strict=True):
         slots = kv_pool.alloc(n)[torch.randperm(n, generator=gen)]  # scattered slots
         req_pool.req_to_token[row, :n] = slots.to(device, torch.int32)
         k = torch.randn(p, kv_heads, head_dim, generator=gen).to(device, dtype)
-        kv_pool.set_kv(layer.layer_id, slots[:p].to(device), k, torch.randn_like(k))
+        kv_pool.set_kv(layer.layer_id, slots[:p].to(device), k, torch.randn_like(k), layer.k_scale, layer.v_scale)
         new_slots.append(slots[p:])
     t = sum(extend_lens)
     q = torch.randn(t, heads, head_dim, generator=gen).to(device, dtype)

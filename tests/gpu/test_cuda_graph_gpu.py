@@ -7,7 +7,9 @@
   equality is not a bf16 property (on this checkpoint transformers' own bf16 greedy tokens show gaps
   up to 5% under its float32 logits), so our worst gap must stay within 1.5x of transformers' bf16
   worst gap on the same prompts: rxf in bf16 is about as faithful as transformers in bf16.
-- A graph replay gives the eager forward's logits for batch sizes that fill a bucket and that pad one.
+- A graph replay gives the eager forward's logits for batch sizes that fill a bucket and that pad one,
+  also over an FP8 KV pool whose checkpoint carries KV-cache scales (triton reads them as device
+  tensors, flashinfer captures them as constants).
 - FlashInfer's fused norm / activation / rotary agree with the layers' torch code.
 
 Besides the shipped backends, `torch_native_graphs` (below) is torch_native with static decode
@@ -17,11 +19,13 @@ metadata, so the graph runner is tested even where no GPU backend is importable.
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from rxf.core.config import load_config
 from rxf.core.forward import ForwardMode
@@ -102,6 +106,19 @@ CASES = [
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("gpu-llama"), seed=3, **TINY_GPU)
+
+
+@pytest.fixture(scope="module")
+def scaled_ckpt(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`ckpt` plus KV-cache scales (k 0.5, v 2) for every layer, as an FP8 checkpoint carries them."""
+    path = tmp_path_factory.mktemp("gpu-llama-kv-scales") / "ckpt"
+    shutil.copytree(ckpt, path)
+    weights = load_file(path / "model.safetensors")
+    for i in range(TINY_GPU["num_hidden_layers"]):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(2.0)
+    save_file(weights, path / "model.safetensors")
+    return path
 
 
 def _config(ckpt: Path, backend: str, dtype: torch.dtype, graphs: bool, **extra: Any):
@@ -193,9 +210,16 @@ def test_greedy_matches_transformers(ckpt: Path, backend: str, dtype: torch.dtyp
     _assert_as_faithful_as_transformers(ckpt, prompts, _scheduler_greedy(config, runner, ckpt, prompts, 32), dtype)
 
 
-@pytest.mark.parametrize(("backend", "dtype"), CASES, ids=[f"{b}-{str(d)[6:]}" for b, d in CASES])
-def test_replay_equals_eager(ckpt: Path, backend: str, dtype: torch.dtype) -> None:
-    runner = ModelRunner(_config(ckpt, backend, dtype, graphs=True), _registry(), str(ckpt))
+REPLAY_CASES = [(b, d, "auto") for b, d in CASES] + [(b, d, "fp8_e4m3") for b, d in CASES if d == torch.bfloat16]
+
+
+@pytest.mark.parametrize(("backend", "dtype", "kv_dtype"), REPLAY_CASES,
+                         ids=[f"{b}-{str(d)[6:]}-{kv}" for b, d, kv in REPLAY_CASES])
+def test_replay_equals_eager(ckpt: Path, scaled_ckpt: Path, backend: str, dtype: torch.dtype, kv_dtype: str) -> None:
+    if kv_dtype != "auto":
+        ckpt = scaled_ckpt
+    runner = ModelRunner(_config(ckpt, backend, dtype, graphs=True, **{"cache.kv_dtype": kv_dtype}), _registry(), str(ckpt))
+    assert runner.model.model.layers[0].self_attn.attn.v_scale.item() == (1.0 if kv_dtype == "auto" else 2.0)
     graphs = runner.cuda_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16]
     for bs in (1, 3, 8, 13):  # 3 and 13 replay padded buckets (4 and 16)

@@ -110,6 +110,7 @@ CHECKS = {  # what each kind's example must resolve to; strings of unreleased in
     "grammar_backends": None,
     "tool_call_formats": None,
     "reasoning_parsers": None,
+    "quantization_methods": None,
 }
 
 

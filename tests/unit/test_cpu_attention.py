@@ -2,7 +2,8 @@
 req_to_token entries) and against transformers (tiny checkpoints through ModelRunner and Runtime).
 
 Covers: extend over cached prefixes, mixed batches (requests of very different lengths, so extend
-packs several padded groups), decode, GQA, sliding windows, soft-caps and sinks, fp32 and bf16, and
+packs several padded groups), decode, GQA, sliding windows, soft-caps and sinks, fp32 and bf16, an
+FP8 pool with scales, and
 greedy tokens through the scheduler with chunked prefill and the radix cache.
 """
 
@@ -57,6 +58,18 @@ def test_matches_torch_native_bf16(features: str, batch: str) -> None:
     out, ref, k, ref_k = compare_backends(CpuBackend, *BATCHES[batch], **SHAPE, dtype=torch.bfloat16, **FEATURES[features])
     assert_bf16_close(out, ref)
     assert torch.equal(k, ref_k)
+
+
+@pytest.mark.parametrize("batch", ["extend over prefixes", "decode"])
+def test_fp8_pool_matches_torch_native(batch: str) -> None:
+    """An FP8 pool with non-unit scales: both backends quantize on store and dequantize on read."""
+    out, ref, k, ref_k = compare_backends(
+        CpuBackend, *BATCHES[batch], **SHAPE, dtype=torch.float32, kv_dtype=torch.float8_e4m3fn,
+        kv_scales=(0.5, 2.0), **FEATURES["all"],
+    )
+    # torch_native rounds the dequantized K/V to q's dtype (fp32 here) as the kernel does not: ~1e-6
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k.view(torch.uint8), ref_k.view(torch.uint8))
 
 
 def test_background_compile_takes_over_decode(monkeypatch: pytest.MonkeyPatch) -> None:

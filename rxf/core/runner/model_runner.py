@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+from rxf.core import quantization
 from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer
 from rxf.core.config import EngineConfig
 from rxf.core.forward import ForwardBatch, ForwardMode
 from rxf.core.ipc.messages import MultimodalItem
-from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
+from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool, is_fp8, kv_storage_dtype
 from rxf.core.pooling import Pooling
 from rxf.core.registry import PluginRegistry
 from rxf.core.runner import distributed
@@ -140,15 +141,21 @@ def _feature_gaps(cls: type[AttentionBackend], layers: list[AttentionLayer]) -> 
 
 
 def _select_backend(
-    registry: PluginRegistry, name: str, device: torch.device, layers: list[AttentionLayer]
+    registry: PluginRegistry, name: str, device: torch.device, layers: list[AttentionLayer], fp8_kv: bool = False
 ) -> type[AttentionBackend]:
     """A named backend, or for "auto" the available backend with the highest `auto_priority` among
-    those that implement every optional feature (`AttentionBackend.features`) the model's layers use.
-    A named backend that lacks one is refused: it would compute different attention."""
+    those that implement every optional feature (`AttentionBackend.features`) the model's layers use
+    and, with `fp8_kv` (an FP8 pool), read FP8 K/V. A named backend that lacks one is refused: it
+    would compute different attention."""
     if name != "auto":
         cls = registry.attention_backend(name)
         if not cls.is_available(device):
             raise RuntimeError(f"attention backend {name!r} is not available on {device}")
+        if fp8_kv and not cls.fp8_kv:
+            raise RuntimeError(
+                f"attention backend {name!r} cannot use an FP8 KV cache (cache.kv_dtype); choose another "
+                "attention.backend (torch_native, triton and flashinfer can) or cache.kv_dtype = 'auto'"
+            )
         gaps = _feature_gaps(cls, layers)
         if gaps:
             raise RuntimeError(
@@ -164,6 +171,9 @@ def _select_backend(
             logger.info("attention backend %s skipped: %s", candidate, e)
             continue
         if cls.auto_priority is None or not cls.is_available(device):
+            continue
+        if fp8_kv and not cls.fp8_kv:
+            logger.info("attention backend %s skipped: it cannot use an FP8 KV cache", candidate)
             continue
         gaps = _feature_gaps(cls, layers)
         if gaps:
@@ -204,14 +214,21 @@ class ModelRunner:
             )
         served = {"context_length": self.max_context_len} if supported else {}
         random_weights = config.model.load_format == "random"
+        method = quantization.select_method(registry, self.hf_config, config.model.quantization, self.dtype,
+                                            getattr(model_cls, "native_quant_methods", ()))
+        if method is not None and random_weights and method.quant_config is not None:
+            raise ValueError("model.load_format 'random' draws dense weights; it cannot serve a quantized checkpoint "
+                             "(a method that quantizes at load, model.quantization = 'fp8', quantizes them)")
         # Checked before the model is built: a missing or empty checkpoint raises now.
         weights = None if random_weights else iter_safetensors(model_path)
-        with torch.device(self.device):
+        with torch.device(self.device), quantization.building(method):
             self.model = model_cls(self.hf_config, dtype=self.dtype, **served)
+        quantization.materialize(self.model, method, self.device)
         if weights is None:
             fill_random_weights(self.model, config.runtime.seed)
         else:
             self.model.load_weights(weights)
+        quantization.finish_loading(self.model)
         self.model.eval()
         # An embedding model pools the final hidden states (`hidden_states`) and computes no logits.
         self.pooling = None
@@ -228,22 +245,22 @@ class ModelRunner:
         self.eos_token_ids = _eos_token_ids(model_path, self.hf_config)
         self._init_memory(text)
         layers = [m for m in self.model.modules() if isinstance(m, AttentionLayer)]
-        self.attn_backend = _select_backend(registry, config.attention.backend, self.device, layers)(
-            self._attention_context
-        )
+        backend_cls = _select_backend(registry, config.attention.backend, self.device, layers, is_fp8(self.kv_dtype))
+        self.attn_backend = backend_cls(self._attention_context)
         self.cuda_graphs = self._init_cuda_graphs()
         # Overlap scheduling: `launch` returns before the step is done (CUDA: the work is only
         # enqueued; CPU: it runs in a worker thread) and the scheduler plans the next one meanwhile.
         self.overlap = overlap_enabled(config, self.device)
         self._steps = StepExecutor(self, background=self.overlap and self.device.type != "cuda")
         logger.info(
-            "loaded %s (%s, %s) on %s in %.1fs; KV pool: %d slots (%.2f GiB), context %d",
+            "loaded %s (%s, %s) on %s in %.1fs; KV pool: %d tokens of %s (%.2f GiB), context %d",
             model_path,
             model_cls.__name__,
             str(self.dtype).removeprefix("torch."),
             self.device,
             time.perf_counter() - start,
             self.max_total_tokens,
+            str(self.kv_dtype).removeprefix("torch."),
             self.max_total_tokens * self.token_to_kv_pool.bytes_per_slot() / 2**30,
             self.max_context_len,
         )
@@ -257,14 +274,16 @@ class ModelRunner:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         num_layers = text.num_hidden_layers
         max_running = self.config.scheduler.max_running_requests
+        # What the pool stores: the model dtype, or FP8 (one byte an element: twice bf16's tokens).
+        self.kv_dtype = kv_storage_dtype(self.config.cache.kv_dtype, self.dtype)
         self.max_total_tokens = self.config.cache.max_total_tokens or self._slots_from_memory(
-            2 * num_layers * num_kv_heads * head_dim * self.dtype.itemsize, max_running
+            2 * num_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize, max_running
         )
         # Every rank's scheduler must admit the same requests: all size their pool like the fullest GPU.
         self.max_total_tokens = distributed.tp_min(self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
-            self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.dtype, self.device
+            self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.kv_dtype, self.device
         )
         self._attention_context = AttentionContext(
             self.req_to_token_pool,

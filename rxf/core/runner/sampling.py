@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rxf.core.runner.argmax import row_argmax
 from rxf.core.runner.penalties import Penalties
 from rxf.core.sampling_params import SamplingParams
 
@@ -155,11 +156,11 @@ class SamplingBatch:
                 penalized = raw.clone()
             self.grammar_mask.apply(penalized, self.grammar_mask.bitmask, self.grammar_mask.rows)
         if self.all_greedy:
-            return SampleOutput(penalized.argmax(dim=-1), raw)
+            return SampleOutput(row_argmax(penalized), raw)
         probs = self._filter(torch.softmax(penalized / self.temperatures, dim=-1))
         next_ids = self._draw(probs)
         if self.greedy is not None:
-            next_ids = torch.where(self.greedy, penalized.argmax(dim=-1), next_ids)
+            next_ids = torch.where(self.greedy, row_argmax(penalized), next_ids)
         return SampleOutput(next_ids, raw)
 
     def _filter(self, probs: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,7 @@ def run_scheduler_process(
         from rxf.core.runner.distributed import init_tensor_parallel
         from rxf.core.runner.model_runner import ModelRunner
         from rxf.core.scheduler.scheduler import Scheduler
+        from rxf.core.speculative.draft import load_draft_model
 
         if placement is not None:
             if placement.cuda:  # before any CUDA work: "cuda" then means this rank's device
@@ -79,7 +80,10 @@ def run_scheduler_process(
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
         runner = ModelRunner(config, registry, model_path)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or model_path)
-        scheduler = Scheduler(config, runner, tokenizer, check_memory=os.environ.get("RXF_CHECK_MEMORY") == "1")
+        draft = load_draft_model(config, registry, runner)
+        scheduler = Scheduler(
+            config, runner, tokenizer, check_memory=os.environ.get("RXF_CHECK_MEMORY") == "1", draft=draft
+        )
     except Exception as e:  # report start-up failures to the parent instead of dying silently
         logger.exception("scheduler failed to start")
         ready_conn.send({"error": f"{type(e).__name__}: {e}"})
@@ -93,6 +97,7 @@ def run_scheduler_process(
             "vocab_size": runner.vocab_size,
             "device": str(runner.device),
             "dtype": str(runner.dtype).removeprefix("torch."),
+            "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
             "attention_backend": type(runner.attn_backend).__name__,
             "architecture": type(runner.model).__name__,
             "torch_threads": torch.get_num_threads(),

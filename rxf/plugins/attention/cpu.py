@@ -10,7 +10,8 @@
   length and the layer's sliding window. Layers with a soft-cap or
   sinks use torch_native's `explicit_attention` over the same padded group.
 
-Every feature torch_native has (GQA, sliding windows, soft-caps, sinks) runs in both modes. The
+Every feature torch_native has (GQA, sliding windows, soft-caps, sinks, an FP8 pool dequantized
+with the layer's scales as `rxf.core.kv_pool` defines) runs in both modes. The
 decode kernels compile in a background thread (`COMPILE_ENV`); until they are ready, and for good
 without a working C++ compiler (Inductor's requirement, with a warning), decode is torch_native's.
 """
@@ -107,6 +108,7 @@ class CpuBackend(TorchNativeBackend):
         self._groups: list[_Group] = []
         self._first_key: dict[int | None, torch.Tensor] = {}  # decode: window -> [bs] first visible key
         self._no_sinks: dict[int, torch.Tensor] = {}  # heads -> float32 -inf [heads] (no sink)
+        self._unit_scale: torch.Tensor | None = None  # float32 1.0: the scale of a model-dtype pool
         # Until the compiled kernels are ready decode runs torch_native's (the same results).
         self._decode: Callable[..., torch.Tensor] | None = None
         self._step_decode = self._decode
@@ -173,27 +175,16 @@ class CpuBackend(TorchNativeBackend):
             )
         return groups
 
-    def _store(
-        self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new tokens' K/V at their slots; the layer's pool buffers, in the pool's dtype."""
-        pool = batch.token_to_kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        return pool.get_kv_buffer(layer.layer_id)
-
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        k_buf, v_buf = self._store(layer, batch, k, v)
+        self._store_kv(layer, batch, k, v)
         plain = not (layer_features(layer) - {"sliding_window"})  # SDPA takes the window in its mask
         gqa = layer.num_heads != layer.num_kv_heads
         out = torch.empty_like(q)
         for g in self._groups:
-            b, num_keys = g.slots.shape
-            qg = q.index_select(0, g.q_rows).view(b, -1, *q.shape[1:]).transpose(1, 2)  # [b, H, E, D]
-            flat = g.slots.reshape(-1)
-            kg = k_buf.index_select(0, flat).view(b, num_keys, *k_buf.shape[1:]).transpose(1, 2).to(q.dtype)
-            vg = v_buf.index_select(0, flat).view(b, num_keys, *v_buf.shape[1:]).transpose(1, 2).to(q.dtype)
+            qg = q.index_select(0, g.q_rows).view(len(g.slots), -1, *q.shape[1:]).transpose(1, 2)  # [b, H, E, D]
+            kg, vg = (x.transpose(1, 2) for x in self._read_kv(layer, batch, g.slots, q.dtype))  # [b, Hkv, S, D]
             if plain and g.no_prefix and layer.sliding_window is None:
                 o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=layer.scaling, enable_gqa=gqa)
             elif plain:
@@ -209,7 +200,11 @@ class CpuBackend(TorchNativeBackend):
     ) -> torch.Tensor:
         if self._step_decode is None:
             return super().forward_decode(q, k, v, layer, batch)
-        k_buf, v_buf = self._store(layer, batch, k, v)
+        self._store_kv(layer, batch, k, v)
+        pool = batch.token_to_kv_pool
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        # An FP8 pool holds k / k_scale and v / v_scale; a pool of the model dtype holds K/V as they are.
+        k_scale, v_scale = (layer.k_scale, layer.v_scale) if pool.is_fp8 else (self._one(q.device), self._one(q.device))
         window = layer.sliding_window
         if window not in self._first_key:  # shared by the layers of one window
             first = torch.zeros_like(batch.seq_lens) if window is None else (batch.seq_lens - window).clamp_min(0)
@@ -220,5 +215,11 @@ class CpuBackend(TorchNativeBackend):
             if sinks is None:
                 sinks = self._no_sinks[layer.num_heads] = torch.full((layer.num_heads,), float("-inf"), device=q.device)
         return self._step_decode(
-            q, k_buf, v_buf, self._slots, batch.seq_lens, self._first_key[window], sinks, layer.scaling, layer.logit_cap
+            q, k_buf, v_buf, k_scale, v_scale, self._slots, batch.seq_lens, self._first_key[window], sinks,
+            layer.scaling, layer.logit_cap,
         )
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        if self._unit_scale is None:
+            self._unit_scale = torch.ones((), dtype=torch.float32, device=device)
+        return self._unit_scale

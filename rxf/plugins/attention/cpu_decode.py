@@ -33,6 +33,8 @@ def paged_decode_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
     first_key: torch.Tensor,
@@ -40,7 +42,8 @@ def paged_decode_attention(
     scale: float,
     cap: float | None,
 ) -> torch.Tensor:
-    """q [bs, H, D]; k_buf/v_buf [num_slots, Hkv, D] (the layer's pool buffers); slots [bs, L] int64
+    """q [bs, H, D]; k_buf/v_buf [num_slots, Hkv, D] (the layer's pool buffers, any dtype, read as
+    k_buf * k_scale, v_buf * v_scale in float32: 0-d float32 scales, 1.0 but for an FP8 pool); slots [bs, L] int64
     with request i's keys in columns [0, seq_lens[i]) and any valid slot beyond; -> [bs, H, D].
 
     The query of request i sees keys first_key[i] <= j < seq_lens[i] (first_key: 0, or with a
@@ -50,8 +53,8 @@ def paged_decode_attention(
     bs, num_keys = slots.shape
     kv_heads, head_dim = k_buf.shape[1], k_buf.shape[2]
     group = q.shape[1] // kv_heads
-    k = k_buf[slots].float()  # [bs, L, Hkv, D]: fused into the loops below, never materialised
-    v = v_buf[slots].float()
+    k = k_buf[slots].float() * k_scale  # [bs, L, Hkv, D]: fused into the loops below, never materialised
+    v = v_buf[slots].float() * v_scale
     qg = q.float().view(bs, 1, kv_heads, group, head_dim)
     scores = (qg * k.unsqueeze(3)).sum(-1) * scale  # [bs, L, Hkv, group]
     if cap is not None:
@@ -97,9 +100,12 @@ def warm_up(ctx: AttentionContext) -> None:
     if key in _warmed:
         return
     no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)
+    one = torch.ones((), dtype=torch.float32, device=ctx.device)
     for bs in (1, 2):
         q = torch.zeros(bs, ctx.num_heads, ctx.head_dim, dtype=ctx.dtype, device=ctx.device)
         slots = torch.zeros(bs, 3, dtype=torch.int64, device=ctx.device)
         seq_lens = torch.full((bs,), 3, dtype=torch.int32, device=ctx.device)
-        decode_attention(q, k_buf, v_buf, slots, seq_lens, torch.zeros_like(seq_lens), no_sinks, ctx.head_dim**-0.5, None)
+        decode_attention(
+            q, k_buf, v_buf, one, one, slots, seq_lens, torch.zeros_like(seq_lens), no_sinks, ctx.head_dim**-0.5, None
+        )
     _warmed.add(key)

@@ -19,6 +19,15 @@ CUDA graphs (decode): one wrapper per (batch size, variant) over fixed buffers. 
 by the eager warm-up forward that the graph runner makes after `init_forward_metadata_capture`
 (each is planned there, outside the capture); replay re-plans every variant of its size.
 
+An FP8 pool (`cache.kv_dtype`) is written by rxf's store kernel (quantized with the layer's scales)
+and read by FlashInfer's wrappers planned with that `kv_data_type`; the layer's k_scale and v_scale go
+to `run` as host floats (FlashInfer folds k_scale into the softmax scale and multiplies the output by
+v_scale; the sink variant takes its softmax scale as an argument, so k_scale is folded there by hand).
+They are read off the device once per layer and kept: they do not change after loading, and captured
+graphs keep them as constants. With an FP8 pool a prefill without cached prefix runs the paged
+kernel over the pool instead of the ragged one over the new k/v, so every key is attended as
+quantized, as torch_native and triton do.
+
 Rotary embeddings are fused into the K/V store (rxf's Triton kernel, `fuses_rope`), which also writes
 the rotated q into the contiguous buffer FlashInfer's `run` takes (saving the copy `q.contiguous()`
 made of the strided view). FlashInfer's own fused rope + append kernels do not fit this pool:
@@ -84,6 +93,7 @@ class FlashInferBackend(AttentionBackend):
     auto_priority = 20  # the fastest on CUDA when it imports
     supports_cuda_graph = True
     features = frozenset(ATTENTION_FEATURES)
+    fp8_kv = True
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
@@ -127,6 +137,9 @@ class FlashInferBackend(AttentionBackend):
         self._graph_bs: int | None = None  # set while the batch runs on graph wrappers
         self._planned: dict[Variant, Any] = {}
         self._pages: dict[int | None, _Pages] = {}
+        self._kv_dtype = ctx.token_to_kv_pool.dtype
+        self._fp8 = ctx.token_to_kv_pool.is_fp8
+        self._kv_scales: dict[int, tuple[float, float]] = {}  # layer id -> (k_scale, v_scale), FP8 pools
 
     # ---- per-batch metadata ----
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -138,15 +151,15 @@ class FlashInferBackend(AttentionBackend):
         self._planned, self._pages = {}, {}
 
     def _kind(self, variant: Variant) -> str:
-        """Which wrapper serves `variant` in this batch: "sink", "decode", "ragged" (no cached prefix:
-        the new tokens' own K/V) or "paged"."""
+        """Which wrapper serves `variant` in this batch: "sink", "decode", "ragged" (no cached prefix
+        and a pool of the model dtype: the new tokens' own K/V) or "paged"."""
         batch = self._batch
         assert batch is not None, "init_forward_metadata was not called for this batch"
         if variant.sinks:
             return "sink"
         if batch.mode.is_decode():
             return "decode"
-        return "ragged" if sum(batch.prefix_lens_cpu) == 0 else "paged"
+        return "ragged" if sum(batch.prefix_lens_cpu) == 0 and not self._fp8 else "paged"
 
     def _page_lists(self, window: int | None) -> _Pages:
         """Every request's keys from lo = max(0, prefix_len - W + 1) (the first key its first new token
@@ -209,7 +222,7 @@ class FlashInferBackend(AttentionBackend):
         ctx = self.ctx
         return self._fi.BatchAttentionWithAttentionSinkWrapper(
             self.workspace, "NHD", use_cuda_graph=bool(graph_buffers), **graph_buffers,
-            q_data_type=ctx.dtype, kv_data_type=ctx.dtype, head_dim_qk=ctx.head_dim, head_dim_vo=ctx.head_dim,
+            q_data_type=ctx.dtype, kv_data_type=self._kv_dtype, head_dim_qk=ctx.head_dim, head_dim_vo=ctx.head_dim,
             window_left=variant.window_left,
         )
 
@@ -218,11 +231,11 @@ class FlashInferBackend(AttentionBackend):
         assert batch is not None
         common = {
             "num_qo_heads": ctx.num_heads, "num_kv_heads": ctx.num_kv_heads, "window_left": variant.window_left,
-            "sm_scale": variant.scaling, "q_data_type": ctx.dtype, "kv_data_type": ctx.dtype,
+            "sm_scale": variant.scaling, "q_data_type": ctx.dtype, "kv_data_type": self._kv_dtype,
         }
         if kind != "sink":  # the sink variant has no soft-cap (missing_features refuses the pair)
             common["logits_soft_cap"] = variant.logit_cap
-        if kind == "ragged":
+        if kind == "ragged":  # never with an FP8 pool: its k/v are the model dtype's
             indptr = _cpu_indptr(batch.extend_lens_cpu)
             wrapper.plan(qo_indptr=indptr, kv_indptr=indptr, head_dim_qk=ctx.head_dim, causal=True, **common)
             return
@@ -252,19 +265,33 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Store k/v (rotating q and k first, with `rotary`); returns q as `run` takes it (contiguous)."""
         bufs = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
         if rotary is None:
-            self._store(*bufs, batch.out_cache_loc, k, v)
+            self._store(*bufs, batch.out_cache_loc, k, v, **scales)
             return q.contiguous()
         assert rotary.cos_sin_cache is not None, "fuses_rope said no to this rotary embedding"
         return self._rope_store(*bufs, batch.out_cache_loc, q, k, v, batch.positions, rotary.cos_sin_cache,
-                                q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+                                q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device), **scales)
+
+    def _host_scales(self, layer: AttentionLayer) -> tuple[float, float]:
+        """The layer's (k_scale, v_scale) as floats, read off the device on its first forward (an
+        eager one: the graph runner's warm-up precedes every capture)."""
+        scales = self._kv_scales.get(layer.layer_id)
+        if scales is None:
+            scales = (float(layer.k_scale), float(layer.v_scale))
+            self._kv_scales[layer.layer_id] = scales
+        return scales
 
     def _run_paged(self, wrapper: Any, q: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         k, v = self.ctx.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         paged = (k.unsqueeze(1), v.unsqueeze(1))  # [slots, page_size=1, Hkv, D]
+        k_scale, v_scale = self._host_scales(layer) if self._fp8 else (1.0, 1.0)
+        # A scale of 1 is left out: FlashInfer would spend a kernel multiplying the output by it.
+        out_scale = {} if v_scale == 1.0 else {"v_scale": v_scale}
         if layer.sinks is None:
-            return wrapper.run(q, paged)
-        return wrapper.run(q, paged, layer.sinks, layer.scaling)  # the sink variant's extra arguments
+            return wrapper.run(q, paged, **({} if k_scale == 1.0 else {"k_scale": k_scale}), **out_scale)
+        # The sink variant's extra arguments: its softmax scale, which k_scale multiplies.
+        return wrapper.run(q, paged, layer.sinks, layer.scaling * k_scale, **out_scale)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,

@@ -4,7 +4,9 @@ Runs on any device torch runs on. It favours being obviously correct over being 
 over requests for extend, one gather of every request's K/V per layer); every other backend is
 tested against it. A layer with no optional feature goes through SDPA (which may pick a fused
 kernel); a layer with a sliding window, a logit soft-cap or sinks goes through `explicit_attention`,
-the features' definitions written out in float32.
+the features' definitions written out in float32. An FP8 pool is quantized on store and dequantized
+on read by the pool's own definition (`TokenToKVPool.set_kv` / `read_kv`), which the other backends'
+kernels must match.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def explicit_attention(
 class TorchNativeBackend(AttentionBackend):
     auto_priority = 0  # the fallback: any accelerated backend that is available ranks above it
     features = frozenset(ATTENTION_FEATURES)
+    fp8_kv = True
 
     def __init__(self, ctx: AttentionContext) -> None:
         super().__init__(ctx)
@@ -83,29 +86,31 @@ class TorchNativeBackend(AttentionBackend):
         for prefix_len, extend_len in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, strict=True):
             self._query_pos.append(prefix_len + torch.arange(extend_len, device=device))
 
-    def _kv(
-        self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+    def _store_kv(self, layer: AttentionLayer, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        batch.token_to_kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
+
+    @staticmethod
+    def _read_kv(
+        layer: AttentionLayer, batch: ForwardBatch, slots: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens' K/V at their slots, then return the layer's whole K/V buffers."""
-        pool = batch.token_to_kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        return k_buf.to(dtype), v_buf.to(dtype)  # no-op unless the pool stores another dtype
+        """K/V at `slots` in `dtype`, dequantized when the pool is FP8: every key attended, the new
+        tokens' too, is read back from the pool, so a token's attention does not depend on whether
+        its keys were computed in this forward or cached."""
+        return batch.token_to_kv_pool.read_kv(layer.layer_id, slots, dtype, layer.k_scale, layer.v_scale)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        k_buf, v_buf = self._kv(layer, batch, k, v, q.dtype)
+        self._store_kv(layer, batch, k, v)
         plain = not layer_features(layer)
         out = torch.empty_like(q)
         start = 0
         for i, (prefix_len, extend_len, seq_len) in enumerate(
             zip(batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.seq_lens_cpu, strict=True)
         ):
-            slots = self._slots[i, :seq_len]
             qi = q[start : start + extend_len].transpose(0, 1)  # [heads, extend_len, head_dim]
-            ki = k_buf[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-            vi = v_buf[slots].transpose(0, 1)
+            ki, vi = self._read_kv(layer, batch, self._slots[i, :seq_len], q.dtype)
+            ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [kv_heads, seq_len, head_dim]
             if plain and prefix_len == 0:  # plain causal: SDPA's is_causal, which lets it pick a fused kernel
                 o = F.scaled_dot_product_attention(
                     qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
@@ -120,10 +125,8 @@ class TorchNativeBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        k_buf, v_buf = self._kv(layer, batch, k, v, q.dtype)
-        # index_select over the flattened slot table gathers the same rows as k_buf[slots], ~4x faster
-        # on CPU (the gather was a fifth of a 16-request decode step).
-        flat, shape = self._slots.reshape(-1), (*self._slots.shape, *k_buf.shape[1:])
+        self._store_kv(layer, batch, k, v)
+        k_all, v_all = self._read_kv(layer, batch, self._slots, q.dtype)  # [bs, max_seq_len, kv_heads, head_dim]
         visible = self._valid
         if layer.sliding_window is not None:  # the new token sits at position seq_len - 1
             first = batch.seq_lens[:, None] - layer.sliding_window
@@ -131,8 +134,8 @@ class TorchNativeBackend(AttentionBackend):
         # One batched call: keys padded to the longest sequence, padding masked per request.
         o = self._attend(
             q.unsqueeze(2),  # [bs, heads, 1, head_dim]
-            k_buf.index_select(0, flat).view(shape).transpose(1, 2),  # [bs, kv_heads, max_seq_len, head_dim]
-            v_buf.index_select(0, flat).view(shape).transpose(1, 2),
+            k_all.transpose(1, 2),  # [bs, kv_heads, max_seq_len, head_dim]
+            v_all.transpose(1, 2),
             visible[:, None, None, :],
             layer,
             not layer_features(layer),

@@ -29,7 +29,6 @@ from rxf.plugins.models.layers import (
     VocabEmbedding,
     rope_parameters,
 )
-from rxf.plugins.models.layers.gemv import decode_gemv
 from rxf.plugins.models.layers.rotary import supported_context_length
 
 logger = logging.getLogger(__name__)
@@ -59,7 +58,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype=dtype)
         # Where RXF_GEMV asks for it, small batches get gate_up and SiLU·mul in one GEMV launch.
-        self.gate_up_act = decode_gemv("gate_up_proj", self.gate_up_proj.weight, gated=True)
+        self.gate_up_act = self.gate_up_proj.decode_gemv("gate_up_proj", gated=True)
         self.down_proj.use_decode_gemv("down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

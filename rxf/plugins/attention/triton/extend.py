@@ -19,7 +19,15 @@ head's sink) of weight exp(sink) and zero value, which is exactly its share of t
 
 The new tokens' K/V are read from the k/v inputs rather than back from the pool: contiguous rows, no
 slot indirection, and no ordering dependence on the pool write. They equal the pool's copies while the
-pool stores the model dtype (the backend's `set_kv` casts otherwise, e.g. to a quantized cache).
+pool stores the model dtype. An FP8 pool (KV_FP8) is the exception: the new tokens' K/V are read back
+from it (through req_to_token, after the store launch on the same stream), so that every key is
+attended as quantized, as torch_native does, and a token's attention does not depend on whether its
+keys were cached or computed in this forward.
+
+FP8 K/V (`kv_scale_args`) are upcast to q's dtype in registers (exact: every e4m3 / e5m2 value is a
+bf16, fp16 and fp32 value) and their per-tensor scales applied in float32 where they cost nothing:
+k_scale multiplies the score scale (s = (q . k8) * scaling * k_scale, before any soft-cap), v_scale the
+normalised output (every value read carries the same scale).
 
 Scores are kept in base 2 (the softmax scale is multiplied by log2(e)) so the kernel can use exp2;
 accumulation is fp32 whatever the input dtype; the output is written in `out`'s dtype.
@@ -34,10 +42,38 @@ import torch
 import triton
 import triton.language as tl
 
+from rxf.core.kv_pool import is_fp8
+
 _LOG2E = 1.0 / math.log(2.0)
 # Running-max start value: finite, so a row whose keys are all masked so far gives exp2(-inf - m) = 0
 # and exp2(m_old - m_new) = 1 instead of NaN from (-inf) - (-inf).
 _M_INIT = -1.0e30
+
+
+def kv_scale_args(
+    k_buf: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, placeholder: torch.Tensor
+) -> dict[str, Any]:
+    """The kernels' arguments for the pool's format: KV_FP8 with the layer's scale pointers (float32
+    0-d, both required), else placeholders that are never read."""
+    fp8 = is_fp8(k_buf.dtype)
+    if fp8:
+        assert k_scale is not None and v_scale is not None, "an FP8 pool needs the layer's k_scale and v_scale"
+        assert k_scale.dtype == v_scale.dtype == torch.float32, "KV-cache scales must be float32"
+    return {
+        "KScale": k_scale if fp8 else placeholder,
+        "VScale": v_scale if fp8 else placeholder,
+        "KV_FP8": fp8,
+    }
+
+
+@triton.jit
+def kv_scales(qk_scale, KScale, VScale, KV_FP8: tl.constexpr):
+    """(score scale with k_scale folded in, v_scale) for an FP8 pool; (qk_scale, 1.0) otherwise."""
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(KScale)
+        v_scale = tl.load(VScale)
+    return qk_scale, v_scale
 
 
 def feature_args(
@@ -131,10 +167,11 @@ def _extend_kernel(
     req_pool_indices, prefix_lens, extend_lens, qo_start,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
-    qk_scale, cap_log2, window, Sinks,
+    qk_scale, cap_log2, window, Sinks, KScale, VScale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
     IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -146,6 +183,7 @@ def _extend_kernel(
     first = tl.load(qo_start + req).to(tl.int64)  # this request's first row in q/k/v/out
     row_base = ReqToToken + tl.load(req_pool_indices + req).to(tl.int64) * stride_r2t
     kv_head = head // GROUP
+    qk_scale, v_scale = kv_scales(qk_scale, KScale, VScale, KV_FP8)
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -186,10 +224,17 @@ def _extend_kernel(
         cols = start_n + offs_n
         mask_n = cols < extend_len
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + (first + cols)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + (first + cols)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        if KV_FP8:  # the pool's quantized copies (see the module docstring)
+            slots = tl.load(row_base + prefix_len + cols, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(K + (first + cols)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(V + (first + cols)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                        mask=kv_mask, other=0.0)
         # cols <= row also implies cols < extend_len for every stored row (rows < extend_len).
         visible = cols[None, :] <= offs_m[:, None]
         if HAS_WINDOW:
@@ -198,7 +243,7 @@ def _extend_kernel(
                                     qk_scale, cap_log2, HAS_CAP, IEEE)
 
     # Every stored row saw at least its own key, so l_i > 0 there; padding rows are not stored.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(
         Out + (first + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
@@ -233,12 +278,15 @@ def extend_attention(
     sliding_window: int | None = None,
     logit_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write into `out` [T, H, D] the attention of q [T, H, D] (the new tokens, flattened in request
     order; request b's rows start at qo_start[b]) over each request's cached prefix in the pool and its
     new k/v [T, Hkv, D]. Tensors may be strided views but their last dimension must be contiguous.
     block_m / block_n override the tuned block sizes (powers of two, at least 16). The optional
-    features are the layer's (`rxf.core.attention.AttentionLayer`)."""
+    features are the layer's (`rxf.core.attention.AttentionLayer`); so are k_scale / v_scale, which an
+    FP8 pool needs (its new tokens must already be stored, see the module docstring)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -259,5 +307,5 @@ def extend_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         M_INIT=_M_INIT, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        **feature_args(scaling, sliding_window, logit_cap, sinks, q),
+        **feature_args(scaling, sliding_window, logit_cap, sinks, q), **kv_scale_args(k_buf, k_scale, v_scale, q),
     )

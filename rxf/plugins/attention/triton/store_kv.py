@@ -12,6 +12,10 @@ q_out (which may be q itself), and writes k[i, h] rotated back in place (extend 
 keys from k, not from the pool). Slots are distinct within a batch, so programs never write the
 same row.
 
+An FP8 pool (QUANT) stores x / scale in float32, clamped to +-FMAX (the format's largest finite value:
+e4m3fn has no infinity, an unclamped overflow would turn into NaN) and rounded to the pool's dtype,
+as `rxf.core.kv_pool.quantize_kv` defines; the scales are the layer's float32 0-d tensors.
+
 Rotation (NeoX rotate-half over the whole head, as `RotaryEmbedding`): with x1, x2 the halves of a
 head and c, s the cos | sin halves of `cos_sin[positions[i]]` (float32), x -> (x1 c - x2 s, x2 c + x1 s),
 computed in float32 and rounded once to each destination's dtype.
@@ -23,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rxf.core.kv_pool import is_fp8
+
 
 @triton.jit
 def _rotate_halves(x1, x2, cos, sin):
@@ -30,16 +36,31 @@ def _rotate_halves(x1, x2, cos, sin):
 
 
 @triton.jit
+def _to_pool(x, scale, dtype, FMAX: tl.constexpr, QUANT: tl.constexpr):
+    """x as the pool stores it: quantized with `scale` (QUANT), else cast."""
+    if QUANT:
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FMAX, FMAX)  # IEEE division, as torch
+    return x.to(dtype)
+
+
+@triton.jit
 def _store_kv_kernel(
-    Q, QOut, K, V, KBuf, VBuf, Loc, Positions, CosSin,
+    Q, QOut, K, V, KBuf, VBuf, Loc, Positions, CosSin, KScale, VScale,
     stride_qn, stride_qh, stride_qon, stride_qoh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    ROTATE: tl.constexpr,
+    ROTATE: tl.constexpr, QUANT: tl.constexpr, FMAX: tl.constexpr,
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(Loc + i).to(tl.int64)
+    k_scale = 1.0
+    v_scale = 1.0
+    if QUANT:
+        k_scale = tl.load(KScale)
+        v_scale = tl.load(VScale)
+    kb_ty = KBuf.dtype.element_ty
+    vb_ty = VBuf.dtype.element_ty
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < HALF
     k_row = K + i * stride_kn + h * stride_kh
@@ -55,8 +76,8 @@ def _store_kv_kernel(
         r1, r2 = _rotate_halves(k1.to(tl.float32), k2.to(tl.float32), cos, sin)
         tl.store(k_row + offs, r1.to(K.dtype.element_ty), mask=mask)
         tl.store(k_row + HALF + offs, r2.to(K.dtype.element_ty), mask=mask)
-        tl.store(kb_row + offs, r1.to(KBuf.dtype.element_ty), mask=mask)
-        tl.store(kb_row + HALF + offs, r2.to(KBuf.dtype.element_ty), mask=mask)
+        tl.store(kb_row + offs, _to_pool(r1, k_scale, kb_ty, FMAX, QUANT), mask=mask)
+        tl.store(kb_row + HALF + offs, _to_pool(r2, k_scale, kb_ty, FMAX, QUANT), mask=mask)
         heads = h * GROUP + tl.arange(0, BLOCK_G)
         mask_q = (tl.arange(0, BLOCK_G) < GROUP)[:, None] & mask[None, :]
         q_rows = Q + i * stride_qn + heads[:, None] * stride_qh + offs[None, :]
@@ -67,21 +88,32 @@ def _store_kv_kernel(
         tl.store(out_rows, r1.to(QOut.dtype.element_ty), mask=mask_q)
         tl.store(out_rows + HALF, r2.to(QOut.dtype.element_ty), mask=mask_q)
     else:
-        tl.store(kb_row + offs, k1.to(KBuf.dtype.element_ty), mask=mask)
-        tl.store(kb_row + HALF + offs, k2.to(KBuf.dtype.element_ty), mask=mask)
-    tl.store(vb_row + offs, tl.load(v_row + offs, mask=mask).to(VBuf.dtype.element_ty), mask=mask)
-    tl.store(vb_row + HALF + offs, tl.load(v_row + HALF + offs, mask=mask).to(VBuf.dtype.element_ty), mask=mask)
+        tl.store(kb_row + offs, _to_pool(k1, k_scale, kb_ty, FMAX, QUANT), mask=mask)
+        tl.store(kb_row + HALF + offs, _to_pool(k2, k_scale, kb_ty, FMAX, QUANT), mask=mask)
+    v1 = tl.load(v_row + offs, mask=mask)
+    v2 = tl.load(v_row + HALF + offs, mask=mask)
+    tl.store(vb_row + offs, _to_pool(v1, v_scale, vb_ty, FMAX, QUANT), mask=mask)
+    tl.store(vb_row + HALF + offs, _to_pool(v2, v_scale, vb_ty, FMAX, QUANT), mask=mask)
 
 
 def _launch(
     k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None],
 ) -> None:
-    """`rope` is (q, q_out, positions, cos_sin), or None to store without rotating."""
+    """`rope` is (q, q_out, positions, cos_sin), or None to store without rotating; `scales` the
+    layer's (k_scale, v_scale), read only by an FP8 pool (which needs both)."""
     n, kv_heads, head_dim = k.shape
     if n == 0:
         return
     assert head_dim % 2 == 0, f"head_dim {head_dim} must be even"
+    quant = is_fp8(k_buf.dtype)
+    k_scale, v_scale = scales
+    if quant:
+        assert k_scale is not None and v_scale is not None, "an FP8 pool needs the layer's k_scale and v_scale"
+        assert v_buf.dtype == k_buf.dtype
+    else:  # never read
+        k_scale = v_scale = k
     # Without rotation the q / positions / table arguments are never read: any tensor will do.
     q, q_out, positions, cos_sin = rope if rope is not None else (k, k, loc, k)
     for t in (k, v, k_buf, v_buf, q, q_out, cos_sin):
@@ -89,31 +121,37 @@ def _launch(
     group = q.shape[1] // kv_heads
     elems = (group + 2) * head_dim
     _store_kv_kernel[(n, kv_heads)](
-        q, q_out, k, v, k_buf, v_buf, loc, positions, cos_sin,
+        q, q_out, k, v, k_buf, v_buf, loc, positions, cos_sin, k_scale, v_scale,
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         cos_sin.stride(0),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HALF=head_dim // 2,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), ROTATE=rope is not None,
+        QUANT=quant, FMAX=torch.finfo(k_buf.dtype).max if quant else 0.0,
         num_warps=1 if elems <= 512 else 2 if elems <= 2048 else 4,
     )
 
 
-def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k_buf[loc[i]] = k[i] and v_buf[loc[i]] = v[i] for every i (k, v: [n, kv_heads, head_dim])."""
-    _launch(k_buf, v_buf, loc, k, v, None)
+def store_kv(
+    k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> None:
+    """k_buf[loc[i]] = k[i] and v_buf[loc[i]] = v[i] for every i (k, v: [n, kv_heads, head_dim]), quantized
+    with the scales in an FP8 pool."""
+    _launch(k_buf, v_buf, loc, k, v, None, (k_scale, v_scale))
 
 
 def rope_store_kv(
     k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q [n, heads, head_dim] and k [n, kv_heads, head_dim] by `positions` with the float32
     table `cos_sin` [max_position, head_dim] (cos | sin halves), store the rotated k and v at `loc`,
     and return the rotated q: written to `q_out` when given (e.g. a contiguous buffer), else in place.
-    k is rotated in place either way."""
+    k is rotated in place either way. An FP8 pool stores k and v quantized with the scales."""
     q_out = q if q_out is None else q_out
     assert q.shape[1] % k.shape[1] == 0, f"{q.shape[1]} query heads for {k.shape[1]} kv heads"
     assert cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == k.shape[-1], "cos_sin: float32 [positions, head_dim]"
-    _launch(k_buf, v_buf, loc, k, v, (q, q_out, positions, cos_sin))
+    _launch(k_buf, v_buf, loc, k, v, (q, q_out, positions, cos_sin), (k_scale, v_scale))
     return q_out

@@ -10,6 +10,7 @@ from rxf.plugins.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    TensorLayout,
 )
 from rxf.plugins.models.layers.norm import RMSNorm
 from rxf.plugins.models.layers.rotary import RotaryEmbedding, rope_parameters
@@ -24,6 +25,7 @@ __all__ = [
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",
+    "TensorLayout",
     "VocabEmbedding",
     "rope_parameters",
 ]

@@ -3,7 +3,9 @@
 It satisfies `rxf.core.attention.AttentionLayer` (what a backend may read off a layer, including the
 optional sliding window, logit soft-cap and sinks; see there for their meanings) and owns no weights:
 the projections, rotary embedding and any learned sinks live in the model's attention block around it
-(a sinks parameter handed in stays the block's, loaded under the block's name).
+(a sinks parameter handed in stays the block's, loaded under the block's name). Its one state is the
+pair of KV-cache scales `k_scale` / `v_scale` (buffers, 1.0 unless the checkpoint has them:
+`load_named_weights` routes a checkpoint's `self_attn.k_scale`-style tensors here).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class RadixAttention(nn.Module):
         # A plain attribute, not a registered parameter or buffer: the block that owns the weight
         # loads it (an nn.Parameter assigned here would register a second name for it).
         object.__setattr__(self, "sinks", sinks)
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, rotary: Rotary | None = None

@@ -6,16 +6,25 @@ all-reduce their output (DESIGN §9). Each parameter carries a
 `weight_loader(param, checkpoint_tensor[, shard_id])` that takes the full checkpoint tensor and
 copies in this rank's slice, so checkpoints load unchanged at any tp_size. `tp_size` / `tp_rank`
 default to this process's tensor-parallel group (`rxf.core.runner.distributed`).
+
+One loader serves every parameter: a parameter's `TensorLayout` says which of its dimensions runs
+along the output and the input features and how many features one element covers there (packed
+int4 holds 8, a block scale 128), so a quantization method's tensors slice like the dense weight.
+Built inside `rxf.core.quantization.building(method)`, a layer leaves its dense weight on the meta
+device (`quant_pending`) and `materialize` gives it the method's parameters or its dense weight;
+the matmul of a quantized layer is `quant.apply(layer, x, bias)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rxf.core import quantization
 from rxf.core.runner import distributed
 from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
 
@@ -35,6 +44,37 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
+@dataclass(frozen=True)
+class TensorLayout:
+    """How a parameter's dimensions map onto the layer's features, for tensor-parallel slicing.
+
+    `out_dim` / `in_dim`: the dimension along the output / input features (None: not split, the
+    whole checkpoint tensor on every rank); `out_pack` / `in_pack`: features per element along it.
+    `per_shard`: one value per checkpoint shard (a per-tensor scale), `[num_shards]`.
+    `dtypes`: the checkpoint dtypes it accepts (None: any, converted by the copy).
+    """
+
+    out_dim: int | None = 0
+    in_dim: int | None = 1
+    out_pack: int = 1
+    in_pack: int = 1
+    per_shard: bool = False
+    dtypes: tuple[torch.dtype, ...] | None = None
+
+
+DENSE = TensorLayout()
+BIAS = TensorLayout(in_dim=None)
+
+
+def _narrow(t: torch.Tensor, dim: int, start: int, n: int, pack: int, what: str) -> torch.Tensor:
+    if start % pack or n % pack:
+        raise ValueError(f"{what}: features [{start}, {start + n}) do not fall on its {pack}-feature blocks")
+    if (start + n) // pack > t.shape[dim]:
+        raise ValueError(f"{what}: checkpoint shape {tuple(t.shape)} does not fit: too few elements along dim {dim} "
+                         f"for features [{start}, {start + n}) at {pack} per element")
+    return t.narrow(dim, start // pack, n // pack)
+
+
 class _TPLinear(nn.Module):
     """`y = x @ weight.T + bias` with weight `[out_per_rank, in_per_rank]`; subclasses define
     `weight_loader`, which says how a full checkpoint tensor maps onto this rank's slice.
@@ -52,20 +92,80 @@ class _TPLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp_size, self.tp_rank = tp_size, tp_rank
-        # torch.empty: every value is overwritten by the checkpoint, so skip the random init.
-        self.weight = nn.Parameter(torch.empty(out_per_rank, in_per_rank, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.in_per_rank, self.out_per_rank = in_per_rank, out_per_rank
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()  # the model's compute dtype
+        self.quant: quantization.QuantizationMethod | None = None
+        # Under a quantization method the dense weight waits on the meta device for `materialize`.
+        self.quant_pending = quantization.active_method() is not None
+        self.create_dense_weight()
         self.bias: nn.Parameter | None = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_per_rank, dtype=dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.add_param("bias", torch.empty(out_per_rank, dtype=dtype), BIAS)
         self.gemv: DecodeGemv | None = None
+
+    def create_dense_weight(self) -> None:
+        # torch.empty: every value is overwritten by the checkpoint, so skip the random init.
+        device = "meta" if self.quant_pending else None
+        self.add_param("weight", torch.empty(self.out_per_rank, self.in_per_rank, dtype=self.dtype, device=device))
+
+    def add_param(self, name: str, data: torch.Tensor, layout: TensorLayout = DENSE) -> nn.Parameter:
+        """Register `data` as parameter `name`, loaded through `weight_loader` as `layout` says."""
+        param = nn.Parameter(data, requires_grad=False)
+        param.weight_loader = self.weight_loader
+        param.tp_layout = layout
+        shard_ids = getattr(self, "shard_ids", None)
+        if shard_ids is not None:  # the loader checks that every shard of a fused parameter was filled
+            param.shard_ids = shard_ids
+        setattr(self, name, param)
+        return param
+
+    def decode_gemv(self, role: str, gated: bool = False) -> DecodeGemv | None:
+        """The GEMV `RXF_GEMV` gives `role` over this layer's dense weight (None for a quantized one)."""
+        return None if self.quant_pending or self.quant is not None else decode_gemv(role, self.weight, gated=gated)
 
     def use_decode_gemv(self, role: str) -> None:
         """Serve small CUDA batches with the GEMV that `RXF_GEMV` gives `role` (if any)."""
-        self.gemv = decode_gemv(role, self.weight)
+        self.gemv = self.decode_gemv(role)
+
+    def out_slice(self, shard_id: str | int | None) -> tuple[int, int, int] | None:
+        """(first checkpoint feature, first feature of this rank's parameter, count) along the
+        output for `shard_id`; None when the output is not split."""
+        n = self.out_per_rank
+        return self.tp_rank * n, 0, n
+
+    def in_slice(self) -> tuple[int, int] | None:
+        """(first checkpoint feature, count) of this rank's inputs; None when not split."""
+        return None
+
+    def shard_index(self, shard_id: str | int | None) -> int:
+        return 0
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        """Copy this rank's slice of the full checkpoint tensor `loaded` (shard `shard_id` of a
+        fused layer) into `param`, as its `layout` says."""
+        layout: TensorLayout = param.tp_layout
+        what = type(self).__name__ + ("" if shard_id is None else f" shard {shard_id}")
+        if layout.dtypes is not None and loaded.dtype not in layout.dtypes:
+            expected = " or ".join(str(d).removeprefix("torch.") for d in layout.dtypes)
+            raise ValueError(f"{what}: checkpoint dtype {str(loaded.dtype).removeprefix('torch.')}, expected {expected}")
+        dst, src = param.data, loaded
+        if layout.per_shard:
+            i = self.shard_index(shard_id)
+            copy_weight(dst[i : i + 1], src.reshape(-1) if src.numel() == 1 else src, what)
+            return
+        out = self.out_slice(shard_id) if layout.out_dim is not None else None
+        if out is not None:
+            src_start, dst_start, n = out
+            src = _narrow(src, layout.out_dim, src_start, n, layout.out_pack, what)
+            dst = _narrow(dst, layout.out_dim, dst_start, n, layout.out_pack, what)
+        inp = self.in_slice() if layout.in_dim is not None else None
+        if inp is not None:
+            src = _narrow(src, layout.in_dim, inp[0], inp[1], layout.in_pack, what)
+        copy_weight(dst, src, what)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
         if self.gemv is not None and self.gemv.applies(x):
             return self.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
@@ -91,10 +191,6 @@ class ColumnParallelLinear(_TPLinear):
         if out_features % tp_size:
             raise ValueError(f"out_features {out_features} is not divisible by tp_size {tp_size}")
         super().__init__(in_features, out_features // tp_size, bias, tp_size, tp_rank, dtype)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        n = param.shape[0]
-        copy_weight(param.data, loaded.narrow(0, self.tp_rank * n, n), type(self).__name__)
 
 
 class MergedColumnParallelLinear(_TPLinear):
@@ -125,19 +221,19 @@ class MergedColumnParallelLinear(_TPLinear):
         self.shard_sizes = list(per_rank_sizes)
         self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(out_sizes))]
         super().__init__(in_features, sum(self.shard_sizes), bias, tp_size, tp_rank, dtype)
-        # The loader checks that every shard of a fused parameter was filled.
-        for param in self.parameters():
-            param.shard_ids = self.shard_ids
 
     def shard_start(self, i: int) -> int:
         """First row of this rank's slice of checkpoint shard i."""
         return self.tp_rank * self.shard_sizes[i]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int) -> None:
-        i = self.shard_ids.index(shard_id)
-        n = self.shard_sizes[i]
-        dst = param.data.narrow(0, self.shard_offsets[i], n)
-        copy_weight(dst, loaded.narrow(0, self.shard_start(i), n), f"{type(self).__name__} shard {shard_id}")
+    def shard_index(self, shard_id: str | int | None) -> int:
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"{type(self).__name__}: unknown shard {shard_id!r} (shards {self.shard_ids})")
+        return self.shard_ids.index(shard_id)
+
+    def out_slice(self, shard_id: str | int | None) -> tuple[int, int, int]:
+        i = self.shard_index(shard_id)
+        return self.shard_start(i), self.shard_offsets[i], self.shard_sizes[i]
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -206,12 +302,11 @@ class RowParallelLinear(_TPLinear):
             raise ValueError(f"in_features {in_features} is not divisible by tp_size {tp_size}")
         super().__init__(in_features // tp_size, out_features, bias, tp_size, tp_rank, dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param.dim() == 1:  # the bias is not split
-            copy_weight(param.data, loaded, type(self).__name__)
-            return
-        n = param.shape[1]
-        copy_weight(param.data, loaded.narrow(1, self.tp_rank * n, n), type(self).__name__)
+    def out_slice(self, shard_id: str | int | None) -> None:
+        return None  # every rank holds all outputs (partial sums); the bias is not split
+
+    def in_slice(self) -> tuple[int, int]:
+        return self.tp_rank * self.in_per_rank, self.in_per_rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -1,0 +1,219 @@
+"""Mixture-of-experts for decode batches of a few tokens: two GEMV-shaped Triton launches per layer
+that index the experts' weights straight from the routing, with no sort, no padding to row blocks and
+no separate top-k sum (the grouped kernels of `fused_moe` need an alignment launch and a sum and cast
+after the down projection: four launches on top of the two GEMMs, which cost more than the weight
+reads themselves at Qwen3-30B-A3B's batch-1 shapes).
+
+For T tokens with top-k routing there are P = T * k (token, expert) pairs, pair p = token p // k's
+choice p % k (as in `fused_moe`). Weights as `FusedExperts` holds them: w13 `[E, 2I, H]` (rows
+`[gate | up]`), w2 `[E, H, I]`.
+
+1. `_gate_up_kernel`, grid (P, cdiv(I, BLOCK_N)): act[p, cols] = act(x[t] @ gate_e[cols]^T + b,
+   x[t] @ up_e[cols]^T + b) for e = topk_ids[p], float32 accumulation, one rounding to x.dtype.
+2. `_down_kernel`, grid (T * cdiv(H, BLOCK_N), k): program (b, j) computes pair j of its token:
+   topk_weight * (act[p] @ down_e[cols]^T + b_down_e) in float32 and writes it to `partials`; the
+   last of the k programs of a (token, column block) to arrive sums the k partials in the fixed order
+   j = 0 .. k-1 (results do not depend on scheduling), writes y in x.dtype and resets its counter.
+   The hand-off is `gemv_kernel`'s: partial stores, a CTA barrier, an acq_rel atomic on the
+   counter, `.cg` loads of the partials by the last program.
+
+Both stream weight tiles through `tl.dot` against the activation row padded to a 16-column tile (as
+`gemv_kernel` does), so Triton's software pipeline keeps `num_stages` tiles in flight per program.
+FP8 weights are upcast in registers and scaled as `fused_moe` describes (block scales shrink the
+K tiles to the scale block when it is smaller).
+
+Counters: one int32 buffer per device (`_counters`), shared by every layer. Invariant between
+launches: all zero (each launch resets the counters it used). The layers of a forward run one after
+another on one stream, so no two launches use the buffer at once. It is allocated on the first call,
+eagerly (the CUDA-graph runner warms every batch size up before capturing it), and kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rxf.plugins.models.layers.moe import SILU, ExpertScales, GatedActivation, kernel_scale_args
+
+MAX_TOKENS = 4  # the most tokens routed here; more share experts, which the grouped kernels read once
+ROWS = tl.constexpr(16)  # columns of the padded activation tile: tl.dot's smallest
+
+# Block sizes: (block_n, block_k, num_warps, num_stages) of each kernel.
+GATE_UP_BLOCKS = (16, 256, 4, 4)
+DOWN_BLOCKS = (32, 256, 4, 4)
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+@triton.jit
+def _row_dot(W, offsets, x_t, n_ok, k_ok, acc, s_ptrs, IEEE: tl.constexpr, BLOCK_SCALED: tl.constexpr):
+    """acc + the W tile at `offsets` (masked by n_ok x k_ok; FP8 or x_t's dtype, upcast in registers)
+    @ the padded activation tile x_t; BLOCK_SCALED: the product times its K block's weight scales
+    (`s_ptrs`, one per row of the tile)."""
+    w = tl.load(W + offsets, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(x_t.dtype)
+    if BLOCK_SCALED:
+        s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+        if IEEE:
+            return acc + tl.dot(w, x_t, input_precision="ieee") * s[:, None]
+        return acc + tl.dot(w, x_t) * s[:, None]
+    if IEEE:
+        return tl.dot(w, x_t, acc, input_precision="ieee")
+    return tl.dot(w, x_t, acc)
+
+
+@triton.jit
+def _first_column(acc):
+    """The [BLOCK_N] column 0 of an accumulator tile: the real activation row's results."""
+    cols = tl.arange(0, ROWS)
+    return tl.sum(tl.where((cols == 0)[None, :], acc, 0.0), axis=1)
+
+
+@triton.jit
+def _gate_up_kernel(
+    X, W13, B13, S13, Act, TopkIds, N, K,
+    stride_xt, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_ap,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
+    UP_OFFSET: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(TopkIds + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    lanes = tl.arange(0, ROWS)
+    gate_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    up_rows = gate_rows + N * stride_wn
+    # FP8 weights: the scales of these rows (gate, then up N rows further), per K block or row.
+    s_gate = S13 + expert * stride_se + cols.to(tl.int64) * stride_sn
+    s_up = s_gate + N * stride_sn
+    acc_gate = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        # [BLOCK_K, ROWS]: x's row in column 0, zeros elsewhere
+        x_t = tl.load(X + token * stride_xt + k0 + ks[:, None] + lanes[None, :] * 0,
+                      mask=k_ok[:, None] & (lanes == 0)[None, :], other=0.0)
+        acc_gate = _row_dot(W13, gate_rows + k0, x_t, col_ok, k_ok, acc_gate, s_gate + k0 // SCALE_BK, IEEE,
+                            BLOCK_SCALED)
+        acc_up = _row_dot(W13, up_rows + k0, x_t, col_ok, k_ok, acc_up, s_up + k0 // SCALE_BK, IEEE, BLOCK_SCALED)
+    gate = _first_column(acc_gate)
+    up = _first_column(acc_up)
+    if ROW_SCALED:
+        gate *= tl.load(s_gate, mask=col_ok, other=0.0)
+        up *= tl.load(s_up, mask=col_ok, other=0.0)
+    if HAS_BIAS:  # B13[e] is [gate | up], like W13[e]'s rows
+        bias = B13 + expert * stride_be + cols
+        gate += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias + N, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    act = (up + UP_OFFSET) * (gate * tl.sigmoid(gate * ALPHA))
+    tl.store(Act + pair.to(tl.int64) * stride_ap + cols, act.to(Act.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _down_kernel(
+    Act, W2, B2, S2, Y, TopkWeights, TopkIds, Partials, Counters, N, K,
+    stride_ap, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_yt,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
+):
+    block = tl.program_id(0)  # token * n_blocks + column block
+    j = tl.program_id(1)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    token = block // n_blocks
+    pair = token * TOP_K + j
+    expert = tl.load(TopkIds + pair).to(tl.int64)
+    cols = (block % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    lanes = tl.arange(0, ROWS)
+    w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    s_ptrs = S2 + expert * stride_se + cols.to(tl.int64) * stride_sn
+    acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = ks < K - k0
+        a_t = tl.load(Act + pair.to(tl.int64) * stride_ap + k0 + ks[:, None] + lanes[None, :] * 0,
+                      mask=k_ok[:, None] & (lanes == 0)[None, :], other=0.0)
+        acc = _row_dot(W2, w_rows + k0, a_t, col_ok, k_ok, acc, s_ptrs + k0 // SCALE_BK, IEEE, BLOCK_SCALED)
+    part = _first_column(acc)
+    if ROW_SCALED:
+        part *= tl.load(s_ptrs, mask=col_ok, other=0.0)
+    if HAS_BIAS:
+        part += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+    part *= tl.load(TopkWeights + pair)
+    y_ptrs = Y + token.to(tl.int64) * stride_yt + cols
+    if TOP_K == 1:
+        tl.store(y_ptrs, part.to(Y.dtype.element_ty), mask=col_ok)
+    else:
+        lane = tl.arange(0, BLOCK_N)
+        first = Partials + block.to(tl.int64) * (TOP_K * BLOCK_N)
+        tl.store(first + j * BLOCK_N + lane, part)
+        tl.debug_barrier()  # every thread's partial stores precede the counter update
+        arrived = tl.atomic_add(Counters + block, 1, sem="acq_rel")
+        if arrived == TOP_K - 1:  # the last of this block's pairs sums them, in pair order
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in tl.static_range(TOP_K):
+                total += tl.load(first + i * BLOCK_N + lane, cache_modifier=".cg")
+            tl.store(Counters + block, 0)
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=col_ok)
+
+
+def decode_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: GatedActivation = SILU,
+    scales: ExpertScales | None = None,
+) -> torch.Tensor:
+    """`fused_moe.fused_experts`' contract for 1 .. MAX_TOKENS tokens (its checks already made:
+    contiguous last dimensions, both biases or neither)."""
+
+    num_tokens, hidden = x.shape
+    _, two_inter, _ = w13.shape
+    inter, top_k = two_inter // 2, topk_ids.shape[1]
+    assert 0 < num_tokens <= MAX_TOKENS, f"{num_tokens} tokens: the decode kernels take 1 .. {MAX_TOKENS}"
+    has_bias = b13 is not None
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    ieee = x.dtype == torch.float32
+    bn, bk, warps, stages = GATE_UP_BLOCKS
+    scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
+    _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
+        x, w13, b13 if has_bias else w13, s13, act, ids, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if has_bias else 0, s13.stride(0), s13.stride(1),
+        act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
+        HAS_BIAS=has_bias, ALPHA=float(activation.alpha), HAS_LIMIT=activation.limit is not None,
+        LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), num_warps=warps,
+        num_stages=stages, **scale_args,
+    )
+    bn, bk, warps, stages = DOWN_BLOCKS
+    scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
+    blocks = num_tokens * triton.cdiv(hidden, bn)
+    partials = torch.empty(blocks * top_k * bn, dtype=torch.float32, device=x.device) if top_k > 1 else y
+    _down_kernel[(blocks, top_k)](
+        act, w2, b2 if has_bias else w2, s2, y, weights, ids, partials, _counters(x.device, blocks), hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0, s2.stride(0), s2.stride(1),
+        y.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
+        HAS_BIAS=has_bias, num_warps=warps, num_stages=stages, **scale_args,
+    )
+    return y

@@ -1,0 +1,64 @@
+"""The quantized layers' Triton kernels on CPU under the Triton interpreter, in float16 on tiny shapes,
+against the dequantized matmul in float32 (tests/gpu/test_quantization_gpu.py runs them compiled).
+
+The interpreter has no FP8 dot, so the block-scaled GEMM gets float16 stand-ins holding FP8 values
+(exact: every E4M3 value is a float16), and the activation quantization kernel writes float32
+(the interpreter's own float-to-FP8 conversion rounds differently from the GPU's and torch's: 126.97
+became 64), which torch then rounds to FP8.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_quantization_gpu.py covers the compiled kernels", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from rxf.plugins.quantization import fp8_ops  # noqa: E402
+from rxf.plugins.quantization.fp8_kernels import block_scaled_mm, per_token_group_quant  # noqa: E402
+from rxf.plugins.quantization.int4 import Int4Weights, pack_int32  # noqa: E402
+from rxf.plugins.quantization.int4_kernel import int4_linear  # noqa: E402
+
+
+@pytest.mark.parametrize(("m", "k", "group"), [(3, 256, 128), (2, 200, 64), (1, 96, 96)])
+def test_activation_quant_kernel_matches_the_torch_path(m, k, group):
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
+    q, scale = per_token_group_quant(x, group, out_dtype=torch.float32)
+    ref_q, ref_scale = fp8_ops.quantize_per_token(x, group)
+    torch.testing.assert_close(scale, ref_scale)
+    assert q.abs().max() <= 448
+    assert torch.equal(q.to(torch.float8_e4m3fn).float(), ref_q.float())
+
+
+@pytest.mark.parametrize(("m", "n", "k", "block_k"), [(1, 96, 256, 128), (5, 64, 200, 64), (20, 130, 128, 128)])
+def test_block_scaled_gemm_matches_the_dequantized_matmul(m, n, k, block_k):
+    gen = torch.Generator().manual_seed(m * n)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w_q, w_rows = fp8_ops.quantize_rows(w)
+    kb = -(-k // block_k)
+    w_scale = w_rows[:, None] * (1 + torch.rand(n, kb, generator=gen))  # a different scale per block
+    x = torch.randn(m, k, generator=gen)
+    x_q, x_scale = fp8_ops.quantize_per_token(x, block_k)
+    out = block_scaled_mm(x_q.half(), x_scale, w_q.half(), w_scale, block_k, torch.float32)
+    ref = fp8_ops.dequantize_blocks(x_q, x_scale, block_k, torch.float32) @ fp8_ops.dequantize_blocks(
+        w_q, w_scale, block_k, torch.float32).t()
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize(("m", "group", "split_k"), [(1, 128, 2), (3, 32, 1), (20, 64, 1), (2, 64, 4)])
+def test_int4_gemm_matches_the_dequantized_matmul(m, group, split_k):
+    k, n = 256, 96
+    gen = torch.Generator().manual_seed(m + group)
+    codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02).half()
+    weights = Int4Weights(codes, zeros, scales, torch.arange(k) // group)
+    x = torch.randn(m, k, generator=gen).half()
+    out = int4_linear(x, pack_int32(codes, 0), scales, zeros.half(), group, None, split_k=split_k)
+    ref = x.float() @ weights.dequantize(torch.float32).t()
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
