@@ -1,7 +1,7 @@
 """CPU attention backends side by side on the demo model, in one process (issue 22).
 
-    RXF_CPU_ATTENTION_COMPILE=startup OMP_WAIT_POLICY=PASSIVE \
-        python benchmarks/bench_cpu_attention.py [--dtype bfloat16] [--batch 1 4 16] [--context 160]
+    RXF_CPU_ATTENTION_COMPILE=startup python benchmarks/bench_cpu_attention.py \
+        [--dtype bfloat16] [--batch 1 4 16] [--context 160] [--threads N]
     python benchmarks/bench_cpu_attention.py --kernels   # decode attention alone, the options measured
 
 Model mode: one `ModelHarness` per backend (same checkpoint, same prompts); per batch size, two

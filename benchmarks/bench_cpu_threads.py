@@ -3,7 +3,7 @@
     python benchmarks/bench_cpu_threads.py [--load none|spin|torch] [--batch 1] [--rounds 3] \
         [--configs 1:default 2:default 2:PASSIVE]
 
-Each config (threads:OMP_WAIT_POLICY, `default` = unset) runs in a fresh interpreter (the policy is
+Each config (threads:OMP_WAIT_POLICY, `default` = unset, `spinN` = GOMP_SPINCOUNT=N) runs in a fresh interpreter (the policy is
 read when OpenMP starts), in turn, `--rounds` times: a PREFILL of `--batch` 64-token prompts, then
 `--steps` timed DECODE steps through `ModelRunner` (cpu backend, compiled at start-up). `--load`
 starts a background load for the whole run: `spin`, a pure-Python loop on one core; `torch`, a
@@ -34,7 +34,8 @@ def child(threads: int, bs: int, steps: int, dtype: str) -> None:
     from rxf.testing.model_harness import ModelHarness
 
     torch.set_num_threads(threads)
-    h = ModelHarness(resolve_model_path("demo"), "cpu", **{"model.dtype": dtype, "cache.max_total_tokens": 8192})
+    settings = {"model.dtype": dtype, "cache.max_total_tokens": 8192, "scheduler.max_running_requests": max(bs, 8)}
+    h = ModelHarness(resolve_model_path("demo"), "cpu", **settings)
     runner = h.runner
     prompts = [[(11 + 7 * i + 3 * j) % 49000 for j in range(64)] for i in range(bs)]
     with torch.inference_mode():
@@ -76,9 +77,11 @@ def main() -> None:
         for _ in range(args.rounds):
             for config in args.configs:
                 threads, policy = config.split(":")
-                env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+                env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
                 env["RXF_CPU_ATTENTION_COMPILE"] = "startup"
-                if policy != "default":
+                if policy.startswith("spin"):  # libgomp: spin this many times, then sleep
+                    env["GOMP_SPINCOUNT"] = policy.removeprefix("spin")
+                elif policy != "default":
                     env["OMP_WAIT_POLICY"] = policy
                 cmd = [sys.executable, __file__, "--child", threads, str(args.batch), str(args.steps), args.dtype]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -167,7 +167,9 @@ class RuntimeConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    cpu_threads: int | None = Field(None, gt=0, description="torch threads in the scheduler process")
+    cpu_threads: int | None = Field(
+        None, gt=0, description="torch threads in the scheduler process (unset, on the CPU: the cores less one, at least 1)"
+    )
     startup_timeout_s: float = Field(600, gt=0)
 
 

@@ -24,14 +24,11 @@ _AUTHKEY_ENV = "RXF_CHILD_AUTHKEY"
 class ChildProcess:
     """A running child: `name`, `is_alive()`, `exitcode`, `terminate()`, `kill()`, `join()`."""
 
-    def __init__(
-        self, name: str, target: str, args: tuple, ready_path: str, env_defaults: dict[str, str] | None = None
-    ) -> None:
-        """`env_defaults`: variables the child gets unless the parent's environment sets them."""
+    def __init__(self, name: str, target: str, args: tuple, ready_path: str) -> None:
         self.name = name
         authkey = os.urandom(16)
         self._listener: Listener | None = Listener(ready_path, family="AF_UNIX", authkey=authkey)
-        env = {**(env_defaults or {}), **os.environ, _AUTHKEY_ENV: authkey.hex()}
+        env = dict(os.environ, **{_AUTHKEY_ENV: authkey.hex()})
         self._popen = subprocess.Popen(
             [sys.executable, "-m", "rxf.core.launch.child", name], stdin=subprocess.PIPE, env=env
         )

@@ -35,13 +35,6 @@ class EngineStartError(RuntimeError):
 _WATCH_CLOSING_S = 0.5
 _WATCH_POLL_S = 0.01
 
-# The scheduler processes' environment, where the user's sets none of it. OpenMP threads (torch's CPU
-# ops) sleep at the end of a parallel region instead of spinning: with libgomp's default spin, a
-# thread that waits for a peer descheduled by another process burns the core that peer needs. On the
-# 2-core machine beside other jobs, demo decode with 2 threads fell to 2-5 tok/s spinning against
-# 12-20 passive (benchmarks/RESULTS.md, "OpenMP threads on a busy machine").
-SCHEDULER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-
 
 def _pidfds(pids: list[int]) -> list[int]:
     """A pidfd per process (readable once it has exited), or [] where the OS has none."""
@@ -80,7 +73,6 @@ class EngineProcesses:
                     _scheduler_name(placement),
                     "rxf.core.scheduler.process:run_scheduler_process",
                     (config, self.model_path, self._replica_addrs(placement), placement),
-                    SCHEDULER_ENV,
                 )
                 for placement in rank_placements(config)
             ]
@@ -109,8 +101,8 @@ class EngineProcesses:
         dp_rank = 0 if placement is None else placement.dp_rank
         return dict(self.addrs, scheduler=self.addrs[replica_addr_key(dp_rank)])
 
-    def _spawn(self, name: str, target: str, args: tuple, env_defaults: dict[str, str] | None = None) -> ChildProcess:
-        proc = ChildProcess(name, target, args, f"{self.ipc_dir}/{name}.ready", env_defaults)
+    def _spawn(self, name: str, target: str, args: tuple) -> ChildProcess:
+        proc = ChildProcess(name, target, args, f"{self.ipc_dir}/{name}.ready")
         self.procs.append(proc)
         # Accept its ready channel at once: a child blocks in connecting until it is accepted, and
         # the ranks of a replica start only together (rank 0 waits for the others in the rendezvous).

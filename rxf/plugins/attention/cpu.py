@@ -109,7 +109,8 @@ class CpuBackend(TorchNativeBackend):
         self._first_key: dict[int | None, torch.Tensor] = {}  # decode: window -> [bs] first visible key
         self._no_sinks: dict[int, torch.Tensor] = {}  # heads -> float32 -inf [heads] (no sink)
         self._unit_scale: torch.Tensor | None = None  # float32 1.0: the scale of a model-dtype pool
-        # Until the compiled kernels are ready decode runs torch_native's (the same results).
+        # Until the compiled kernels are ready decode runs torch_native's: the same results up to
+        # rounding (in bf16 its SDPA rounds the softmax weights to bf16, the kernel keeps float32).
         self._decode: Callable[..., torch.Tensor] | None = None
         self._step_decode = self._decode
         self.compiled = threading.Event()  # set once compiling is over, done or failed
