@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # When the decode kernels compile: "background" (default: start-up does not wait; decode runs
-# torch_native's until they are ready, ~2 s with Inductor's disk cache warm, 10-20 s cold) or
+# torch_native's until they are ready: 5-7 s of one core on the 2-core VM with Inductor's disk cache
+# warm, dynamo's tracing most of it; more the first time on a machine) or
 # "startup" (the backend's constructor waits: what benchmarks and tests want).
 COMPILE_ENV = "RXF_CPU_ATTENTION_COMPILE"
 

@@ -83,7 +83,8 @@ RECOMPILE_LIMIT = 64
 def decode_attention(*args: object) -> torch.Tensor:
     """`paged_decode_attention` compiled by torch.compile; the graphs are shared by every layer and
     backend of the process. Inductor caches its kernels on disk (its default cache directory), so
-    only a machine's first compile of a graph takes long (10-20 s; later processes ~2 s)."""
+    a later process skips Inductor's code generation (dynamo still traces: 5-7 s for the two warm-up
+    graphs on the 2-core VM, against 13 s and more with an empty cache)."""
     global _compiled
     with _lock:
         if _compiled is None:
