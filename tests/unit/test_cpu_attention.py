@@ -9,6 +9,7 @@ greedy tokens through the scheduler with chunked prefill and the radix cache.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,21 @@ def test_background_compile_takes_over_decode(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(COMPILE_ENV, "soon")
     with pytest.raises(ValueError, match=COMPILE_ENV):
         CpuBackend(ctx)
+
+
+def test_warm_up_compiles_what_the_runner_decodes() -> None:
+    """The runner decodes under inference mode, batches of any size: after the backend's warm-up no
+    such decode compiles a graph of its own (it would stall the first request for seconds)."""
+    from torch._dynamo.utils import counters
+
+    ctx, batch, layer, qkv = make_case([4, 9, 6], [1, 1, 1], heads=6, kv_heads=3, head_dim=16, dtype=torch.float32, device="cpu")
+    backend = CpuBackend(ctx)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():  # q, k, v and the batch's lengths made there, as the runner makes them
+        b = dataclasses.replace(batch, attn_backend=backend, seq_lens=batch.seq_lens.clone())
+        backend.init_forward_metadata(b)
+        backend.forward(*(x.clone() for x in qkv), layer, b)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_pack_groups_bounds_padding() -> None:

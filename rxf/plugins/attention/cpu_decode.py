@@ -95,18 +95,23 @@ def decode_attention(*args: object) -> torch.Tensor:
 
 def warm_up(ctx: AttentionContext) -> None:
     """Compile the graphs of plain layers of `ctx`'s shapes and dtype, batch 1 and larger (once per
-    process). Reads slot 0 of layer 0's pool buffers only (the reserved slot, never written to)."""
+    process), under inference mode as the runner's forwards run (dynamo guards on the grad mode: a
+    graph compiled outside it would be compiled again by the first decode). Reads slot 0 of layer
+    0's pool buffers only (the reserved slot, never written to). The dynamic graph is compiled for 5
+    requests of 13 keys: sizes equal to another dimension (heads, head_dim) would be guarded equal
+    by dynamo's duck sizing, and a real batch would compile again."""
     k_buf, v_buf = ctx.token_to_kv_pool.get_kv_buffer(0)
     key = (ctx.dtype, k_buf.dtype, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim)
     if key in _warmed:
         return
-    no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)
-    one = torch.ones((), dtype=torch.float32, device=ctx.device)
-    for bs in (1, 2):
-        q = torch.zeros(bs, ctx.num_heads, ctx.head_dim, dtype=ctx.dtype, device=ctx.device)
-        slots = torch.zeros(bs, 3, dtype=torch.int64, device=ctx.device)
-        seq_lens = torch.full((bs,), 3, dtype=torch.int32, device=ctx.device)
-        decode_attention(
-            q, k_buf, v_buf, one, one, slots, seq_lens, torch.zeros_like(seq_lens), no_sinks, ctx.head_dim**-0.5, None
-        )
+    with torch.inference_mode():
+        no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)
+        one = torch.ones((), dtype=torch.float32, device=ctx.device)
+        for bs in (1, 5):
+            q = torch.zeros(bs, ctx.num_heads, ctx.head_dim, dtype=ctx.dtype, device=ctx.device)
+            slots = torch.zeros(bs, 13, dtype=torch.int64, device=ctx.device)
+            seq_lens = torch.full((bs,), 13, dtype=torch.int32, device=ctx.device)
+            decode_attention(
+                q, k_buf, v_buf, one, one, slots, seq_lens, torch.zeros_like(seq_lens), no_sinks, ctx.head_dim**-0.5, None
+            )
     _warmed.add(key)
