@@ -90,6 +90,18 @@ def ensure_venv(peer: Peer, cache: Path) -> str | None:
     return None
 
 
+# The background loads: one core spun by plain Python; a second torch process on all cores.
+BACKGROUND_LOADS = {
+    "spin": "while True:\n    pass",
+    "torch": "import torch\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a",
+}
+
+
+def start_background_load(kind: str) -> subprocess.Popen:
+    log(f"starting the background load: {kind}")
+    return subprocess.Popen([sys.executable, "-c", BACKGROUND_LOADS[kind]], start_new_session=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -348,6 +360,8 @@ def main() -> int:
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="all summaries as JSON")
+    p.add_argument("--background-load", choices=["none", *BACKGROUND_LOADS], default="none",
+                   help="a load started before the first peer and stopped after the last")
     args = p.parse_args()
 
     import random
@@ -369,6 +383,7 @@ def main() -> int:
 
     started = datetime.now(UTC)
     load_before = os.getloadavg()
+    background = None if args.background_load == "none" else start_background_load(args.background_load)
     results: dict[str, dict[str, Any]] = {}
     ignore_eos = {"ignore_eos": True}
     servers = {
@@ -376,25 +391,32 @@ def main() -> int:
         "vllm": (vllm_server, ignore_eos),
         "llamacpp": (llamacpp_server, {"logit_bias": {str(i): -100 for i in eos_ids(args.model_dir)}}),
     }
-    for name in args.peers:
-        if (error := ensure_venv(PEERS[name], args.cache_dir)) is not None:
-            results[name] = {"error": f"install failed: {error}"}
-            log(f"{name}: {error}")
-            continue
-        try:
-            if name == "hf":
-                results[name] = run_hf(args, work, datasets)
-            else:
-                factory, extra = servers[name]
-                results[name] = run_server_peer(name, factory, args, work, datasets, extra)
-        except Exception as e:  # one peer's failure must not cost the others' figures
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"{name} failed: {e}")
+    try:
+        for name in args.peers:
+            if (error := ensure_venv(PEERS[name], args.cache_dir)) is not None:
+                results[name] = {"error": f"install failed: {error}"}
+                log(f"{name}: {error}")
+                continue
+            try:
+                if name == "hf":
+                    results[name] = run_hf(args, work, datasets)
+                else:
+                    factory, extra = servers[name]
+                    results[name] = run_server_peer(name, factory, args, work, datasets, extra)
+            except Exception as e:  # one peer's failure must not cost the others' figures
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+                log(f"{name} failed: {e}")
+        load_after = os.getloadavg()
+    finally:  # the load runs in its own session: an interrupted run must not leave it spinning
+        if background is not None:
+            background.kill()
+            background.wait()
     workloads = [f"random-c{c}" for c in args.concurrency] + ["shared-prefix-cache", "shared-prefix-nocache"]
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     header = (f"date {started:%Y-%m-%d %H:%M} UTC; machine {platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores; commit {commit} (+ uncommitted bench files); load average before "
-              f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; command: {' '.join(sys.argv)}")
+              f"{os.cpu_count()} cores; commit {commit} (+ uncommitted bench files); background load "
+              f"{args.background_load}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+              f"(the background load counts 1-2 of it); command: {' '.join(sys.argv)}")
     print(header)
     print(report(results, workloads))
     if args.output:

@@ -48,8 +48,11 @@ listed format, bf16 first, in the same call: `fp8` is the bf16 checkpoint's proj
 Hugging Face's block-wise FP8 (128 x 128), `ct-fp8` compressed-tensors FP8 per channel with dynamic
 per-token activations, `awq` AWQ int4 (group 128); each is quantized on the GPU from the bf16
 checkpoint into `<model-dir>-<format>` (`rxf.testing.quantized_checkpoints`), and rxf serves it as
-a quantized checkpoint. Figures of a format carry its name (`decode_triton_fp8`, `offline_awq`)
-and the table gives each batch-1 and offline figure's ratio to bf16.
+a quantized checkpoint. A preset whose checkpoint is not on disk (qwen3-30b-a3b, or
+--random-weights) runs `fp8` as online FP8 instead: `model.quantization = "fp8"` over the random
+bf16 weights quantizes every projection, experts included, per output row at load (the other
+formats need a checkpoint and are skipped for it). Figures of a format carry its name
+(`decode_triton_fp8`, `offline_awq`) and the table gives each batch-1 and offline figure's ratio to bf16.
 Prints a table last; writes all figures as JSON to --output or, when $OUT is set, $OUT/gpu_decode.json.
 """
 
@@ -336,10 +339,11 @@ def bandwidth() -> None:
 # ---------------------------------------------------------------- decode (in-process engine)
 def _engine(
     model_dir: Path, backend: str, max_running: int, slots: int | None, random_load: bool = False,
-    kv_dtype: str = "auto",
+    kv_dtype: str = "auto", quantization: str | None = None,
 ) -> Any:
     """An in-process Scheduler + ModelRunner on `model_dir` (`random_load`: no checkpoint read,
-    `model.load_format = "random"`; `slots` None: the pool sized from memory)."""
+    `model.load_format = "random"`; `slots` None: the pool sized from memory; `quantization`:
+    `model.quantization`)."""
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
@@ -349,7 +353,7 @@ def _engine(
 
     config = load_config({
         "model": {"path": str(model_dir), "dtype": "bfloat16", "context_length": 8192,
-                  "load_format": "random" if random_load else "safetensors"},
+                  "load_format": "random" if random_load else "safetensors", "quantization": quantization},
         "runtime": {"device": "cuda", "log_level": "warning"},
         "attention": {"backend": backend},
         "scheduler": {"max_running_requests": max_running, "max_prefill_tokens": 16384, "log_interval": 10**9},
@@ -427,8 +431,9 @@ def quantize_phase(model_dir: Path, name: str) -> Path:
     return target
 
 
-def decode_phase(p: Preset, model_dir: Path, backend: str, tag: str = "") -> None:
-    sched = _engine(model_dir, backend, max(p.decode_batches), max(p.decode_batches) * 512 + 4096, not p.on_disk)
+def decode_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quantization: str | None = None) -> None:
+    sched = _engine(model_dir, backend, max(p.decode_batches), max(p.decode_batches) * 512 + 4096, not p.on_disk,
+                    quantization=quantization)
     graphs = sched.runner.cuda_graphs
     if graphs is not None:
         RESULTS[f"{backend}_graphs"] = {"sizes": graphs.sizes, "capture_s": graphs.capture_s,
@@ -780,18 +785,23 @@ def main() -> None:
         phases -= {"offline", "hf"}
     if "bandwidth" in phases:
         phase("bandwidth", bandwidth)
-    if not p.on_disk and set(formats) - {"bf16"}:
-        print(f"quantized formats skipped: {args.preset}'s checkpoint is not on disk")
-        formats = ["bf16"]
-    dirs = {"bf16": model_dir}
+    dirs, online = {"bf16": model_dir}, {}  # format -> checkpoint; format -> model.quantization over random weights
+    if not p.on_disk:
+        skipped = [f for f in formats if f not in ("bf16", "fp8")]
+        if skipped:
+            print(f"{', '.join(skipped)} skipped: {args.preset}'s checkpoint is not on disk (fp8 runs online)")
+        formats = [f for f in formats if f in ("bf16", "fp8")]
+        if "fp8" in formats:
+            dirs["fp8"], online["fp8"] = model_dir, "fp8"
     for name in formats:
-        if name != "bf16" and phases & {"decode", "offline"}:
+        if name not in dirs and phases & {"decode", "offline"}:
             phase(f"quantize {name}", lambda n=name: dirs.update({n: quantize_phase(model_dir, n)}))
     runs = [(name, "" if name == "bf16" else f"_{name}") for name in formats if name in dirs]
     if "decode" in phases:
         for name, tag in runs:
             for backend in backends:
-                phase(f"decode {backend} {name}", lambda b=backend, n=name, t=tag: decode_phase(p, dirs[n], b, t))
+                phase(f"decode {backend} {name}",
+                      lambda b=backend, n=name, t=tag: decode_phase(p, dirs[n], b, t, online.get(n)))
     if "kvcache" in phases:
         for backend in backends:
             phase(f"kvcache {backend}", lambda b=backend: kvcache_phase(p, model_dir, b))

@@ -191,7 +191,7 @@ def step_phase(p: gd.Preset, model_dir: Path, backend: str, label: str) -> None:
 def attn_phase(p: gd.Preset) -> None:
     from rxf.core.forward import ForwardMode
     from rxf.core.registry import PluginRegistry
-    from rxf.plugins.attention.triton.decode import decode_attention
+    from rxf.plugins.attention.triton.decode import counters_needed, decode_attention
 
     registry = PluginRegistry.load()
     shapes = [(1, 4095), (16, 4095), (64, 1023), (256, 511)]
@@ -220,6 +220,7 @@ def attn_phase(p: gd.Preset) -> None:
             nsplit = torch.full((bs,), splits, dtype=torch.int32, device="cuda")
             mid_o = torch.empty(bs, p.heads, splits, q.shape[-1], device="cuda")
             mid_lse = torch.empty(bs, p.heads, splits, device="cuda")
+            counters = torch.zeros(counters_needed(bs, p.heads, p.kv_heads), dtype=torch.int32, device="cuda")
             for block_n in (32, 64, 128):
                 for warps in (4, 8):
                     for stages in (1, 2, 3):
@@ -227,7 +228,7 @@ def attn_phase(p: gd.Preset) -> None:
                         call = functools.partial(
                             decode_attention, q, k_buf, v_buf, o, case.batch.req_to_token_pool.req_to_token,
                             case.batch.req_pool_indices, case.batch.seq_lens, nsplit, splits, mid_o, mid_lse,
-                            case.layer.scaling, block_n=block_n, num_warps=warps, num_stages=stages)
+                            counters, case.layer.scaling, block_n=block_n, num_warps=warps, num_stages=stages)
                         try:
                             us, _ = gd.kernel_time_us(call, iters=10)
                             err = ((o.float().view_as(ref) - ref).norm() / ref.norm()).item()

@@ -18,6 +18,8 @@ Subpackages name their process:
 - `kvcache`: the scheduler process's KV bookkeeping (the radix tree, reservations as handles);
 - `runner`: the scheduler process's device side: the model runner, the step's forward and sampling,
   CUDA graphs, tensor-parallel groups;
+- `speculative`: the scheduler process's speculative decoding: draft proposers (n-gram index, draft
+  model) and the acceptance rule;
 - `detokenizer`: the detokenizer process;
 - `ipc`: what crosses between them (typed messages, their codec, the socket addresses);
 - `launch`: starting and watching the child processes (in the main process), each child's entry,

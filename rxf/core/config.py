@@ -45,7 +45,8 @@ class ModelConfig(_Section):
         "file in the model directory",
     )
     load_format: Literal["safetensors", "random"] = Field(
-        "safetensors", description="'random': no weights read, every parameter drawn at random (benchmarks of shapes)"
+        "safetensors", description="'random': no weights read, every parameter drawn at random (benchmarks of shapes; "
+        "with model.quantization = 'fp8' they are then quantized at load)"
     )
     task: Literal["generate", "embed"] = Field(
         "generate", description="'embed': serve pooled hidden states (/v1/embeddings) instead of generating text"
@@ -167,7 +168,9 @@ class RuntimeConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    cpu_threads: int | None = Field(None, gt=0, description="torch threads in the scheduler process")
+    cpu_threads: int | None = Field(
+        None, gt=0, description="torch threads in the scheduler process (unset, on the CPU: the cores less one, at least 1)"
+    )
     startup_timeout_s: float = Field(600, gt=0)
 
 
@@ -257,6 +260,38 @@ class GrammarConfig(_Section):
     )
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding: propose draft tokens and verify them all in one forward of the model.
+
+    The output is the one decoding without it gives: the same tokens under greedy sampling, the same
+    distribution under temperature sampling (see `rxf/core/speculative/`)."""
+
+    method: Literal["none", "ngram", "draft"] = Field(
+        "none", description="'ngram': draft the continuation of the newest tokens' latest match in prompt + output; "
+        "'draft': a smaller model's greedy continuation (draft_model_path)"
+    )
+    draft_model_path: str | None = Field(
+        None, description="method 'draft': a Hugging Face directory of a model with the target's tokenizer"
+    )
+    # Defaults measured on the CPU with the demo model (benchmarks/RESULTS.md): a verify of 9 tokens
+    # costs ~2.4x a decode step at batch 1 and ~3.4x at batch 8, and single-token matches mostly
+    # propose wrong drafts, so a match needs 3 tokens and speculation stops above 4 decoding requests.
+    num_draft_tokens: int = Field(8, gt=0, le=64, description="draft tokens proposed per request per step (at most)")
+    ngram_min_match: int = Field(3, gt=0, description="shortest suffix matched against prompt + output")
+    ngram_max_match: int = Field(4, gt=0, le=16, description="longest suffix matched (tried first)")
+    max_batch_size: int = Field(
+        4, gt=0, description="speculate only while at most this many requests decode (verifying costs more per request in larger batches)"
+    )
+
+    @model_validator(mode="after")
+    def _windows(self) -> SpeculativeConfig:
+        if (self.method == "draft") != (self.draft_model_path is not None):
+            raise ValueError("draft_model_path is required by method 'draft' and used by it only")
+        if self.ngram_min_match > self.ngram_max_match:
+            raise ValueError(f"ngram_min_match {self.ngram_min_match} must be <= ngram_max_match {self.ngram_max_match}")
+        return self
+
+
 class PluginsConfig(_Section):
     allow: list[str] | None = Field(None, description="only these plugins load (RXF_PLUGINS too)")
     deny: list[str] = Field(default_factory=list, description="these plugins never load")
@@ -314,6 +349,7 @@ class EngineConfig(BaseSettings):
     multimodal: MultimodalConfig = MultimodalConfig()
     parallel: ParallelConfig = ParallelConfig()
     grammar: GrammarConfig = GrammarConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     # NoDecode: RXF_PLUGINS is the filter string "a,b,-c" (see `_plugins_filter`), not this section as JSON.
     plugins: Annotated[PluginsConfig, NoDecode] = PluginsConfig()
 

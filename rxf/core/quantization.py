@@ -5,7 +5,8 @@ quantizes — their parameters, how checkpoint tensors load into them, what runs
 so the core and the models name no method. The model runner:
 
 1. picks the method (`select_method`): `model.quantization` when set, else the checkpoint's
-   `quantization_config.quant_method`, else none. The configured name wins; the checkpoint's
+   `quantization_config.quant_method` (unless the model class reads that format itself, listing it
+   in `native_quant_methods`: gpt-oss's MXFP4 experts), else none. The configured name wins; the checkpoint's
    `quantization_config` (or None: an unquantized checkpoint, quantized online at load) goes to
    the method, which refuses a config it cannot read;
 2. builds the model inside `building(method)`, where the linear layers ask `active_method()`
@@ -14,6 +15,11 @@ so the core and the models name no method. The model runner:
 3. loads the checkpoint (the method's `checkpoint_weights` when it reads another file), then calls
    `finish_loading(model)`: each quantized layer is turned into the
    form its device computes with (repacked for a kernel, or dequantized).
+
+Mixture-of-experts layers (`FusedExperts`) go through the same three steps: a method that takes
+them over registers their stacked `[E, ...]` parameters and computes their forward in
+`apply_experts`. Routers are built inside `unquantized()`: they stay dense under every method (as
+quantized MoE checkpoints store them).
 
 Without a method none of this runs: unquantized models keep their code path and speed.
 """
@@ -77,13 +83,30 @@ class QuantizationMethod:
         """The module's `x @ W.T + bias` (the linear layers route their matmul here)."""
         raise NotImplementedError
 
+    def apply_experts(
+        self, module: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """A `FusedExperts` module's forward (its contract: `moe.experts_native`'s) for the experts
+        this method took over; a method that takes none need not define it."""
+        raise NotImplementedError
 
-_ACTIVE: list[QuantizationMethod] = []
+
+_ACTIVE: list[QuantizationMethod | None] = []
 
 
 def active_method() -> QuantizationMethod | None:
-    """The method of the model being built now (inside `building`), else None."""
+    """The method of the model being built now (inside `building`, and not `unquantized`), else None."""
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def unquantized() -> Iterator[None]:
+    """Layers built inside this stay dense whatever the method (a MoE router)."""
+    _ACTIVE.append(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
 
 
 @contextlib.contextmanager
@@ -113,12 +136,14 @@ def checkpoint_quant_config(hf_config: Any) -> dict[str, Any] | None:
 
 
 def select_method(
-    registry: PluginRegistry, hf_config: Any, configured: str | None, dtype: torch.dtype
+    registry: PluginRegistry, hf_config: Any, configured: str | None, dtype: torch.dtype,
+    native: tuple[str, ...] = (),
 ) -> QuantizationMethod | None:
-    """The method that loads this checkpoint (see the module docstring for the rule), or None."""
+    """The method that loads this checkpoint (see the module docstring for the rule), or None;
+    `native`: the formats the model class reads itself."""
     quant_config = checkpoint_quant_config(hf_config)
     name = configured or (quant_config or {}).get("quant_method")
-    if name is None:
+    if name is None or (configured is None and name in native):
         return None
     if name not in registry.names("quantization_methods"):
         source = "model.quantization" if configured else "config.json quantization_config.quant_method"

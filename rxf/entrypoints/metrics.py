@@ -112,7 +112,17 @@ class ServerMetrics:
             counter, "Prompt tokens found in the prefix (radix) cache", "rxf:cached_tokens", "vllm:prefix_cache_hits"
         )
         self.preemptions = counter("vllm:num_preemptions", "Requests retracted (preempted) by the scheduler")
-        self._preemptions_seen = 0
+        # Speculative decoding: scheduler totals (`SpecCounters`) mirrored as counters, by stats key.
+        self._from_stats: dict[str, _Twins] = {
+            "retractions": _Twins(self.preemptions),
+            "drafted_tokens": twins(counter, "Draft tokens proposed by speculative decoding",
+                                    "rxf:spec_draft_tokens", "vllm:spec_decode_num_draft_tokens"),
+            "accepted_tokens": twins(counter, "Draft tokens accepted by verification",
+                                     "rxf:spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens"),
+            "verify_steps": twins(counter, "Forwards that verified draft tokens",
+                                  "rxf:spec_verify_steps", "vllm:spec_decode_num_drafts"),
+        }
+        self._stats_seen: dict[str, int] = {}
         r, labels = self.registry, ["model_name"]
         self._requests = Counter("rxf:requests", "Ended requests by finish reason", [*labels, "finish_reason"], registry=r)
         self._vllm_requests = Counter(
@@ -235,11 +245,12 @@ class ServerMetrics:
         used = stats.total_slots - stats.free_slots - stats.evictable_slots
         self.token_usage.set(used / stats.total_slots if stats.total_slots else 0.0)
         self.cache_hit_rate.set(stats.cache_hit_rate)
-        # The scheduler counts its retractions (vLLM's preemptions) since it started.
-        retractions = int(stats.extra.get("retractions", 0))
-        if retractions > self._preemptions_seen:
-            self.preemptions.inc(retractions - self._preemptions_seen)
-            self._preemptions_seen = retractions
+        # The scheduler counts these (retractions are vLLM's preemptions) since it started.
+        for key, series in self._from_stats.items():
+            total, seen = int(stats.extra.get(key, 0)), self._stats_seen.get(key, 0)
+            if total > seen:
+                series.inc(total - seen)
+                self._stats_seen[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -58,6 +58,23 @@ class FakeTokenizer:
         return {chr(ord("a") + t): t for t in range(26)}
 
 
+def run_steps(sched: Any, steps: int, got: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Run a `Scheduler` for `steps` steps (or until idle), collecting each request's outputs into
+    `got[rid]`: its ids, and the last output's finish reason, cached tokens, timings and
+    spec_verify_ct. Raises if a request has output after its finish."""
+    got = {} if got is None else got
+    for _ in range(steps):
+        if not sched.has_work:
+            break
+        for out in sched.step():
+            r = got.setdefault(out.rid, {"ids": [], "finished": None})
+            assert r["finished"] is None, f"{out.rid}: output after its finish"
+            r["ids"] += out.new_token_ids
+            r["finished"], r["cached"], r["timings"] = out.finished, out.cached_tokens, out.timings
+            r["verify"] = out.spec_verify_ct
+    return got
+
+
 def fake_config(**overrides: Any) -> EngineConfig:
     base = {"model": {"path": "fake"}, "runtime": {"device": "cpu"}, "grammar": {"backend": "none"}}
     return load_config(base, **overrides)
@@ -129,8 +146,10 @@ class FakeRunner:
                 where, token = self.kv.get(slot, (None, None))
                 assert where == pos, f"request {req.rid}: slot {slot} at position {pos} holds position {where}"
                 seq.append(token)
-            if batch.sample[i]:
-                sampled.append(next_token(seq, self.vocab_size, self.eos))
+            # A request with drafts samples after its newest token and after each draft.
+            n_samples = batch.num_samples(i)
+            for k in range(n_samples):
+                sampled.append(next_token(seq[: len(seq) - n_samples + 1 + k], self.vocab_size, self.eos))
         assert t == batch.num_tokens == batch.out_cache_loc.numel()
         step.result.next_ids = sampled
         step.result.logprobs = [None] * len(sampled)

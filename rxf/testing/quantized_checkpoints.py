@@ -2,8 +2,9 @@
 
     quantize_checkpoint(src, dst, "awq", group_size=128, twin=twin_dir)
 
-writes `dst`: `src` with every decoder-layer projection (`*_proj.weight` of attention and MLP)
-stored in the format (the tensors and `quantization_config` a real quantizer writes), and with
+writes `dst`: `src` with every decoder-layer projection (`*_proj.weight` of attention and MLP, and
+of each MoE expert: Qwen3-MoE's `mlp.experts.{e}.gate_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1`;
+routers stay dense, as quantizers leave them) stored in the format (the tensors and `quantization_config` a real quantizer writes), and with
 `twin`: an unquantized float32 checkpoint holding exactly the values the quantized one encodes, for
 `transformers` to serve as the reference. The packing here is written from the formats' own
 descriptions (AutoAWQ's packer order, AutoGPTQ's zero-minus-one) independently of rxf's readers in
@@ -27,7 +28,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 FP8 = torch.float8_e4m3fn
-PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn|mlp|block_sparse_moe)\.(experts\.\d+\.)?(\w+_proj|w[123])\.weight$")
+ROUTERS = ["re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$"]  # llm-compressor's ignore entries for them
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packer: nibble i holds output 8c + order[i]
 
 
@@ -50,6 +52,19 @@ def _fp8_block(w: torch.Tensor, bn: int, bk: int) -> tuple[dict[str, torch.Tenso
     full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     q = (w / full).to(FP8)
     return {"weight": q, "weight_scale_inv": scale}, q.float() * full
+
+
+def fp8_experts(w: torch.Tensor, block_k: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked expert weights `w` `[E, N, K]` as the fused MoE kernels take them: (FP8 `w`, float32
+    scales `[E, N, ceil(K / block_k)]`, or `[E, N, 1]` per row for block_k None, the float32 weight
+    they encode): each row's (or row's block of block_k inputs') absmax mapped to 448, rounded by
+    torch (the Triton interpreter's float-to-FP8 cast is wrong; it reads FP8 correctly)."""
+    e, n, k = w.shape
+    g = block_k or k
+    blocks = torch.nn.functional.pad(w.float(), (0, (-k) % g)).view(e, n, -1, g)
+    scale = blocks.abs().amax(dim=3).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[..., None]).view(e, n, -1)[..., :k].to(FP8)
+    return q, scale.contiguous(), q.float() * scale.repeat_interleave(g, dim=2)[..., :k]
 
 
 def _fp8_rows(w: torch.Tensor, per_channel: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -120,7 +135,7 @@ def quantization_config(fmt: str, **opts: Any) -> dict[str, Any]:
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                    "strategy": "channel" if fmt == "ct-channel" else "tensor"}
         return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-                "ignore": ["lm_head"],
+                "ignore": ["lm_head", *ROUTERS],
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": opts.get("group_size", 128), "zero_point": True,

@@ -94,7 +94,8 @@ def test_store_rounds_as_torch(kv_dtype: torch.dtype) -> None:
 
     # Fused rotation: the kernel quantizes its float32 rotation directly, torch the rotated bf16, so
     # compare against torch quantizing the float32 rotation.
-    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32)
+    with torch.device("cuda"):  # its caches where the positions are
+        rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32)
     positions = torch.randint(0, 4096, (n,), device="cuda")
     q = torch.randn(n, heads, head_dim, device="cuda", dtype=BF16)
     _, k_rot = rope.forward_native(positions, q.float().flatten(-2), k.float().flatten(-2))

@@ -182,3 +182,12 @@ def test_online_integer_methods_refuse_what_they_cannot_serve(dense, tmp_path):
     with pytest.raises(ValueError, match="'int8' quantizes an unquantized checkpoint at load; this checkpoint is "
                                          "quantized with 'awq'"):
         ModelHarness(awq, **{"model.quantization": "int8"})
+
+
+def test_online_integer_methods_keep_moe_experts_dense(tmp_path):
+    mixtral = make_tiny_checkpoint(tmp_path / "mixtral", "MixtralForCausalLM", num_local_experts=4,
+                                   num_experts_per_tok=2, initializer_range=0.1, **SHAPE)
+    layer = ModelHarness(mixtral, **{"model.quantization": "int4"}).runner.model.model.layers[0]
+    dense = ModelHarness(mixtral).runner.model.model.layers[0]
+    assert torch.equal(layer.mlp.experts.w13.weight, dense.mlp.experts.w13.weight)
+    assert hasattr(layer.self_attn.qkv_proj, "scales_and_zeros")

@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 
 from rxf.plugins.models.layers import fused_moe_decode  # noqa: E402
 from rxf.plugins.models.layers.fused_moe import BlockConfig, align_pairs, fused_experts  # noqa: E402
-from rxf.plugins.models.layers.moe import GatedActivation, experts_native, select_experts  # noqa: E402
+from rxf.plugins.models.layers.moe import ExpertScales, GatedActivation, experts_native, select_experts  # noqa: E402
+from rxf.testing.quantized_checkpoints import fp8_experts  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 SMALL = BlockConfig(16, 32, 32, down_block_n=16, group_m=2)  # several column and K blocks at tiny shapes
@@ -124,6 +125,47 @@ def test_biases_and_clamped_activation_match_torch_path(tokens, experts, top_k, 
     assert not torch.allclose(unclamped, ref, rtol=1e-2), "the clamp changes nothing: the test cannot fail"
     with pytest.raises(ValueError, match="both expert biases or neither"):
         fused_experts(x, w13, w2, weights, ids, b13=b13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "block_k", "config"),
+    [
+        (1, 80, 48, 32, None),  # decode: its 256-input tiles shrink to the 32-input scale blocks; K tails
+        (3, 64, 40, None, None),  # decode, per-row scales
+        (33, 80, 48, 64, SMALL),  # grouped: 32-input tiles inside 64-input scale blocks; K tails
+        (40, 64, 96, None, SMALL),  # grouped, per-row scales
+    ],
+)
+def test_fp8_weights_match_the_dequantized_experts(tokens, hidden, inter, block_k, config, dtype) -> None:
+    """FP8 expert weights with block or per-row scales, upcast in the kernels, against the torch
+    path on the float32 weights they encode; a scale that is not applied (all scales differ from 1)
+    or applied to the wrong block fails by far more than the tolerance."""
+    x, w13, w2, weights, ids = problem(tokens, 6, 2, hidden, inter, dtype, seed=tokens + 20)
+    q13, s13, d13 = fp8_experts(w13 * 4, block_k)
+    q2, s2, d2 = fp8_experts(w2, block_k)
+    assert s13.min() < 0.5 and s13.max() < 1  # far from 1: a missing scale shows
+    ref = experts_native(x.float(), d13, d2, weights, ids)
+    out = fused_experts(x, q13, q2, weights, ids, config, scales=ExpertScales(s13, s2, block_k))
+    assert_matches(out, ref, dtype)
+    if block_k is not None:  # each row's first block's scale for all its blocks: a different result
+        wrong = ExpertScales(s13[..., :1].expand_as(s13).contiguous(), s2, block_k)
+        off = fused_experts(x, q13, q2, weights, ids, config, scales=wrong).float()
+        assert (off - ref).abs().max() > 10 * TOL[dtype] * ref.abs().max()
+
+
+def test_fp8_scales_that_the_kernels_cannot_take_are_refused() -> None:
+    x, w13, w2, weights, ids = problem(1, 4, 2, 64, 48, torch.float16)
+    q13, s13, _ = fp8_experts(w13, 48)
+    q2, s2, _ = fp8_experts(w2, 48)
+    with pytest.raises(ValueError, match="scale blocks of 48 inputs"):
+        fused_experts(x, q13, q2, weights, ids, scales=ExpertScales(s13, s2, 48))
+    q13, s13, _ = fp8_experts(w13, 32)
+    q2, s2, _ = fp8_experts(w2, 32)
+    with pytest.raises(ValueError, match="w13 scales must be float32"):
+        fused_experts(x, q13, q2, weights, ids, scales=ExpertScales(s13.half(), s2, 32))
+    with pytest.raises(ValueError, match=r"w2 scales must be float32 \[4, 64, 2\]"):
+        fused_experts(x, q13, q2, weights, ids, scales=ExpertScales(s13, s2[:, :, :1].contiguous(), 32))
 
 
 def test_native_biased_expert_is_the_reference_formula() -> None:

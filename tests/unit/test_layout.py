@@ -31,7 +31,8 @@ ALLOWED = {
     "detokenizer": {"ipc"},
     "kvcache": set(),
     "runner": {"ipc"},
-    "scheduler": {"ipc", "kvcache", "runner", "launch"},  # launch: the process entry's logging
+    "scheduler": {"ipc", "kvcache", "runner", "launch", "speculative"},  # launch: the process entry's logging
+    "speculative": {"runner"},  # runner: the draft model's ModelRunner
     "launch": {"ipc", "runner"},  # runner: the tensor-parallel placement of each rank
 }
 

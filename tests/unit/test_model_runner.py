@@ -18,6 +18,7 @@ from rxf.core.forward import ForwardMode
 from rxf.core.hookspecs import hookimpl
 from rxf.core.registry import PluginNotFoundError, PluginRegistry
 from rxf.core.runner.model_runner import ModelInput, ModelRunner
+from rxf.plugins.attention.cpu import CpuBackend
 from rxf.plugins.attention.torch_native import TorchNativeBackend
 from rxf.testing import make_tiny_checkpoint
 
@@ -34,7 +35,7 @@ def registry(*extra: Any) -> PluginRegistry:
 
 
 def make_config(**overrides: Any):
-    base = {"runtime.device": "cpu", "model.dtype": "auto", "scheduler.max_running_requests": 4}
+    base = {"runtime.device": "cpu", "model.dtype": "float32", "scheduler.max_running_requests": 4}
     return load_config(None, **{**base, **overrides})
 
 
@@ -45,9 +46,12 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_pool_sized_from_max_total_tokens(ckpt: Path) -> None:
     runner = ModelRunner(
-        make_config(**{"cache.max_total_tokens": 1000, "model.context_length": 128}), registry(), str(ckpt)
+        make_config(**{"cache.max_total_tokens": 1000, "model.context_length": 128, "model.dtype": "auto"}),
+        registry(),
+        str(ckpt),
     )
-    assert runner.device == torch.device("cpu") and runner.dtype == torch.float32
+    assert runner.device == torch.device("cpu")
+    assert runner.dtype == torch.float32  # model.dtype "auto" serves a float32 checkpoint as stored
     assert runner.max_total_tokens == runner.token_to_kv_pool.num_slots == 1000
     assert runner.token_to_kv_pool.available_size() == 1000
     assert runner.token_to_kv_pool.k_buffer[0].shape == (1001, 2, 16)  # + reserved slot 0
@@ -147,7 +151,7 @@ def test_backend_lacking_a_layer_feature_is_refused_or_skipped(tmp_path: Path) -
             str(ckpt),
         )
     runner = ModelRunner(make_config(**{"cache.max_total_tokens": 16}), registry(Plugin()), str(ckpt))
-    assert type(runner.attn_backend) is TorchNativeBackend
+    assert type(runner.attn_backend) is CpuBackend  # the CPU's auto choice, which implements windows
 
 
 def test_unknown_architecture_lists_registered_ones(ckpt: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from rxf.core.registry import PluginRegistry
 from rxf.testing.checkpoints import make_tiny_checkpoint
 from rxf.testing.model_harness import ModelHarness
 from rxf.testing.model_parity import check_logits
-from rxf.testing.quantized_checkpoints import quantize_checkpoint
+from rxf.testing.quantized_checkpoints import fp8_experts, quantize_checkpoint
 from rxf.testing.reference import HFReference
 
 PROMPTS = [[5, 80, 17, 300, 42, 9, 77, 123], [400, 12, 33, 7, 250]]
@@ -141,17 +141,81 @@ def test_a_plugin_registers_a_quantization_method(dense):
     assert not torch.equal(qkv.weight, ModelHarness(dense).runner.model.model.layers[0].self_attn.qkv_proj.weight)
 
 
-def test_moe_experts_quantized_or_not(tmp_path):
-    """Quantized experts are refused at load naming the method; quantizing at load keeps the
-    experts in the model's dtype and rounds the attention projections only."""
-    mixtral = make_tiny_checkpoint(tmp_path / "mixtral", "MixtralForCausalLM", num_local_experts=4,
-                                   num_experts_per_tok=2, initializer_range=0.1, **SHAPE)
-    q = quantize_checkpoint(mixtral, tmp_path / "awq", "awq")
-    _rewrite(q, modules_to_not_convert=["gate"])  # the router, as AWQ's Mixtral checkpoints list it
+# Qwen3-MoE: 4 experts of width 64 (gate and up of 64 rows fill half a 128-row FP8 block each) with
+# top 2, a dense layer (mlp_only_layers) beside a sparse one. Mixtral: its `w1/w2/w3` names.
+QWEN3_MOE = {**SHAPE, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+             "norm_topk_prob": True, "mlp_only_layers": [0]}
+MIXTRAL = {**SHAPE, "num_local_experts": 4, "num_experts_per_tok": 2}
+MOE_CASES = {
+    "qwen3-moe-fp8-block": ("Qwen3MoeForCausalLM", QWEN3_MOE, "fp8", {}),
+    "qwen3-moe-ct-channel": ("Qwen3MoeForCausalLM", QWEN3_MOE, "ct-channel", {}),
+    "mixtral-fp8-block-64": ("MixtralForCausalLM", MIXTRAL, "fp8", {"block": (64, 64)}),
+    "mixtral-ct-tensor-static": ("MixtralForCausalLM", MIXTRAL, "ct-tensor", {"static": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_dense(tmp_path_factory):
+    """The dense MoE checkpoints, one per architecture."""
+    made = {}
+    for arch, shape in (("Qwen3MoeForCausalLM", QWEN3_MOE), ("MixtralForCausalLM", MIXTRAL)):
+        made[arch] = make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, seed=5, initializer_range=0.1, **shape)
+    return made
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_quantized_moe_checkpoint_matches_its_dequantized_twin(moe_dense, tmp_path, case):
+    """Experts and dense layers quantized (routers left dense, as quantizers leave them): logits and
+    greedy tokens of transformers running the float32 twin."""
+    arch, _, fmt, opts = MOE_CASES[case]
+    quantized = quantize_checkpoint(moe_dense[arch], tmp_path / "q", fmt, twin=tmp_path / "twin", **opts)
+    names = load_file(str(quantized / "model.safetensors"))
+    expert = next(n for n in names if ".experts.1." in n and n.endswith(".weight"))
+    assert names[expert].dtype == torch.float8_e4m3fn, expert
+    ref = HFReference(tmp_path / "twin")
+    check_logits(quantized, PROMPTS, reference=ref, decode_steps=1)
+    assert ModelHarness(quantized).greedy(PROMPTS[:1], 12) == [ref.greedy(PROMPTS[0], 12)]
+
+
+def test_online_fp8_quantizes_the_experts_too(moe_dense, tmp_path):
+    """`model.quantization = "fp8"` on a dense MoE checkpoint rounds each expert's rows through FP8
+    like the dense layers' (the per-channel twin, with the router left dense, is the same rounding)."""
+    dense = moe_dense["Qwen3MoeForCausalLM"]
+    quantize_checkpoint(dense, tmp_path / "q", "ct-channel", twin=tmp_path / "fp8-twin")
+    check_logits(dense, PROMPTS[:1], reference=HFReference(tmp_path / "fp8-twin"), decode_steps=1,
+                 **{"model.quantization": "fp8"})
+
+
+def test_quantized_experts_bad_input_and_int4_refusal(moe_dense, tmp_path):
+    """An expert tensor of the wrong dtype or shape fails naming it; int4 experts are refused at
+    load naming the method."""
+    q = quantize_checkpoint(moe_dense["Qwen3MoeForCausalLM"], tmp_path / "fp8", "fp8")
+    tensors = load_file(str(q / "model.safetensors"))
+    name = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
+    good = tensors[name]
+    tensors[name] = good[:, :0]
+    save_file(tensors, str(q / "model.safetensors"))
     message = _harness_error(q)
-    assert message.startswith("awq: quantized MoE experts (model.layers.0.mlp.experts)")
-    harness = ModelHarness(mixtral, **{"model.quantization": "fp8"})
-    layer = harness.runner.model.model.layers[0]
-    dense = ModelHarness(mixtral).runner.model.model.layers[0]
-    assert torch.equal(layer.mlp.experts.w13.weight, dense.mlp.experts.w13.weight)
-    assert not torch.equal(layer.self_attn.qkv_proj.weight, dense.self_attn.qkv_proj.weight)
+    assert name in message and "does not fit" in message
+    tensors[name] = good.to(torch.int32)
+    save_file(tensors, str(q / "model.safetensors"))
+    message = _harness_error(q)
+    assert name in message and "dtype int32, expected float32" in message
+    mixtral = moe_dense["MixtralForCausalLM"]
+    awq = quantize_checkpoint(mixtral, tmp_path / "awq", "awq")
+    _rewrite(awq, modules_to_not_convert=["gate"])  # the router, as AWQ's Mixtral checkpoints list it
+    assert _harness_error(awq).startswith("awq: quantized MoE experts (model.layers.0.mlp.experts)")
+
+
+def test_random_weights_quantized_at_load(moe_dense, tmp_path):
+    """`model.load_format = "random"` with online FP8 (the benchmarks' checkpoints too large for the
+    disk): the random draws, experts included, rounded per row through FP8; a quantized checkpoint
+    cannot take random weights."""
+    dense = moe_dense["Qwen3MoeForCausalLM"]
+    drawn = ModelHarness(dense, **{"model.load_format": "random"}).runner.model.model.layers[1].mlp.experts
+    online = ModelHarness(dense, **{"model.load_format": "random", "model.quantization": "fp8"})
+    experts = online.runner.model.model.layers[1].mlp.experts
+    for ours, theirs in ((experts.w13.weight, drawn.w13.weight), (experts.w2.weight, drawn.w2.weight)):
+        assert torch.equal(ours, fp8_experts(theirs, None)[2])
+    q = quantize_checkpoint(dense, tmp_path / "q", "fp8")
+    assert "cannot serve a quantized checkpoint" in _harness_error(q, **{"model.load_format": "random"})

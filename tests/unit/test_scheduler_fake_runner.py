@@ -21,7 +21,7 @@ from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.entrypoints.metrics import ServerMetrics
-from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config
+from rxf.testing.fake_runner import FakeRunner, FakeTokenizer, expected, fake_config, run_steps
 
 VOCAB, EOS = 50, 3
 
@@ -42,16 +42,7 @@ def want(prompt: list[int], n: int) -> list[int]:
 
 def run(sched: Scheduler, steps: int, got: dict[str, dict] | None = None) -> dict[str, dict]:
     """`steps` steps (or until idle), collecting outputs into `got`."""
-    got = {} if got is None else got
-    for _ in range(steps):
-        if not sched.has_work:
-            break
-        for out in sched.step():
-            r = got.setdefault(out.rid, {"ids": [], "finished": None})
-            assert r["finished"] is None, f"{out.rid}: output after its finish"
-            r["ids"] += out.new_token_ids
-            r["finished"], r["cached"], r["timings"] = out.finished, out.cached_tokens, out.timings
-    return got
+    return run_steps(sched, steps, got)
 
 
 def drain(sched: Scheduler, got: dict[str, dict] | None = None) -> dict[str, dict]:

@@ -205,8 +205,10 @@ def test_decode_kernel_more_splits_than_tokens_and_head_blocks() -> None:
     q = torch.randn(4, heads, head_dim)
     out = torch.full_like(q, float("nan"))
     mid_o, mid_lse = torch.empty(4, heads, 4, head_dim), torch.empty(4, heads, 4)
+    counters = torch.zeros(8, dtype=torch.int32)  # 4 requests x 2 head blocks
     decode_attention(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, num_kv_splits, 4, mid_o, mid_lse,
-                     0.25, block_h=16, block_n=16)
+                     counters, 0.25, block_h=16, block_n=16)
+    assert not counters.any(), "a merge counter was left set"
     expected = _decode_reference(q, k_buf, v_buf, req_to_token, rows, seq_lens, 0.25)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 

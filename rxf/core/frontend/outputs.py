@@ -77,6 +77,7 @@ class GenerateOutput:
     logprobs: Logprobs | None = None  # None unless the request asked for them
     # An embedding request's pooled vector (float32 little-endian bytes), with its final result.
     embedding: bytes | None = None
+    spec_verify_ct: int = 0  # decode forwards with speculative decoding on (0: it was off)
 
     def to_dict(self) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -86,6 +87,8 @@ class GenerateOutput:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
         }
+        if self.spec_verify_ct:  # accept length = completion_tokens / spec_verify_ct
+            meta["spec_verify_ct"] = self.spec_verify_ct
         if self.logprobs is not None:
             meta |= self.logprobs.to_dict()
         if self.embedding is not None:

@@ -132,8 +132,8 @@ def _merge_token_out(into: TokenOut, later: TokenOut) -> None:
                 mine.extend(extra)
     into.finished = later.finished
     into.timings = later.timings
-    into.prompt_tokens, into.completion_tokens, into.cached_tokens = (
-        later.prompt_tokens, later.completion_tokens, later.cached_tokens
+    into.prompt_tokens, into.completion_tokens, into.cached_tokens, into.spec_verify_ct = (
+        later.prompt_tokens, later.completion_tokens, later.cached_tokens, later.spec_verify_ct
     )
 
 
@@ -356,5 +356,6 @@ def _output(rid: str, last: StrOut, text: str, ids: list[int], logprobs: Logprob
     """An output holding `text` and `ids`, with the counts and finish of `last` (the newest)."""
     t = last.token
     return GenerateOutput(
-        rid, text, ids, t.prompt_tokens, t.completion_tokens, t.cached_tokens, t.finished, logprobs, t.embedding
+        rid, text, ids, t.prompt_tokens, t.completion_tokens, t.cached_tokens, t.finished, logprobs, t.embedding,
+        t.spec_verify_ct,
     )

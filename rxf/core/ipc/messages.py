@@ -188,6 +188,8 @@ class TokenOut(msgspec.Struct, array_like=True, gc=False):
     # On the finishing output only: the request's scheduler times (time.perf_counter()), queued,
     # first scheduled, first token, finished; the middle two None when it never got that far.
     timings: list[float | None] | None = None
+    # Speculative decoding: the request's decode forwards so far (0 without speculation).
+    spec_verify_ct: int = 0
 
 
 class BatchTokenOut(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -111,6 +111,10 @@ class KVManager:
         """Slots obtainable now: free ones plus those the tree could evict."""
         return self.pool.available_size() + self.tree.evictable_size()
 
+    def free_slots(self) -> int:
+        """Slots on the free list (obtainable without evicting anything)."""
+        return self.pool.available_size()
+
     def free_rows(self) -> int:
         return self.req_to_token_pool.available_size()
 
@@ -158,6 +162,15 @@ class KVManager:
         h = req.kv
         assert h is not None and end <= h.length
         h.computed = max(h.computed, end)
+
+    def truncate(self, req: Req, end: int) -> None:
+        """Give back the request's slots of positions [end, length) at once (rejected draft tokens,
+        and drafts after a stop): the request owns them, the tree never saw them."""
+        h = req.kv
+        assert h is not None and h.cached <= end <= h.length
+        self.pool.free(h.slots()[end:])
+        h.length = end
+        h.computed = min(h.computed, end)
 
     def row_writes(self, req: Req, end: int) -> tuple[int, torch.Tensor] | None:
         """(start, slots) of the row entries before position `end` that the device row lacks, or

@@ -98,14 +98,22 @@ def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): there oneDNN's bf16 matmuls
+    beat fp32 (half the weight bytes per token; the demo model decodes ~2x faster, see
+    benchmarks/RESULTS.md "CPU bf16"); elsewhere bf16 is emulated."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
-    if device.type != "cuda":
-        return torch.float32  # CPU half-precision matmuls are slow and less accurate
     ckpt = getattr(hf_config, "dtype", None)
     ckpt = getattr(torch, ckpt, None) if isinstance(ckpt, str) else ckpt
-    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+    half = ckpt in (torch.bfloat16, torch.float16)
+    if device.type != "cuda":  # a half-precision checkpoint in bf16 where the CPU has it, else fp32
+        return torch.bfloat16 if half and cpu_has_native_bf16() else torch.float32
+    return ckpt if half else torch.bfloat16
 
 
 def _as_list(value: Any) -> list[int]:
@@ -206,9 +214,11 @@ class ModelRunner:
             )
         served = {"context_length": self.max_context_len} if supported else {}
         random_weights = config.model.load_format == "random"
-        method = quantization.select_method(registry, self.hf_config, config.model.quantization, self.dtype)
-        if method is not None and random_weights:
-            raise ValueError("model.load_format 'random' draws dense weights; it cannot serve a quantized model")
+        method = quantization.select_method(registry, self.hf_config, config.model.quantization, self.dtype,
+                                            getattr(model_cls, "native_quant_methods", ()))
+        if method is not None and random_weights and method.quant_config is not None:
+            raise ValueError("model.load_format 'random' draws dense weights; it cannot serve a quantized checkpoint "
+                             "(a method that quantizes at load, model.quantization = 'fp8', quantizes them)")
         # Checked before the model is built: a missing or empty checkpoint raises now.
         weights = None
         if not random_weights:
@@ -221,7 +231,7 @@ class ModelRunner:
             fill_random_weights(self.model, config.runtime.seed)
         else:
             self.model.load_weights(weights)
-            quantization.finish_loading(self.model)
+        quantization.finish_loading(self.model)
         self.model.eval()
         # An embedding model pools the final hidden states (`hidden_states`) and computes no logits.
         self.pooling = None

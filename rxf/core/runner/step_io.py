@@ -42,6 +42,11 @@ class StepBatch:
     `StepResult.next_ids[j]` is sampled row j's token. Other requests (chunks of a prompt) sample
     nothing. `prev_rows[i] >= 0`: request i's last input token is the previous step's sampled row
     `prev_rows[i]` (its `input_ids` entry is PENDING).
+
+    Speculative decoding: `drafts[i]` are the draft tokens among request i's new tokens (its last
+    len(drafts[i])); a sampled request with drafts has one sampled row per position of its newest
+    token and of each draft, in order (`num_samples`), position t sampled as if `drafts[i][:t]` were
+    already output. `banned_ids` and `grammar` then have one row per sampled row too.
     """
 
     mode: ForwardMode  # PREFILL / EXTEND / DECODE / MIXED (extend rows and decode rows together)
@@ -59,10 +64,18 @@ class StepBatch:
     banned_ids: list[list[int]]  # per sampled row: ids that may not be drawn yet (min_new_tokens)
     # Structured output: one bitmask row per sampled row, on the host (the runner moves it).
     grammar: GrammarMask | None = None
+    drafts: list[list[int]] | None = None  # per request (None: no request has drafts)
 
     @property
     def sampled(self) -> list[Req]:
         return [r for r, s in zip(self.reqs, self.sample, strict=True) if s]
+
+    def num_samples(self, i: int) -> int:
+        """Sampled rows of request i: 0, 1, or 1 + its drafts."""
+        return (1 + len(self.drafts[i]) if self.drafts else 1) if self.sample[i] else 0
+
+    def draft_of(self, i: int) -> list[int]:
+        return self.drafts[i] if self.drafts else []
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +86,7 @@ class StepBatch:
 class StepResult:
     """A step's outcome on the host. Lists are per sampled row; dicts are keyed by request index."""
 
-    next_ids: list[int] = field(default_factory=list)
+    next_ids: list[int] = field(default_factory=list)  # per sampled row (StepBatch.num_samples)
     # (chosen token's logprob, [(token id, logprob)] top alternatives) for rows that asked.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
     prompt_logprobs: dict[int, dict[str, Any]] = field(default_factory=dict)

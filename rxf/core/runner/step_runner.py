@@ -8,6 +8,11 @@ thread (torch releases the GIL in its kernels), so the scheduler can plan the ne
 Launches run in order, one at a time, so a launch may read the previous one's sampled ids on the
 device (`StepBatch.prev_rows`) without waiting for the host to see them.
 
+Speculative decoding: a request with draft tokens (`StepBatch.drafts`) is an extend of its newest
+token and its drafts over its cached prefix; every one of those positions is sampled like a decode
+row of the history before it (`rxf/core/speculative/accept.py` says why this verifies them). Such a
+batch runs eagerly (no CUDA graph); plain decode batches keep theirs.
+
 Faults: a forward that raises fails its step (`StepResult.error`); sampling that raises is retried
 row by row, so that only the requests at fault fail (`StepResult.row_errors`).
 """
@@ -104,10 +109,11 @@ class StepExecutor:
         """The forward's input, and each request's first logits row."""
         from rxf.core.runner.model_runner import ModelInput, PendingTokens
 
-        decode = batch.mode == ForwardMode.DECODE
+        decode = batch.mode == ForwardMode.DECODE and not batch.drafts
+        # A request with drafts needs the logits of its newest token and of each draft.
         logits_start = [
-            e - 1 if p is None else p - pre
-            for p, pre, e in zip(batch.prompt_logits_from, batch.prefix_lens, batch.extend_lens, strict=True)
+            e - 1 - len(batch.draft_of(i)) if p is None else p - pre
+            for i, (p, pre, e) in enumerate(zip(batch.prompt_logits_from, batch.prefix_lens, batch.extend_lens, strict=True))
         ]
         pooling = self.runner.pooling
         if pooling is not None and pooling.method == "mean":  # every new token's state is pooled
@@ -166,11 +172,15 @@ class StepExecutor:
     ) -> _Done:
         done = _Done(layout)
         parts: list[torch.Tensor] = []
-        sampled = [i for i, s in enumerate(batch.sample) if s]
+        # Sampled rows as (request, position among its last num_samples logits rows).
+        sampled = [(i, t) for i in range(len(batch.reqs)) for t in range(batch.num_samples(i))]
         next_ids = None
         if sampled:
-            rows = [starts[i] + (inp.extend_lens[i] - (inp.logits_start[i] if inp.logits_start else 0)) - 1
-                    for i in sampled]
+            rows = [
+                starts[i] + inp.extend_lens[i] - (inp.logits_start[i] if inp.logits_start else 0)
+                - batch.num_samples(i) + t
+                for i, t in sampled
+            ]
             last = logits if rows == list(range(logits.shape[0])) else logits[
                 torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
             ]
@@ -192,15 +202,17 @@ class StepExecutor:
         return done
 
     def _sample_rows(
-        self, batch: StepBatch, sampled: list[int], logits: torch.Tensor, layout: _Layout, done: _Done
+        self, batch: StepBatch, sampled: list[tuple[int, int]], logits: torch.Tensor, layout: _Layout, done: _Done
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next ids [n] and packed output logprobs of the rows that asked; a batch failure is
-        retried row by row, and a row that still fails samples token 0 and is reported."""
-        reqs = [batch.reqs[i] for i in sampled]
+        retried row by row, and a row that still fails samples token 0 and is reported (for its
+        request). `sampled[j]` = (request index, position t: sampled after its drafts[:t])."""
+        reqs = [batch.reqs[i] for i, _ in sampled]
+        ahead = [batch.draft_of(i)[:t] for i, t in sampled]
         layout.logprob_rows = [j for j, r in enumerate(reqs) if r.options.return_logprob]
         layout.logprob_top_k = [reqs[j].options.top_logprobs_num for j in layout.logprob_rows]
         try:
-            return self._sample(reqs, logits, batch.banned_ids, batch.grammar, layout)
+            return self._sample(reqs, ahead, logits, batch.banned_ids, batch.grammar, layout)
         except Exception:
             logger.warning("sampling a batch of %d failed; retrying one by one", len(reqs), exc_info=True)
         ids, packs = [], []
@@ -211,9 +223,11 @@ class StepExecutor:
                 grammar = GrammarMask(batch.grammar.bitmask[j : j + 1], [0], batch.grammar.apply)
             sub = _Layout(logprob_rows=[0] if req.options.return_logprob else [], logprob_top_k=[k_max])
             try:
-                one, packed = self._sample([req], logits[j : j + 1], batch.banned_ids[j : j + 1], grammar, sub)
+                one, packed = self._sample(
+                    [req], ahead[j : j + 1], logits[j : j + 1], batch.banned_ids[j : j + 1], grammar, sub
+                )
             except Exception as exc:
-                done.row_errors[sampled[j]] = exc
+                done.row_errors[sampled[j][0]] = exc
                 one = torch.zeros(1, dtype=torch.int64, device=logits.device)
                 packed = torch.zeros(1, 1 + 2 * k_max, dtype=torch.float64, device=logits.device)
                 packed = packed if req.options.return_logprob else None
@@ -223,9 +237,11 @@ class StepExecutor:
         return torch.cat(ids), (torch.cat(packs) if packs else None)
 
     def _sample(
-        self, reqs: list[Req], logits: torch.Tensor, banned: list[list[int]], grammar: GrammarMask | None,
-        layout: _Layout,
+        self, reqs: list[Req], ahead: list[list[int]], logits: torch.Tensor, banned: list[list[int]],
+        grammar: GrammarMask | None, layout: _Layout,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Row j samples for reqs[j] as if `ahead[j]` (its drafts before that position) were
+        already output: penalties see them in its history."""
         if self.faults is not None:
             self.faults.check("sample", reqs)
         if grammar is not None:
@@ -235,7 +251,7 @@ class StepExecutor:
         batch = SamplingBatch.build(
             [r.sampling_params for r in reqs],
             [r.origin_input_ids if h else [] for r, h in zip(reqs, history, strict=True)],
-            [r.output_ids if h else [] for r, h in zip(reqs, history, strict=True)],
+            [r.output_ids + a if h else [] for r, a, h in zip(reqs, ahead, history, strict=True)],
             [self._generator(r) for r in reqs],
             self.vocab_size,
             logits.device,

@@ -108,20 +108,46 @@ class ConstrainedDecoding:
             concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     # ---- each step ----
-    def mask(self, reqs: list[Req]) -> GrammarMask | None:
-        """The step's bitmask for the constrained ones of `reqs` (the sampled rows), on the host;
-        every constrained request has its output resolved (the scheduler sees to it)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar_active]
+    def mask(self, reqs: list[Req], drafts: list[list[int]] | None = None) -> GrammarMask | None:
+        """The step's bitmask for the constrained ones of `reqs` (the sampled requests), on the host;
+        every constrained request has its output resolved (the scheduler sees to it). With
+        `drafts` (speculative decoding) request j has 1 + len(drafts[j]) rows: the mask after each
+        prefix of its drafts, which the matcher accepts in turn (`valid_prefix` checked they can)
+        and then rolls back."""
+        counts = [1 + len(d) for d in drafts] if drafts else [1] * len(reqs)
+        firsts = [sum(counts[:j]) for j in range(len(reqs))]
+        rows = [firsts[j] + t for j, r in enumerate(reqs) if r.grammar_active for t in range(counts[j])]
         if not rows:
             return None
-        bitmask = self.backend.allocate_bitmask(len(reqs))
+        bitmask = self.backend.allocate_bitmask(sum(counts))
         self._fill_s.clear()  # only this step's rows: bounded by the batch
-        for i in rows:
-            assert reqs[i].inflight == 0, "a constrained request's mask needs its output known"
+        for j, req in enumerate(reqs):
+            if not req.grammar_active:
+                continue
+            assert req.inflight == 0, "a constrained request's mask needs its output known"
             start = time.perf_counter()
-            reqs[i].grammar.fill_bitmask(bitmask, i)
-            self._fill_s[reqs[i].rid] = time.perf_counter() - start
+            ahead = drafts[j] if drafts else []
+            for t in range(counts[j]):
+                req.grammar.fill_bitmask(bitmask, firsts[j] + t)
+                if t < len(ahead) and not req.grammar.accept_token(ahead[t]):
+                    raise GrammarViolation(f"draft token {ahead[t]} is not allowed by the request's grammar")
+            req.grammar.rollback(len(ahead))
+            self._fill_s[req.rid] = time.perf_counter() - start
         return GrammarMask(bitmask, rows, self.backend.apply_bitmask)
+
+    @staticmethod
+    def valid_prefix(req: Req, drafts: list[int]) -> int:
+        """How many of `drafts` the request's grammar accepts in a row (the matcher is left as it
+        was): drafts from the first disallowed one on could never be accepted. A draft that would
+        complete the grammar is left out too (no mask exists after it); it may still be sampled."""
+        accepted, completes = 0, False
+        while accepted < len(drafts) and req.grammar.accept_token(drafts[accepted]):
+            accepted += 1
+            completes = req.grammar.is_terminated()
+            if completes:
+                break
+        req.grammar.rollback(accepted)
+        return accepted - completes
 
     def check_token(self, req: Req) -> FinishReason | None:
         """Advance the matcher by the newest output token, then check the stop conditions; a
@@ -189,8 +215,7 @@ class ConstrainedDecoding:
             return False
         out[len(out) - replace :] = new_ids
         self.jumped_tokens += len(new_ids) - replace
-        if req.seq_len - req.kv_len > 1:
-            req.decoding = False  # the next step extends [kv_len, seq_len) (the chunked-prefill path)
+        # (The scheduler then extends [kv_len, seq_len) in the next step: `Scheduler._accept`.)
         return True
 
     def _tokenize(self, out: list[int], forced: str, replace: int) -> list[int] | None:

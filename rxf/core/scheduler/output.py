@@ -17,12 +17,13 @@ class StopChecker:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context_len = max_context_len
 
-    def banned_ids(self, req: Req) -> list[int]:
+    def banned_ids(self, req: Req, ahead: int = 0) -> list[int]:
         """Tokens that may not be sampled next because min_new_tokens is not reached (counting the
-        tokens in flight: the next one is output number `req.generated`)."""
+        tokens in flight and `ahead` drafts before the position: it is output number
+        `req.generated + ahead`)."""
         p = req.sampling_params
         # A grammar decides when its output may end: banning its stop tokens could leave no token.
-        if req.generated >= p.min_new_tokens or req.grammar is not None:
+        if req.generated + ahead >= p.min_new_tokens or req.grammar is not None:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
@@ -71,6 +72,7 @@ def make_token_out(req: Req, finished: bool) -> TokenOut:
         spaces_between_special_tokens=p.spaces_between_special_tokens,
         stop=p.stop,
         no_stop_trim=p.no_stop_trim,
+        spec_verify_ct=req.spec_verify_ct,
     )
     if finished:
         out.embedding = req.embedding

@@ -48,6 +48,21 @@ _REQUESTS = codec.Decoder(ToScheduler)
 _BROADCAST = codec.Decoder(RankBroadcast)
 
 
+def default_cpu_threads() -> int:
+    """`runtime.cpu_threads` when unset, on the CPU: one core is left to the tokenizer, the detokenizer
+    and the HTTP server (and to whatever else runs). On the 2-core machine one torch thread kept
+    86-99% of its quiet decode rate beside a busy core or a second torch process, where two threads
+    fell to 16-29% spinning (2 passive threads did worse than 1 everywhere); two threads are 25-40%
+    faster only while nothing else runs (benchmarks/RESULTS.md, "OpenMP threads on a busy machine")."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def _on_cpu(config: EngineConfig) -> bool:
+    import torch
+
+    return config.runtime.device == "cpu" or (config.runtime.device == "auto" and not torch.cuda.is_available())
+
+
 def run_scheduler_process(
     config: EngineConfig,
     model_path: str,
@@ -69,6 +84,7 @@ def run_scheduler_process(
         from rxf.core.runner.distributed import init_tensor_parallel
         from rxf.core.runner.model_runner import ModelRunner
         from rxf.core.scheduler.scheduler import Scheduler
+        from rxf.core.speculative.draft import load_draft_model
 
         if placement is not None:
             if placement.cuda:  # before any CUDA work: "cuda" then means this rank's device
@@ -76,10 +92,15 @@ def run_scheduler_process(
             elif config.runtime.cpu_threads is None:  # share the cores instead of each taking all
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // (placement.local_size * config.parallel.dp_size)))
             init_tensor_parallel(placement, timeout_s=config.runtime.startup_timeout_s + 1800)
+        elif config.runtime.cpu_threads is None and _on_cpu(config):
+            torch.set_num_threads(default_cpu_threads())
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
         runner = ModelRunner(config, registry, model_path)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or model_path)
-        scheduler = Scheduler(config, runner, tokenizer, check_memory=os.environ.get("RXF_CHECK_MEMORY") == "1")
+        draft = load_draft_model(config, registry, runner)
+        scheduler = Scheduler(
+            config, runner, tokenizer, check_memory=os.environ.get("RXF_CHECK_MEMORY") == "1", draft=draft
+        )
     except Exception as e:  # report start-up failures to the parent instead of dying silently
         logger.exception("scheduler failed to start")
         ready_conn.send({"error": f"{type(e).__name__}: {e}"})

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from rxf.core.grammar import GrammarMatcher
     from rxf.core.kvcache.kv_manager import KVHandle
     from rxf.core.kvcache.radix_cache import TokenKey
+    from rxf.core.speculative.draft import DraftKV
+    from rxf.core.speculative.ngram import NgramIndex
 
 
 @dataclass(eq=False)
@@ -65,6 +67,11 @@ class Req:
     grammar_future: Future[Any] | None = None
     grammar: GrammarMatcher | None = None
     grammar_start: int | None = None
+    # Speculative decoding: the n-gram index of its tokens (built at its first drafted step), its
+    # draft model's KV, and its decode forwards while speculation was on (`meta_info["spec_verify_ct"]`).
+    ngram: NgramIndex | None = None
+    draft_kv: DraftKV | None = None  # its KV in the draft model's pool (method "draft")
+    spec_verify_ct: int = 0
 
     @property
     def grammar_active(self) -> bool:

@@ -17,6 +17,11 @@ scheduled again. Steps that sample for constrained or penalised requests are res
 next one is planned, since their next mask or penalty needs the token. Every decision depends only
 on the request stream and the sampled tokens, so tensor-parallel ranks stay in lockstep.
 
+Speculative decoding (`speculative.method`, `speculation.py`): a decode row may carry draft tokens;
+the runner samples each drafted position and `_accept` takes the tokens the drafts agree with,
+checking the stop conditions after each one, so the output ends exactly where decoding without
+drafts would. While a step may speculate, the step in flight is postprocessed before it is planned.
+
 Faults: a forward that raises fails the requests of its batch; an exception in one request's own
 processing (its sampling, prompt logprobs or stop check) fails that request only. Either way the
 failed requests end with an "abort" carrying the error and their KV is released at once, and the
@@ -47,6 +52,9 @@ from rxf.core.scheduler.constrained import ConstrainedDecoding
 from rxf.core.scheduler.output import StopChecker, make_token_out
 from rxf.core.scheduler.policy import order_waiting
 from rxf.core.scheduler.req import Req
+from rxf.core.scheduler.speculation import Speculator
+from rxf.core.speculative.accept import accepted_tokens
+from rxf.core.speculative.draft import DraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +84,7 @@ class _Planned:
     row_writes: list[tuple[int, torch.Tensor] | None] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
     prompt_logits_from: list[int | None] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
     decode_rows: int = 0
     extend_rows: int = 0
 
@@ -88,7 +97,10 @@ class _Launched:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: StepRunner, tokenizer, check_memory: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, runner: StepRunner, tokenizer, check_memory: bool = False,
+        draft: DraftModel | None = None,
+    ) -> None:
         self.config = config
         self.sc = config.scheduler
         self.runner = runner
@@ -105,6 +117,8 @@ class Scheduler:
             eos.add(tokenizer.eos_token_id)
         self.stop = StopChecker(tokenizer, sorted(eos), runner.max_context_len)
         self.grammar = ConstrainedDecoding.create(config, tokenizer, runner.vocab_size, self.stop)
+        spec = config.speculative
+        self.spec = None if spec.method == "none" else Speculator(spec, self.grammar, runner.max_context_len, draft)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # requests holding KV (decoding, or between prefill chunks)
         self.new_token_ratio = self.sc.init_new_token_ratio
@@ -147,7 +161,7 @@ class Scheduler:
     # ---- one step ----
     def step(self) -> list[TokenOut]:
         outs: list[TokenOut] = []
-        if self._inflight is not None and self._needs_tokens(self._inflight.batch):
+        if self._inflight is not None and (self._needs_tokens(self._inflight.batch) or self._may_speculate()):
             outs += self._postprocess(self._take_inflight())
         outs += self._release_aborted()
         outs += [make_token_out(r, finished=True) for r in self.grammar.resolve(self.waiting)]
@@ -173,8 +187,15 @@ class Scheduler:
     @staticmethod
     def _needs_tokens(batch: StepBatch) -> bool:
         """Whether the next step must see this step's tokens before it is planned: a constrained
-        request's next mask, or a penalised request's next penalty, reads them."""
-        return any(r.grammar is not None or r.sampling_params.reads_history for r in batch.sampled)
+        request's next mask, or a penalised request's next penalty, reads them; the next drafts
+        continue a speculative step's accepted tokens."""
+        return batch.drafts is not None or any(
+            r.grammar is not None or r.sampling_params.reads_history for r in batch.sampled
+        )
+
+    def _may_speculate(self) -> bool:
+        """Whether the next decode step may draft (its requests' newest tokens are then needed)."""
+        return self.spec is not None and self.spec.applies(sum(r.decoding for r in self.running))
 
     def _release_aborted(self) -> list[TokenOut]:
         aborted = [r for r in self.running if r.to_abort]
@@ -200,6 +221,7 @@ class Scheduler:
         else:
             mode = ForwardMode.DECODE
         sampled = [r for r, s in zip(plan.reqs, plan.sample, strict=True) if s]
+        drafts = [d for d, s in zip(plan.drafts, plan.sample, strict=True) if s] if any(plan.drafts) else None
         batch = StepBatch(
             mode=mode,
             reqs=plan.reqs,
@@ -212,8 +234,11 @@ class Scheduler:
             row_writes=plan.row_writes,
             sample=plan.sample,
             prompt_logits_from=plan.prompt_logits_from,
-            banned_ids=[self.stop.banned_ids(r) for r in sampled],
-            grammar=self.grammar.mask(sampled),
+            banned_ids=[
+                self.stop.banned_ids(r, t) for j, r in enumerate(sampled) for t in range(1 + len(drafts[j] if drafts else ()))
+            ],
+            grammar=self.grammar.mask(sampled, drafts),
+            drafts=plan.drafts if drafts else None,
         )
         return batch, [i < plan.decode_rows for i in range(len(plan.reqs))]
 
@@ -229,20 +254,31 @@ class Scheduler:
         """One new token for each decoding request, retracting some if the KV runs out; a lone
         request that outgrew the whole cache ends here."""
         decoding = self._ensure_decode_space(decoding)
-        slots = self.kv.alloc_slots(len(decoding))
+        drafts = self._drafts(decoding)
+        slots = self.kv.alloc_slots(len(decoding) + sum(map(len, drafts)))
         if slots is None:
             outs.append(self._finish(decoding[0], FinishReason("length", message="the KV cache is full")))
             return
         prev = self._prev_rows()
-        for req, slot in zip(decoding, slots.split(1), strict=True):
+        for req, draft, slot in zip(decoding, drafts, slots.split([1 + len(d) for d in drafts]), strict=True):
             kv_len = req.kv_len
             self.kv.grow_with(req, slot)
             row = prev.get(id(req), -1) if req.inflight else -1
-            self._add_row(plan, req, kv_len, [req.output_ids[-1] if row < 0 else PENDING], row)
+            self._add_row(plan, req, kv_len, [req.output_ids[-1] if row < 0 else PENDING, *draft], row, draft)
             plan.sample.append(True)
             plan.prompt_logits_from.append(None)
         plan.slots.append(slots)
         plan.decode_rows = len(decoding)
+
+    def _drafts(self, decoding: list[Req]) -> list[list[int]]:
+        """Each decoding request's draft tokens (all [] when this step does not speculate). Drafts
+        take only free slots: they never evict cached prefixes or retract a request."""
+        if self.spec is None or not self.spec.applies(len(decoding)):
+            return [[] for _ in decoding]
+        drafts = self.spec.propose(decoding)
+        if len(decoding) + sum(map(len, drafts)) > self.kv.free_slots():
+            return [[] for _ in decoding]
+        return drafts
 
     def _prev_rows(self) -> dict[int, int]:
         """Sampled-row index in the step in flight, per request (by id)."""
@@ -250,8 +286,11 @@ class Scheduler:
             return {}
         return {id(r): j for j, r in enumerate(self._inflight.batch.sampled)}
 
-    def _add_row(self, plan: _Planned, req: Req, prefix_len: int, ids: list[int], prev_row: int) -> None:
+    def _add_row(
+        self, plan: _Planned, req: Req, prefix_len: int, ids: list[int], prev_row: int, drafts: list[int] | None = None
+    ) -> None:
         plan.reqs.append(req)
+        plan.drafts.append(drafts or [])
         plan.rows.append(req.kv.row)
         plan.prefix_lens.append(prefix_len)
         plan.extend_lens.append(len(ids))
@@ -309,6 +348,9 @@ class Scheduler:
             if samples:
                 req.inflight += 1
                 req.decoding = True  # its prompt is complete: its next forward decodes
+        if batch.drafts is not None:
+            assert self.spec is not None
+            self.spec.counters.verify_steps += 1
         if batch.mode in (ForwardMode.DECODE, ForwardMode.MIXED):
             self.counters.decode_steps += 1
             self.new_token_ratio = max(self.new_token_ratio - self.sc.new_token_ratio_decay, self.sc.min_new_token_ratio)
@@ -334,6 +376,8 @@ class Scheduler:
             decoding.remove(victim)
             self.running.remove(victim)
             self.kv.release(victim)
+            if self.spec is not None:
+                self.spec.release(victim)
             self.waiting.insert(0, victim)
             self.counters.retractions += 1
             logger.info(
@@ -356,9 +400,9 @@ class Scheduler:
         live = [i for i, r in enumerate(batch.reqs) if not r.finished and r.kv is not None]
         for i in live:
             self.kv.commit(batch.reqs[i], batch.prefix_lens[i] + batch.extend_lens[i])
-        j = -1
+        j = 0  # the request's first sampled row
         for i, req in enumerate(batch.reqs):
-            j += batch.sample[i]
+            first, j = j, j + batch.num_samples(i)
             if req.finished:
                 continue  # ended (or aborted) while this step ran: its row is discarded
             if i in result.row_errors:
@@ -374,7 +418,11 @@ class Scheduler:
             if not launched.decode[i] and req.kv is not None:
                 self.kv.cache(req)  # share the computed prompt with other requests while it runs
             if batch.sample[i]:
-                outs += self._accept(req, result, j, force_send=not launched.decode[i])
+                if self.spec is not None and launched.decode[i]:
+                    req.spec_verify_ct += 1
+                drafts = batch.draft_of(i)
+                kv_start = batch.prefix_lens[i]
+                outs += self._accept(req, result, first, drafts, kv_start, force_send=not launched.decode[i])
             elif completes and req.sampling_params.max_new_tokens == 0:
                 outs.append(self._finish(req, FinishReason("length")))  # prefill only (or an embedding)
         return outs
@@ -394,23 +442,47 @@ class Scheduler:
                 vector = torch.nn.functional.normalize(vector, dim=0)
             req.embedding = vector.numpy().astype("<f4").tobytes()
 
-    def _accept(self, req: Req, result: StepResult, j: int, force_send: bool) -> list[TokenOut]:
-        """The request's newly sampled token: record it, check the stop conditions, stream it."""
-        req.output_ids.append(result.next_ids[j])
+    def _accept(
+        self, req: Req, result: StepResult, j: int, drafts: list[int], kv_start: int, force_send: bool
+    ) -> list[TokenOut]:
+        """The request's newly sampled tokens (rows j.., one more than its drafts): the ones the
+        drafts agree with, each recorded and checked against the stop conditions in turn (the first
+        stop, or a jump-forward, ends the step's tokens there); then stream them.
+
+        KV: the step computed positions [kv_start, kv_start + 1 + len(drafts)); of those, the first
+        as many as tokens were taken are kept (the newest input token's and the accepted drafts'),
+        so the newest token has no KV, as after any decode step, and the rest is freed now."""
+        tokens = accepted_tokens(drafts, result.next_ids[j : j + len(drafts) + 1])
+        if self.spec is not None and drafts:
+            self.spec.record(len(drafts), len(tokens) - 1)
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
-        logprob = result.logprobs[j] if j < len(result.logprobs) else None
-        if logprob is not None:
-            req.pending_logprobs.append(logprob[0])
-            req.pending_top_logprobs.append(logprob[1])
-        self.counters.generated_tokens += 1
         req.steps_since_send += 1
-        try:
-            req.finished_reason = self.grammar.check_token(req)
-        except Exception as exc:
-            return [self._fail(req, exc)]
+        error, jumped = None, False
+        for t, token in enumerate(tokens):
+            known = len(req.output_ids) + 1
+            req.output_ids.append(token)
+            logprob = result.logprobs[j + t] if j + t < len(result.logprobs) else None
+            if logprob is not None:
+                req.pending_logprobs.append(logprob[0])
+                req.pending_top_logprobs.append(logprob[1])
+            self.counters.generated_tokens += 1
+            try:
+                req.finished_reason = self.grammar.check_token(req)
+            except Exception as exc:
+                error = exc
+            jumped = len(req.output_ids) > known  # jump-forward appended a forced continuation
+            if req.finished or error is not None or jumped:
+                tokens = tokens[: t + 1]
+                break
+        if drafts and req.kv is not None:
+            self.kv.truncate(req, kv_start + len(tokens))
+        if error is not None:
+            return [self._fail(req, error)]
         if req.finished:
             return [self._finish(req)]
+        if jumped and req.seq_len - req.kv_len > 1:
+            req.decoding = False  # the next step extends [kv_len, seq_len) (the chunked-prefill path)
         if req.options.stream and (force_send or req.steps_since_send >= self.sc.stream_interval):
             return [make_token_out(req, finished=False)]
         return []
@@ -439,6 +511,8 @@ class Scheduler:
         elif req in self.waiting:  # retracted while its last step ran
             self.waiting.remove(req)
         self.kv.release(req)
+        if self.spec is not None:
+            self.spec.release(req)
         return make_token_out(req, finished=True)
 
     # ---- stats ----
@@ -459,6 +533,7 @@ class Scheduler:
                 "retractions": c.retractions,
                 "new_token_ratio": self.new_token_ratio,
                 "jump_forward_tokens": self.grammar.jumped_tokens,
+                **(vars(self.spec.counters) if self.spec is not None else {}),
             },
         )
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rxf.core import quantization
 from rxf.core.runner.distributed import tp_all_reduce
 from rxf.core.weight_loader import StackedMapping, load_named_weights
 from rxf.plugins.models.layers import ColumnParallelLinear, RadixAttention, RotaryEmbedding
@@ -73,10 +74,11 @@ class GptOssMoE(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        # The router is replicated: every rank routes every token the same way.
-        self.router = ColumnParallelLinear(
-            config.hidden_size, config.num_local_experts, bias=True, tp_size=1, tp_rank=0, dtype=dtype
-        )
+        # The router is replicated: every rank routes every token the same way; it stays dense.
+        with quantization.unquantized():
+            self.router = ColumnParallelLinear(
+                config.hidden_size, config.num_local_experts, bias=True, tp_size=1, tp_rank=0, dtype=dtype
+            )
         # Configs of transformers before 5.2x carry neither field: their modeling code fixed 1.702 and 7.0.
         activation = GatedActivation(
             alpha=float(getattr(config, "swiglu_alpha", 1.702)), limit=float(getattr(config, "swiglu_limit", 7.0)),
@@ -157,6 +159,7 @@ def split_expert_tensors(
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
+    native_quant_methods = ("mxfp4",)  # its MXFP4 experts load here, not through a quantization method
     qkv_bias_default = True
     mlp_cls = GptOssMoE
     attn_cls = GptOssAttention

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rxf.core import quantization
 from rxf.core.runner.distributed import tp_all_reduce
 from rxf.core.weight_loader import StackedMapping, load_named_weights
 from rxf.plugins.models.layers import ColumnParallelLinear
@@ -37,10 +38,12 @@ class MixtralMoE(nn.Module):
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         self.top_k = config.num_experts_per_tok
         self.renormalize = renormalize
-        # The router is replicated: every rank routes every token the same way.
-        self.gate = ColumnParallelLinear(
-            config.hidden_size, config.num_local_experts, bias=False, tp_size=1, tp_rank=0, dtype=dtype
-        )
+        # The router is replicated: every rank routes every token the same way; quantized
+        # checkpoints keep it dense.
+        with quantization.unquantized():
+            self.gate = ColumnParallelLinear(
+                config.hidden_size, config.num_local_experts, bias=False, tp_size=1, tp_rank=0, dtype=dtype
+            )
         self.experts = FusedExperts(
             config.num_local_experts, config.hidden_size, intermediate_size or config.intermediate_size, dtype=dtype
         )

@@ -51,13 +51,16 @@ class LinearMethod(QuantizationMethod):
         if any(name_matches(p, n) for p in self.skipped for n in names):
             return False
         if isinstance(module, FusedExperts):
-            if self.quant_config is None:
-                return False  # quantizing at load: the experts stay in the model's dtype
-            raise NotImplementedError(
-                f"{self.name}: quantized MoE experts ({name}) are not supported yet; the experts of a "
-                f"{self.name} checkpoint cannot load (its dense layers would)"
-            )
+            return self.quantizes_experts(name)
         return isinstance(module, _TPLinear)
+
+    def quantizes_experts(self, name: str) -> bool:
+        """Whether the method takes over the MoE experts `name` (a method without an expert
+        layout refuses them, naming itself)."""
+        raise NotImplementedError(
+            f"{self.name}: quantized MoE experts ({name}) are not supported yet; the experts of a "
+            f"{self.name} checkpoint cannot load (its dense layers would)"
+        )
 
 
 def config_value(quant_config: dict[str, Any], key: str, allowed: Iterable[Any], method: str) -> Any:

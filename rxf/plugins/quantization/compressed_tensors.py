@@ -11,7 +11,8 @@ token), `{dynamic: false, strategy: tensor}` (a static scale per layer) or null 
 Fused projections (qkv, gate_up) hold one scale per row: per-tensor scales are spread over their
 projection's rows at load, and a static input scale is the largest of the projections' (every
 projection's activations then fit it). Int4 / int8 "pack-quantized" and "int-quantized" formats,
-group and block strategies are refused at start-up.
+group and block strategies are refused at start-up. MoE experts: see `fp8_experts` (weight-only
+FP8 in the fused MoE kernels).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import torch
 from torch import nn
 
 from rxf.plugins.models.layers.linear import TensorLayout
-from rxf.plugins.quantization import fp8_ops
+from rxf.plugins.models.layers.moe import FusedExperts
+from rxf.plugins.quantization import fp8_experts, fp8_ops
 from rxf.plugins.quantization.base import LinearMethod, become_dense, config_value
+from rxf.plugins.quantization.fp8_experts import SCALE_DTYPES as _SCALE_DTYPES
 
-_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NAME = "compressed-tensors"
 
 
@@ -62,7 +64,13 @@ class CompressedTensorsMethod(LinearMethod):
         self.weight_only = acts is None
         self.skipped = tuple(quant_config.get("ignore") or ())
 
+    def quantizes_experts(self, name: str) -> bool:
+        return True
+
     def create_weights(self, layer: nn.Module) -> None:
+        if isinstance(layer, FusedExperts):
+            fp8_experts.create_rows(layer, self.per_channel, self.static_input)
+            return
         n, k = layer.out_per_rank, layer.in_per_rank
         shards = len(getattr(layer, "shard_ids", (None,)))
         layer.add_param("weight", torch.empty(n, k, dtype=fp8_ops.FP8), TensorLayout(dtypes=(fp8_ops.FP8,)))
@@ -74,6 +82,9 @@ class CompressedTensorsMethod(LinearMethod):
             layer.add_param("input_scale", torch.empty(shards), TensorLayout(per_shard=True, dtypes=_SCALE_DTYPES))
 
     def process_loaded(self, layer: nn.Module) -> None:
+        if isinstance(layer, FusedExperts):
+            fp8_experts.process_rows(layer)
+            return
         scale = layer.weight_scale.data.float()
         if not self.per_channel:  # each projection's scale over its rows
             sizes = getattr(layer, "shard_sizes", [layer.out_per_rank])
@@ -91,3 +102,8 @@ class CompressedTensorsMethod(LinearMethod):
         if self.weight_only:  # W8A16: the weight dequantized per call (no FP8 GEMM takes half inputs)
             return torch.nn.functional.linear(x, fp8_ops.dequantize_rows(layer.weight, layer.weight_scale, x.dtype), bias)
         return fp8_ops.scaled_mm_rows(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), bias)
+
+    def apply_experts(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return fp8_experts.apply(layer, x, topk_weights, topk_ids)

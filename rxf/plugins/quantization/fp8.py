@@ -7,6 +7,7 @@ the factor that multiplies each block back: `w = weight * weight_scale_inv`, des
 
 Online (`model.quantization = "fp8"` on an unquantized checkpoint): the layers load their dense
 weight, then quantize it per output row (scales `[N]`, the absmax of each row mapped to 448).
+MoE experts in both forms: see `fp8_experts` (weight-only FP8 in the fused MoE kernels).
 
 On CUDA the layers compute in FP8: activations quantized per token (per token and group of bk for
 the block layout) as the layer runs. Elsewhere they are dequantized at load to the model's dtype
@@ -22,10 +23,10 @@ import torch
 from torch import nn
 
 from rxf.plugins.models.layers.linear import DENSE, TensorLayout
-from rxf.plugins.quantization import fp8_ops
+from rxf.plugins.models.layers.moe import FusedExperts
+from rxf.plugins.quantization import fp8_experts, fp8_ops
 from rxf.plugins.quantization.base import LinearMethod, become_dense, config_value
-
-_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from rxf.plugins.quantization.fp8_experts import SCALE_DTYPES as _SCALE_DTYPES
 
 
 class Fp8Method(LinearMethod):
@@ -48,9 +49,15 @@ class Fp8Method(LinearMethod):
         self.block_n, self.block_k = block
         self.skipped = tuple(quant_config.get("modules_to_not_convert") or ())
 
+    def quantizes_experts(self, name: str) -> bool:
+        return True
+
     def create_weights(self, layer: nn.Module) -> None:
         if self.online:
             layer.create_dense_weight()  # loads as usual, quantized in process_loaded
+            return
+        if isinstance(layer, FusedExperts):
+            fp8_experts.create_block(layer, self.block_n, self.block_k)
             return
         n, k = layer.out_per_rank, layer.in_per_rank
         layer.add_param("weight", torch.empty(n, k, dtype=fp8_ops.FP8), TensorLayout(dtypes=(fp8_ops.FP8,)))
@@ -67,6 +74,12 @@ class Fp8Method(LinearMethod):
         scale.weight_loader = load_block_scales
 
     def process_loaded(self, layer: nn.Module) -> None:
+        if isinstance(layer, FusedExperts):
+            if self.online:
+                fp8_experts.quantize_online(layer)
+            else:
+                fp8_experts.process_block(layer, self.block_k)
+            return
         if self.online:
             q, scale = fp8_ops.quantize_rows(layer.weight.data)
             if layer.weight.is_cuda:
@@ -83,3 +96,8 @@ class Fp8Method(LinearMethod):
         if self.online:
             return fp8_ops.scaled_mm_rows(x, layer.weight, layer.weight_scale, None, bias)
         return fp8_ops.block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block_k, bias)
+
+    def apply_experts(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return fp8_experts.apply(layer, x, topk_weights, topk_ids)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)  # a global read inside kernels must be a constexpr
 
 
 @triton.jit
@@ -33,8 +33,10 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, n_groups, GR
     cols = g * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    # IEEE divisions (div_rn), as torch divides: Triton's `/` is approximate and moved some values
+    # across a rounding boundary of the FP8 grid on the H200.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * n_groups + g, scale)
 

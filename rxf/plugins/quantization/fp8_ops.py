@@ -22,19 +22,20 @@ _TINY = 1e-12  # amax floor: an all-zero row gets a finite scale
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`w` `[N, K]` in FP8, float32 scales `[N]`) with each row's absolute max mapped to 448."""
-    scale = w.abs().amax(dim=1).float().clamp(min=_TINY) / FP8_MAX
-    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    """(`w` `[..., N, K]` in FP8, float32 scales `[..., N]`) with each row's absolute max mapped to 448."""
+    scale = w.abs().amax(dim=-1).float().clamp(min=_TINY) / FP8_MAX
+    q = (w.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale.float().reshape(-1, 1)).to(dtype)
+    """`[..., N, K]` from FP8 `q` and one scale per row (`[..., N]` or `[..., N, 1]`)."""
+    return (q.float() * scale.float().reshape(*q.shape[:-1], 1)).to(dtype)
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """`[N, K]` from FP8 `q` and per-row block scales `scale` `[N, ceil(K / block_k)]`."""
-    cols = scale.float().repeat_interleave(block_k, dim=1)[:, : q.shape[1]]
+    """`[..., N, K]` from FP8 `q` and per-row block scales `scale` `[..., N, ceil(K / block_k)]`."""
+    cols = scale.float().repeat_interleave(block_k, dim=-1)[..., : q.shape[-1]]
     return (q.float() * cols).to(dtype)
 
 

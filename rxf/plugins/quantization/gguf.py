@@ -156,6 +156,9 @@ class GgufMethod(LinearMethod):
             self.taken.update(names)
         return taken
 
+    def quantizes_experts(self, name: str) -> bool:
+        return False  # Llama GGUFs hold no experts
+
     def after_load(self, module: nn.Module, name: str) -> QuantizationMethod | None:
         return Int8Head(None, self.dtype)
 

@@ -79,6 +79,9 @@ class OnlineIntMethod(LinearMethod):
     def create_weights(self, layer: nn.Module) -> None:
         layer.create_dense_weight()
 
+    def quantizes_experts(self, name: str) -> bool:
+        return False  # MoE experts stay in the model's dtype
+
     def after_load(self, module: nn.Module, name: str) -> QuantizationMethod | None:
         return Int8Head(None, self.dtype)
 

@@ -6,8 +6,8 @@ are imported when a backend is constructed.
 Per-batch metadata, planned once in `init_forward_metadata` and shared by all layers, lives in tensors:
   extend: qo_start [bs] (each request's first row in q), plus the host-side longest extend length
           that sizes the grid. Extend always runs eagerly.
-  decode: num_kv_splits [bs] (each request's chunk count), the scratch for partial results, and the
-          host-side grid_splits. For CUDA graphs these live in static buffers sized for `max_bs`
+  decode: num_kv_splits [bs] (each request's chunk count), the scratch for partial results and the
+          merge counters (see decode.py), and the host-side grid_splits. For CUDA graphs these live in static buffers sized for `max_bs`
           (`init_cuda_graph_state`); capture and replay refill them in place, and grid_splits depends
           only on the batch size, so one captured graph per size stays valid for any sequence lengths.
 
@@ -23,7 +23,7 @@ where they live).
 Rotary embeddings are fused into the K/V store (`fuses_rope`): one launch per layer rotates q and k
 in place and writes the rotated k and v to the pool, for extend and decode alike.
 
-Decode split policy: with bs requests and P = num_kv_heads * head_blocks stage-1 programs per request
+Decode split policy: with bs requests and P = num_kv_heads * head_blocks programs per request
 per split, a batch may use up to cap(bs) = clamp(cdiv(target_programs, bs * P), 1, max_kv_splits)
 splits, enough to occupy the GPU at small batch and none at large batch; request b uses
 clamp(cdiv(seq_len_b, min_split_len), 1, cap(bs)), so short sequences are not split into slivers whose
@@ -56,6 +56,7 @@ class _DecodeMeta:
     grid_splits: int
     mid_o: torch.Tensor  # [>= bs, H, >= grid_splits, D] fp32 scratch
     mid_lse: torch.Tensor  # [>= bs, H, >= grid_splits] fp32 scratch
+    counters: torch.Tensor  # [>= bs * programs per split] int32 zeros (the kernel leaves them zeroed)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -73,7 +74,7 @@ class TritonAttnBackend(AttentionBackend):
     # init_cuda_graph_state (which sizes the static scratch by max_kv_splits).
     max_kv_splits = 16
     min_split_len = 128  # tokens per split at the least
-    programs_per_sm = 4  # stage-1 programs wanted per SM before splitting stops paying
+    programs_per_sm = 4  # decode programs wanted per SM before splitting stops paying
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
@@ -97,6 +98,9 @@ class TritonAttnBackend(AttentionBackend):
         self._extend: _ExtendMeta | None = None
         self._decode: _DecodeMeta | None = None
         self._graph: _DecodeMeta | None = None  # static buffers for max_bs, set by init_cuda_graph_state
+        # Eager decode's counters, grown as batches grow; the graph state keeps its own, which its
+        # captured graphs point at. Layers run one after another, so one buffer serves them all.
+        self._counters = torch.zeros(0, dtype=torch.int32, device=ctx.device)
 
     # ---- planning ----
     def split_cap(self, bs: int) -> int:
@@ -124,7 +128,9 @@ class TritonAttnBackend(AttentionBackend):
             grid_splits = min(cap, _cdiv(max(max(batch.seq_lens_cpu), 1), self.min_split_len))
             splits = torch.empty(bs, dtype=torch.int32, device=batch.seq_lens.device)
             self._fill_splits(batch.seq_lens, cap, splits)
-            self._decode = _DecodeMeta(splits, grid_splits, *self._scratch(bs, grid_splits))
+            if self._counters.numel() < bs * self._programs_per_split:
+                self._counters = torch.zeros(bs * self._programs_per_split, dtype=torch.int32, device=self.ctx.device)
+            self._decode = _DecodeMeta(splits, grid_splits, *self._scratch(bs, grid_splits), self._counters)
             return
         qo_start = torch.cumsum(batch.extend_lens, 0, dtype=torch.int32) - batch.extend_lens
         self._extend = _ExtendMeta(qo_start, max(batch.extend_lens_cpu))
@@ -132,7 +138,8 @@ class TritonAttnBackend(AttentionBackend):
     # ---- CUDA graphs (decode only) ----
     def init_cuda_graph_state(self, max_bs: int) -> None:
         splits = torch.ones(max_bs, dtype=torch.int32, device=self.ctx.device)
-        self._graph = _DecodeMeta(splits, self.max_kv_splits, *self._scratch(max_bs, self.max_kv_splits))
+        counters = torch.zeros(max_bs * self._programs_per_split, dtype=torch.int32, device=self.ctx.device)
+        self._graph = _DecodeMeta(splits, self.max_kv_splits, *self._scratch(max_bs, self.max_kv_splits), counters)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         self._use_graph_state(batch)
@@ -149,7 +156,7 @@ class TritonAttnBackend(AttentionBackend):
         assert bs <= g.num_kv_splits.shape[0], f"batch of {bs} above the graph state's max_bs"
         cap = self.split_cap(bs)
         self._fill_splits(batch.seq_lens, cap, g.num_kv_splits[:bs])
-        self._decode = _DecodeMeta(g.num_kv_splits[:bs], cap, g.mid_o, g.mid_lse)
+        self._decode = _DecodeMeta(g.num_kv_splits[:bs], cap, g.mid_o, g.mid_lse, g.counters)
 
     # ---- forward ----
     def fuses_rope(self, rotary: Rotary) -> bool:
@@ -197,7 +204,8 @@ class TritonAttnBackend(AttentionBackend):
         out = q.new_empty(q.shape)
         self._decode_attention(
             q, k_buf, v_buf, out, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
-            batch.seq_lens, meta.num_kv_splits, meta.grid_splits, meta.mid_o, meta.mid_lse, layer.scaling,
+            batch.seq_lens, meta.num_kv_splits, meta.grid_splits, meta.mid_o, meta.mid_lse, meta.counters,
+            layer.scaling,
             sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, sinks=layer.sinks,
             min_split_len=self.min_split_len, k_scale=layer.k_scale, v_scale=layer.v_scale,
         )

@@ -1,30 +1,38 @@
-"""Decode attention over the page-size-1 KV pool, split over the KV length (two Triton kernels).
+"""Decode attention over the page-size-1 KV pool, split over the KV length, in one Triton launch.
 
-Stage 1 splits request b's keys [lo, seq_len[b]) into num_kv_splits[b] equal chunks (see `_split_range`;
-trailing chunks may be empty) and computes, per (request, group of query heads, chunk), the chunk's
-softmax-normalised weighted sum of V and its log-sum-exp. Stage 2 merges a request's chunks by their
-log-sum-exps. Splitting buys parallelism for long contexts at small batch; the backend picks the counts.
+Request b's keys [lo, seq_len[b]) fall into num_kv_splits[b] equal chunks (see `_split_range`;
+trailing chunks may be empty). A program computes, per (request, group of query heads, chunk), the
+chunk's softmax-normalised weighted sum of V and its log-sum-exp; the chunks of a request are then
+merged by their log-sum-exps by the last of its programs to finish. Splitting buys parallelism for
+long contexts at small batch; the backend picks the counts.
 
-Stage 1 grid: (batch_size, num_kv_heads * head_blocks, grid_splits); program (b, g, s), with
+Grid: (batch_size, num_kv_heads * head_blocks, grid_splits); program (b, g, s), with
 kv_head = g // head_blocks and hb = g % head_blocks, handles the query heads
 kv_head * GROUP + [hb * BLOCK_H, (hb + 1) * BLOCK_H) (clipped to the group), so each K/V element of its
 chunk is loaded once for all the heads sharing it (head_blocks is 1 unless GROUP > 64).
 Region map:
   reads  q[b, those heads, :]; slots req_to_token[row_b, start:end] and pool K/V there, kv head kv_head
-  writes mid_o[b, those heads, s, :] and mid_lse[b, those heads, s]       (only if start < end)
-Stage 2 grid: (batch_size, num_heads); program (b, h) reads mid_o/mid_lse[b, h, s] for the non-empty
-chunks and writes out[b, h, :]. Neither stage reads a slot at or past seq_len[b].
-A request with seq_len 0 (e.g. a padded CUDA-graph entry) has no non-empty chunk and gets zeros.
+  writes mid_o[b, those heads, s, :] and mid_lse[b, those heads, s] (only if start < end and the
+         request has several non-empty chunks); out[b, those heads, :] (one program per (b, g))
+Neither reads a slot at or past seq_len[b]. A request with seq_len 0 (e.g. a padded CUDA-graph entry)
+has no non-empty chunk: its split-0 programs write zeros.
+
+The merge (the hand-off of `gemv_kernel`): with one non-empty chunk its program merges in registers
+and writes out. With n > 1, each of the n programs writes its chunk to mid_o / mid_lse, a CTA barrier
+orders those stores before an acq_rel atomic increment of counters[b * G + g] (G = the grid's second
+dimension), and the program that sees n - 1 (the last to arrive) reads the n chunks (`.cg` loads, from
+L2), merges them in chunk order (results do not depend on which program finishes last), writes out and
+resets the counter. Invariant between launches: every counter is 0.
 
 lo is 0 without a sliding window. With window W, lo = max(seq_len - W, 0) (the new token at position
 seq_len - 1 sees keys seq_len - W .. seq_len - 1) and the request uses only
 min(num_kv_splits[b], cdiv(seq_len - lo, min_split_len)) chunks, the backend's split policy applied to
 the W keys it reads (`_kv_range`): splits wholly before the window do not exist rather than being
-masked, so a window of 128 costs 128 keys at any context. A soft-cap acts on stage 1's scores; the sink
-enters once, in stage 2, as a first "chunk" of log-sum-exp sink and zero value.
+masked, so a window of 128 costs 128 keys at any context. A soft-cap acts on the scores; the sink
+enters once, in the merge, as a first "chunk" of log-sum-exp sink and zero value.
 
 An FP8 pool's K/V are upcast in registers and scaled as in extend.py (`kv_scales`): k_scale folds
-into stage 1's score scale and v_scale into each chunk's normalised output, so stage 2 merges values
+into the score scale and v_scale into each chunk's normalised output, so the merge sees values
 already scaled.
 
 LSEs are in base 2 (scores carry the log2(e) factor, as in extend.py); accumulation is fp32.
@@ -71,14 +79,24 @@ def _split_range(lo, seq_len, num_splits, split):
 
 
 @triton.jit
-def _decode_split_kernel(
-    Q, KBuf, VBuf, ReqToToken, req_pool_indices, seq_lens, num_kv_splits, MidO, MidLse,
+def _merge(m_i, l_i, acc, lse, o):
+    """Running log-sum-exp merge of one more chunk (lse [BLOCK_H], o [BLOCK_H, BLOCK_D], base 2)."""
+    m_new = tl.maximum(m_i, lse)
+    alpha = tl.exp2(m_i - m_new)
+    w = tl.exp2(lse - m_new)
+    return m_new, l_i * alpha + w, acc * alpha[:, None] + w[:, None] * o
+
+
+@triton.jit
+def _decode_kernel(
+    Q, KBuf, VBuf, ReqToToken, req_pool_indices, seq_lens, num_kv_splits, MidO, MidLse, Counters, Out,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-    qk_scale, cap_log2, window, min_split_len, KScale, VScale,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    qk_scale, cap_log2, window, min_split_len, KScale, VScale, Sinks,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
-    IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, KV_FP8: tl.constexpr,
+    IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -87,79 +105,69 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens + req)
     lo, chunks = _kv_range(seq_len, tl.load(num_kv_splits + req), window, min_split_len, HAS_WINDOW)
     start, end = _split_range(lo, seq_len, chunks, split)
-    if start >= end:
-        return
-    qk_scale, v_scale = kv_scales(qk_scale, KScale, VScale, KV_FP8)
+    non_empty = tl.cdiv(seq_len - lo, _split_len(lo, seq_len, chunks))
 
     in_group = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = in_group < GROUP  # BLOCK_H is at least 16 (tl.dot's minimum), so rows may be padding
     heads = kv_head * GROUP + in_group
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    row_base = ReqToToken + tl.load(req_pool_indices + req).to(tl.int64) * stride_r2t
+    mask_hd = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
+    out_ptrs = Out + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if start >= end:
+        if non_empty == 0 and split == 0:  # seq_len 0: no chunk at all, the output is zeros
+            tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(Out.dtype.element_ty), mask=mask_hd)
+        return
+    qk_scale, v_scale = kv_scales(qk_scale, KScale, VScale, KV_FP8)
 
-    q = tl.load(Q + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_base = ReqToToken + tl.load(req_pool_indices + req).to(tl.int64) * stride_r2t
+    q = tl.load(Q + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
     m_i = tl.full([BLOCK_H], M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     # The chunk lies inside the window: no per-row mask (every head row is the same query position).
     m_i, l_i, acc = attend_pool(q, m_i, l_i, acc, row_base, start, end, KBuf, VBuf, kv_head,
-                                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d,
+                                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, offs_d < HEAD_DIM,
                                 qk_scale, cap_log2, m_i, False, HAS_CAP, BLOCK_N, IEEE)
-
     # The chunk is non-empty, so l_i > 0 for every head row.
-    tl.store(MidO + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
-             acc * (v_scale / l_i)[:, None], mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(MidLse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=mask_h)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    MidO, MidLse, seq_lens, num_kv_splits, Out,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-    window, min_split_len, Sinks,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens + req)
-    lo, num_splits = _kv_range(seq_len, tl.load(num_kv_splits + req), window, min_split_len, HAS_WINDOW)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
+    o = acc * (v_scale / l_i)[:, None]
+    lse = m_i + tl.log2(l_i)
 
     if HAS_SINKS:  # the sink as a first chunk: log-sum-exp = the sink (base 2 here), value zero
-        m_i = tl.load(Sinks + head) * 1.4426950408889634
-        l_i = 1.0
+        m_r = tl.load(Sinks + heads, mask=mask_h, other=0.0) * 1.4426950408889634
+        l_r = tl.full([BLOCK_H], 1.0, tl.float32)
     else:
-        m_i = M_INIT
-        l_i = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    # Exactly the non-empty chunks, which stage 1 wrote; the empty ones were never written.
-    for split in range(0, tl.cdiv(seq_len - lo, _split_len(lo, seq_len, num_splits))):
-        lse = tl.load(MidLse + req * stride_mlb + head * stride_mlh + split)
-        o = tl.load(MidO + req * stride_mob + head * stride_moh + split * stride_mos + offs_d, mask=mask_d,
-                    other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha + w * o
-        l_i = l_i * alpha + w
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)  # l_i == 0 only when seq_len == 0 (no sinks): acc is 0 too
-    tl.store(Out + req * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+        m_r = tl.full([BLOCK_H], M_INIT, tl.float32)
+        l_r = tl.zeros([BLOCK_H], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if non_empty == 1:
+        m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, lse, o)
+        tl.store(out_ptrs, (acc_r / l_r[:, None]).to(Out.dtype.element_ty), mask=mask_hd)
+    else:
+        mid_o = MidO + req * stride_mob + heads[:, None] * stride_moh + offs_d[None, :]
+        mid_lse = MidLse + req * stride_mlb + heads * stride_mlh
+        tl.store(mid_o + split * stride_mos, o, mask=mask_hd)
+        tl.store(mid_lse + split, lse, mask=mask_h)
+        tl.debug_barrier()  # every thread's chunk stores precede the counter update
+        counter = Counters + req * tl.num_programs(1) + tl.program_id(1)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == non_empty - 1:  # the last of the request's chunks to finish merges them all
+            for c in range(0, non_empty):
+                lse_c = tl.load(mid_lse + c, mask=mask_h, other=0.0, cache_modifier=".cg")
+                o_c = tl.load(mid_o + c * stride_mos, mask=mask_hd, other=0.0, cache_modifier=".cg")
+                m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, lse_c, o_c)
+            tl.store(counter, 0)
+            tl.store(out_ptrs, (acc_r / l_r[:, None]).to(Out.dtype.element_ty), mask=mask_hd)
 
 
 def head_block_size(group: int) -> int:
-    """Query heads per stage-1 program: the whole GQA group (padded to a power of two, at least 16 for
+    """Query heads per decode program: the whole GQA group (padded to a power of two, at least 16 for
     tl.dot), capped at 64 to bound registers; larger groups take several programs per kv head."""
     return min(64, max(16, triton.next_power_of_2(group)))
 
 
 def _block_n(head_dim: int) -> int:
-    """Keys per stage-1 iteration. 128 was fastest or within 4% of the fastest launch setting (with
+    """Keys per decode iteration. 128 was fastest or within 4% of the fastest launch setting (with
     num_warps 4, num_stages 2) at every H200 shape swept by benchmarks/gpu_profile.py for head_dim 128
     (batch 1-256, context 512-4096); head_dim 256 keeps smaller tiles to fit shared memory."""
     return 128 if head_dim <= 128 else 32
@@ -177,6 +185,7 @@ def decode_attention(
     grid_splits: int,
     mid_o: torch.Tensor,
     mid_lse: torch.Tensor,
+    counters: torch.Tensor,
     scaling: float,
     block_h: int | None = None,
     block_n: int | None = None,
@@ -194,9 +203,10 @@ def decode_attention(
     request b's keys req_to_token[req_pool_indices[b], 0:seq_lens[b]] in the pool.
 
     num_kv_splits [bs] int32 holds each request's chunk count (>= 1, <= grid_splits); mid_o
-    [>= bs, H, >= grid_splits, D] and mid_lse [>= bs, H, >= grid_splits] fp32 are scratch. Only tensor
-    contents vary between calls with the same shapes and grid_splits, so the launches can be replayed
-    from a CUDA graph. block_h / block_n override the tuned sizes (powers of two, at least 16).
+    [>= bs, H, >= grid_splits, D] and mid_lse [>= bs, H, >= grid_splits] fp32 are scratch; counters
+    int32 [>= bs * num_kv_heads * head_blocks] are zeros and left zeroed (`counters_needed`). Only
+    tensor contents vary between calls with the same shapes and grid_splits, so the launch can be
+    replayed from a CUDA graph. block_h / block_n override the tuned sizes (powers of two, at least 16).
     The optional features are the layer's (`rxf.core.attention.AttentionLayer`); with a window a
     request uses at most cdiv(min(seq_len, window), min_split_len) of its chunks. k_scale / v_scale
     are the layer's too, needed by an FP8 pool.
@@ -212,25 +222,26 @@ def decode_attention(
     group = num_heads // num_kv_heads
     block_h = block_h or head_block_size(group)
     head_blocks = triton.cdiv(group, block_h)
+    assert counters.numel() >= bs * num_kv_heads * head_blocks, "too few counters"
     block_d = max(16, triton.next_power_of_2(head_dim))
     features = feature_args(scaling, sliding_window, logit_cap, sinks, q)
     scales = kv_scale_args(k_buf, k_scale, v_scale, q)
-    _decode_split_kernel[(bs, num_kv_heads * head_blocks, grid_splits)](
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse,
+    _decode_kernel[(bs, num_kv_heads * head_blocks, grid_splits)](
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, counters, out,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         features["qk_scale"], features["cap_log2"], features["window"], min_split_len,
-        scales["KScale"], scales["VScale"],
+        scales["KScale"], scales["VScale"], features["Sinks"],
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n or _block_n(head_dim), BLOCK_D=block_d, M_INIT=_M_INIT,
         IEEE=q.dtype == torch.float32, HAS_WINDOW=features["HAS_WINDOW"], HAS_CAP=features["HAS_CAP"],
-        KV_FP8=scales["KV_FP8"], num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=features["HAS_SINKS"], KV_FP8=scales["KV_FP8"], num_warps=num_warps, num_stages=num_stages,
     )
-    _decode_reduce_kernel[(bs, num_heads)](
-        mid_o, mid_lse, seq_lens, num_kv_splits, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), features["window"], min_split_len, features["Sinks"],
-        HEAD_DIM=head_dim, BLOCK_D=block_d, M_INIT=_M_INIT, HAS_WINDOW=features["HAS_WINDOW"],
-        HAS_SINKS=features["HAS_SINKS"], num_warps=4 if head_dim > 128 else 2,
-    )
+
+
+def counters_needed(bs: int, num_heads: int, num_kv_heads: int) -> int:
+    """How many counters `decode_attention` needs for a batch of `bs` at the default head blocks."""
+    group = num_heads // num_kv_heads
+    return bs * num_kv_heads * triton.cdiv(group, head_block_size(group))

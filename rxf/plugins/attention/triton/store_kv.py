@@ -39,7 +39,7 @@ def _rotate_halves(x1, x2, cos, sin):
 def _to_pool(x, scale, dtype, FMAX: tl.constexpr, QUANT: tl.constexpr):
     """x as the pool stores it: quantized with `scale` (QUANT), else cast."""
     if QUANT:
-        x = tl.clamp(x.to(tl.float32) / scale, -FMAX, FMAX)
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FMAX, FMAX)  # IEEE division, as torch
     return x.to(dtype)
 
 

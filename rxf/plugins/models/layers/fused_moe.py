@@ -26,6 +26,14 @@ pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13
 Up to `fused_moe_decode.MAX_TOKENS` tokens without a caller's block sizes take `fused_moe_decode`'s
 two GEMV-shaped launches instead (no alignment, the top-k sum fused).
 
+FP8 weights (`scales`: `moe.ExpertScales`) are weight-only in both paths: each weight tile is loaded
+in FP8 (half the bytes), upcast to x.dtype in registers and multiplied by its scales in float32 —
+per row once after the K loop, or per K tile for block scales (a tile never spans two scale
+blocks). Weight-only rather than FP8 x FP8 `tl.dot` with per-token activation scales: decode is
+bound by the weight reads, which this halves, and prefill keeps bf16's accuracy at bf16's tensor-core
+rate (the FP8 dot would double that rate at large M, at the cost of an activation-quantization
+launch and its error).
+
 Block sizes: the caller's, else those tuned for this shape and GPU (`fused_moe_table`, written by
 benchmarks/gpu_moe_tune.py), else `pick_config`'s heuristic.
 """
@@ -41,7 +49,7 @@ import triton
 import triton.language as tl
 
 from rxf.plugins.models.layers import fused_moe_decode, fused_moe_table
-from rxf.plugins.models.layers.moe import SILU, GatedActivation
+from rxf.plugins.models.layers.moe import SILU, ExpertScales, GatedActivation, kernel_scale_args
 
 
 @dataclass(frozen=True)
@@ -145,13 +153,30 @@ def _tile(pid, num_blocks, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr)
     return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
 
 
+@triton.jit
+def _tile_dot(a, w, acc, s_ptrs, col_ok, IEEE: tl.constexpr, BLOCK_SCALED: tl.constexpr):
+    """acc + a @ w, with w (FP8 or a's dtype) upcast to a's dtype in registers; BLOCK_SCALED: the
+    product times its K block's weight scales (`s_ptrs`, one per column of w), as the scales
+    change per block of inputs and cannot move out of the sum."""
+    w = w.to(a.dtype)
+    if BLOCK_SCALED:
+        s = tl.load(s_ptrs, mask=col_ok, other=0.0)
+        if IEEE:
+            return acc + tl.dot(a, w, input_precision="ieee") * s[None, :]
+        return acc + tl.dot(a, w) * s[None, :]
+    if IEEE:
+        return tl.dot(a, w, acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _gate_up_kernel(
-    X, W13, B13, Act, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
-    stride_xt, stride_we, stride_wn, stride_be, stride_at,
+    X, W13, B13, S13, Act, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
+    stride_xt, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_at,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
     ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr, UP_OFFSET: tl.constexpr,
+    ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
 ):
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(Total):
@@ -169,20 +194,22 @@ def _gate_up_kernel(
     up_ptrs = gate_ptrs + N * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # FP8 weights: the scales of these columns (gate rows, then up rows N further), per K block or row.
+    s_gate = S13 + expert * stride_se + cols.to(tl.int64) * stride_sn
+    s_up = s_gate + N * stride_sn
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(x_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(gate_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         u = tl.load(up_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if IEEE:
-            acc_gate = tl.dot(a, g, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
-        else:
-            acc_gate = tl.dot(a, g, acc_gate)
-            acc_up = tl.dot(a, u, acc_up)
+        acc_gate = _tile_dot(a, g, acc_gate, s_gate + k0 // SCALE_BK, col_ok, IEEE, BLOCK_SCALED)
+        acc_up = _tile_dot(a, u, acc_up, s_up + k0 // SCALE_BK, col_ok, IEEE, BLOCK_SCALED)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if ROW_SCALED:
+        acc_gate *= tl.load(s_gate, mask=col_ok, other=0.0)[None, :]
+        acc_up *= tl.load(s_up, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:  # B13[e] is [gate | up], like W13[e]'s rows
         bias_ptrs = B13 + expert * stride_be + cols
         acc_gate += tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -197,10 +224,11 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _down_kernel(
-    Act, W2, B2, Y, TopkWeights, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
-    stride_at, stride_we, stride_wn, stride_be, stride_yp,
+    Act, W2, B2, S2, Y, TopkWeights, SortedPairs, BlockExpert, Total, num_pairs, num_blocks, N, K,
+    stride_at, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
 ):
     pid_m, pid_n = _tile(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(Total):
@@ -214,17 +242,17 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = Act + rows[:, None].to(tl.int64) * stride_at + ks[None, :]
     w_ptrs = W2 + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    s_ptrs = S2 + expert * stride_se + cols.to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = _tile_dot(a, w, acc, s_ptrs + k0 // SCALE_BK, col_ok, IEEE, BLOCK_SCALED)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if ROW_SCALED:
+        acc *= tl.load(s_ptrs, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(TopkWeights + pairs, mask=real, other=0.0)[:, None]
@@ -243,10 +271,12 @@ def fused_experts(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     activation: GatedActivation = SILU,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """Same contract as `moe.experts_native`: `[T, H]` in x.dtype, the routing-weighted sum of each
-    token's top-k experts. x, w13 and w2 share a dtype; the weights' last dimension is contiguous;
-    the biases are both given or neither."""
+    token's top-k experts. x, w13 and w2 share a dtype, or the weights are FP8 with their `scales`
+    (weight-only: upcast in registers, activations in x.dtype); the weights' last dimension is
+    contiguous; the biases are both given or neither."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
@@ -261,9 +291,12 @@ def fused_experts(
         raise ValueError("fused_experts needs expert biases with a contiguous last dimension")
     x = x.contiguous()
     if config is None and num_tokens <= fused_moe_decode.MAX_TOKENS:
-        return fused_moe_decode.decode_experts(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2, activation=activation)
+        return fused_moe_decode.decode_experts(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2,
+                                               activation=activation, scales=scales)
     num_pairs = num_tokens * top_k
     cfg = config or tuned_config(num_tokens, w13, x.dtype) or pick_config(num_pairs, num_experts, x.element_size())
+    scale_args, s13, s2 = kernel_scale_args(scales, cfg.block_k, w13, w2)
+    cfg = dataclasses.replace(cfg, block_k=scale_args.pop("kernel_block_k"))
     sorted_pairs, block_expert, total = align_pairs(topk_ids, num_experts, cfg.block_m)
     num_blocks = block_expert.numel()
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
@@ -274,15 +307,15 @@ def fused_experts(
               "IEEE": x.dtype == torch.float32, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     # Without biases the bias pointers are the weights (never read: HAS_BIAS prunes the loads).
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, cfg.block_n),)](
-        x, w13, b13 if has_bias else w13, act, sorted_pairs, block_expert, total, num_pairs, num_blocks,
+        x, w13, b13 if has_bias else w13, s13, act, sorted_pairs, block_expert, total, num_pairs, num_blocks,
         inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if has_bias else 0,
-        act.stride(0), TOP_K=top_k, BLOCK_N=cfg.block_n, HAS_BIAS=has_bias,
+        s13.stride(0), s13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=cfg.block_n, HAS_BIAS=has_bias,
         ALPHA=float(activation.alpha), HAS_LIMIT=activation.limit is not None,
-        LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), **common,
+        LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), **common, **scale_args,
     )
     _down_kernel[(num_blocks * triton.cdiv(hidden, down_n),)](
-        act, w2, b2 if has_bias else w2, y, weights, sorted_pairs, block_expert, total, num_pairs, num_blocks,
+        act, w2, b2 if has_bias else w2, s2, y, weights, sorted_pairs, block_expert, total, num_pairs, num_blocks,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0,
-        y.stride(0), BLOCK_N=down_n, HAS_BIAS=has_bias, **common,
+        s2.stride(0), s2.stride(1), y.stride(0), BLOCK_N=down_n, HAS_BIAS=has_bias, **common, **scale_args,
     )
     return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -19,6 +19,8 @@ choice p % k (as in `fused_moe`). Weights as `FusedExperts` holds them: w13 `[E,
 
 Both stream weight tiles through `tl.dot` against the activation row padded to a 16-column tile (as
 `gemv_kernel` does), so Triton's software pipeline keeps `num_stages` tiles in flight per program.
+FP8 weights are upcast in registers and scaled as `fused_moe` describes (block scales shrink the
+K tiles to the scale block when it is smaller).
 
 Counters: one int32 buffer per device (`_counters`), shared by every layer. Invariant between
 launches: all zero (each launch resets the counters it used). The layers of a forward run one after
@@ -32,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers.moe import SILU, GatedActivation
+from rxf.plugins.models.layers.moe import SILU, ExpertScales, GatedActivation, kernel_scale_args
 
 MAX_TOKENS = 4  # the most tokens routed here; more share experts, which the grouped kernels read once
 ROWS = tl.constexpr(16)  # columns of the padded activation tile: tl.dot's smallest
@@ -53,9 +55,16 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 @triton.jit
-def _row_dot(W, offsets, x_t, n_ok, k_ok, acc, IEEE: tl.constexpr):
-    """acc + the W tile at `offsets` (masked by n_ok x k_ok) @ the padded activation tile x_t."""
-    w = tl.load(W + offsets, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+def _row_dot(W, offsets, x_t, n_ok, k_ok, acc, s_ptrs, IEEE: tl.constexpr, BLOCK_SCALED: tl.constexpr):
+    """acc + the W tile at `offsets` (masked by n_ok x k_ok; FP8 or x_t's dtype, upcast in registers)
+    @ the padded activation tile x_t; BLOCK_SCALED: the product times its K block's weight scales
+    (`s_ptrs`, one per row of the tile)."""
+    w = tl.load(W + offsets, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(x_t.dtype)
+    if BLOCK_SCALED:
+        s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+        if IEEE:
+            return acc + tl.dot(w, x_t, input_precision="ieee") * s[:, None]
+        return acc + tl.dot(w, x_t) * s[:, None]
     if IEEE:
         return tl.dot(w, x_t, acc, input_precision="ieee")
     return tl.dot(w, x_t, acc)
@@ -70,11 +79,11 @@ def _first_column(acc):
 
 @triton.jit
 def _gate_up_kernel(
-    X, W13, B13, Act, TopkIds, N, K,
-    stride_xt, stride_we, stride_wn, stride_be, stride_ap,
+    X, W13, B13, S13, Act, TopkIds, N, K,
+    stride_xt, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_ap,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
-    UP_OFFSET: tl.constexpr,
+    UP_OFFSET: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
 ):
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
@@ -85,6 +94,9 @@ def _gate_up_kernel(
     lanes = tl.arange(0, ROWS)
     gate_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     up_rows = gate_rows + N * stride_wn
+    # FP8 weights: the scales of these rows (gate, then up N rows further), per K block or row.
+    s_gate = S13 + expert * stride_se + cols.to(tl.int64) * stride_sn
+    s_up = s_gate + N * stride_sn
     acc_gate = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -92,10 +104,14 @@ def _gate_up_kernel(
         # [BLOCK_K, ROWS]: x's row in column 0, zeros elsewhere
         x_t = tl.load(X + token * stride_xt + k0 + ks[:, None] + lanes[None, :] * 0,
                       mask=k_ok[:, None] & (lanes == 0)[None, :], other=0.0)
-        acc_gate = _row_dot(W13, gate_rows + k0, x_t, col_ok, k_ok, acc_gate, IEEE)
-        acc_up = _row_dot(W13, up_rows + k0, x_t, col_ok, k_ok, acc_up, IEEE)
+        acc_gate = _row_dot(W13, gate_rows + k0, x_t, col_ok, k_ok, acc_gate, s_gate + k0 // SCALE_BK, IEEE,
+                            BLOCK_SCALED)
+        acc_up = _row_dot(W13, up_rows + k0, x_t, col_ok, k_ok, acc_up, s_up + k0 // SCALE_BK, IEEE, BLOCK_SCALED)
     gate = _first_column(acc_gate)
     up = _first_column(acc_up)
+    if ROW_SCALED:
+        gate *= tl.load(s_gate, mask=col_ok, other=0.0)
+        up *= tl.load(s_up, mask=col_ok, other=0.0)
     if HAS_BIAS:  # B13[e] is [gate | up], like W13[e]'s rows
         bias = B13 + expert * stride_be + cols
         gate += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)
@@ -109,10 +125,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    Act, W2, B2, Y, TopkWeights, TopkIds, Partials, Counters, N, K,
-    stride_ap, stride_we, stride_wn, stride_be, stride_yt,
+    Act, W2, B2, S2, Y, TopkWeights, TopkIds, Partials, Counters, N, K,
+    stride_ap, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_yt,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
 ):
     block = tl.program_id(0)  # token * n_blocks + column block
     j = tl.program_id(1)
@@ -125,13 +141,16 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     lanes = tl.arange(0, ROWS)
     w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    s_ptrs = S2 + expert * stride_se + cols.to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a_t = tl.load(Act + pair.to(tl.int64) * stride_ap + k0 + ks[:, None] + lanes[None, :] * 0,
                       mask=k_ok[:, None] & (lanes == 0)[None, :], other=0.0)
-        acc = _row_dot(W2, w_rows + k0, a_t, col_ok, k_ok, acc, IEEE)
+        acc = _row_dot(W2, w_rows + k0, a_t, col_ok, k_ok, acc, s_ptrs + k0 // SCALE_BK, IEEE, BLOCK_SCALED)
     part = _first_column(acc)
+    if ROW_SCALED:
+        part *= tl.load(s_ptrs, mask=col_ok, other=0.0)
     if HAS_BIAS:
         part += tl.load(B2 + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
     part *= tl.load(TopkWeights + pair)
@@ -162,9 +181,11 @@ def decode_experts(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     activation: GatedActivation = SILU,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """`fused_moe.fused_experts`' contract for 1 .. MAX_TOKENS tokens (its checks already made:
     contiguous last dimensions, both biases or neither)."""
+
     num_tokens, hidden = x.shape
     _, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
@@ -176,19 +197,23 @@ def decode_experts(
     y = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     bn, bk, warps, stages = GATE_UP_BLOCKS
+    scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
-        x, w13, b13 if has_bias else w13, act, ids, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if has_bias else 0, act.stride(0),
-        TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, HAS_BIAS=has_bias, ALPHA=float(activation.alpha),
-        HAS_LIMIT=activation.limit is not None, LIMIT=float(activation.limit or 0.0),
-        UP_OFFSET=float(activation.up_offset), num_warps=warps, num_stages=stages,
+        x, w13, b13 if has_bias else w13, s13, act, ids, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if has_bias else 0, s13.stride(0), s13.stride(1),
+        act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
+        HAS_BIAS=has_bias, ALPHA=float(activation.alpha), HAS_LIMIT=activation.limit is not None,
+        LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), num_warps=warps,
+        num_stages=stages, **scale_args,
     )
     bn, bk, warps, stages = DOWN_BLOCKS
+    scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     blocks = num_tokens * triton.cdiv(hidden, bn)
     partials = torch.empty(blocks * top_k * bn, dtype=torch.float32, device=x.device) if top_k > 1 else y
     _down_kernel[(blocks, top_k)](
-        act, w2, b2 if has_bias else w2, y, weights, ids, partials, _counters(x.device, blocks), hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0, y.stride(0),
-        TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, HAS_BIAS=has_bias, num_warps=warps, num_stages=stages,
+        act, w2, b2 if has_bias else w2, s2, y, weights, ids, partials, _counters(x.device, blocks), hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0, s2.stride(0), s2.stride(1),
+        y.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
+        HAS_BIAS=has_bias, num_warps=warps, num_stages=stages, **scale_args,
     )
     return y

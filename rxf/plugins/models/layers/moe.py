@@ -15,6 +15,10 @@ once. The activation is a `GatedActivation`: SiLU·up by default, gpt-oss's clam
 
 Forward: on CUDA, the Triton kernels of `fused_moe` (imported on first use: plugins touch no kernel
 library at import); elsewhere `experts_native`, which is also their reference in the tests.
+
+Quantized experts: a quantization method that takes the experts over (`rxf.core.quantization`)
+registers their parameters on `w13` / `w2` (`StackedExpertWeight.add_param`, loaded like the weight)
+and computes the forward (`apply_experts`); FP8 weights reach the kernels with their `ExpertScales`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch import nn
 
 from rxf.core import quantization
 from rxf.core.runner import distributed
-from rxf.plugins.models.layers.linear import copy_weight
+from rxf.plugins.models.layers.linear import DENSE, TensorLayout, _narrow, copy_weight
 
 
 def select_experts(
@@ -93,6 +97,41 @@ def experts_native(
     return torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """The float32 scales of FP8 expert weights (`w = w_fp8 * scale`): per output row and block of
+    `block_k` inputs, `w13` `[E, 2I, ceil(H / block_k)]` and `w2` `[E, H, ceil(I / block_k)]`; with
+    `block_k` None, per output row, `[E, 2I, 1]` and `[E, H, 1]`. The kernels read the weights in
+    FP8 and multiply them back in registers; the activations stay in the model's dtype."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block_k: int | None = None
+
+
+def kernel_scale_args(
+    scales: ExpertScales | None, block_k: int, w13: torch.Tensor, w2: torch.Tensor
+) -> tuple[dict[str, int | bool], torch.Tensor, torch.Tensor]:
+    """(the fused MoE kernels' scale constexprs plus `kernel_block_k`, the w13 and w2 scale tensors)
+    for K tiles of `block_k` inputs. Block scales need every K tile inside one scale block: the tile
+    shrinks to the scale block when larger (both powers of two, so one then divides the other).
+    Without scales the weights stand in for the scale pointers, which the kernels then never read."""
+    if scales is None:
+        return {"ROW_SCALED": False, "BLOCK_SCALED": False, "SCALE_BK": 1, "kernel_block_k": block_k}, w13, w2
+    bk = scales.block_k
+    for name, t, w in (("w13", scales.w13, w13), ("w2", scales.w2, w2)):
+        blocks = 1 if bk is None else -(-w.shape[2] // bk)
+        if t.dtype != torch.float32 or t.shape != (*w.shape[:2], blocks):
+            raise ValueError(f"fused_experts: {name} scales must be float32 {[*w.shape[:2], blocks]} for weights "
+                             f"{list(w.shape)}, got {t.dtype} {list(t.shape)}")
+    if bk is None:
+        return {"ROW_SCALED": True, "BLOCK_SCALED": False, "SCALE_BK": 1, "kernel_block_k": block_k}, scales.w13, scales.w2
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"fused_experts: FP8 scale blocks of {bk} inputs; the kernels take powers of two >= 16")
+    tile = min(block_k, bk)
+    return {"ROW_SCALED": False, "BLOCK_SCALED": True, "SCALE_BK": bk, "kernel_block_k": tile}, scales.w13, scales.w2
+
+
 class StackedExpertWeight(nn.Module):
     """One projection of every expert, `weight[E, rows, cols]`, this rank's slice of it, and with
     `bias` its per-expert bias `[E, rows]`.
@@ -105,30 +144,63 @@ class StackedExpertWeight(nn.Module):
 
     def __init__(
         self, num_experts: int, rows: int, cols: int, split_dim: int, parts: int, tp: tuple[int, int],
-        dtype: torch.dtype | None, bias: bool = False,
+        dtype: torch.dtype | None, bias: bool = False, pending: bool = False,
     ) -> None:
         super().__init__()
         self.split_dim, self.parts = split_dim, parts
         self.tp_size, self.tp_rank = tp
-        shard_ids = tuple((e, j) for e in range(num_experts) for j in range(parts))
-        self.weight = nn.Parameter(torch.empty(num_experts, rows, cols, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.weight.shard_ids = shard_ids
+        self.num_experts, self.rows, self.cols = num_experts, rows, cols
+        self.shard_ids = tuple((e, j) for e in range(num_experts) for j in range(parts))
+        # `pending`: the weight waits on the meta device for a quantization method (or the dense weight).
+        self.add_param("weight", torch.empty(num_experts, rows, cols, dtype=dtype, device="meta" if pending else None))
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(num_experts, rows, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.bias_loader
-            self.bias.shard_ids = shard_ids
+            self.bias.shard_ids = self.shard_ids
+
+    def checkpoint_rows(self) -> int:
+        """Rows of one checkpoint tensor of this projection (an expert's full gate, up or down)."""
+        part = self.rows // self.parts
+        return part * self.tp_size if self.split_dim == 0 else part
+
+    def add_param(self, name: str, data: torch.Tensor, layout: TensorLayout = DENSE) -> nn.Parameter:
+        """Register `data` `[E, ...]` as parameter `name`, each expert's slice loaded from its checkpoint
+        tensors as `layout` says of one expert's projection (`linear.TensorLayout`: dim 0 runs along
+        the rows, `in_dim` 1 along the columns; `per_shard`: `[E, parts]`, one value per tensor)."""
+        param = nn.Parameter(data, requires_grad=False)
+        param.weight_loader = self.weight_loader
+        param.tp_layout = layout
+        param.shard_ids = self.shard_ids
+        setattr(self, name, param)
+        return param
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
         expert, j = shard_id
-        n = param.shape[1 + self.split_dim] // self.parts
-        dst = param.data[expert].narrow(self.split_dim, j * n, n)
+        layout: TensorLayout = param.tp_layout
         what = f"expert {expert} part {j}"
-        if loaded.dim() != 2 or loaded.shape[self.split_dim] != n * self.tp_size:
-            raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)} "
-                             f"x tp_size {self.tp_size} along dim {self.split_dim}")
-        copy_weight(dst, loaded.narrow(self.split_dim, self.tp_rank * n, n), what)
+        if layout.dtypes is not None and loaded.dtype not in layout.dtypes:
+            expected = " or ".join(str(d).removeprefix("torch.") for d in layout.dtypes)
+            raise ValueError(f"{what}: checkpoint dtype {str(loaded.dtype).removeprefix('torch.')}, expected {expected}")
+        dst = param.data[expert]
+        if layout.per_shard:
+            copy_weight(dst[j : j + 1], loaded.reshape(-1) if loaded.numel() == 1 else loaded, what)
+            return
+        if loaded.dim() != dst.dim():
+            raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)}")
+        n = dst.shape[0] // self.parts
+        dst, src = dst.narrow(0, j * n, n), loaded
+        if self.split_dim == 0:
+            if src.shape[0] != n * self.tp_size:
+                raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)} "
+                                 f"x tp_size {self.tp_size} along dim 0")
+            src = src.narrow(0, self.tp_rank * n, n)
+        elif layout.in_dim is not None and self.tp_size > 1:
+            if layout.in_pack == 1 and src.shape[1] != self.cols * self.tp_size:
+                raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)} "
+                                 f"x tp_size {self.tp_size} along dim 1")
+            src = _narrow(src, 1, self.tp_rank * self.cols, self.cols, layout.in_pack, what)
+        copy_weight(dst, src, what)
 
     def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
         expert, j = shard_id
@@ -172,15 +244,23 @@ class FusedExperts(nn.Module):
             raise ValueError(f"intermediate_size {intermediate_size} is not divisible by tp_size {tp[0]}")
         inter = intermediate_size // tp[0]
         self.activation = activation
-        # Under a quantization method `materialize` asks it whether it takes the experts over.
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()  # the compute dtype
+        self.quant: quantization.QuantizationMethod | None = None
+        # Under a quantization method the weights wait on the meta device for `materialize`, which
+        # asks the method whether it takes the experts over (else `create_dense_weight`).
         self.quant_pending = quantization.active_method() is not None
-        self.w13 = StackedExpertWeight(num_experts, 2 * inter, hidden_size, 0, 2, tp, dtype, bias)
-        self.w2 = StackedExpertWeight(num_experts, hidden_size, inter, 1, 1, tp, dtype, bias)
+        pending = self.quant_pending
+        self.w13 = StackedExpertWeight(num_experts, 2 * inter, hidden_size, 0, 2, tp, dtype, bias, pending)
+        self.w2 = StackedExpertWeight(num_experts, hidden_size, inter, 1, 1, tp, dtype, bias, pending)
 
     def create_dense_weight(self) -> None:
-        """Left unquantized: the weights built in `__init__` stay."""
+        """Left unquantized (called on the device the model is built on): the dense weights."""
+        for proj in (self.w13, self.w2):
+            proj.add_param("weight", torch.empty(proj.weight.shape, dtype=self.dtype))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply_experts(self, x, topk_weights, topk_ids)
         extra = {"b13": self.w13.bias, "b2": self.w2.bias, "activation": self.activation}
         if x.is_cuda:
             from rxf.plugins.models.layers.fused_moe import fused_experts
