@@ -107,7 +107,7 @@ def run_rxf(method: str, args: argparse.Namespace) -> dict[str, Any]:
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
              for p in PROMPTS]
 
-    overrides = {"runtime.cpu_threads": args.threads, "speculative.method": method,
+    overrides = {"runtime.cpu_threads": args.threads, "speculative.method": method, "model.dtype": args.dtype,
                  "speculative.num_draft_tokens": args.draft_tokens, "speculative.ngram_min_match": args.min_match}
     with Runtime.from_config(REPO / "examples" / "demo.toml", **overrides) as rt:
         params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
@@ -136,7 +136,10 @@ def run_rxf(method: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_llamacpp(args: argparse.Namespace) -> dict[str, Any]:
-    payload = {"gguf": str(demo_gguf(args.cache_dir)), "threads": args.threads, "draft_tokens": args.draft_tokens,
+    from rxf.entrypoints.demo_model import DEMO_DIRNAME, cache_dir
+
+    gguf = demo_gguf(args.cache_dir, cache_dir() / "models" / DEMO_DIRNAME)  # the demo's own copy when kept
+    payload = {"gguf": str(gguf), "threads": args.threads, "draft_tokens": args.draft_tokens,
                "max_new_tokens": args.max_new_tokens, "prompts": PROMPTS}
     proc = subprocess.run([args.llamacpp_python, "-c", LLAMACPP_SCRIPT, json.dumps(payload)],
                           capture_output=True, text=True)
@@ -186,6 +189,8 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--min-match", type=int, default=2, help="rxf's speculative.ngram_min_match")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", help="rxf's model.dtype (bf16: the demo's; float32 rounds a "
+                        "verify extend like a decode step, so its texts match with speculation off)")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--verify-cost", action="store_true", help="measure verify forwards against decode steps")
     args = parser.parse_args()
