@@ -97,7 +97,9 @@ def test_decode_kernels_match_torch_path(tokens, experts, top_k, hidden, inter, 
                          **{k: v.float() if torch.is_tensor(v) else v for k, v in kw.items()})
     out = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, **kw)
     assert_matches(out, ref, dtype)
-    assert_matches(fused_experts(x, w13, w2, weights, ids, **kw), ref, dtype)  # the same path
+    # fused_experts routes here: the same bits (in float32 the grouped kernels round otherwise, so the
+    # float32 cases fail if it took them)
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids, **kw), out)
     assert not fused_moe_decode._counters(x.device, 1).any(), "a counter was left set"
 
 

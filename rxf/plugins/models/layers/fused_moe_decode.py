@@ -1,8 +1,8 @@
 """Mixture-of-experts for decode batches of a few tokens: two GEMV-shaped Triton launches per layer
 that index the experts' weights straight from the routing, with no sort, no padding to row blocks and
-no separate top-k sum (the grouped kernels of `fused_moe` need an alignment launch and a sum and cast
-after the down projection: four launches on top of the two GEMMs, which cost more than the weight
-reads themselves at Qwen3-30B-A3B's batch-1 shapes).
+no separate top-k sum (the grouped kernels of `fused_moe` need an alignment launch before the two
+GEMMs and a sum and a cast after them: three launches more, which at Qwen3-30B-A3B's batch-1 shapes
+cost more than the weight reads themselves).
 
 For T tokens with top-k routing there are P = T * k (token, expert) pairs, pair p = token p // k's
 choice p % k (as in `fused_moe`). Weights as `FusedExperts` holds them: w13 `[E, 2I, H]` (rows
