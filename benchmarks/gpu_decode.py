@@ -1,7 +1,7 @@
 """GPU decode benchmark (issues 4, 18): one script for one call on the GPU machine.
 
     python benchmarks/gpu_decode.py [--preset llama3-8b|qwen3-8b|qwen3-30b-a3b|gpt-oss-20b|tiny] [--num-requests 1000]
-        [--phases jit,build,bandwidth,decode,kvcache,kernels,offline,hf] [--model-dir DIR] [--output FILE]
+        [--phases jit,build,bandwidth,decode,decode1,kvcache,kernels,offline,hf] [--model-dir DIR] [--output FILE]
 
 A preset is a transformers config (architecture + fields): `llama3-8b` (Llama-3-8B), `qwen3-8b` and
 `qwen3-30b-a3b` (Qwen/Qwen3-8B's and Qwen/Qwen3-30B-A3B's config.json: 36 layers, head_dim 128; 48
@@ -30,6 +30,8 @@ and each frees its GPU memory before the next:
              the HF workload (128 prompt + 128 new tokens, end to end) at batch 1 and 64. Timed
              spans cover whole scheduler steps (schedule, forward, sample, outputs), between
              torch.cuda.synchronize() calls.
+  decode1    batch 1 and 16 with CUDA graphs only, on an engine of 16 requests: the quick A/B of a
+             kernel setting (run it once per setting, e.g. RXF_PDL=0 and 1)
   kvcache    per backend, decode throughput at long contexts with `cache.kv_dtype` = auto (bf16) and
              fp8_e4m3, each pool sized from the same memory (cache.mem_fraction_static): 256 requests of
              4096-token prompts are queued, and once every admitted request decodes, 64 decode steps are
@@ -457,6 +459,17 @@ def decode_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quanti
     print(json.dumps(out, indent=1))
 
 
+def decode1_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quantization: str | None = None) -> None:
+    """The quick A/B of a kernel setting: batch 1 (and 16) with CUDA graphs only, an engine of 16
+    requests (few graphs to capture)."""
+    sched = _engine(model_dir, backend, 16, 16 * 512 + 4096, not p.on_disk, quantization=quantization)
+    decode_rate(sched, 1, 16, p.vocab, graphs=True)  # first-use compilation out of the figures
+    out = {"b1_graphs": decode_rate(sched, 1, 256, p.vocab, graphs=True),
+           "b16_graphs": decode_rate(sched, 16, 64, p.vocab, graphs=True)}
+    RESULTS[f"decode1_{backend}{tag}"] = out
+    print(f"decode1 {backend}{tag}: {json.dumps(out)}", flush=True)
+
+
 def long_context_rate(sched: Any, bs: int, context: int, steps: int, vocab: int, warm: int = 8) -> dict[str, float]:
     """Generated tok/s over `steps` decode steps once every admitted request of `bs` queued ones
     (`context`-token prompts) decodes; no request finishes within the window. The engine is spent
@@ -794,7 +807,7 @@ def main() -> None:
         if "fp8" in formats:
             dirs["fp8"], online["fp8"] = model_dir, "fp8"
     for name in formats:
-        if name not in dirs and phases & {"decode", "offline"}:
+        if name not in dirs and phases & {"decode", "decode1", "offline"}:
             phase(f"quantize {name}", lambda n=name: dirs.update({n: quantize_phase(model_dir, n)}))
     runs = [(name, "" if name == "bf16" else f"_{name}") for name in formats if name in dirs]
     if "decode" in phases:
@@ -802,6 +815,11 @@ def main() -> None:
             for backend in backends:
                 phase(f"decode {backend} {name}",
                       lambda b=backend, n=name, t=tag: decode_phase(p, dirs[n], b, t, online.get(n)))
+    if "decode1" in phases:
+        for name, tag in runs:
+            for backend in backends:
+                phase(f"decode1 {backend} {name}",
+                      lambda b=backend, n=name, t=tag: decode1_phase(p, dirs[n], b, t, online.get(n)))
     if "kvcache" in phases:
         for backend in backends:
             phase(f"kvcache {backend}", lambda b=backend: kvcache_phase(p, model_dir, b))

@@ -181,5 +181,10 @@ def gemv_phase(p: gd.Preset, results: dict[str, Any]) -> str:
     env = ",".join(f"{role}={res['choice']['setting']}" for role, res in roles.items())
     out["suggested_RXF_GEMV"] = env
     print(f"suggested: RXF_GEMV={env}", flush=True)
+    # Every role on its best Triton setting: under PDL (rxf/core/runner/pdl.py) a Triton projection
+    # starts streaming while the kernel before it runs, which these standalone timings cannot show.
+    all_triton = ",".join(f"{role}={res['choice'].get('best_triton', 'cublas')}" for role, res in roles.items())
+    out["all_triton_RXF_GEMV"] = all_triton
+    print(f"all triton: RXF_GEMV={all_triton}", flush=True)
     results["gemv"] = out
     return env

@@ -5,7 +5,7 @@
 #   ../shared/device/wheels.sh xgrammar==0.2.9 jsonschema==4.26.0 referencing jsonschema-specifications rpds-py msgspec==0.23.0
 # The JIT cache comes back in parts under 15 MB (the limit on returned files); put them in .fi-parts/
 # (git-ignored, carried) and the next call restores them.
-#   bash benchmarks/gpu_session.sh tests|split|bench|profile|gemv|compare|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|bench|profile|gemv|compare|ab|pytest|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -73,6 +73,33 @@ elif [ "$stage" = compare ]; then
     (cd "$tree" && PYTHONPATH=$HOME/site:$PWD timeout 400 python3 benchmarks/gpu_decode.py --preset llama3-8b \
       --model-dir /tmp/rxf-8b --phases "$phases" --backends triton --output "$out/$name.json") > "$out/$name.log" 2>&1
     echo "$name: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$out/$name.log" | tail -n 40
+  done
+elif [ "$stage" = pytest ]; then
+  # "pytest ARGS...": the given pytest arguments as they are (quoting kept), log under $OUT
+  python3 -m pytest -q -p no:cacheprovider -ra "$@" 2>&1 | tee "$out/pytest.log" | tail -40
+elif [ "$stage" = ab ]; then
+  # "ab [PRESET]": batch-1 decode (gpu_decode.py's decode1 phase) on one checkpoint, once per
+  # programmatic-dependent-launch setting (RXF_PDL 0 / 1) and RXF_GEMV value: RXF_GEMV_A (default the
+  # environment's) and the sweep's all-Triton value (the gemv phase runs first); separate processes,
+  # one call. AB_GEMV_SWEEP=0 skips the sweep (then only RXF_GEMV_A).
+  preset=${1:-llama3-8b}; dir=/tmp/rxf-ab-$preset
+  python3 benchmarks/gpu_decode.py --preset "$preset" --phases build,bandwidth --model-dir "$dir" \
+    --output "$out/ab-bandwidth.json" > "$out/ab-build.log" 2>&1 || { tail -n 20 "$out/ab-build.log"; exit 1; }
+  grep -i "roofline\|bandwidth" "$out/ab-build.log" | tail -n 4
+  envs=("${RXF_GEMV_A:-${RXF_GEMV:-}}")
+  if [ "${AB_GEMV_SWEEP:-1}" != 0 ]; then
+    timeout 200 python3 benchmarks/gpu_profile.py --phases gemv --preset "$preset" > "$out/ab-gemv.log" 2>&1
+    grep -E "^(suggested|all triton|projections)" "$out/ab-gemv.log"
+    envs+=("$(sed -n 's/^all triton: RXF_GEMV=//p' "$out/ab-gemv.log" | tail -n 1)")
+  fi
+  i=0
+  for gemv in "${envs[@]}"; do
+    for pdl in 0 1; do
+      RXF_PDL=$pdl RXF_GEMV=$gemv timeout 300 python3 benchmarks/gpu_decode.py --preset "$preset" --model-dir "$dir" \
+        --phases decode1 --backends triton --output "$out/ab-$i-pdl$pdl.json" > "$out/ab-$i-pdl$pdl.log" 2>&1
+      echo "RXF_GEMV=$gemv RXF_PDL=$pdl: rc $? $(grep '^decode1' "$out/ab-$i-pdl$pdl.log" | tail -n 1)"
+    done
+    i=$((i + 1))
   done
 elif [ "$stage" = others ]; then
   # "others SCRIPT[:ARGS] ...": each benchmark bounded to 400 s, e.g. others gpu_moe gpu_tp:--tp=1

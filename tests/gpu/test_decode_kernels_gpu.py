@@ -13,7 +13,10 @@ under the interpreter).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -138,6 +141,94 @@ def test_gemv_replays_from_a_cuda_graph() -> None:
         assert not op.counters.any()
 
 
+# ---------------------------------------------------------------- norm kernel, PDL chains
+@contextlib.contextmanager
+def _pdl(on: bool) -> Iterator[None]:
+    """RXF_PDL set for the block (rxf/core/runner/pdl.py reads it once: its cache is reset)."""
+    from rxf.core.runner import pdl
+
+    old = os.environ.get(pdl.ENV)
+    os.environ[pdl.ENV] = "1" if on else "0"
+    pdl._supported.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(pdl.ENV)
+        else:
+            os.environ[pdl.ENV] = old
+        pdl._supported.cache_clear()
+
+
+HOPPER = torch.cuda.get_device_capability()[0] >= 9
+needs_pdl = pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs compute capability 9.0")
+
+
+@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=needs_pdl)], ids=["plain", "pdl"])
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_decode_rmsnorm_matches_forward_native(rows: int, gemma: bool, pdl: bool) -> None:
+    from rxf.plugins.models.layers.norm import GemmaRMSNorm, RMSNorm
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+
+    gen = torch.Generator(device=DEV).manual_seed(rows)
+    norm = (GemmaRMSNorm if gemma else RMSNorm)(4096, eps=1e-5, dtype=BF16).to(DEV)
+    norm.weight.data = (torch.randn(4096, device=DEV, generator=gen) * 0.3 + (0.0 if gemma else 1.0)).to(BF16)
+    x = (torch.randn(rows, 4096, device=DEV, generator=gen) * 4).to(BF16)
+    res = torch.randn(rows, 4096, device=DEV, generator=gen).to(BF16)
+    want, want_sum = norm.forward_native(x, res)
+    res_out = res.clone()
+    with _pdl(pdl):
+        out = rmsnorm(x, norm.weight, norm.eps, res_out, gemma=gemma)
+    assert torch.equal(res_out, want_sum)
+    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+    assert (out != want).float().mean().item() < 0.01, "at most a rounding step on a few elements"
+    torch.testing.assert_close(rmsnorm(x, norm.weight, norm.eps, gemma=gemma), norm.forward_native(x))
+
+
+def _chain(x: torch.Tensor, res: torch.Tensor, weights: list[torch.Tensor], ops: list, norm_w: torch.Tensor) -> torch.Tensor:
+    """norm -> GEMV -> norm -> GEMV ... over the residual stream: every kernel reads the previous one's output."""
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+
+    h = x
+    for w, op in zip(weights, ops, strict=True):
+        h = rmsnorm(h, norm_w, 1e-5, res)
+        h = op(h, w, None)
+    return h
+
+
+@needs_pdl
+def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl() -> None:
+    """PDL changes when kernels start, never what they compute: a graph of 8 norm + GEMV pairs
+    (split over K, 4096 x 4096) replayed with new inputs gives the bits of the same kernels run
+    eagerly without PDL (a kernel reading its input before the previous one finished would not)."""
+    from rxf.core.runner.pdl import use_pdl
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    weights = [(torch.randn(4096, 4096, device=DEV, generator=gen) / 64).to(BF16) for _ in range(8)]
+    ops = [gemv_mod.DecodeGemv(GemvSettings.parse("n64k256s2st4w4"), w) for w in weights]
+    norm_w = (torch.rand(4096, device=DEV, generator=gen) + 0.5).to(BF16)
+    expected = []
+    with _pdl(False):
+        for seed in range(4):
+            g = torch.Generator(device=DEV).manual_seed(100 + seed)
+            x, res = (torch.randn(2, 4096, device=DEV, generator=g).to(BF16) for _ in range(2))
+            expected.append((x, res, _chain(x.clone(), res.clone(), weights, ops, norm_w)))
+    with _pdl(True):
+        assert use_pdl(norm_w)
+        static_x, static_res = torch.zeros(2, 4096, device=DEV, dtype=BF16), torch.zeros(2, 4096, device=DEV, dtype=BF16)
+        _chain(static_x.clone(), static_res.clone(), weights, ops, norm_w)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = _chain(static_x, static_res, weights, ops, norm_w)
+        for x, res, want in expected:
+            static_x.copy_(x)
+            static_res.copy_(res)
+            graph.replay()
+            assert torch.equal(static_out, want)
+    assert all(not op.counters.any() for op in ops)
+
+
 # ---------------------------------------------------------------- a model on the GEMV
 TINY = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
         "intermediate_size": 1024, "num_hidden_layers": 2, "vocab_size": 1000}
@@ -162,7 +253,15 @@ def _runner(ckpt: Path, monkeypatch: pytest.MonkeyPatch, gemv_env: str) -> Model
         gemv_mod._from_env.cache_clear()
 
 
-def test_model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=needs_pdl)], ids=["plain", "pdl"])
+def test_model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch, pdl: bool) -> None:
+    """Every role on the GEMV against cuBLAS; with PDL the GEMVs, norms, K/V store, attention and
+    argmax of the step all launch early (a race would show as graph != eager or a logits error)."""
+    with _pdl(pdl):
+        _model_on_gemv_matches_cublas(ckpt, monkeypatch)
+
+
+def _model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     all_roles = ",".join(f"{role}=triton" for role in gemv_mod.ROLES)
     ours, theirs = _runner(ckpt, monkeypatch, all_roles), _runner(ckpt, monkeypatch, "")
     layer = ours.model.model.layers[0]

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rxf.core.runner.pdl import use_pdl
+
 
 @triton.jit
 def _keyed(values):
@@ -15,7 +17,10 @@ def _keyed(values):
 
 
 @triton.jit
-def _chunk_max_kernel(X, ChunkMax, ChunkIdx, V, stride_x, num_chunks, CHUNK: tl.constexpr):
+def _chunk_max_kernel(X, ChunkMax, ChunkIdx, V, stride_x, num_chunks, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the previous kernel writes this one's inputs (rxf/core/runner/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -28,7 +33,10 @@ def _chunk_max_kernel(X, ChunkMax, ChunkIdx, V, stride_x, num_chunks, CHUNK: tl.
 
 
 @triton.jit
-def _rows_kernel(ChunkMax, ChunkIdx, Out, num_chunks, BLOCK: tl.constexpr):
+def _rows_kernel(ChunkMax, ChunkIdx, Out, num_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the previous kernel writes this one's inputs (rxf/core/runner/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     ok = lanes < num_chunks
@@ -46,6 +54,9 @@ def split_argmax(x: torch.Tensor, chunk: int) -> torch.Tensor:
     chunk_max = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     chunk_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    _chunk_max_kernel[(rows, num_chunks)](x, chunk_max, chunk_idx, vocab, x.stride(0), num_chunks, CHUNK=chunk)
-    _rows_kernel[(rows,)](chunk_max, chunk_idx, out, num_chunks, BLOCK=max(16, triton.next_power_of_2(num_chunks)))
+    pdl = use_pdl(x)
+    _chunk_max_kernel[(rows, num_chunks)](x, chunk_max, chunk_idx, vocab, x.stride(0), num_chunks, CHUNK=chunk,
+                                          PDL=pdl, launch_pdl=pdl)
+    _rows_kernel[(rows,)](chunk_max, chunk_idx, out, num_chunks, BLOCK=max(16, triton.next_power_of_2(num_chunks)),
+                          PDL=pdl, launch_pdl=pdl)
     return out

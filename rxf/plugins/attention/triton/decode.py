@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rxf.core.runner.pdl import use_pdl
 from rxf.plugins.attention.triton.extend import attend_pool, feature_args, kv_scale_args, kv_scales
 
 _M_INIT = -1.0e30  # finite running-max start: fully masked steps give weights 0, never NaN
@@ -96,8 +97,11 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
     IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the previous kernel writes this one's inputs (rxf/core/runner/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     req = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
@@ -226,6 +230,7 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     features = feature_args(scaling, sliding_window, logit_cap, sinks, q)
     scales = kv_scale_args(k_buf, k_scale, v_scale, q)
+    pdl = use_pdl(q)
     _decode_kernel[(bs, num_kv_heads * head_blocks, grid_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, counters, out,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
@@ -237,7 +242,8 @@ def decode_attention(
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n or _block_n(head_dim), BLOCK_D=block_d, M_INIT=_M_INIT,
         IEEE=q.dtype == torch.float32, HAS_WINDOW=features["HAS_WINDOW"], HAS_CAP=features["HAS_CAP"],
-        HAS_SINKS=features["HAS_SINKS"], KV_FP8=scales["KV_FP8"], num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=features["HAS_SINKS"], KV_FP8=scales["KV_FP8"], PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl,
     )
 
 

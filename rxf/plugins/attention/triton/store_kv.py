@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from rxf.core.kv_pool import is_fp8
+from rxf.core.runner.pdl import use_pdl
 
 
 @triton.jit
@@ -49,8 +50,11 @@ def _store_kv_kernel(
     stride_qn, stride_qh, stride_qon, stride_qoh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_cs,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    ROTATE: tl.constexpr, QUANT: tl.constexpr, FMAX: tl.constexpr,
+    ROTATE: tl.constexpr, QUANT: tl.constexpr, FMAX: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the previous kernel writes this one's inputs (rxf/core/runner/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     i = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(Loc + i).to(tl.int64)
@@ -120,6 +124,7 @@ def _launch(
         assert t.stride(-1) == 1, "the last dimension must be contiguous"
     group = q.shape[1] // kv_heads
     elems = (group + 2) * head_dim
+    pdl = use_pdl(k)
     _store_kv_kernel[(n, kv_heads)](
         q, q_out, k, v, k_buf, v_buf, loc, positions, cos_sin, k_scale, v_scale,
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1),
@@ -127,8 +132,8 @@ def _launch(
         cos_sin.stride(0),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HALF=head_dim // 2,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), ROTATE=rope is not None,
-        QUANT=quant, FMAX=torch.finfo(k_buf.dtype).max if quant else 0.0,
-        num_warps=1 if elems <= 512 else 2 if elems <= 2048 else 4,
+        QUANT=quant, FMAX=torch.finfo(k_buf.dtype).max if quant else 0.0, PDL=pdl,
+        num_warps=1 if elems <= 512 else 2 if elems <= 2048 else 4, launch_pdl=pdl,
     )
 
 

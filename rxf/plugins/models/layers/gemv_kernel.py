@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rxf.core.runner.pdl import use_pdl
+
 ROWS = 16  # rows of x per tile: the smallest tl.dot tile; rows past M are masked to zero
 BLOCK_M = tl.constexpr(ROWS)  # the same, as the kernels see it (a global must be a constexpr there)
 
@@ -46,7 +48,7 @@ def _gemv_kernel(
     X, W, Bias, Out, Partials, Counters, M, N_OUT, K,
     stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -62,7 +64,24 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     up_offset = N_OUT.to(tl.int64) * stride_wn
-    for _ in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
+    # The first K tile is peeled off the loop: its weights (fixed at load) are read before waiting
+    # for the kernel that writes x, so under PDL the weight stream starts while that kernel runs.
+    # An empty K range (the last split may be) loads zeros.
+    # (vector compares: Triton's interpreter rejects a mask broadcast from a scalar)
+    first_n = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
+    w = tl.load(w_ptrs, mask=first_n[:, None], other=0.0)
+    if GATED:
+        u = tl.load(w_ptrs + up_offset, mask=first_n[:, None], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x_t = tl.trans(tl.load(x_ptrs, mask=((rows < M) & (tl.zeros_like(rows) + k_lo < k_hi))[:, None], other=0.0))
+    acc = _mma(w, x_t, acc, IEEE)
+    if GATED:
+        acc_up = _mma(u, x_t, acc_up, IEEE)
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for _ in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
         x_t = tl.trans(tl.load(x_ptrs, mask=(rows < M)[:, None], other=0.0))
         if EVEN_N:
             w = tl.load(w_ptrs)
@@ -134,13 +153,14 @@ def gemv(
     assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
     out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
     tiles = 2 if gated else 1
+    pdl = use_pdl(x)
     partials = (torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=x.device)
                 if split_k > 1 else out)  # unused without a split
     _gemv_kernel[(n_blocks, split_k)](
         x, weight, bias if bias is not None else out, out, partials, counters, m, n_out, k,
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None,
-        EVEN_N=n_out % block_n == 0, IEEE=x.dtype == torch.float32,
-        num_stages=num_stages, num_warps=num_warps,
+        EVEN_N=n_out % block_n == 0, IEEE=x.dtype == torch.float32, PDL=pdl,
+        num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )
     return out

@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rxf.core.runner.pdl import use_pdl
 from rxf.plugins.models.layers.fused_kernels import flashinfer_for
+
+# Rows (decode batches) that take rxf's own norm kernel where the GPU has programmatic dependent
+# launch (`rmsnorm_kernel.py`: it lets the projection after it start early); larger batches and
+# older GPUs keep FlashInfer's.
+PDL_ROWS = 16
+PDL_MAX_HIDDEN = 16384  # the kernel holds a row in one program's registers
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +32,7 @@ class RMSNorm(nn.Module):
 
     # flashinfer.norm's kernels for this norm: alone, and fused with the residual add.
     fused_kernels = ("rmsnorm", "fused_add_rmsnorm")
+    gemma = False  # rmsnorm_kernel's variant
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -50,6 +58,13 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self._decode_kernel_applies(x, residual):
+            from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps, gemma=self.gemma)
+            rmsnorm(x, self.weight, self.eps, residual, gemma=self.gemma, out=x)  # in place, as FlashInfer's
+            return x, residual
         fi = flashinfer_for(x)
         if fi is None or x.dim() != 2 or not x.is_contiguous():
             return self.forward_native(x, residual)
@@ -60,6 +75,12 @@ class RMSNorm(nn.Module):
             return self.forward_native(x, residual)
         with_add(x, residual, self.weight, self.eps)  # residual += x; x = norm(residual)
         return x, residual
+
+    @staticmethod
+    def _decode_kernel_applies(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (x.dim() == 2 and x.shape[0] <= PDL_ROWS and x.shape[1] <= PDL_MAX_HIDDEN and x.is_contiguous()
+                and x.dtype in (torch.float16, torch.bfloat16) and use_pdl(x)
+                and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)))
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -72,6 +93,7 @@ class GemmaRMSNorm(RMSNorm):
     """
 
     fused_kernels = ("gemma_rmsnorm", "gemma_fused_add_rmsnorm")
+    gemma = True
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return (self._normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
