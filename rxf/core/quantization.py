@@ -14,7 +14,8 @@ so the core and the models name no method. The model runner:
    method's parameters or, for a layer the method leaves alone, its dense weight);
 3. loads the checkpoint (the method's `checkpoint_weights` when it reads another file), then calls
    `finish_loading(model)`: each quantized layer is turned into the
-   form its device computes with (repacked for a kernel, or dequantized).
+   form its device computes with (repacked for a kernel, or dequantized), and every module with a
+   `loaded()` hook runs it (dense CPU linears pack their weights for oneDNN).
 
 Mixture-of-experts layers (`FusedExperts`) go through the same three steps: a method that takes
 them over registers their stacked `[E, ...]` parameters and computes their forward in
@@ -177,8 +178,13 @@ def materialize(model: nn.Module, method: QuantizationMethod | None, device: tor
 
 
 def finish_loading(model: nn.Module) -> None:
-    """After the checkpoint is loaded: each quantized layer's `process_loaded`."""
+    """After the checkpoint is loaded: each quantized layer's `process_loaded`, then every module's
+    own `loaded()` where it has one (e.g. a dense CPU linear packs its weight for oneDNN)."""
     for module in model.modules():
         method = getattr(module, "quant", None)
         if method is not None:
             method.process_loaded(module)
+    for module in model.modules():
+        hook = getattr(module, "loaded", None)
+        if callable(hook):
+            hook()

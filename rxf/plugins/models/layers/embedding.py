@@ -15,6 +15,7 @@ from torch import nn
 
 from rxf.core.quantization import QuantizationMethod
 from rxf.core.runner import distributed
+from rxf.plugins.models.layers import onednn_linear
 from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
 from rxf.plugins.models.layers.linear import copy_weight, resolve_tp
 
@@ -69,6 +70,13 @@ class LogitsHead(VocabEmbedding):
     # rxf.core.quantization); the weight itself stays, for the embedding it may be tied to.
     quantize_after_load = True
     quant: QuantizationMethod | None = None
+    # On the CPU: the weight packed for oneDNN (`onednn_linear.py`); the plain weight stays, as the
+    # embedding's when the two are tied.
+    packed: torch.Tensor | None = None
+
+    def loaded(self) -> None:
+        if self.quant is None and onednn_linear.packs(self.weight):
+            self.packed = onednn_linear.pack(self.weight.data)
 
     def use_decode_gemv(self) -> None:
         self.gemv = decode_gemv("lm_head", self.weight, out_dtype=torch.float32 if self.tp_size == 1 else None)
@@ -76,6 +84,8 @@ class LogitsHead(VocabEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             logits = self.quant.apply(self, hidden, None)
+        elif self.packed is not None:
+            logits = onednn_linear.linear(hidden, self.packed, None)
         elif self.gemv is not None and self.gemv.applies(hidden):
             logits = self.gemv(hidden, self.weight, None)
         else:

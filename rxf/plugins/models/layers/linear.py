@@ -26,6 +26,7 @@ from torch import nn
 
 from rxf.core import quantization
 from rxf.core.runner import distributed
+from rxf.plugins.models.layers import onednn_linear
 from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
 
 
@@ -163,9 +164,17 @@ class _TPLinear(nn.Module):
             src = _narrow(src, layout.in_dim, inp[0], inp[1], layout.in_pack, what)
         copy_weight(dst, src, what)
 
+    def loaded(self) -> None:
+        """After loading (`rxf.core.quantization.finish_loading`): a dense CPU weight is replaced by
+        its oneDNN-packed form (`onednn_linear.py`), which only `_matmul` reads."""
+        if self.quant is None and not self.quant_pending and onednn_linear.packs(self.weight):
+            self.weight = nn.Parameter(onednn_linear.pack(self.weight.data), requires_grad=False)
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
+        if self.weight.is_mkldnn:
+            return onednn_linear.linear(x, self.weight, bias)
         if self.gemv is not None and self.gemv.applies(x):
             return self.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
