@@ -169,7 +169,8 @@ class RuntimeConfig(_Section):
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     cpu_threads: int | None = Field(
-        None, gt=0, description="torch threads in the scheduler process (unset, on the CPU: the cores less one, at least 1)"
+        None, gt=0, description="torch threads in the scheduler process (unset, on the CPU: the cores less one at start-up, then "
+        "every core while other processes leave them idle, one fewer per core they keep busy)"
     )
     startup_timeout_s: float = Field(600, gt=0)
 

@@ -41,6 +41,7 @@ from rxf.core.ipc.messages import (
 )
 from rxf.core.launch.heap import IdleHeapTrimmer
 from rxf.core.runner.distributed import RankPlacement
+from rxf.core.scheduler.cpu_threads import CpuThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,9 @@ _BROADCAST = codec.Decoder(RankBroadcast)
 
 
 def default_cpu_threads() -> int:
-    """`runtime.cpu_threads` when unset, on the CPU: one core is left to the tokenizer, the detokenizer
-    and the HTTP server (and to whatever else runs). On the 2-core machine one torch thread kept
-    86-99% of its quiet decode rate beside a busy core or a second torch process, where two threads
-    fell to 16-29% spinning (2 passive threads did worse than 1 everywhere); two threads are 25-40%
-    faster only while nothing else runs (benchmarks/RESULTS.md, "OpenMP threads on a busy machine")."""
+    """`runtime.cpu_threads` when unset, on the CPU, at start-up: one core is left to the tokenizer,
+    the detokenizer and the HTTP server (and to whatever else runs); from the first steps on,
+    `cpu_threads.CpuThreadGovernor` follows what the rest of the machine leaves free."""
     return max(1, (os.cpu_count() or 1) - 1)
 
 
@@ -86,6 +85,7 @@ def run_scheduler_process(
         from rxf.core.scheduler.scheduler import Scheduler
         from rxf.core.speculative.draft import load_draft_model
 
+        governor = None
         if placement is not None:
             if placement.cuda:  # before any CUDA work: "cuda" then means this rank's device
                 torch.cuda.set_device(placement.device_index)
@@ -94,6 +94,7 @@ def run_scheduler_process(
             init_tensor_parallel(placement, timeout_s=config.runtime.startup_timeout_s + 1800)
         elif config.runtime.cpu_threads is None and _on_cpu(config):
             torch.set_num_threads(default_cpu_threads())
+            governor = CpuThreadGovernor.for_this_machine(default_cpu_threads())
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
         runner = ModelRunner(config, registry, model_path)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or model_path)
@@ -123,7 +124,7 @@ def run_scheduler_process(
             "pooling": runner.pooling.to_info() if runner.pooling is not None else None,
         }
     )
-    _loop(scheduler, sockets)
+    _loop(scheduler, sockets, governor)
 
 
 class _Sockets:
@@ -181,8 +182,9 @@ def _share(frames: list[memoryview] | None) -> list[memoryview] | None:
     return None if shared.stop else shared.frames
 
 
-def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
-    """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies."""
+def _loop(scheduler: Any, sockets: _Sockets | None, governor: CpuThreadGovernor | None = None) -> None:
+    """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies;
+    `governor` (a CPU engine of one rank, threads unset) sets the torch threads before each step."""
     parent = os.getppid()
     heap = IdleHeapTrimmer()
     if sockets is not None:
@@ -203,6 +205,8 @@ def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
         outs = _apply(scheduler, frames, sockets)
         stepped = scheduler.has_work
         if stepped:
+            if governor is not None:
+                governor.before_step()
             outs += scheduler.step()
             heap.busy()
         elif not frames:
