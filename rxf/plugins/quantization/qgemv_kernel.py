@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, ROWS, finish
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, ROWS, finish, program_span
 
 FP8_ROWS, FP8_BLOCKS, INT4 = 0, 1, 2  # the weight formats (`fmt`)
 # The same, as the kernel sees them (a global read inside a kernel must be a constexpr).
@@ -59,14 +59,8 @@ def _qgemv_kernel(
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr,
     SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)  # rows of x
-    mask_n = cols < N
-    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = pid_k * k_span
-    k_hi = tl.minimum(k_lo + k_span, K)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     x_mask = (rows < M)[:, None]

@@ -50,14 +50,8 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N_OUT, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)  # rows of x
-    mask_n = cols < N_OUT
-    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = pid_k * k_span
-    k_hi = tl.minimum(k_lo + k_span, K)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = X + rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]
@@ -100,6 +94,18 @@ def _gemv_kernel(
     # (Out stands in for the row scales, which a dense weight does not have.)
     finish(acc, acc_up, Bias, Out, Partials, Counters, Out, cols, rows, mask_n, M, N_OUT, stride_om, pid_n, pid_k,
            BLOCK_N, SPLIT_K, GATED, HAS_BIAS, False)
+
+
+@triton.jit
+def program_span(N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's (pid_n, pid_k, output columns, their mask < N, K range [k_lo, k_hi)) in the
+    grid of the module docstring."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_span
+    return pid_n, pid_k, cols, cols < N, k_lo, tl.minimum(k_lo + k_span, K)
 
 
 @triton.jit
