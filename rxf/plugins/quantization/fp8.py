@@ -11,9 +11,9 @@ MoE experts in both forms: see `fp8_experts` (weight-only FP8 in the fused MoE k
 
 On CUDA the layers compute in FP8: activations quantized per token (per token and group of bk for
 the block layout) as the layer runs; decode batches of at most 8 rows take the weight-only FP8 GEMV
-instead (`qgemv.py`: bf16 / fp16 activations as they are, the weight read once). Elsewhere they are dequantized at load to the model's dtype
-(the online path then rounds the weights through FP8, so the CPU computes what the GPU's weights
-hold).
+instead (`qgemv.py`: bf16 / fp16 activations as they are, the weight read once). Elsewhere they are
+dequantized at load to the model's dtype (the online path then rounds the weights through FP8, so
+the CPU computes what the GPU's weights hold).
 """
 
 from __future__ import annotations
