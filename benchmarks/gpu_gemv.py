@@ -151,19 +151,20 @@ def _role(role: str, n: int, k: int) -> dict[str, Any]:
         if m == 1:
             rows[m]["profiler_cublas_us"], kernels = gd.kernel_time_us(lambda f=fns["cublas"], w=ws[0]: f(w))
             rows[m]["profiler_cublas_kernels"] = list(kernels)
-    return {"shape": [n, k], "copies": copies, "us": rows, "choice": _choose(rows, sweep)}
+    return {"shape": [n, k], "copies": copies, "us": rows, "choice": choose(rows, sweep)}
 
 
-def _choose(rows: dict[int, dict[str, Any]], sweep: dict[str, Any]) -> dict[str, Any]:
-    """The Triton setting with the least total time over BATCHES, against cuBLAS's total."""
-    cublas = sum(rows[m]["cublas"] for m in BATCHES if isinstance(rows[m]["cublas"], float))
-    totals = {label: sum(rows[m][label] for m in BATCHES) for label in sweep
+def choose(rows: dict[int, dict[str, Any]], labels: Any, baseline: str = "cublas", fallback: str = "cublas") -> dict[str, Any]:
+    """The Triton setting among `labels` with the least total time over BATCHES, chosen when it takes
+    under MARGIN of the `baseline` row's total (else `fallback`)."""
+    base = sum(rows[m][baseline] for m in BATCHES if isinstance(rows[m][baseline], float))
+    totals = {label: sum(rows[m][label] for m in BATCHES) for label in labels
               if all(isinstance(rows[m].get(label), float) for m in BATCHES)}
     if not totals:
-        return {"setting": "cublas", "cublas_total_us": cublas}
+        return {"setting": fallback, f"{baseline}_total_us": base}
     best = min(totals, key=totals.get)
-    return {"setting": best if totals[best] < MARGIN * cublas else "cublas", "best_triton": best,
-            "triton_total_us": totals[best], "cublas_total_us": cublas, "ratio": totals[best] / cublas}
+    return {"setting": best if not base or totals[best] < MARGIN * base else fallback, "best_triton": best,
+            "triton_total_us": totals[best], f"{baseline}_total_us": base, "ratio": totals[best] / base if base else None}
 
 
 def gemv_phase(p: gd.Preset, results: dict[str, Any]) -> str:

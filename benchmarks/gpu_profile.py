@@ -1,12 +1,17 @@
 """Where a decode step's time goes on the GPU (issue 4's profile): one call on the GPU machine.
 
-    python benchmarks/gpu_profile.py [--preset llama3-8b] [--phases gemv,step,attn] [--backends triton,flashinfer]
+    python benchmarks/gpu_profile.py [--preset llama3-8b] [--phases gemv,qgemv,step,attn] [--backends triton,flashinfer]
                                      [--gemv suggested|RXF_GEMV-value]
 
 Phases (each guarded like gpu_decode.py's; figures go to $OUT/gpu_profile.json, traces beside it):
   gemv   each projection of the preset at batch 1, 2, 4, 8 (bf16): cuBLAS, cuBLASLt and a sweep of rxf's
          Triton GEMV settings, GPU time over rotating weight copies (`gpu_gemv.py`); prints the
          RXF_GEMV value the figures favour
+  qgemv  (not in the default phases) each projection at batch 1, 2, 4, 8 in each quantized weight
+         format (FP8 row scales, FP8 128 x 128 blocks, int4 group 128): the method's current path
+         (activation quantization + torch._scaled_mm / the block-scaled GEMM, int4_linear) vs a
+         sweep of the weight-only decode GEMV's settings, bf16 cuBLAS beside them, GPU time over
+         rotating weight copies (`gpu_qgemv.py`); prints the RXF_QGEMV value the figures favour
   step   the in-process engine (ModelRunner + Scheduler, each of `--backends`) at batch 1 with CUDA graphs:
          median wall time of a whole scheduler step, GPU time of the decode graph alone (replayed
          back to back), and a torch.profiler trace of 8 steps summarised as kernel time by category,
@@ -38,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_decode as gd  # noqa: E402  (the sibling benchmark: presets, checkpoint, engine, cases)
 import gpu_gemv  # noqa: E402
+import gpu_qgemv  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 RESULTS: dict[str, Any] = {}
@@ -260,6 +266,8 @@ def main() -> None:
     suggested: list[str] = []
     if "gemv" in phases:
         gd.phase("gemv", lambda: suggested.append(gpu_gemv.gemv_phase(p, RESULTS)))
+    if "qgemv" in phases:
+        gd.phase("qgemv", lambda: gpu_qgemv.qgemv_phase(p, RESULTS))
     if "step" in phases:
         if not (model_dir / ("model.safetensors" if p.on_disk else "config.json")).exists():
             gd.phase("build", lambda: gd.build_checkpoint(p, model_dir))

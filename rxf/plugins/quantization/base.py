@@ -52,7 +52,12 @@ class LinearMethod(QuantizationMethod):
             return False
         if isinstance(module, FusedExperts):
             return self.quantizes_experts(name)
-        return isinstance(module, _TPLinear)
+        if not isinstance(module, _TPLinear):
+            return False
+        # The layer's role (`qkv_proj`, `down_proj`, ...) picks its decode-GEMV settings (`qgemv.py`):
+        # a layer does not know its own name, and this is where the method first sees it.
+        module.gemv_role = name.rpartition(".")[2]
+        return True
 
     def quantizes_experts(self, name: str) -> bool:
         """Whether the method takes over the MoE experts `name` (a method without an expert

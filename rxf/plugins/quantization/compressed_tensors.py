@@ -24,7 +24,7 @@ from torch import nn
 
 from rxf.plugins.models.layers.linear import TensorLayout
 from rxf.plugins.models.layers.moe import FusedExperts
-from rxf.plugins.quantization import fp8_experts, fp8_ops
+from rxf.plugins.quantization import fp8_experts, fp8_ops, qgemv
 from rxf.plugins.quantization.base import LinearMethod, become_dense, config_value
 from rxf.plugins.quantization.fp8_experts import SCALE_DTYPES as _SCALE_DTYPES
 
@@ -97,8 +97,11 @@ class CompressedTensorsMethod(LinearMethod):
         layer.add_param("weight_scale", scale.contiguous())
         if self.static_input:
             layer.add_param("input_scale", layer.input_scale.data.float().max().reshape(()))
+        layer.qgemv = qgemv.fp8_rows(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.qgemv is not None and layer.qgemv.takes(x):  # decode batches: weight-only FP8 GEMV
+            return layer.qgemv(x, bias)
         if self.weight_only:  # W8A16: the weight dequantized per call (no FP8 GEMM takes half inputs)
             return torch.nn.functional.linear(x, fp8_ops.dequantize_rows(layer.weight, layer.weight_scale, x.dtype), bias)
         return fp8_ops.scaled_mm_rows(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), bias)

@@ -10,9 +10,10 @@ weight, then quantize it per output row (scales `[N]`, the absmax of each row ma
 MoE experts in both forms: see `fp8_experts` (weight-only FP8 in the fused MoE kernels).
 
 On CUDA the layers compute in FP8: activations quantized per token (per token and group of bk for
-the block layout) as the layer runs. Elsewhere they are dequantized at load to the model's dtype
-(the online path then rounds the weights through FP8, so the CPU computes what the GPU's weights
-hold).
+the block layout) as the layer runs; decode batches of at most 8 rows take the weight-only FP8 GEMV
+instead (`qgemv.py`: bf16 / fp16 activations as they are, the weight read once). Elsewhere they are
+dequantized at load to the model's dtype (the online path then rounds the weights through FP8, so
+the CPU computes what the GPU's weights hold).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 from rxf.plugins.models.layers.linear import DENSE, TensorLayout
 from rxf.plugins.models.layers.moe import FusedExperts
-from rxf.plugins.quantization import fp8_experts, fp8_ops
+from rxf.plugins.quantization import fp8_experts, fp8_ops, qgemv
 from rxf.plugins.quantization.base import LinearMethod, become_dense, config_value
 from rxf.plugins.quantization.fp8_experts import SCALE_DTYPES as _SCALE_DTYPES
 
@@ -85,14 +86,19 @@ class Fp8Method(LinearMethod):
             if layer.weight.is_cuda:
                 layer.add_param("weight", q, DENSE)
                 layer.add_param("weight_scale", scale, DENSE)
+                layer.qgemv = qgemv.fp8_rows(layer)
             else:
                 become_dense(layer, fp8_ops.dequantize_rows(q, scale, layer.dtype), ("weight",))
             return
         if not layer.weight.is_cuda:
             dense = fp8_ops.dequantize_blocks(layer.weight.data, layer.weight_scale_inv.data, self.block_k, layer.dtype)
             become_dense(layer, dense, ("weight", "weight_scale_inv"))
+            return
+        layer.qgemv = qgemv.fp8_blocks(layer, self.block_n, self.block_k)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.qgemv is not None and layer.qgemv.takes(x):  # decode batches: weight-only FP8 GEMV
+            return layer.qgemv(x, bias)
         if self.online:
             return fp8_ops.scaled_mm_rows(x, layer.weight, layer.weight_scale, None, bias)
         return fp8_ops.block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block_k, bias)

@@ -7,9 +7,10 @@ method unpacks its tensors into `Int4Weights` (codes `[K, N]`, zeros and scales 
 of each input feature `[K]`); then on CUDA the codes are packed again, eight consecutive input
 features to a word (`[K / 8, N]`), with input features sorted by group so that each group is a run
 of `group_size` rows (act-order GPTQ: the layer then permutes its input's columns the same way),
-for the dequantizing Triton GEMM of `int4_kernel.py`; on the CPU the same sorted codes are packed
-for torch's int4 matmul (`cpu_packing.py`, activations in bf16); where neither serves a layer its
-weight is dequantized at load.
+for the dequantizing Triton GEMM of `int4_kernel.py` and, for decode batches of at most 8 rows, the
+int4 GEMV of `qgemv.py`; on the CPU the same sorted codes are packed for torch's int4 matmul
+(`cpu_packing.py`, activations in bf16); where neither serves a layer its weight is dequantized at
+load.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rxf.plugins.quantization import cpu_packing
+from rxf.plugins.quantization import cpu_packing, qgemv
 from rxf.plugins.quantization.base import LinearMethod, become_dense, config_value
 
 SEQUENTIAL = tuple(range(8))
@@ -99,10 +100,12 @@ class Int4Method(LinearMethod):
         for name in self.quant_params:
             delattr(layer, name)
         codes, scales, zeros = weights.codes[order], weights.scales[used], weights.zeros[used]
+        layer.qgemv = None
         if cuda:
             layer.add_param("qweight", pack_int32(codes, dim=0))
             layer.add_param("scales", scales.to(layer.dtype).contiguous())
             layer.add_param("zeros", zeros.to(layer.dtype).contiguous())
+            layer.qgemv = qgemv.int4(layer, layer.group_size)
         else:
             packed, scales_and_zeros = cpu_packing.pack_int4(codes.t(), scales, zeros, layer.group_size, kernel_group)
             cpu_packing.set_packed_int4(layer, packed, scales_and_zeros, kernel_group)
@@ -114,6 +117,8 @@ class Int4Method(LinearMethod):
             x = x.index_select(-1, layer.input_order)
         if not x.is_cuda:
             return cpu_packing.packed_int4_linear(layer, x, bias)
+        if layer.qgemv is not None and layer.qgemv.takes(x):  # decode batches: the int4 GEMV
+            return layer.qgemv(x, bias)
         from rxf.plugins.quantization.int4_kernel import int4_linear
 
         return int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.group_size, bias)

@@ -50,14 +50,8 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N_OUT, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)  # rows of x
-    mask_n = cols < N_OUT
-    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = pid_k * k_span
-    k_hi = tl.minimum(k_lo + k_span, K)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = X + rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]
@@ -97,13 +91,43 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
 
-    tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rows[None, :]  # a partial tile's layout
+    # (Out stands in for the row scales, which a dense weight does not have.)
+    finish(acc, acc_up, Bias, Out, Partials, Counters, Out, cols, rows, mask_n, M, N_OUT, stride_om, pid_n, pid_k,
+           BLOCK_N, SPLIT_K, GATED, HAS_BIAS, False)
+
+
+@triton.jit
+def program_span(N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's (pid_n, pid_k, output columns, their mask < N, K range [k_lo, k_hi)) in the
+    grid of the module docstring."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns = rows of W
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_span
+    return pid_n, pid_k, cols, cols < N, k_lo, tl.minimum(k_lo + k_span, K)
+
+
+@triton.jit
+def finish(acc, acc_up, Bias, Out, Partials, Counters, RowScale, cols, rows, mask_n, M, N_OUT, stride_om,
+           pid_n, pid_k, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
+           HAS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr):
+    """The end of a program that holds the float32 `acc` [BLOCK_N, BLOCK_M] (and `acc_up`) of its
+    columns over its K range: with SPLIT_K > 1 the counter hand-off of the module docstring, then
+    the epilogue, in the last program of the column block. Shared by every GEMV kernel (the
+    quantized ones in `rxf.plugins.quantization.qgemv_kernel` too); ROW_SCALED: the epilogue
+    multiplies by `RowScale[cols]` (FP8 row scales) before the bias.
+
+    A partial tile is stored row by row of x (`rows * BLOCK_N + column`) and only for the M real
+    rows, so a batch-1 split writes and reads BLOCK_N floats per program, not the padded 16 rows."""
+    tile = rows[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    real = (rows < M)[None, :]
     if SPLIT_K > 1:
         TILES: tl.constexpr = 2 if GATED else 1
         base = Partials + (pid_n * SPLIT_K + pid_k).to(tl.int64) * (TILES * BLOCK_N * BLOCK_M)
-        tl.store(base + tile, acc)
+        tl.store(base + tile, acc, mask=real)
         if GATED:
-            tl.store(base + BLOCK_N * BLOCK_M + tile, acc_up)
+            tl.store(base + BLOCK_N * BLOCK_M + tile, acc_up, mask=real)
         tl.debug_barrier()  # every thread's partial stores precede the counter update
         arrived = tl.atomic_add(Counters + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:  # the last program of this column block reduces
@@ -112,19 +136,25 @@ def _gemv_kernel(
             acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 part = first + s * (TILES * BLOCK_N * BLOCK_M)
-                acc += tl.load(part + tile, cache_modifier=".cg")
+                acc += tl.load(part + tile, mask=real, other=0.0, cache_modifier=".cg")
                 if GATED:
-                    acc_up += tl.load(part + BLOCK_N * BLOCK_M + tile, cache_modifier=".cg")
+                    acc_up += tl.load(part + BLOCK_N * BLOCK_M + tile, mask=real, other=0.0, cache_modifier=".cg")
             tl.store(Counters + pid_n, 0)
-            _epilogue(acc, acc_up, Bias, Out, cols, rows, mask_n, M, N_OUT, stride_om, GATED, HAS_BIAS)
+            _epilogue(acc, acc_up, Bias, Out, RowScale, cols, rows, mask_n, M, N_OUT, stride_om, GATED, HAS_BIAS,
+                      ROW_SCALED)
     else:
-        _epilogue(acc, acc_up, Bias, Out, cols, rows, mask_n, M, N_OUT, stride_om, GATED, HAS_BIAS)
+        _epilogue(acc, acc_up, Bias, Out, RowScale, cols, rows, mask_n, M, N_OUT, stride_om, GATED, HAS_BIAS,
+                  ROW_SCALED)
 
 
 @triton.jit
-def _epilogue(acc, acc_up, Bias, Out, cols, rows, mask_n, M, N_OUT, stride_om,
-              GATED: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """out[rows, cols] = acc.T (+ bias), or silu(gate) * up; float32 until the one rounding."""
+def _epilogue(acc, acc_up, Bias, Out, RowScale, cols, rows, mask_n, M, N_OUT, stride_om,
+              GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr):
+    """out[rows, cols] = acc.T (* row scale) (+ bias), or silu(gate) * up; float32 until the one rounding."""
+    if ROW_SCALED:
+        acc *= tl.load(RowScale + cols, mask=mask_n, other=0.0)[:, None]
+        if GATED:
+            acc_up *= tl.load(RowScale + N_OUT + cols, mask=mask_n, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         if GATED:

@@ -1,0 +1,183 @@
+"""The quantized decode projections at batch 1-8, for `gpu_profile.py --phases qgemv`: per projection of
+the preset and weight format, the method's current path vs the weight-only GEMV (`rxf.plugins.
+quantization.qgemv`) over a small sweep of its settings, with bf16 cuBLAS on the same shape beside
+them. It ends with the `RXF_QGEMV` value the figures favour.
+
+Formats and what the method runs without the GEMV:
+  fp8        FP8 with row scales (online, compressed-tensors): per-token activation quantization,
+             then torch._scaled_mm
+  fp8-block  FP8 with 128 x 128 block scales: per-token-group activation quantization, then the
+             block-scaled Triton GEMM
+  int4       AWQ / GPTQ int4 in groups of 128: `int4_linear` (split-K float32 atomics, memset, cast)
+
+Times are GPU time per call as a decode graph pays it (`gpu_gemv.graph_us`): one call per rotating
+weight copy (>= 512 MB in flight, so L2 holds none), captured in one CUDA graph and replayed. TB/s:
+the bytes the GEMV reads from its weight tensors (codes, scales, zeros) over its time. Every
+candidate's output is checked against F.linear in float32 on the dequantized weight first (the
+current FP8 paths also quantize activations: they get a looser bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import gpu_decode as gd
+import gpu_gemv
+import torch
+import torch.nn.functional as F
+
+BATCHES = gpu_gemv.BATCHES
+TOP = 2  # settings (the fastest at batch 1) timed at every batch
+DEVICE = torch.device("cuda")
+GROUP = 128  # the int4 group and the FP8 scale block
+
+
+def _sweep(fmt: str) -> list[tuple[Any, int]]:
+    """(settings, split factor): the format's default and a few neighbours, each with the split
+    chosen per shape (split_k 0), and the default tile with twice that split. Each is a Triton
+    compile per role, so the list stays short (the phase runs in about a minute)."""
+    from rxf.plugins.quantization.qgemv import DEFAULTS
+
+    base = DEFAULTS[fmt]
+    tiles = {"fp8": [(32, 256, 4, 4)], "fp8-block": [(32, 128, 6, 4)],
+             "int4": [(64, 128, 4, 4), (256, 128, 3, 8)]}[fmt]
+    others = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w) for n, k, st, w in tiles]
+    return [(base, 1), *((s, 1) for s in others), (base, 2)]
+
+
+def _copy(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[SimpleNamespace, torch.Tensor]:
+    """One weight in `fmt` as the method's layer holds it, and its dense float32 weight."""
+    from rxf.plugins.quantization import fp8_ops
+    from rxf.plugins.quantization.int4 import Int4Weights, pack_int32
+
+    if fmt == "int4":
+        codes = torch.randint(0, 16, (k, n), device=DEVICE, dtype=torch.uint8, generator=gen)
+        zeros = torch.randint(0, 16, (k // GROUP, n), device=DEVICE, generator=gen).float()
+        scales = (torch.rand(k // GROUP, n, device=DEVICE, generator=gen) * 2e-3 + 1e-4).bfloat16()
+        dense = Int4Weights(codes, zeros, scales, torch.arange(k, device=DEVICE) // GROUP).dequantize(torch.float32)
+        return SimpleNamespace(weight=pack_int32(codes, 0), scales=scales, zeros=zeros.bfloat16()), dense
+    q, rows = fp8_ops.quantize_rows(torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5)
+    if fmt == "fp8":
+        return SimpleNamespace(weight=q, scales=rows, zeros=None), fp8_ops.dequantize_rows(q, rows, torch.float32)
+    blocks = (torch.rand(n // GROUP, k // GROUP, device=DEVICE, generator=gen) + 0.5) * rows.mean()
+    per_row = blocks.repeat_interleave(GROUP, dim=0).contiguous()  # as the layer holds them
+    dense = fp8_ops.dequantize_blocks(q, per_row, GROUP, torch.float32)
+    return SimpleNamespace(weight=q, scales=blocks.contiguous(), row_scales=per_row, zeros=None), dense
+
+
+def _current(fmt: str, x: torch.Tensor) -> Callable[[SimpleNamespace], torch.Tensor]:
+    from rxf.plugins.quantization import fp8_ops
+    from rxf.plugins.quantization.int4_kernel import int4_linear
+
+    if fmt == "fp8":
+        return lambda c: fp8_ops.scaled_mm_rows(x, c.weight, c.scales, None, None)
+    if fmt == "fp8-block":
+        return lambda c: fp8_ops.block_fp8_linear(x, c.weight, c.row_scales, GROUP, None)
+    return lambda c: int4_linear(x, c.weight, c.scales, c.zeros, GROUP, None)
+
+
+def _resolve(fmt: str, settings: Any, factor: int, c: SimpleNamespace) -> Any:
+    """The QuantGemv of `settings` over copy `c`, its chosen split times `factor`."""
+    from rxf.plugins.quantization.qgemv import QuantGemv
+
+    kw = {"scale_k": c.weight.shape[1]} if fmt == "fp8" else {"scale_k": GROUP, "scale_rows": GROUP if fmt == "fp8-block" else 1}
+    op = QuantGemv(fmt, settings, c.weight, c.scales, c.zeros, **kw)
+    if factor == 1:
+        return op
+    return QuantGemv(fmt, dataclasses.replace(op.settings, split_k=factor * op.settings.split_k), c.weight, c.scales,
+                     c.zeros, **kw)
+
+
+def _timed(fn: Callable[[Any], torch.Tensor], copies: list[Any], ref: torch.Tensor, bound: float) -> float | str:
+    try:
+        err = ((fn(copies[0]).float() - ref).norm() / ref.norm()).item()
+        if not err < bound:
+            return f"error {err:.2e}"
+        return round(gpu_gemv.graph_us(fn, copies), 2)
+    except Exception as e:  # a setting Triton cannot compile here (e.g. shared memory)
+        return f"failed: {type(e).__name__}: {e}"[:120]
+
+
+def _role(fmt: str, role: str, n: int, k: int) -> dict[str, Any]:
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    first, dense = _copy(fmt, n, k, gen)
+    nbytes = sum(t.nbytes for t in (first.weight, first.scales, first.zeros) if t is not None)
+    copies = [first] + [SimpleNamespace(**{key: v.clone() if isinstance(v, torch.Tensor) else v
+                                           for key, v in vars(first).items()})
+                        for _ in range(max(2, min(32, (512 << 20) // nbytes)) - 1)]
+    bf16 = [dense.bfloat16() for _ in range(max(2, min(8, (512 << 20) // (2 * n * k))))]
+    ops = {}  # label -> one QuantGemv per copy (each its own counters)
+    for settings, factor in _sweep(fmt):
+        try:
+            per_copy = [_resolve(fmt, settings, factor, c) for c in copies]
+            ops[per_copy[0].settings.label] = dict(zip(map(id, copies), per_copy, strict=True))
+        except ValueError as e:
+            print(f"{fmt} {role}: {settings.label}: {e}", flush=True)
+    rows: dict[int, dict[str, Any]] = {}
+    for m in BATCHES:
+        x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
+        ref = F.linear(x.float(), dense)
+        row: dict[str, Any] = {
+            "current": _timed(_current(fmt, x), copies, ref, 0.1 if fmt.startswith("fp8") else 1e-2),
+            "bf16_cublas": _timed(lambda w, x=x: F.linear(x, w), bf16, ref, 1e-2),
+        }
+        if m == 1:
+            labels = list(ops)
+        else:
+            timed = {label: v for label, v in rows[1].items() if label in ops and isinstance(v, float)}
+            labels = sorted(timed, key=timed.get)[:TOP]
+        for label in labels:
+            row[label] = _timed(lambda c, x=x, o=ops[label]: o[id(c)](x, None), copies, ref, 1e-2)
+        rows[m] = row
+        gemv = {label: v for label, v in row.items() if label in ops and isinstance(v, float)}
+        best = min(gemv, key=gemv.get) if gemv else None
+        cells = "  ".join(f"{name} {v:.1f}" if isinstance(v, float) else f"{name} {v}" for name, v in row.items()
+                          if name not in ops)
+        if best is None:
+            print(f"{fmt:9s} {role:12s} m={m}: {cells}  no GEMV setting ran", flush=True)
+            continue
+        us = gemv[best]
+        vs = "  ".join(f"{row[name] / us:.2f}x {name}" for name in ("current", "bf16_cublas") if isinstance(row[name], float))
+        print(f"{fmt:9s} {role:12s} m={m}: {cells}  best {best} {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s)  {vs}",
+              flush=True)
+    # Kernel by kernel at batch 1 (torch.profiler): where the current path's time goes.
+    x1, c = torch.randn(1, k, device=DEVICE, generator=gen).bfloat16(), copies[0]
+    current = _current(fmt, x1)
+    rows[1]["profiler_current_us"], rows[1]["profiler_current_kernels"] = gd.kernel_time_us(lambda: current(c))
+    gemv1 = {label: v for label, v in rows[1].items() if label in ops and isinstance(v, float)}
+    if gemv1:
+        op = ops[min(gemv1, key=gemv1.get)][id(c)]
+        rows[1]["profiler_best_us"], rows[1]["profiler_best_kernels"] = gd.kernel_time_us(lambda: op(x1, None))
+    return {"shape": [n, k], "bytes": nbytes, "copies": len(copies), "us": rows, "choice": gpu_gemv.choose(rows, ops, "current", "off")}
+
+
+def qgemv_phase(p: gd.Preset, results: dict[str, Any]) -> str:
+    """Fill results["qgemv"]; return the RXF_QGEMV value the figures favour."""
+    from rxf.plugins.quantization.qgemv import FORMATS, ROLES
+
+    shapes = {role: nk for role, nk in gpu_gemv.shapes(p).items() if role in ROLES}
+    out: dict[str, Any] = {}
+    for fmt in FORMATS:
+        for role, (n, k) in shapes.items():
+            out[f"{fmt}:{role}"] = _role(fmt, role, n, k)
+            torch.cuda.empty_cache()  # that role's weight copies
+    for fmt in FORMATS:  # the batch-1 projections of one decode step, summed from the figures above
+        res = {role: out[f"{fmt}:{role}"]["us"][1] for role in shapes}
+        for name in ("current", "bf16_cublas", "chosen"):
+            total = 0.0
+            for role, row in res.items():
+                setting = out[f"{fmt}:{role}"]["choice"]["setting"]
+                key = name if name != "chosen" else ("current" if setting == "off" else setting)
+                total += row[key] * p.layers if isinstance(row.get(key), float) else float("nan")
+            out[f"step_us_{fmt}_{name}"] = total
+        print(f"{fmt}: projections of one batch-1 step: bf16 cuBLAS {out[f'step_us_{fmt}_bf16_cublas'] / 1e3:.3f} ms, "
+              f"current {out[f'step_us_{fmt}_current'] / 1e3:.3f} ms, chosen {out[f'step_us_{fmt}_chosen'] / 1e3:.3f} ms",
+              flush=True)
+    env = ",".join(f"{fmt}:{role}={out[f'{fmt}:{role}']['choice']['setting']}" for fmt in FORMATS for role in shapes)
+    out["suggested_RXF_QGEMV"] = env
+    print(f"suggested: RXF_QGEMV={env}", flush=True)
+    results["qgemv"] = out
+    return env

@@ -1,0 +1,139 @@
+"""The decode GEMV of quantized weights: `out[m] = x[m] @ dequant(W).T (+ bias)` for m <= 16 rows, in
+one launch, weight-only (w8a16 / w4a16: x stays in its half precision, nothing quantizes it).
+
+The design is `rxf.plugins.models.layers.gemv_kernel`'s (read its docstring): grid (n_blocks,
+SPLIT_K), program (b, s) owns output columns [b * BLOCK_N, (b + 1) * BLOCK_N) and one K range, x's
+rows padded to one 16-row `tl.dot` tile, and the split-K partials, counters, fixed-order reduction
+and epilogue of its `finish` helper. Only the weight tile differs: it is read in its stored form and
+dequantized in registers, inside the K loop.
+
+FORMAT (constexpr):
+  FP8_ROWS    W float8_e4m3fn `[N, K]` (K contiguous), float32 `Scales[N]` (one per output row:
+              online FP8, compressed-tensors per channel, per tensor broadcast to rows). A
+              `[BLOCK_N, BLOCK_K]` tile is upcast to x's dtype (`.to`, exact: every E4M3 value is
+              a bf16 / fp16) and dotted with x; the row scale multiplies once, in the epilogue.
+  FP8_BLOCKS  W as above, float32 `Scales[ceil(N / SCALE_ROWS), ceil(K / SCALE_K)]`: the
+              checkpoint's 128 x 128 block scales (SCALE_ROWS = 128) or one row of block scales per
+              output row (SCALE_ROWS = 1). BLOCK_K divides SCALE_K, so a tile lies in one K block:
+              its dot is scaled by that block's scales before it joins the accumulator.
+  INT4        W int32 `[K / 8, N]` (N contiguous; nibble j of word [r, n] is input 8r + j), `Scales`
+              and `Zeros` `[G, N]` in x's dtype for groups of SCALE_K consecutive inputs (BLOCK_K
+              divides SCALE_K, so a tile lies in one group). The words tile `[BLOCK_N, BLOCK_K / 8]`
+              (loaded along N: 16-byte vectors) is unpacked to codes `[BLOCK_N, BLOCK_K]`; the dot
+              takes `code - zero`, small integers that x's dtype holds exactly, and the group's scale
+              multiplies its product. Int-to-float conversions run at a fraction of the ALU rate, so
+              a code becomes a half by OR-ing it into the mantissa of MAGIC (the bits of OFFSET =
+              1024.0 in fp16, 128.0 in bf16, whose mantissa steps by 1): `bits(MAGIC | code) =
+              OFFSET + code` exactly, and `(OFFSET + code) - (OFFSET + zero)` is exact for the
+              integer zeros 0..16 of AWQ / GPTQ (`qgemv.py` checks them at load).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, ROWS, finish, program_span
+
+FP8_ROWS, FP8_BLOCKS, INT4 = 0, 1, 2  # the weight formats (`fmt`)
+# The same, as the kernel sees them (a global read inside a kernel must be a constexpr).
+_FP8_ROWS, _FP8_BLOCKS, _INT4 = tl.constexpr(FP8_ROWS), tl.constexpr(FP8_BLOCKS), tl.constexpr(INT4)
+# A half whose mantissa counts in units of 1: (its bits, its value), per x dtype.
+_MAGIC = {torch.float16: (0x6400, 1024.0), torch.bfloat16: (0x4300, 128.0), torch.float32: (0, 0.0)}
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in float32; IEEE keeps float32 inputs in full precision (tl.dot would use TF32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _qgemv_kernel(
+    X, W, Scales, Zeros, Bias, Out, Partials, Counters, M, N, K,
+    stride_xm, stride_w, stride_s, stride_om,
+    FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+):
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
+    rows = tl.arange(0, BLOCK_M)  # rows of x
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    x_mask = (rows < M)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if FORMAT == _INT4:
+        words = tl.arange(0, BLOCK_K // 8)
+        w_ptrs = W + (k_lo // 8 + words).to(tl.int64)[None, :] * stride_w + cols[:, None]
+        shifts = tl.arange(0, 8) * 4
+        for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
+            x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0))
+            if EVEN_N:
+                packed = tl.load(w_ptrs)
+            else:
+                packed = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
+            codes = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+            group = (k0 // SCALE_K) * stride_s
+            scale = tl.load(Scales + group + cols, mask=mask_n, other=0.0)
+            zero = tl.load(Zeros + group + cols, mask=mask_n, other=0.0)
+            if IEEE:
+                w = codes.to(tl.float32) - zero[:, None]
+            else:
+                w = (codes | MAGIC).to(tl.int16).to(x_t.dtype, bitcast=True) - (zero + OFFSET)[:, None]
+            acc += _dot(w, x_t, IEEE) * scale.to(tl.float32)[:, None]
+            w_ptrs += (BLOCK_K // 8) * stride_w
+            x_ptrs += BLOCK_K
+    else:
+        w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
+        s_ptrs = Scales + (cols // SCALE_ROWS).to(tl.int64) * stride_s
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0))
+            if EVEN_N:
+                w = tl.load(w_ptrs).to(x_t.dtype)
+            else:
+                w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0).to(x_t.dtype)
+            if FORMAT == _FP8_BLOCKS:
+                scale = tl.load(s_ptrs + k0 // SCALE_K, mask=mask_n, other=0.0)
+                acc += _dot(w, x_t, IEEE) * scale[:, None]
+            elif IEEE:
+                acc = tl.dot(w, x_t, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x_t, acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    finish(acc, acc, Bias, Out, Partials, Counters, Scales, cols, rows, mask_n, M, N, stride_om, pid_n, pid_k,
+           BLOCK_N, SPLIT_K, False, HAS_BIAS, FORMAT == _FP8_ROWS)
+
+
+def qgemv(
+    x: torch.Tensor, fmt: int, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+    bias: torch.Tensor | None, counters: torch.Tensor, *, scale_rows: int, scale_k: int,
+    block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
+) -> torch.Tensor:
+    """`x @ dequant(weight).T + bias` in x's dtype for x `[m <= 16, K]` (contiguous rows), `weight`
+    and `scales` (and int4's `zeros`) as `fmt`'s entry of the module docstring says. `counters`:
+    int32, at least cdiv(N, block_n) zeros, left zeroed."""
+    m, k = x.shape
+    n = weight.shape[1] if fmt == INT4 else weight.shape[0]
+    assert m <= ROWS, f"{m} rows: the GEMV takes at most {ROWS}"
+    assert k % block_k == 0 and scale_k % block_k == 0, (
+        f"K {k} and the scale block {scale_k} must be multiples of block_k {block_k}")
+    assert (weight.shape[0] * 8 if fmt == INT4 else weight.shape[1]) == k, f"weight {tuple(weight.shape)} for K {k}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and scales.stride(-1) == 1, "x, weight and scales need contiguous rows"
+    n_blocks = triton.cdiv(n, block_n)
+    assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partials = (torch.empty(n_blocks * split_k * block_n * ROWS, dtype=torch.float32, device=x.device)
+                if split_k > 1 else out)  # unused without a split
+    magic, offset = _MAGIC[x.dtype]
+    _qgemv_kernel[(n_blocks, split_k)](
+        x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out, partials,
+        counters, m, n, k, x.stride(0), weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
+        FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+        EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k,
+        MAGIC=magic, OFFSET=offset, num_stages=num_stages, num_warps=num_warps,
+    )
+    return out

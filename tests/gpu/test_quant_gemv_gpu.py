@@ -1,0 +1,171 @@
+"""The weight-only decode GEMV of quantized layers (`quantization/qgemv_kernel.py`) on the GPU, in bf16
+(skipped without CUDA; tests/unit/test_quant_gemv.py runs the kernel under the interpreter):
+
+- the kernel as the methods build it at load (`qgemv.fp8_rows`, `fp8_blocks`, `int4`), at the
+  Llama-3-8B projection shapes, batch 1-8, for FP8 with row scales, FP8 with 128 x 128 block scales
+  and int4 in groups of 128 with zero points, against F.linear in float32 on the weight each
+  format's own code dequantizes: < 1% relative error (bf16 output, float32 accumulation); then
+  captured in a CUDA graph and replayed with new inputs: the eager bits, the counters left zeroed;
+- tiny quantized checkpoints through `ModelRunner` with CUDA graphs: at decode (batch 1, 3, 8, after
+  prefills of at most 8 tokens, which take the GEMV too) every method's layers run the GEMV, the
+  graph-replayed step gives the eager step's logits, and both are within 5% of transformers running
+  the dequantized float32 twin (weight-only, so bf16 rounding is the only error: the int4 GEMM's
+  bound in test_quantization_gpu.py; no activation is quantized here, so FP8 meets it too).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from rxf.core.forward import ForwardMode  # noqa: E402
+from rxf.core.runner.model_runner import ModelInput  # noqa: E402
+from rxf.plugins.quantization import fp8_ops, qgemv  # noqa: E402
+from rxf.plugins.quantization.int4 import Int4Weights, pack_int32  # noqa: E402
+from rxf.testing.checkpoints import make_tiny_checkpoint  # noqa: E402
+from rxf.testing.model_harness import ModelHarness  # noqa: E402
+from rxf.testing.quantized_checkpoints import quantize_checkpoint  # noqa: E402
+from rxf.testing.reference import HFReference  # noqa: E402
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
+
+
+@pytest.fixture(autouse=True)
+def default_settings(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv(qgemv.ENV, raising=False)
+    qgemv._plan.cache_clear()
+    yield monkeypatch
+    qgemv._plan.cache_clear()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _layer(fmt: str, role: str, gen: torch.Generator) -> tuple[qgemv.QuantGemv, torch.Tensor]:
+    """(the GEMV the method would build for a `role` layer of `fmt`, its dense float32 weight)."""
+    n, k = SHAPES[role]
+    if fmt == "int4":
+        codes = torch.randint(0, 16, (k, n), device=DEV, dtype=torch.uint8, generator=gen)
+        zeros = torch.randint(0, 16, (k // 128, n), device=DEV, generator=gen).float()
+        scales = (torch.rand(k // 128, n, device=DEV, generator=gen) * 2e-3 + 1e-4).to(BF16)
+        dense = Int4Weights(codes, zeros, scales, torch.arange(k, device=DEV) // 128).dequantize(torch.float32)
+        layer = SimpleNamespace(qweight=pack_int32(codes, 0), scales=scales, zeros=zeros.to(BF16), gemv_role=role)
+        return qgemv.int4(layer, 128), dense
+    q, rows = fp8_ops.quantize_rows(torch.randn(n, k, device=DEV, generator=gen) / k**0.5)
+    if fmt == "fp8":
+        op = qgemv.fp8_rows(SimpleNamespace(weight=q, weight_scale=rows, gemv_role=role))
+        return op, fp8_ops.dequantize_rows(q, rows, torch.float32)
+    blocks = (torch.rand(n // 128, k // 128, device=DEV, generator=gen) + 0.5) * rows.mean()
+    scale_inv = blocks.repeat_interleave(128, dim=0)  # one row of block scales per output row, as loaded
+    op = qgemv.fp8_blocks(SimpleNamespace(weight=q, weight_scale_inv=scale_inv, gemv_role=role), 128, 128)
+    assert op is not None and op.scale_rows == 128, "the kernel reads one scale per 128 x 128 block"
+    return op, fp8_ops.dequantize_blocks(q, scale_inv, 128, torch.float32)
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(m, k, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)).to(BF16)
+
+
+@pytest.mark.parametrize("role", SHAPES)
+@pytest.mark.parametrize("fmt", qgemv.FORMATS)
+def test_gemv_matches_the_dequantized_matmul_and_replays(fmt: str, role: str) -> None:
+    op, dense = _layer(fmt, role, torch.Generator(device=DEV).manual_seed(1))
+    assert op is not None
+    k = SHAPES[role][1]
+    for m in (1, 2, 4, 8):
+        x = _x(m, k, m)
+        out = op(x, None)
+        assert out.dtype == BF16 and out.shape == (m, SHAPES[role][0])
+        assert _rel_err(out, F.linear(x.float(), dense)) < 1e-2, f"m={m}"
+        assert not op.counters.any()
+    static_x = _x(8, k, 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = op(static_x, None)
+    for seed in range(2):
+        static_x.copy_(_x(8, k, 100 + seed))
+        graph.replay()
+        torch.testing.assert_close(static_out, op(static_x, None), rtol=0, atol=0)
+        assert not op.counters.any()
+
+
+@pytest.mark.parametrize("fmt", qgemv.FORMATS)
+def test_gemv_with_a_label_from_the_environment(fmt: str, default_settings: pytest.MonkeyPatch) -> None:
+    """A label as the benchmark prints it (explicit split), with a bias."""
+    default_settings.setenv(qgemv.ENV, f"{fmt}:down_proj=n32k128s4st3w4")
+    qgemv._plan.cache_clear()
+    op, dense = _layer(fmt, "down_proj", torch.Generator(device=DEV).manual_seed(2))
+    assert op.settings.label == "n32k128s4st3w4"
+    bias = torch.randn(4096, device=DEV).to(BF16)
+    for m in (1, 3, 8):
+        x = _x(m, 14336, m)
+        assert _rel_err(op(x, bias), F.linear(x.float(), dense, bias.float())) < 1e-2, f"m={m}"
+
+
+# ---------------------------------------------------------------- quantized checkpoints at decode
+CASES = {"fp8": ("fp8", {}), "ct-channel": ("ct-channel", {}), "ct-tensor-static": ("ct-tensor", {"static": True}),
+         "awq": ("awq", {}), "gptq-desc-act": ("gptq", {"desc_act": True})}
+
+
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("dense"), seed=3, initializer_range=0.1, hidden_size=128,
+                                intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _decode_step(harness: ModelHarness, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(graph-replayed, eager) logits of one decode step of token 11 after each prompt."""
+    runner = harness.runner
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool.clear()
+    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+    lens = [len(p) for p in prompts]
+    runner.forward(ModelInput(ForwardMode.PREFILL, rows, [t for p in prompts for t in p], [0] * len(prompts),
+                              lens, runner.token_to_kv_pool.alloc(sum(lens))))
+    decode = ModelInput(ForwardMode.DECODE, rows, [11] * len(prompts), lens, [1] * len(prompts),
+                        runner.token_to_kv_pool.alloc(len(prompts)))
+    replayed = runner.forward(decode).clone()
+    graphs, runner.cuda_graphs = runner.cuda_graphs, None
+    try:
+        eager = runner.forward(decode).clone()  # the same step again, eagerly
+    finally:
+        runner.cuda_graphs = graphs
+    return replayed, eager
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_quantized_checkpoint_decodes_through_the_gemv(dense_checkpoint, tmp_path, case, monkeypatch) -> None:
+    fmt, opts = CASES[case]
+    q = quantize_checkpoint(dense_checkpoint, tmp_path / "q", fmt, twin=tmp_path / "twin", **opts)
+    harness = ModelHarness(q, "triton", **{"runtime.device": "cuda", "model.dtype": "bfloat16"})
+    assert harness.runner.cuda_graphs is not None
+    layers = harness.runner.model.model.layers[0]
+    for layer in (layers.self_attn.qkv_proj, layers.self_attn.o_proj, layers.mlp.gate_up_proj, layers.mlp.down_proj):
+        assert layer.quant is not None and layer.qgemv is not None, type(layer).__name__
+    calls = []
+    call = qgemv.QuantGemv.__call__
+    monkeypatch.setattr(qgemv.QuantGemv, "__call__", lambda self, x, bias: calls.append(x.shape) or call(self, x, bias))
+    ref = HFReference(tmp_path / "twin")
+    # At most 8 prompt tokens in all, so the prefill also runs the GEMV: no FP8 activation
+    # quantization anywhere in what the decode step reads.
+    for lengths in ([5], [3, 2, 3], [1] * 8):
+        bs = len(lengths)
+        prompts = [[(37 * i + 5 * j) % 390 + 5 for j in range(n)] for i, n in enumerate(lengths)]
+        calls.clear()
+        replayed, eager = _decode_step(harness, prompts)
+        assert (bs, 128) in calls, "the eager decode step ran the quantized GEMV"
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=2e-2 * eager.abs().max().item())
+        for i, prompt in enumerate(prompts):
+            expected = ref.logits(prompt + [11])[-1]
+            assert _rel_err(eager[i].cpu(), expected) < 0.05, f"bs={bs} request {i}"

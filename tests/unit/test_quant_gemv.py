@@ -1,0 +1,141 @@
+"""The weight-only decode GEMV of quantized layers (`quantization/qgemv_kernel.py`) on CPU under the
+Triton interpreter (tiny shapes; float16 and float32, the interpreter's bf16 is wrong), against
+F.linear on the weight dequantized by each format's own code (`fp8_ops.dequantize_rows/blocks`,
+`Int4Weights.dequantize`), and the `RXF_QGEMV` settings. The kernel is reached through the builders
+the methods call at load (`qgemv.fp8_rows`, `fp8_blocks`, `int4`) on stand-in layers; a layer only
+takes it for CUDA inputs, so tests/gpu/test_quant_gemv_gpu.py covers the methods' use of it.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu/test_quant_gemv_gpu.py covers the compiled kernel", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from rxf.plugins.quantization import fp8_ops, qgemv  # noqa: E402
+from rxf.plugins.quantization.int4 import Int4Weights, pack_int32  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+SPLITS = pytest.mark.parametrize("split", [1, 3], ids=lambda s: f"split{s}")
+
+
+@pytest.fixture
+def qgemv_env(monkeypatch: pytest.MonkeyPatch):
+    """Set RXF_QGEMV for the builders (read once per process: the cache is cleared around it)."""
+
+    def set_env(value: str) -> None:
+        monkeypatch.setenv(qgemv.ENV, value)
+        qgemv._plan.cache_clear()
+
+    yield set_env
+    qgemv._plan.cache_clear()
+
+
+def _check(op: qgemv.QuantGemv, x: torch.Tensor, bias: torch.Tensor | None, dense: torch.Tensor) -> None:
+    """op(x) equals F.linear with the dequantized weight, and a second launch gives the same bits."""
+    dtype = x.dtype
+    out = op(x, bias)
+    expected = F.linear(x.double(), dense.double(), None if bias is None else bias.double()).to(dtype)
+    assert out.shape == expected.shape and out.dtype == dtype
+    torch.testing.assert_close(out, expected, rtol=TOL[dtype], atol=TOL[dtype])
+    assert not op.counters.any(), "every counter must be back at 0 after a launch"
+    assert torch.equal(op(x, bias), out), "the split reduction runs in a fixed order"
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@SPLITS
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("scales", ["per-channel", "per-tensor"])
+@DTYPES
+def test_fp8_row_scales(qgemv_env, dtype, scales, m, split):
+    """N = 40 (a partial column block of 16), K = 256 = 4 tiles of 64: split 3 gives spans of 2,
+    2 and an empty one. Per tensor: one scale spread over the rows, as compressed-tensors loads it."""
+    qgemv_env(f"fp8=n16k64s{split}st2w4")
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(40, 256, generator=gen) * 0.05
+    q, scale = fp8_ops.quantize_rows(w)
+    if scales == "per-tensor":
+        scale = scale.max().expand(40).contiguous()
+        q = (w / scale[:, None]).to(fp8_ops.FP8)
+    op = qgemv.fp8_rows(SimpleNamespace(weight=q, weight_scale=scale, gemv_role="o_proj"))
+    assert op is not None and op.settings.label == f"n16k64s{split}st2w4"
+    bias = torch.randn(40, generator=gen).to(dtype)
+    _check(op, _x(m, 256, dtype, m), bias, fp8_ops.dequantize_rows(q, scale, torch.float64))
+
+
+@SPLITS
+@pytest.mark.parametrize("n", [96, 72], ids=["block-table", "row-table"])
+@DTYPES
+def test_fp8_block_scales(qgemv_env, dtype, n, split):
+    """Blocks of 32 x 64 over K = 192. N = 96: each run of 32 rows shares its scales, so the kernel
+    reads the checkpoint's one scale per block; N = 72 (not a multiple of 32): one row of scales per
+    output row. The label's k128 shrinks to the 64-input scale block."""
+    qgemv_env(f"fp8-block:qkv_proj=n16k128s{split}st2w4")
+    gen = torch.Generator().manual_seed(n)
+    q, _ = fp8_ops.quantize_rows(torch.randn(n, 192, generator=gen) * 0.05)
+    blocks = torch.rand(-(-n // 32), 3, generator=gen) * 1e-3 + 1e-4  # one scale per 32 x 64 block
+    scale_inv = blocks.repeat_interleave(32, dim=0)[:n].contiguous()  # one row per output row (fp8_ops)
+    op = qgemv.fp8_blocks(SimpleNamespace(weight=q, weight_scale_inv=scale_inv, gemv_role="qkv_proj"), 32, 64)
+    assert op is not None and op.settings.block_k == 64
+    assert (op.scale_rows, tuple(op.scales.shape)) == ((32, (3, 3)) if n == 96 else (1, (72, 3)))
+    _check(op, _x(5, 192, dtype, n), None, fp8_ops.dequantize_blocks(q, scale_inv, 64, torch.float64))
+
+
+@SPLITS
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("m", [1, 8])
+@DTYPES
+def test_int4(qgemv_env, dtype, m, group, split):
+    """Codes in rxf's CUDA layout (int32 [K / 8, N], input 8r + j in nibble j), zero points 0..15
+    and scales per group; N = 48 (a partial column block of 32), K = 256."""
+    qgemv_env(f"int4=n32k128s{split}st2w4")
+    k, n = 256, 48
+    gen = torch.Generator().manual_seed(m + group)
+    codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
+    scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 1e-3).to(dtype)
+    layer = SimpleNamespace(qweight=pack_int32(codes, 0), scales=scales, zeros=zeros.to(dtype),
+                            gemv_role="down_proj")
+    op = qgemv.int4(layer, group)
+    assert op is not None and op.settings.block_k == min(128, group)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    dense = Int4Weights(codes, zeros, scales.to(dtype), torch.arange(k) // group).dequantize(torch.float64)
+    _check(op, _x(m, k, dtype, m), bias, dense)
+
+
+def test_int4_needs_integer_zero_points(qgemv_env):
+    qgemv_env("")
+    layer = SimpleNamespace(qweight=torch.zeros(8, 16, dtype=torch.int32), scales=torch.ones(1, 16).half(),
+                            zeros=torch.full((1, 16), 7.5).half())
+    assert qgemv.int4(layer, 64) is None, "7.5 - a code is not exact in half precision"
+
+
+def test_settings_from_the_environment(qgemv_env):
+    weight, scale = torch.zeros(64, 512, dtype=fp8_ops.FP8), torch.ones(64)
+    qgemv_env("fp8=n32k128s2st3w4, fp8:down_proj=off,int4:o_proj=auto")
+    assert qgemv.settings_for("fp8", "qkv_proj").label == "n32k128s2st3w4"
+    assert qgemv.settings_for("fp8", "down_proj") is None
+    assert qgemv.settings_for("int4", "o_proj") == qgemv.DEFAULTS["int4"]
+    assert qgemv.settings_for("fp8-block", None) == qgemv.DEFAULTS["fp8-block"]
+    assert qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="down_proj")) is None
+    op = qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="gate_up_proj"))
+    assert op is not None and op.counters.tolist() == [0, 0]
+    assert not op.takes(torch.zeros(1, 512, dtype=torch.bfloat16)), "CPU inputs keep the method's path"
+    # K = 8 * 3 has no power-of-two tile of 16 inputs or more: the method's GEMM serves the layer.
+    assert qgemv.fp8_rows(SimpleNamespace(weight=weight[:, :24], weight_scale=scale)) is None
+    for bad in ("fp8", "fp4=auto", "fp8:lm_head=auto", "int4=n48k128s1st4w4", "int4=fast"):
+        qgemv_env(bad)
+        with pytest.raises(ValueError, match=qgemv.ENV):
+            qgemv.settings_for("int4", None)
