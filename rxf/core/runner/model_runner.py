@@ -513,7 +513,10 @@ class ModelRunner:
         patch = inp.pending.apply if inp.pending is not None else None
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inp.mode, len(inp.input_ids)):
-            return graphs.replay(graphs.pack(*args), patch)
+            logits, aux = graphs.replay(graphs.pack(*args), patch)
+            # The next replay overwrites graph memory, and the auxiliary states are read after the
+            # step (when the next one may already have run, with overlap): copied out.
+            return logits, None if aux is None else aux.clone()
         host = DecodeInputs.pack(*args, padded_bs=len(inp.input_ids))
         dev = DecodeBuffers.upload(host, self.device)
         if patch is not None:
