@@ -91,15 +91,17 @@ def test_every_draft_is_the_heads_greedy_chain(target, head, reference):
     prompt that shares a prefix but not the next token: every proposal is the reference's chain,
     and the outputs are transformers' greedy ones."""
     sched, proposals = recording_scheduler(_config(target, head))
-    prompts = [[5, 17, 33, 48, 17, 33, 60, 7, 9], list(range(40, 70)), [100, 101, 102, 103, 100, 101]]
+    # The last prompt twice in one batch: the second one's chunks are handed to the tree after
+    # the first's, so its row is re-pointed at the first one's slots as it goes.
+    prompts = [[5, 17, 33, 48, 17, 33, 60, 7, 9], list(range(40, 70)), list(range(100, 120)), list(range(100, 120))]
     hf = HFReference(target)
     want = [hf.greedy(p, 12) for p in prompts]
     for attempt in ("first pass", "second pass"):
         for i, p in enumerate(prompts):
             sched.add_request(_request(f"{attempt}-{i}", p, 12))
         got = _drain(sched)
-        assert [got[f"{attempt}-{i}"]["ids"] for i in range(3)] == want, attempt
-    assert [got[f"second pass-{i}"]["cached"] for i in range(3)] == [len(p) - 1 for p in prompts]
+        assert [got[f"{attempt}-{i}"]["ids"] for i in range(4)] == want, attempt
+    assert [got[f"second pass-{i}"]["cached"] for i in range(4)] == [len(p) - 1 for p in prompts]
     # The tree keys (token, next token): a prompt that leaves the cached sequence at position m
     # shares its first m - 1 positions only (the entry at m - 1 read the other next token).
     fork = prompts[1][:20] + [7, 8, 9]
@@ -110,11 +112,17 @@ def test_every_draft_is_the_heads_greedy_chain(target, head, reference):
     check_proposals(reference, proposals)
 
 
-def test_retraction_keeps_drafts_and_outputs_exact(target, head, reference):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_retraction_keeps_drafts_and_outputs_exact(target, head, reference, overlap):
     """A KV pool too small for the batch retracts requests mid-generation: their KV (the head's
-    entries with it) goes to the tree and is matched again on re-admission."""
-    scheduler = {"init_new_token_ratio": 0.01, "min_new_token_ratio": 0.01, "chunked_prefill_size": 8}
-    sched, proposals = recording_scheduler(_config(target, head, cache={"max_total_tokens": 120}, scheduler=scheduler))
+    entries with it) goes to the tree and is matched again on re-admission. With overlap, steps
+    of more than 2 decoding requests do not speculate and overlap: the head absorbs a step's states
+    after the next step was launched (in the runner's worker thread)."""
+    scheduler = {"init_new_token_ratio": 0.01, "min_new_token_ratio": 0.01, "chunked_prefill_size": 8,
+                 "overlap": overlap}
+    spec = {"max_batch_size": 2} if overlap else {}
+    config = _config(target, head, cache={"max_total_tokens": 120}, scheduler=scheduler, speculative=spec)
+    sched, proposals = recording_scheduler(config)
     prompts = [list(range(10 * i + 3, 10 * i + 19)) for i in range(5)]
     for i, p in enumerate(prompts):
         sched.add_request(_request(f"r{i}", p, 20))
@@ -122,7 +130,7 @@ def test_retraction_keeps_drafts_and_outputs_exact(target, head, reference):
     hf = HFReference(target)
     assert [got[f"r{i}"]["ids"] for i in range(5)] == [hf.greedy(p, 20) for p in prompts]
     assert sched.stats().extra["retractions"] > 0
-    assert len(proposals) > 20
+    assert len(proposals) > 10
     check_proposals(reference, proposals)
 
 

@@ -193,9 +193,17 @@ class KVManager:
     def row_writes(self, req: Req, end: int) -> tuple[int, torch.Tensor] | None:
         """(start, slots) of the row entries before position `end` that the device row lacks, or
         None; the handle counts them written from now on (the caller hands them to the forward)."""
+        writes = self.stale_entries(req, end)
+        assert req.kv is not None
+        req.kv.stale_from = None
+        return writes
+
+    def stale_entries(self, req: Req, end: int) -> tuple[int, torch.Tensor] | None:
+        """What `row_writes` gives, left marked stale: for a forward beside the step's (an EAGLE-3
+        head's, which reads the same rows) that must not take the writing over from the next step."""
         h = req.kv
         assert h is not None
-        start, h.stale_from = h.stale_from, None
+        start = h.stale_from
         if start is None or start >= end:
             return None
         return start, h.slots(end)[start:].clone()

@@ -73,7 +73,7 @@ class Speculator:
         if (kind is None) != (draft is None) or (kind is not None and not isinstance(draft, kind)):
             raise ValueError(f"speculative.method {config.method!r}: the drafter given does not fit it")
         if isinstance(draft, Eagle3Drafter) and kv is None:
-            raise ValueError("an EAGLE-3 drafter needs the KV manager (its absorbs rewrite stale row entries)")
+            raise ValueError("an EAGLE-3 drafter needs the KV manager (its absorbs write stale row entries too)")
         self.config = config
         self.grammar = grammar
         self.max_context_len = max_context_len
@@ -165,7 +165,7 @@ class Speculator:
             tokens=req.tokens(start + 1, end + 1),
             slots=req.kv.slots(end)[start:].clone(),
             state_rows=torch.arange(row, row + end - start),
-            row_write=self.kv.row_writes(req, start),
+            row_write=self.kv.stale_entries(req, start),
         )
 
     def record(self, drafted: int, accepted: int) -> None:

@@ -99,7 +99,7 @@ class AbsorbItem:
     """Positions [start, start + len(tokens)) of one request that the head computes from the
     target's states: `tokens` are the tokens after them, `slots` their (target's) slots,
     `state_rows` their rows in the step's auxiliary hidden states, `row_write` the row entries
-    before `start` that the device row lacks (see `KVManager.row_writes`). `req` is None for a
+    before `start` that the device row may lack (`KVManager.stale_entries`). `req` is None for a
     request that finished: nothing is kept for it."""
 
     req: Req | None
