@@ -67,6 +67,7 @@ class Eagle3Attention(LlamaAttention):
         super().__init__(config, 0, bias, rotary_emb, dtype)
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        # Replaces the hidden-wide projection Llama's block built (freed here, once, at load).
         self.qkv_proj = QKVParallelLinear(
             2 * config.hidden_size, head_dim_of(config), num_heads, num_kv_heads, bias, dtype=dtype
         )
