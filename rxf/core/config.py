@@ -267,12 +267,14 @@ class SpeculativeConfig(_Section):
     The output is the one decoding without it gives: the same tokens under greedy sampling, the same
     distribution under temperature sampling (see `rxf/core/speculative/`)."""
 
-    method: Literal["none", "ngram", "draft"] = Field(
+    method: Literal["none", "ngram", "draft", "eagle3"] = Field(
         "none", description="'ngram': draft the continuation of the newest tokens' latest match in prompt + output; "
-        "'draft': a smaller model's greedy continuation (draft_model_path)"
+        "'draft': a smaller model's greedy continuation (draft_model_path); 'eagle3': an EAGLE-3 draft head "
+        "(draft_model_path) fed the target's hidden states"
     )
     draft_model_path: str | None = Field(
-        None, description="method 'draft': a Hugging Face directory of a model with the target's tokenizer"
+        None, description="method 'draft': a Hugging Face directory of a model with the target's tokenizer; "
+        "'eagle3': the directory of an EAGLE-3 head (LlamaForCausalLMEagle3) trained for the target"
     )
     # Defaults measured on the CPU with the demo model (benchmarks/RESULTS.md): a verify of 9 tokens
     # costs ~2.4x a decode step at batch 1 and ~3.4x at batch 8, and single-token matches mostly
@@ -286,8 +288,8 @@ class SpeculativeConfig(_Section):
 
     @model_validator(mode="after")
     def _windows(self) -> SpeculativeConfig:
-        if (self.method == "draft") != (self.draft_model_path is not None):
-            raise ValueError("draft_model_path is required by method 'draft' and used by it only")
+        if (self.method in ("draft", "eagle3")) != (self.draft_model_path is not None):
+            raise ValueError("draft_model_path is required by methods 'draft' and 'eagle3' and used by them only")
         if self.ngram_min_match > self.ngram_max_match:
             raise ValueError(f"ngram_min_match {self.ngram_min_match} must be <= ngram_max_match {self.ngram_max_match}")
         return self

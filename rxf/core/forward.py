@@ -65,6 +65,12 @@ class ForwardBatch:
     # Extend only: per request, its images/videos (`MultimodalItem`s, None for text-only requests);
     # an item's tokens are prompt positions [offset, offset + length).
     mm_items: list[list[MultimodalItem] | None] | None = None
+    # EAGLE-3 draft heads only: the hidden state each new token's row is fed (the target's auxiliary
+    # hidden states, or the head's own feature of the step before), [num_tokens, width].
+    spec_hidden: torch.Tensor | None = None
+    # Set by the forward, not the runner: a target capturing auxiliary hidden states puts them here
+    # (one row per new token), and a draft head its features (one row per logits row).
+    aux_hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -177,3 +177,70 @@ def add_sentence_transformers_config(path: str | Path, pooling: str = "lasttoken
     config = {f"pooling_mode_{mode}": mode == pooling for mode in modes} | {"include_prompt": True}
     (path / "1_Pooling" / "config.json").write_text(json.dumps(config))
     return path
+
+
+def make_tiny_eagle3_head(
+    path: str | Path,
+    target: str | Path,
+    *,
+    seed: int = 0,
+    draft_vocab_size: int = 128,
+    own_embedding: bool = False,
+    std: float = 0.25,
+    **config_overrides: Any,
+) -> Path:
+    """Write a random EAGLE-3 head for the checkpoint `target` into `path` (created) in the layout
+    the public heads ship (`rxf/plugins/models/llama_eagle3.py`): config.json with architectures
+    `LlamaForCausalLMEagle3`, one layer of the target's sizes and `draft_vocab_size`, and
+    model.safetensors with `midlayer.*`, `fc`, `norm`, `lm_head` over a draft vocabulary of
+    `draft_vocab_size` random target ids (ascending), `d2t` / `t2d` for it, and `embed_tokens`
+    when `own_embedding`. Weights ~ N(0, std), norms ~ N(1, 0.1). `config_overrides` go into
+    config.json (e.g. `eagle_aux_hidden_state_layer_ids=[0, 1, 1]`).
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    base = json.loads((Path(target) / "config.json").read_text())
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "rope_theta", "rope_parameters", "rope_scaling", "vocab_size", "max_position_embeddings", "hidden_act",
+            "bos_token_id", "eos_token_id", "pad_token_id")
+    config = {k: base[k] for k in keep if k in base} | {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "draft_vocab_size": draft_vocab_size, "tie_word_embeddings": False, **config_overrides,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    inter = config["intermediate_size"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, mean: float = 0.0, scale: float = std) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale + mean
+
+    tensors = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": rand(hidden, mean=1.0, scale=0.1),
+        "midlayer.hidden_norm.weight": rand(hidden, mean=1.0, scale=0.1),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": rand(hidden, mean=1.0, scale=0.1),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter),
+        "norm.weight": rand(hidden, mean=1.0, scale=0.1),
+        "lm_head.weight": rand(draft_vocab_size, hidden),
+    }
+    hot = torch.randperm(vocab, generator=gen)[:draft_vocab_size].sort().values
+    tensors["d2t"] = hot - torch.arange(draft_vocab_size)
+    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, hot, True)
+    if own_embedding:
+        tensors["embed_tokens.weight"] = rand(vocab, hidden)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path

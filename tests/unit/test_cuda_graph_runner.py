@@ -121,8 +121,8 @@ class _LogitsRunner:
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
 
-    def forward(self, inp) -> torch.Tensor:
-        return self.logits
+    def forward_with_aux(self, inp) -> tuple[torch.Tensor, None]:
+        return self.logits, None
 
 
 def _decode_step(reqs: list[Req]) -> StepBatch:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
-from rxf.core.kvcache.radix_cache import RadixCache, TreeNode
+from rxf.core.kvcache.radix_cache import RadixCache, TokenKey, TreeNode
 
 if TYPE_CHECKING:
     from rxf.core.scheduler.req import Req
@@ -101,10 +101,28 @@ class Reservation:
 
 
 class KVManager:
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool, tree: RadixCache) -> None:
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool: TokenToKVPool, tree: RadixCache,
+        pair_keys: bool = False,
+    ) -> None:
+        """`pair_keys`: the slots also hold K/V that depends on the next token (an EAGLE-3 head's),
+        so the tree keys each position by (token, next token) and only positions whose next token is
+        known enter it: a cached slot is then shared only by sequences that agree on both."""
         self.req_to_token_pool = req_to_token_pool
         self.pool = token_to_kv_pool
         self.tree = tree
+        self.pair_keys = pair_keys
+
+    def _key(self, req: Req, n: int) -> list[TokenKey]:
+        """The tree key of the request's first n positions (with pair_keys, n < known_len)."""
+        if not self.pair_keys:
+            return req.tree_key(n)
+        key = req.tree_key(n + 1)
+        return list(zip(key[:-1], key[1:], strict=True))
+
+    def _keyable(self, req: Req) -> int:
+        """How many of the request's leading positions can be keyed now."""
+        return req.known_len - 1 if self.pair_keys else req.known_len
 
     # ---- capacity ----
     def available(self) -> int:
@@ -129,7 +147,7 @@ class KVManager:
     def _match(self, req: Req, limit: int | None) -> tuple[torch.Tensor, TreeNode]:
         # At least one token stays uncomputed: the forward must produce logits for the last one.
         n = req.known_len - 1
-        return self.tree.match_prefix(req.tree_key(n if limit is None else min(n, limit)))
+        return self.tree.match_prefix(self._key(req, n if limit is None else min(n, limit)))
 
     def match_len(self, req: Req) -> int:
         """Tokens of the request cached now (for ordering only: nothing is locked)."""
@@ -175,9 +193,17 @@ class KVManager:
     def row_writes(self, req: Req, end: int) -> tuple[int, torch.Tensor] | None:
         """(start, slots) of the row entries before position `end` that the device row lacks, or
         None; the handle counts them written from now on (the caller hands them to the forward)."""
+        writes = self.stale_entries(req, end)
+        assert req.kv is not None
+        req.kv.stale_from = None
+        return writes
+
+    def stale_entries(self, req: Req, end: int) -> tuple[int, torch.Tensor] | None:
+        """What `row_writes` gives, left marked stale: for a forward beside the step's (an EAGLE-3
+        head's, which reads the same rows) that must not take the writing over from the next step."""
         h = req.kv
         assert h is not None
-        start, h.stale_from = h.stale_from, None
+        start = h.stale_from
         if start is None or start >= end:
             return None
         return start, h.slots(end)[start:].clone()
@@ -186,15 +212,15 @@ class KVManager:
         """Hand the request's computed KV to the tree so that others can share it while it runs.
 
         Only KV of resolved steps is cached (a step in flight may still fail), and only tokens whose
-        values are known can be keyed: afterwards `[0, min(computed, known_len))` is tree-held and
-        locked by this request.
+        values are known can be keyed: afterwards `[0, min(computed, keyable))` is tree-held and
+        locked by this request (`_keyable`: known_len, or known_len - 1 with pair_keys).
         """
         h = req.kv
         assert h is not None
         if self.tree.disable:  # nothing to share; insert would take the slots we still use
             return
-        end = min(h.computed, req.known_len)
-        key = req.tree_key(end)
+        end = min(h.computed, self._keyable(req))
+        key = self._key(req, end)
         already = self.tree.insert(key, h.slots(end))
         # Our slots for tokens the tree already had are duplicates: give them back.
         if already > h.cached:
@@ -217,12 +243,12 @@ class KVManager:
         h = req.kv
         if h is None:
             return
-        end = max(min(h.computed, req.known_len), h.cached)
+        end = max(min(h.computed, self._keyable(req)), h.cached)
         slots = h.slots()
         if keep_in_tree:
             # The tree takes slots[already:end]; ours for tokens it already had are duplicates.
             # (A disabled tree reports every token as already there, so all of ours are freed.)
-            already = self.tree.insert(req.tree_key(end), slots[:end])
+            already = self.tree.insert(self._key(req, end), slots[:end])
             self.pool.free(slots[h.cached : max(already, h.cached)])
             self.pool.free(slots[end:])
         else:

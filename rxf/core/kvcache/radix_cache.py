@@ -11,7 +11,8 @@ that node and all its ancestors, so the slots the request reads cannot be evicte
 
 Keys are token ids, except that a request with a `cache_salt` has its first token replaced by
 (salt, token) (`Req.tree_key`): a tuple never equals an int or another salt's tuple, so each salt
-gets a subtree of its own below the root and the tree only compares keys for equality.
+gets a subtree of its own below the root and the tree only compares keys for equality. With an
+EAGLE-3 head each key is the pair (key, next token) (`KVManager(pair_keys=True)`).
 
 Handles stay valid across splits: a split puts a new node *above* the existing one, so a node
 object always covers the same full prefix from the root, and unlocking an old handle releases
@@ -23,12 +24,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from rxf.core.kv_pool import TokenToKVPool
 
-TokenKey = int | tuple[str, int]  # a token id, or a salted first token (see the module docstring)
+# A token id, a salted first token, or either paired with the next token (see the module docstring).
+TokenKey = int | tuple[Any, int]
 
 
 def _no_slots() -> torch.Tensor:

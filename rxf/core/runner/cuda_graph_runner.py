@@ -196,7 +196,8 @@ class CudaGraphRunner:
         self.width = max(sizes)
         self.buffers = DecodeBuffers.allocate(self.width, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # Per bucket: the logits and the model's `ForwardBatch.aux_hidden` (None unless it sets them).
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.warm_up_s = self.capture_s = 0.0  # startup cost, for logs and benchmarks
         attn_backend.init_cuda_graph_state(self.width)
         self._capture_all(sorted(sizes, reverse=True), budget_s)
@@ -211,9 +212,12 @@ class CudaGraphRunner:
         assert bucket is not None, "pack() needs a batch that can_run()"
         return DecodeInputs.pack(input_ids, prefix_lens, rows, slots, bucket, self.width)
 
-    def replay(self, host: DecodeInputs, patch: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """float32 logits `[host.bs, vocab]`: a view into graph memory, valid until the next replay.
-        `patch(input_ids)` may then rewrite input ids on the device (tokens the host does not know)."""
+    def replay(
+        self, host: DecodeInputs, patch: Callable[[torch.Tensor], None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float32 logits `[host.bs, vocab]` and the auxiliary hidden states (if the model gives them):
+        views into graph memory, valid until the next replay. `patch(input_ids)` may then rewrite
+        input ids on the device (tokens the host does not know)."""
         self.buffers.fill(host)
         if patch is not None:
             patch(self.buffers.ints[INPUT_IDS])
@@ -221,7 +225,8 @@ class CudaGraphRunner:
         batch = self._batch(host)
         self.attn_backend.init_forward_metadata_replay(batch)
         self.graphs[host.padded_bs].replay()
-        return self.outputs[host.padded_bs][: host.bs]
+        logits, aux = self.outputs[host.padded_bs]
+        return logits[: host.bs], None if aux is None else aux[: host.bs]
 
     def _batch(self, host: DecodeInputs) -> ForwardBatch:
         return self.buffers.forward_batch(host, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend)
@@ -250,7 +255,8 @@ class CudaGraphRunner:
             batch = self._warm_up(bs)  # per size: lazily compiled kernel variants must exist before capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self.model(batch)
+                logits = self.model(batch)
+            self.outputs[bs] = (logits, batch.aux_hidden)  # the captured forward's tensors
             self.graphs[bs] = graph
             torch.cuda.synchronize()
             last_s = time.perf_counter() - began

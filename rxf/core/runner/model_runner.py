@@ -64,8 +64,11 @@ class ModelInput:
     # writes over the pad tokens that fall in this forward's new tokens.
     mm_items: list[list[MultimodalItem] | None] | None = None
     # Input tokens the previous step sampled and the host has not read (their input_ids entries
-    # are placeholders): overlap scheduling.
+    # are placeholders): overlap scheduling, and a draft head's own drafts.
     pending: PendingTokens | None = None
+    # A draft head's forward (EAGLE-3): the hidden state of each new token, on the device
+    # (`ForwardBatch.spec_hidden`).
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -188,9 +191,19 @@ def _select_backend(
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, registry: PluginRegistry, model_path: str) -> None:
+    def __init__(
+        self, config: EngineConfig, registry: PluginRegistry, model_path: str, *,
+        aux_hidden_layers: tuple[int, ...] = (), draft_of: ModelRunner | None = None,
+    ) -> None:
+        """`aux_hidden_layers`: the target of an EAGLE-3 head, whose forwards also give the inputs of
+        these layers (`forward_with_aux`). `draft_of`: this runner holds a draft head (an EAGLE-3 head)
+        that runs beside the runner `draft_of`: it reads that runner's req_to_token rows and serves
+        its context, and its KV pool has that runner's slots (one more set of layers over the same slot
+        numbers, so whatever holds a slot, a request or the radix cache, holds the head's K/V too)."""
         start = time.perf_counter()
         self.config = config
+        self.draft_of = draft_of
+        self.aux_hidden_layers = aux_hidden_layers
         if config.runtime.cpu_threads:
             torch.set_num_threads(config.runtime.cpu_threads)
         torch.manual_seed(config.runtime.seed)
@@ -202,17 +215,28 @@ class ModelRunner:
         self.dtype = _resolve_dtype(config.model.dtype, self.hf_config, self.device)
         self.vocab_size: int = text.vocab_size
         model_cls = registry.model_class(self.hf_config.architectures or [])
+        if getattr(model_cls, "is_draft_head", False) != (draft_of is not None):
+            raise ValueError(
+                f"{model_path}: {model_cls.__name__} is a draft head; serve it as speculative.draft_model_path"
+                if draft_of is None else f"{model_path}: {model_cls.__name__} is not a draft head"
+            )
         # A class may say how long a context its checkpoint serves (rope scaling can extend
         # max_position_embeddings); it is then told the context it serves (`context_length=`).
+        # A draft head serves its target's positions.
         supported = getattr(model_cls, "max_context_length", None)
-        checkpoint_len = int(supported(self.hf_config) if supported else text.max_position_embeddings)
+        if draft_of is not None:
+            if self.vocab_size != draft_of.vocab_size:
+                raise ValueError(f"its vocab_size {self.vocab_size} is not the target's {draft_of.vocab_size}")
+            checkpoint_len = draft_of.max_context_len
+        else:
+            checkpoint_len = int(supported(self.hf_config) if supported else text.max_position_embeddings)
         self.max_context_len = config.model.context_length or checkpoint_len
         if self.max_context_len > checkpoint_len:
             raise ValueError(
                 f"model.context_length {self.max_context_len} exceeds the {checkpoint_len} tokens the checkpoint "
                 f"supports (max_position_embeddings {text.max_position_embeddings}, and its rope scaling)"
             )
-        served = {"context_length": self.max_context_len} if supported else {}
+        served = {"context_length": self.max_context_len} if supported or draft_of is not None else {}
         random_weights = config.model.load_format == "random"
         method = quantization.select_method(registry, self.hf_config, config.model.quantization, self.dtype,
                                             getattr(model_cls, "native_quant_methods", ()))
@@ -233,6 +257,14 @@ class ModelRunner:
             self.model.load_weights(weights)
         quantization.finish_loading(self.model)
         self.model.eval()
+        if aux_hidden_layers:
+            capture = getattr(self.model, "capture_aux_hidden_states", None)
+            if capture is None:
+                raise ValueError(
+                    f"speculative.method 'eagle3': {model_cls.__name__} cannot give the hidden states an EAGLE-3 "
+                    "head reads (Llama-family targets can)"
+                )
+            capture(aux_hidden_layers)  # before CUDA graphs are captured: they must return them too
         # An embedding model pools the final hidden states (`hidden_states`) and computes no logits.
         self.pooling = None
         if config.model.task == "embed":
@@ -279,12 +311,18 @@ class ModelRunner:
         max_running = self.config.scheduler.max_running_requests
         # What the pool stores: the model dtype, or FP8 (one byte an element: twice bf16's tokens).
         self.kv_dtype = kv_storage_dtype(self.config.cache.kv_dtype, self.dtype)
-        self.max_total_tokens = self.config.cache.max_total_tokens or self._slots_from_memory(
-            2 * num_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize, max_running
-        )
-        # Every rank's scheduler must admit the same requests: all size their pool like the fullest GPU.
-        self.max_total_tokens = distributed.tp_min(self.max_total_tokens)
-        self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
+        if self.draft_of is not None:  # the target's rows and slot numbers
+            self.max_total_tokens = self.draft_of.max_total_tokens
+            self.req_to_token_pool = self.draft_of.req_to_token_pool
+        else:
+            # An EAGLE-3 head keeps one more layer's K/V per slot (its own pool): counted here.
+            sized_layers = num_layers + (1 if self.aux_hidden_layers else 0)
+            self.max_total_tokens = self.config.cache.max_total_tokens or self._slots_from_memory(
+                2 * sized_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize, max_running
+            )
+            # Every rank's scheduler must admit the same requests: all size their pool like the fullest GPU.
+            self.max_total_tokens = distributed.tp_min(self.max_total_tokens)
+            self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.kv_dtype, self.device
         )
@@ -407,6 +445,11 @@ class ModelRunner:
         """float32 logits `[num_logits, vocab]` on the device: per request in order, its requested
         rows (decode: its one token; extend: new tokens logits_start[i].. or the last) ascending.
         An embedding model (`pooling` set) returns those rows' final hidden states instead."""
+        return self.forward_with_aux(inp)[0]
+
+    def forward_with_aux(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`'s result and what the model put in `ForwardBatch.aux_hidden` (None unless the model
+        captures auxiliary hidden states or is a draft head), on the device."""
         self._validate(inp)
         if inp.mode.is_decode():
             with torch.inference_mode():
@@ -455,11 +498,13 @@ class ModelRunner:
                 token_to_kv_pool=self.token_to_kv_pool,
                 attn_backend=self.attn_backend,
                 mm_items=inp.mm_items,
+                spec_hidden=inp.hidden,
             )
             self.attn_backend.init_forward_metadata(batch)
-            return self.model.hidden_states(batch) if self.pooling is not None else self.model(batch)
+            out = self.model.hidden_states(batch) if self.pooling is not None else self.model(batch)
+            return out, batch.aux_hidden
 
-    def _forward_decode(self, inp: ModelInput) -> torch.Tensor:
+    def _forward_decode(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replayed from a CUDA graph when a captured bucket holds the batch, else eager; either way the
         inputs reach the device in two non-blocking copies and only real rows write req_to_token."""
         self._write_req_to_token(inp)  # row writes only: new tokens' slots go with the packed inputs
@@ -468,12 +513,16 @@ class ModelRunner:
         patch = inp.pending.apply if inp.pending is not None else None
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inp.mode, len(inp.input_ids)):
-            return graphs.replay(graphs.pack(*args), patch)
+            logits, aux = graphs.replay(graphs.pack(*args), patch)
+            # The next replay overwrites graph memory, and the auxiliary states are read after the
+            # step (when the next one may already have run, with overlap): copied out.
+            return logits, None if aux is None else aux.clone()
         host = DecodeInputs.pack(*args, padded_bs=len(inp.input_ids))
         dev = DecodeBuffers.upload(host, self.device)
         if patch is not None:
             patch(dev.ints[INPUT_IDS])
         dev.write_req_to_token(self.req_to_token_pool.req_to_token, host.bs)
         batch = dev.forward_batch(host, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend)
+        batch.spec_hidden = inp.hidden
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch)
+        return self.model(batch), batch.aux_hidden

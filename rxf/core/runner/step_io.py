@@ -95,6 +95,10 @@ class StepResult:
     pooled: torch.Tensor | None = None
     row_errors: dict[int, BaseException] = field(default_factory=dict)  # per request: its sampling failed
     error: BaseException | None = None  # the whole step failed (its KV was not computed)
+    # EAGLE-3: the target's auxiliary hidden states of every token the step computed (rows in the
+    # batch's token order). The one device tensor here: it feeds the draft head and never reaches
+    # the host.
+    aux_hidden: torch.Tensor | None = None
 
 
 class StepRunner(Protocol):

@@ -65,6 +65,7 @@ class _Done:
     event: torch.cuda.Event | None = None
     row_errors: dict[int, BaseException] = field(default_factory=dict)
     error: BaseException | None = None
+    aux_hidden: torch.Tensor | None = None  # the target's auxiliary hidden states (EAGLE-3), on the device
 
 
 @dataclass
@@ -95,7 +96,7 @@ class StepExecutor:
             if self.faults is not None:
                 self.faults.check("forward", batch.reqs)
             inp, starts = self._model_input(batch)
-            logits = self.runner.forward(inp)
+            logits, aux = self.runner.forward_with_aux(inp)
             if self.runner.pooling is not None:  # an embedding model: hidden states, nothing sampled
                 with torch.inference_mode():
                     return self._pooled(inp, logits, layout)
@@ -103,7 +104,9 @@ class StepExecutor:
             self._last_ids = None
             return _Done(layout, error=exc)
         with torch.inference_mode():
-            return self._sample_and_pack(batch, inp, starts, logits, layout)
+            done = self._sample_and_pack(batch, inp, starts, logits, layout)
+        done.aux_hidden = aux
+        return done
 
     def _model_input(self, batch: StepBatch) -> tuple[ModelInput, list[int]]:
         """The forward's input, and each request's first logits row."""
@@ -294,7 +297,9 @@ class StepExecutor:
         if done.layout.pooled:
             return StepResult(pooled=done.host)
         flat: list[float] = done.host.tolist() if done.host is not None else []
-        return _unpack(handle.batch, done, flat, self.vocab_size)
+        result = _unpack(handle.batch, done, flat, self.vocab_size)
+        result.aux_hidden = done.aux_hidden
+        return result
 
 
 def _copy_to_host(done: _Done, result: torch.Tensor) -> None:

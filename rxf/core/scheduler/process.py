@@ -84,6 +84,7 @@ def run_scheduler_process(
         from rxf.core.runner.model_runner import ModelRunner
         from rxf.core.scheduler.scheduler import Scheduler
         from rxf.core.speculative.draft import load_draft_model
+        from rxf.core.speculative.eagle import load_eagle3, target_aux_layers
 
         governor = None
         if placement is not None:
@@ -96,9 +97,9 @@ def run_scheduler_process(
             torch.set_num_threads(default_cpu_threads())
             governor = CpuThreadGovernor.for_this_machine(default_cpu_threads())
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
-        runner = ModelRunner(config, registry, model_path)
+        runner = ModelRunner(config, registry, model_path, aux_hidden_layers=target_aux_layers(config, model_path))
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or model_path)
-        draft = load_draft_model(config, registry, runner)
+        draft = load_draft_model(config, registry, runner) or load_eagle3(config, registry, runner)
         scheduler = Scheduler(
             config, runner, tokenizer, check_memory=os.environ.get("RXF_CHECK_MEMORY") == "1", draft=draft
         )

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from rxf.core.kvcache.kv_manager import KVHandle
     from rxf.core.kvcache.radix_cache import TokenKey
     from rxf.core.speculative.draft import DraftKV
+    from rxf.core.speculative.eagle import EagleState
     from rxf.core.speculative.ngram import NgramIndex
 
 
@@ -71,6 +72,7 @@ class Req:
     # draft model's KV, and its decode forwards while speculation was on (`meta_info["spec_verify_ct"]`).
     ngram: NgramIndex | None = None
     draft_kv: DraftKV | None = None  # its KV in the draft model's pool (method "draft")
+    eagle: EagleState | None = None  # where its EAGLE-3 head's next draft starts (method "eagle3")
     spec_verify_ct: int = 0
 
     @property
@@ -107,6 +109,11 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """`fill_ids[start:end]` (0 <= start <= end), without building fill_ids."""
+        prompt, n = self.origin_input_ids, len(self.origin_input_ids)
+        return prompt[start:end] + self.output_ids[max(start - n, 0) : max(end - n, 0)]
 
     def tree_key(self, n: int) -> list[TokenKey]:
         """The radix-tree key of the first n tokens of `fill_ids`. A salted request's first token

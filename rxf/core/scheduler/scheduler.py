@@ -55,6 +55,7 @@ from rxf.core.scheduler.req import Req
 from rxf.core.scheduler.speculation import Speculator
 from rxf.core.speculative.accept import accepted_tokens
 from rxf.core.speculative.draft import DraftModel
+from rxf.core.speculative.eagle import Eagle3Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class _Launched:
 class Scheduler:
     def __init__(
         self, config: EngineConfig, runner: StepRunner, tokenizer, check_memory: bool = False,
-        draft: DraftModel | None = None,
+        draft: DraftModel | Eagle3Drafter | None = None,
     ) -> None:
         self.config = config
         self.sc = config.scheduler
@@ -111,14 +112,15 @@ class Scheduler:
         # computing it would give, and the last token is always computed: `KVManager._match`).
         mean_pooling = self.pooling is not None and self.pooling.method == "mean"
         self.tree = RadixCache(runner.token_to_kv_pool, disable=config.cache.disable_radix_cache or mean_pooling)
-        self.kv = KVManager(runner.req_to_token_pool, runner.token_to_kv_pool, self.tree)
+        pair_keys = draft is not None and draft.pairs_tree_keys  # an EAGLE-3 head's KV shares the slots
+        self.kv = KVManager(runner.req_to_token_pool, runner.token_to_kv_pool, self.tree, pair_keys)
         eos = set(runner.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
         self.stop = StopChecker(tokenizer, sorted(eos), runner.max_context_len)
         self.grammar = ConstrainedDecoding.create(config, tokenizer, runner.vocab_size, self.stop)
         spec = config.speculative
-        self.spec = None if spec.method == "none" else Speculator(spec, self.grammar, runner.max_context_len, draft)
+        self.spec = None if spec.method == "none" else Speculator(spec, self.grammar, runner.max_context_len, draft, self.kv)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # requests holding KV (decoding, or between prefill chunks)
         self.new_token_ratio = self.sc.init_new_token_ratio
@@ -396,6 +398,8 @@ class Scheduler:
                 req.inflight -= 1
         if result.error is not None:
             return self._fail_step(batch, result.error)
+        if self.spec is not None:
+            self.spec.open_step(batch, result)
         outs: list[TokenOut] = []
         live = [i for i, r in enumerate(batch.reqs) if not r.finished and r.kv is not None]
         for i in live:
@@ -425,6 +429,8 @@ class Scheduler:
                 outs += self._accept(req, result, first, drafts, kv_start, force_send=not launched.decode[i])
             elif completes and req.sampling_params.max_new_tokens == 0:
                 outs.append(self._finish(req, FinishReason("length")))  # prefill only (or an embedding)
+        if self.spec is not None:
+            self.spec.close_step()
         return outs
 
     def _pool(self, req: Req, part: torch.Tensor, complete: bool) -> None:
@@ -510,9 +516,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:  # retracted while its last step ran
             self.waiting.remove(req)
-        self.kv.release(req)
-        if self.spec is not None:
+        if self.spec is not None:  # first: an EAGLE-3 head computes what the tree is about to take
             self.spec.release(req)
+        self.kv.release(req)
         return make_token_out(req, finished=True)
 
     # ---- stats ----

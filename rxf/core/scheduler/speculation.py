@@ -1,7 +1,8 @@
 """Speculative decoding in the scheduler: which decoding requests get drafts, and how many.
 
-Proposers: "ngram" (`speculative/ngram.py`, per request on the host) and "draft" (a smaller model
-run ahead of the target, `speculative/draft.py`, batched over the step's requests).
+Proposers: "ngram" (`speculative/ngram.py`, per request on the host), "draft" (a smaller model
+run ahead of the target, `speculative/draft.py`, batched over the step's requests) and "eagle3"
+(an EAGLE-3 head fed the target's hidden states, `speculative/eagle.py`).
 
 Drafts are planned with the decode rows (`Scheduler._plan_decode`): each request's newest token
 plus its drafts become an extend over its cached prefix, with a slot for every drafted token taken
@@ -19,6 +20,11 @@ room for only one more token. A grammar truncates the drafts before the first on
 Overlap: a step with drafts is always postprocessed before the next step is planned (the next
 drafts come from its accepted tokens), so speculative steps run without overlap; steps above
 `speculative.max_batch_size` decoding requests overlap as before.
+
+EAGLE-3: every step's postprocessing is bracketed by `open_step` and `close_step`, between which
+the head absorbs the target's states of the positions the step kept (`Eagle3Drafter.absorb`):
+those of every request still running at `close_step`, and those of a request that finishes
+meanwhile at its `release` (before its KV goes to the tree), all in one forward of the head.
 """
 
 from __future__ import annotations
@@ -26,10 +32,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from rxf.core.config import SpeculativeConfig
+from rxf.core.kvcache.kv_manager import KVManager
+from rxf.core.runner.step_io import StepBatch, StepResult
 from rxf.core.scheduler.constrained import ConstrainedDecoding
 from rxf.core.scheduler.req import Req
 from rxf.core.speculative.draft import DraftModel
+from rxf.core.speculative.eagle import AbsorbItem, Eagle3Drafter
 from rxf.core.speculative.ngram import NgramIndex
 
 logger = logging.getLogger(__name__)
@@ -42,18 +53,34 @@ class SpecCounters:
     verify_steps: int = 0  # forwards in which some request had drafts
 
 
+@dataclass
+class _StepStates:
+    """The target's auxiliary hidden states of the step being postprocessed, and where each of its
+    requests' tokens start among their rows."""
+
+    batch: StepBatch
+    states: torch.Tensor
+    first_row: dict[int, tuple[int, int]]  # id(req) -> (request index, first row)
+    items: list[AbsorbItem]
+
+
 class Speculator:
     def __init__(
         self, config: SpeculativeConfig, grammar: ConstrainedDecoding, max_context_len: int,
-        draft: DraftModel | None = None,
+        draft: DraftModel | Eagle3Drafter | None = None, kv: KVManager | None = None,
     ) -> None:
-        if (config.method == "draft") != (draft is not None):
-            raise ValueError("speculative.method 'draft' needs the draft model's runner (and only it)")
+        kind = {"draft": DraftModel, "eagle3": Eagle3Drafter}.get(config.method)
+        if (kind is None) != (draft is None) or (kind is not None and not isinstance(draft, kind)):
+            raise ValueError(f"speculative.method {config.method!r}: the drafter given does not fit it")
+        if isinstance(draft, Eagle3Drafter) and kv is None:
+            raise ValueError("an EAGLE-3 drafter needs the KV manager (its absorbs write stale row entries too)")
         self.config = config
         self.grammar = grammar
         self.max_context_len = max_context_len
         self.draft = draft
+        self.kv = kv
         self.counters = SpecCounters()
+        self._step: _StepStates | None = None
 
     def applies(self, num_decoding: int) -> bool:
         """Whether a decode step of this many requests speculates."""
@@ -85,9 +112,61 @@ class Speculator:
         return req.ngram.propose(budget)
 
     def release(self, req: Req) -> None:
-        """The request gives up its KV (finish, abort, retraction): so does its draft's."""
+        """The request gives up its KV (finish, abort, retraction): so does its draft's. Called
+        before the KV is released: a request finishing in the step being postprocessed first has
+        that step's positions absorbed (they may enter the tree)."""
+        step = self._step
+        if step is not None and id(req) in step.first_row:
+            item = self._absorb_item(step, req, *step.first_row.pop(id(req)), keep=False)
+            if item is not None:
+                step.items.append(item)
         if self.draft is not None:
             self.draft.release(req)
+
+    # ---- EAGLE-3: the head absorbs each step's target states ----
+    def open_step(self, batch: StepBatch, result: StepResult) -> None:
+        """Before the step's samples are accepted."""
+        if not isinstance(self.draft, Eagle3Drafter) or result.aux_hidden is None:
+            return
+        first_row, row = {}, 0
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens, strict=True)):
+            if not req.finished and req.kv is not None:  # (one that ended while the step ran is gone)
+                first_row[id(req)] = (i, row)
+            row += n
+        self._step = _StepStates(batch, result.aux_hidden, first_row, [])
+
+    def close_step(self) -> None:
+        """After the step's samples are accepted: absorb the positions it kept."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        assert isinstance(self.draft, Eagle3Drafter)
+        for i, row in step.first_row.values():
+            item = self._absorb_item(step, step.batch.reqs[i], i, row, keep=True)
+            if item is not None:
+                step.items.append(item)
+        self.draft.absorb(step.items, step.states)
+
+    def _absorb_item(self, step: _StepStates, req: Req, i: int, row: int, keep: bool) -> AbsorbItem | None:
+        """Request i's positions of the step whose KV it kept and whose next token is known
+        (`row`: the first of its tokens' rows in the step's states)."""
+        assert self.kv is not None
+        if req.kv is None:
+            return None
+        batch = step.batch
+        start = batch.prefix_lens[i]
+        end = min(start + batch.extend_lens[i], req.known_len - 1, req.kv_len)
+        if end <= start:
+            return None
+        return AbsorbItem(
+            req=req if keep else None,
+            row=req.kv.row,
+            start=start,
+            tokens=req.tokens(start + 1, end + 1),
+            slots=req.kv.slots(end)[start:].clone(),
+            state_rows=torch.arange(row, row + end - start),
+            row_write=self.kv.stale_entries(req, start),
+        )
 
     def record(self, drafted: int, accepted: int) -> None:
         self.counters.drafted_tokens += drafted

@@ -49,6 +49,8 @@ def _token(req: Req, p: int) -> int:
 
 
 class DraftModel:
+    pairs_tree_keys = False  # its KV lives in its own pool: the radix tree keys tokens as usual
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.pool = runner.token_to_kv_pool

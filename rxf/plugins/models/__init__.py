@@ -1,4 +1,4 @@
-"""Builtin model plugin: Llama-family architectures, Mixtral, Phi-3, Gemma 2 / 3 and the LLaVA family, registered lazily by Hugging Face name.
+"""Builtin model plugin: Llama-family architectures, Mixtral, Phi-3, Gemma 2 / 3, the LLaVA family and EAGLE-3 draft heads, registered lazily by Hugging Face name.
 
 Only strings are registered, so loading this plugin imports neither torch nor the model code.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 from rxf.core.hookspecs import RegisterFactory, hookimpl
 
 _LLAMA = "rxf.plugins.models.llama"
+_LLAMA_EAGLE3 = "rxf.plugins.models.llama_eagle3"
 _MIXTRAL = "rxf.plugins.models.mixtral"
 _LLAVA = "rxf.plugins.models.llava"
 _GPT_OSS = "rxf.plugins.models.gpt_oss"
@@ -21,6 +22,7 @@ _GEMMA3_MM = "rxf.plugins.models.gemma3_mm"
 @hookimpl
 def rxf_register_models(register: RegisterFactory) -> None:
     register("LlamaForCausalLM", f"{_LLAMA}:LlamaForCausalLM")
+    register("LlamaForCausalLMEagle3", f"{_LLAMA_EAGLE3}:LlamaForCausalLMEagle3")  # a draft head (eagle3)
     register("MistralForCausalLM", f"{_LLAMA}:MistralForCausalLM")
     register("Qwen2ForCausalLM", f"{_LLAMA}:Qwen2ForCausalLM")
     register("MixtralForCausalLM", f"{_MIXTRAL}:MixtralForCausalLM")

@@ -137,6 +137,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # EAGLE-3 (`LlamaForCausalLM.capture_aux_hidden_states`): layers whose inputs a forward also returns.
+    aux_hidden_layers: tuple[int, ...] = ()
+
     def __init__(
         self,
         config: Any,
@@ -170,8 +173,13 @@ class LlamaModel(nn.Module):
         replaces the token embeddings (multimodal models write vision features into them)."""
         x = self.embed_tokens(batch.input_ids) if input_embeds is None else input_embeds
         residual = None
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_layers:  # layer i's input (a copy: the layers' fused norms work in place)
+                aux[i] = x.clone() if residual is None else x + residual
             x, residual = layer(x, residual, batch)
+        if aux:
+            batch.aux_hidden = torch.cat([aux[i] for i in self.aux_hidden_layers], dim=-1)
         assert residual is not None, "a model has at least one layer"
         return x, residual
 
@@ -235,6 +243,19 @@ class LlamaForCausalLM(nn.Module):
         """What the logits head reads, and what an embedding model pools (`model.task = "embed"`
         calls this instead of `forward`): `final_hidden_states`."""
         return final_hidden_states(self.model, batch, input_embeds)
+
+    def capture_aux_hidden_states(self, layer_ids: tuple[int, ...]) -> None:
+        """EAGLE-3: every forward also sets `batch.aux_hidden` to the inputs of layers `layer_ids`
+        (transformers' `hidden_states[i]`; 0 is the embeddings) of every token it computes,
+        concatenated in that order: `[num_tokens, len(layer_ids) * hidden]`."""
+        layers = len(self.model.layers)
+        if not layer_ids or any(not 0 <= i < layers for i in layer_ids):
+            raise ValueError(f"auxiliary hidden-state layers {list(layer_ids)} must lie in [0, {layers})")
+        self.model.aux_hidden_layers = tuple(layer_ids)
+
+    def input_embeddings(self) -> VocabEmbedding:
+        """The token embedding (an EAGLE-3 head without its own reads it)."""
+        return self.model.embed_tokens
 
     def _skip(self, name: str) -> bool:
         # Old checkpoints store rotary inv_freq buffers; tied checkpoints may still store the head.
