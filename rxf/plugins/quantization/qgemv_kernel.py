@@ -26,6 +26,9 @@ FORMAT (constexpr):
               1024.0 in fp16, 128.0 in bf16, whose mantissa steps by 1): `bits(MAGIC | code) =
               OFFSET + code` exactly, and `(OFFSET + code) - (OFFSET + zero)` is exact for the
               integer zeros 0..16 of AWQ / GPTQ (`qgemv.py` checks them at load).
+
+With programmatic dependent launch (`rxf/core/runner/pdl.py`) a program reads its first weight tile
+and that tile's scales (and zeros) before waiting for the kernel that writes x, as the dense GEMV does.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rxf.core.runner.pdl import use_pdl
 from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, ROWS, finish, program_span
 
 FP8_ROWS, FP8_BLOCKS, INT4 = 0, 1, 2  # the weight formats (`fmt`)
@@ -52,58 +56,93 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, n_ok, stride_s,
+                 FORMAT: tl.constexpr, SCALE_K: tl.constexpr, EVEN: tl.constexpr):
+    """The weight tile at `w_ptrs` (K offset k0) as stored, with what dequantizes it: (tile, scale,
+    zero), the int4 group's scales and zeros or the FP8 block's scales per row (row scales wait for
+    the epilogue: scale and zero are then placeholders). Rows outside `n_ok` read zeros; EVEN: every
+    row of the tile is in `n_ok` (its load is unmasked)."""
+    if FORMAT == _INT4:
+        if EVEN:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+        group = (k0 // SCALE_K) * stride_s
+        scale = tl.load(Scales + group + cols, mask=n_ok, other=0.0)
+        zero = tl.load(Zeros + group + cols, mask=n_ok, other=0.0)
+    else:
+        if EVEN:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        if FORMAT == _FP8_BLOCKS:
+            scale = tl.load(s_ptrs + k0 // SCALE_K, mask=n_ok, other=0.0)
+        else:
+            scale = tl.zeros_like(cols).to(tl.float32)
+        zero = scale
+    return w, scale, zero
+
+
+@triton.jit
+def _tile_dot(w, scale, zero, x_t, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr):
+    """acc + dequant(w) @ x_t, for a tile `_weight_tile` read (FP8 row scales join in the epilogue)."""
+    if FORMAT == _INT4:
+        shifts = tl.arange(0, 8) * 4
+        codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+        if IEEE:
+            dq = codes.to(tl.float32) - zero[:, None]
+        else:
+            dq = (codes | MAGIC).to(tl.int16).to(x_t.dtype, bitcast=True) - (zero + OFFSET)[:, None]
+        return acc + _dot(dq, x_t, IEEE) * scale.to(tl.float32)[:, None]
+    dq = w.to(x_t.dtype)
+    if FORMAT == _FP8_BLOCKS:
+        return acc + _dot(dq, x_t, IEEE) * scale[:, None]
+    if IEEE:
+        return tl.dot(dq, x_t, acc, input_precision="ieee")
+    return tl.dot(dq, x_t, acc)
+
+
+@triton.jit
 def _qgemv_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, M, N, K,
     stride_xm, stride_w, stride_s, stride_om,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+    SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)  # rows of x
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    x_ptrs = X + rows[:, None] * stride_xm + (k_lo + tl.arange(0, BLOCK_K))[None, :]
     x_mask = (rows < M)[:, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if FORMAT == _INT4:
-        words = tl.arange(0, BLOCK_K // 8)
-        w_ptrs = W + (k_lo // 8 + words).to(tl.int64)[None, :] * stride_w + cols[:, None]
-        shifts = tl.arange(0, 8) * 4
-        for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
-            x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0))
-            if EVEN_N:
-                packed = tl.load(w_ptrs)
-            else:
-                packed = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
-            codes = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
-            group = (k0 // SCALE_K) * stride_s
-            scale = tl.load(Scales + group + cols, mask=mask_n, other=0.0)
-            zero = tl.load(Zeros + group + cols, mask=mask_n, other=0.0)
-            if IEEE:
-                w = codes.to(tl.float32) - zero[:, None]
-            else:
-                w = (codes | MAGIC).to(tl.int16).to(x_t.dtype, bitcast=True) - (zero + OFFSET)[:, None]
-            acc += _dot(w, x_t, IEEE) * scale.to(tl.float32)[:, None]
-            w_ptrs += (BLOCK_K // 8) * stride_w
-            x_ptrs += BLOCK_K
+        w_ptrs = W + (k_lo // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.int64)[None, :] * stride_w + cols[:, None]
+        w_step = (BLOCK_K // 8) * stride_w
     else:
-        w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
-        s_ptrs = Scales + (cols // SCALE_ROWS).to(tl.int64) * stride_s
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0))
-            if EVEN_N:
-                w = tl.load(w_ptrs).to(x_t.dtype)
-            else:
-                w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0).to(x_t.dtype)
-            if FORMAT == _FP8_BLOCKS:
-                scale = tl.load(s_ptrs + k0 // SCALE_K, mask=mask_n, other=0.0)
-                acc += _dot(w, x_t, IEEE) * scale[:, None]
-            elif IEEE:
-                acc = tl.dot(w, x_t, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, x_t, acc)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
+        w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + (k_lo + tl.arange(0, BLOCK_K))[None, :]
+        w_step = BLOCK_K
+    s_ptrs = Scales + (cols // SCALE_ROWS).to(tl.int64) * stride_s  # FP8 block scales of these rows
+    # The first K tile is peeled off the loop, as in gemv_kernel: its weights and scales (fixed at
+    # load) are read before waiting for the kernel that writes x. An empty K range (the last split
+    # may be) reads zeros, scales included (its group or block would lie past the tables' end).
+    # (vector compares: Triton's interpreter rejects a mask broadcast from a scalar)
+    first_n = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
+    w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, first_n, stride_s, FORMAT, SCALE_K, False)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x_t = tl.trans(tl.load(x_ptrs, mask=x_mask & (tl.zeros_like(rows) + k_lo < k_hi)[:, None], other=0.0))
+    acc = _tile_dot(w, scale, zero, x_t, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FORMAT, IEEE, BLOCK_N,
+                    BLOCK_K, MAGIC, OFFSET)
+    w_ptrs += w_step
+    x_ptrs += BLOCK_K
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
+        x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0))
+        w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, mask_n, stride_s, FORMAT, SCALE_K,
+                                      EVEN_N)
+        acc = _tile_dot(w, scale, zero, x_t, acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET)
+        w_ptrs += w_step
+        x_ptrs += BLOCK_K
     finish(acc, acc, Bias, Out, Partials, Counters, Scales, cols, rows, mask_n, M, N, stride_om, pid_n, pid_k,
            BLOCK_N, SPLIT_K, False, HAS_BIAS, FORMAT == _FP8_ROWS)
 
@@ -129,11 +168,12 @@ def qgemv(
     partials = (torch.empty(n_blocks * split_k * block_n * ROWS, dtype=torch.float32, device=x.device)
                 if split_k > 1 else out)  # unused without a split
     magic, offset = _MAGIC[x.dtype]
+    pdl = use_pdl(x)
     _qgemv_kernel[(n_blocks, split_k)](
         x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out, partials,
         counters, m, n, k, x.stride(0), weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
         FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
         EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k,
-        MAGIC=magic, OFFSET=offset, num_stages=num_stages, num_warps=num_warps,
+        MAGIC=magic, OFFSET=offset, PDL=pdl, num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )
     return out

@@ -22,6 +22,9 @@ Both stream weight tiles through `tl.dot` against the activation row padded to a
 FP8 weights are upcast in registers and scaled as `fused_moe` describes (block scales shrink the
 K tiles to the scale block when it is smaller).
 
+With programmatic dependent launch (`rxf/core/runner/pdl.py`) both kernels wait first: every weight
+they read is picked by an expert id the routing kernel writes, so nothing is fixed before the wait.
+
 Counters: one int32 buffer per device (`_counters`), shared by every layer. Invariant between
 launches: all zero (each launch resets the counters it used). The layers of a forward run one after
 another on one stream, so no two launches use the buffer at once. It is allocated on the first call,
@@ -34,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rxf.core.runner.pdl import use_pdl
 from rxf.plugins.models.layers.moe import SILU, ExpertScales, GatedActivation, kernel_scale_args
 
 MAX_TOKENS = 4  # the most tokens routed here; more share experts, which the grouped kernels read once
@@ -84,7 +88,11 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     UP_OFFSET: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the routing kernel writes the expert ids that pick every weight read (rxf/core/runner/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
     expert = tl.load(TopkIds + pair).to(tl.int64)
@@ -129,7 +137,11 @@ def _down_kernel(
     stride_ap, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_yt,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the gate/up kernel writes act; the expert ids pick every weight read
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     block = tl.program_id(0)  # token * n_blocks + column block
     j = tl.program_id(1)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -196,6 +208,7 @@ def decode_experts(
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
+    pdl = use_pdl(x)
     bn, bk, warps, stages = GATE_UP_BLOCKS
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
@@ -203,8 +216,8 @@ def decode_experts(
         x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if has_bias else 0, s13.stride(0), s13.stride(1),
         act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
         HAS_BIAS=has_bias, ALPHA=float(activation.alpha), HAS_LIMIT=activation.limit is not None,
-        LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), num_warps=warps,
-        num_stages=stages, **scale_args,
+        LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), PDL=pdl, num_warps=warps,
+        num_stages=stages, launch_pdl=pdl, **scale_args,
     )
     bn, bk, warps, stages = DOWN_BLOCKS
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
@@ -214,6 +227,6 @@ def decode_experts(
         act, w2, b2 if has_bias else w2, s2, y, weights, ids, partials, _counters(x.device, blocks), hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0, s2.stride(0), s2.stride(1),
         y.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
-        HAS_BIAS=has_bias, num_warps=warps, num_stages=stages, **scale_args,
+        HAS_BIAS=has_bias, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,
     )
     return y

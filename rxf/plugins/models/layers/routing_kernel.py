@@ -2,7 +2,8 @@
 router logits, the softmax over all experts in float32, the top_k largest probabilities (descending,
 the lower expert id first among equal ones) and, with RENORMALIZE, rescales them to sum to 1. The
 torch code it replaces is five launches (cast, softmax, topk, sum, divide) per MoE layer, which at
-batch-1 decode cost more than the routing itself.
+batch-1 decode cost more than the routing itself. Under programmatic dependent launch
+(`rxf/core/runner/pdl.py`) it waits first: it reads nothing but the logits.
 """
 
 from __future__ import annotations
@@ -11,12 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
+from rxf.core.runner.pdl import use_pdl
+
 
 @triton.jit
 def _softmax_topk_kernel(
     Logits, Weights, Ids, stride_t, num_experts,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the router projection writes the logits (rxf/core/runner/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
@@ -49,8 +56,10 @@ def softmax_topk_cuda(router_logits: torch.Tensor, top_k: int, renormalize: bool
     if num_tokens == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    pdl = use_pdl(logits)
     _softmax_topk_kernel[(num_tokens,)](
         logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        PDL=pdl, launch_pdl=pdl,
     )
     return weights, ids
