@@ -6,7 +6,10 @@
   gate_up, float32 logits for lm_head), batch 1-8, with and without a K split, and replayed from a
   CUDA graph;
 - a whole model with every role on the GEMV (`RXF_GEMV`) vs the same checkpoint on cuBLAS, eager and
-  graph-replayed decode.
+  graph-replayed decode;
+- programmatic dependent launch: chains of decode kernels (norm and GEMV; norm, quantized GEMV and
+  head norm; norm, router GEMV, routing and the MoE decode kernels) captured with PDL in a CUDA graph
+  and replayed give the bits of the same kernels run without PDL.
 Skipped without CUDA; the kernel modules are imported only after that check (tests/unit runs them
 under the interpreter).
 """
@@ -16,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,6 +41,9 @@ from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rxf.plugins.models.layers import RadixAttention, RotaryEmbedding  # noqa: E402
 from rxf.plugins.models.layers import gemv as gemv_mod  # noqa: E402
 from rxf.plugins.models.layers.gemv import GemvSettings  # noqa: E402
+from rxf.plugins.quantization import fp8_ops, qgemv  # noqa: E402
+from rxf.plugins.quantization.int4 import pack_int32  # noqa: E402
+from rxf.plugins.quantization.qgemv import QuantGemv  # noqa: E402
 from rxf.testing import make_tiny_checkpoint  # noqa: E402
 from rxf.testing.attention import make_case  # noqa: E402
 
@@ -186,47 +193,131 @@ def test_decode_rmsnorm_matches_forward_native(rows: int, gemma: bool, pdl: bool
     torch.testing.assert_close(rmsnorm(x, norm.weight, norm.eps, gemma=gemma), norm.forward_native(x))
 
 
-def _chain(x: torch.Tensor, res: torch.Tensor, weights: list[torch.Tensor], ops: list, norm_w: torch.Tensor) -> torch.Tensor:
-    """norm -> GEMV -> norm -> GEMV ... over the residual stream: every kernel reads the previous one's output."""
-    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
-
-    h = x
-    for w, op in zip(weights, ops, strict=True):
-        h = rmsnorm(h, norm_w, 1e-5, res)
-        h = op(h, w, None)
-    return h
-
-
-@needs_pdl
-def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl() -> None:
-    """PDL changes when kernels start, never what they compute: a graph of 8 norm + GEMV pairs
-    (split over K, 4096 x 4096) replayed with new inputs gives the bits of the same kernels run
-    eagerly without PDL (a kernel reading its input before the previous one finished would not)."""
+def _pdl_graph_equals_eager(chain: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], shape: tuple[int, int]) -> None:
+    """PDL changes when kernels start, never what they compute: `chain(x, res)` (every kernel reading the
+    previous one's output; the residual updated in place) captured in a graph with PDL and replayed
+    with 4 new inputs gives the bits of the same kernels run eagerly without PDL (a kernel reading
+    its input before the previous one finished would not)."""
     from rxf.core.runner.pdl import use_pdl
 
-    gen = torch.Generator(device=DEV).manual_seed(11)
-    weights = [(torch.randn(4096, 4096, device=DEV, generator=gen) / 64).to(BF16) for _ in range(8)]
-    ops = [gemv_mod.DecodeGemv(GemvSettings.parse("n64k256s2st4w4"), w) for w in weights]
-    norm_w = (torch.rand(4096, device=DEV, generator=gen) + 0.5).to(BF16)
     expected = []
     with _pdl(False):
         for seed in range(4):
             g = torch.Generator(device=DEV).manual_seed(100 + seed)
-            x, res = (torch.randn(2, 4096, device=DEV, generator=g).to(BF16) for _ in range(2))
-            expected.append((x, res, _chain(x.clone(), res.clone(), weights, ops, norm_w)))
+            x, res = (torch.randn(shape, device=DEV, generator=g).to(BF16) for _ in range(2))
+            assert not use_pdl(x)
+            expected.append((x, res, chain(x.clone(), res.clone())))
     with _pdl(True):
-        assert use_pdl(norm_w)
-        static_x, static_res = torch.zeros(2, 4096, device=DEV, dtype=BF16), torch.zeros(2, 4096, device=DEV, dtype=BF16)
-        _chain(static_x.clone(), static_res.clone(), weights, ops, norm_w)  # compile outside the capture
+        static_x, static_res = torch.zeros(shape, device=DEV, dtype=BF16), torch.zeros(shape, device=DEV, dtype=BF16)
+        assert use_pdl(static_x)
+        chain(static_x.clone(), static_res.clone())  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_out = _chain(static_x, static_res, weights, ops, norm_w)
+            static_out = chain(static_x, static_res)
         for x, res, want in expected:
             static_x.copy_(x)
             static_res.copy_(res)
             graph.replay()
             assert torch.equal(static_out, want)
+
+
+@needs_pdl
+def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl() -> None:
+    """8 norm + GEMV pairs (split over K, 4096 x 4096) over the residual stream."""
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    weights = [(torch.randn(4096, 4096, device=DEV, generator=gen) / 64).to(BF16) for _ in range(8)]
+    ops = [gemv_mod.DecodeGemv(GemvSettings.parse("n64k256s2st4w4"), w) for w in weights]
+    norm_w = (torch.rand(4096, device=DEV, generator=gen) + 0.5).to(BF16)
+
+    def chain(h: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        for w, op in zip(weights, ops, strict=True):
+            h = op(rmsnorm(h, norm_w, 1e-5, res), w, None)
+        return h
+
+    _pdl_graph_equals_eager(chain, (2, 4096))
     assert all(not op.counters.any() for op in ops)
+
+
+def _quant_gemv(fmt: str, gen: torch.Generator) -> QuantGemv:
+    """A 4096 x 4096 layer's quantized GEMV as the method builds it at load (default tile sizes, split
+    over K by the SM count): FP8 with row scales, FP8 with 128 x 128 block scales, int4 in groups of 128."""
+    n = k = 4096
+    if fmt == "int4":
+        codes = torch.randint(0, 16, (k, n), device=DEV, dtype=torch.uint8, generator=gen)
+        zeros = torch.randint(0, 16, (k // 128, n), device=DEV, generator=gen).to(BF16)
+        scales = (torch.rand(k // 128, n, device=DEV, generator=gen) * 2e-3 + 1e-4).to(BF16)
+        op = qgemv.int4(SimpleNamespace(qweight=pack_int32(codes, 0), scales=scales, zeros=zeros, gemv_role="o_proj"),
+                        128)
+    else:
+        q, rows = fp8_ops.quantize_rows(torch.randn(n, k, device=DEV, generator=gen) / 64)
+        if fmt == "fp8":
+            op = qgemv.fp8_rows(SimpleNamespace(weight=q, weight_scale=rows, gemv_role="o_proj"))
+        else:
+            blocks = (torch.rand(n // 128, k // 128, device=DEV, generator=gen) + 0.5) * rows.mean()
+            layer = SimpleNamespace(weight=q, weight_scale_inv=blocks.repeat_interleave(128, dim=0), gemv_role="o_proj")
+            op = qgemv.fp8_blocks(layer, 128, 128)
+    assert op is not None and op.settings.split_k > 1, "the chain should cover the split-K hand-off"
+    return op
+
+
+@needs_pdl
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
+def test_pdl_chain_through_quantized_gemv_and_head_norm(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """6 x (norm -> quantized GEMV -> Qwen3 head norm in place), the GEMV's output read as 24 query and
+    8 key heads of 128: the GEMV reads its first weight tile and the head norm its weights before
+    waiting."""
+    from rxf.plugins.models.layers.head_norm_kernel import norm_heads_cuda_
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+
+    monkeypatch.delenv(qgemv.ENV, raising=False)
+    qgemv._plan.cache_clear()
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    ops = [_quant_gemv(fmt, gen) for _ in range(6)]
+    norm_w = (torch.rand(4096, device=DEV, generator=gen) + 0.5).to(BF16)
+    q_w, k_w = ((torch.rand(128, device=DEV, generator=gen) + 0.5).to(BF16) for _ in range(2))
+
+    def chain(h: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        for op in ops:
+            h = op(rmsnorm(h, norm_w, 1e-5, res), None)
+            norm_heads_cuda_(h, q_w, k_w, 24, 8, 128, 1e-6)
+        return h
+
+    _pdl_graph_equals_eager(chain, (3, 4096))
+    assert all(not op.counters.any() for op in ops)
+
+
+@needs_pdl
+def test_pdl_chain_through_the_moe_decode_path() -> None:
+    """4 MoE layers at Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 768, top 8), 3 tokens:
+    norm -> router GEMV (float32 logits) -> routing kernel -> gate/up and down decode kernels, the
+    expert kernels waiting for the ids the routing kernel writes; the down kernel's top-k hand-off
+    leaves its counters zeroed."""
+    from rxf.plugins.models.layers import fused_moe_decode
+    from rxf.plugins.models.layers.moe import select_experts
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+
+    hidden, experts, inter, top_k = 2048, 128, 768, 8
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    layers = []
+    for _ in range(4):
+        router = (torch.randn(experts, hidden, device=DEV, generator=gen) / hidden**0.5).to(BF16)
+        w13 = (torch.randn(experts, 2 * inter, hidden, device=DEV, generator=gen) / hidden**0.5).to(BF16)
+        w2 = (torch.randn(experts, hidden, inter, device=DEV, generator=gen) / inter**0.5).to(BF16)
+        gemv = gemv_mod.DecodeGemv(GemvSettings(), router, out_dtype=torch.float32)
+        layers.append((router, gemv, w13, w2))
+    norm_w = (torch.rand(hidden, device=DEV, generator=gen) + 0.5).to(BF16)
+
+    def chain(h: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        for router, gemv, w13, w2 in layers:
+            h = rmsnorm(h, norm_w, 1e-5, res)
+            weights, ids = select_experts(gemv(h, router, None), top_k, renormalize=True)
+            h = fused_moe_decode.decode_experts(h, w13, w2, weights, ids)
+        return h
+
+    _pdl_graph_equals_eager(chain, (3, hidden))
+    assert not fused_moe_decode._counters(norm_w.device, 1).any()  # keyed by the tensors' device (cuda:N)
 
 
 # ---------------------------------------------------------------- a model on the GEMV
