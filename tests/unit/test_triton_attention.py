@@ -394,3 +394,49 @@ def test_fp8_store_kv_matches_pool_set_kv(kv_dtype: torch.dtype) -> None:
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     fmax = torch.finfo(kv_dtype).max
     assert ours.k_buffer[0][loc[0], 0, :2].float().tolist() == [fmax, -fmax]
+
+
+class SpiedBackend(TritonAttnBackend):
+    """Records the requests each attention launch receives: ("extend" | "decode", their count, the
+    decode kernel's q rows). Several KV splits at these tiny lengths."""
+
+    def __init__(self, ctx: AttentionContext) -> None:
+        super().__init__(ctx)
+        self.min_split_len, self.max_kv_splits, self.target_programs = 4, 4, 1 << 20
+        self.launches: list[tuple[str, int, list[int] | None]] = []
+        extend, decode = self._extend_attention, self._decode_attention
+
+        def spied_extend(*args, **kw) -> None:
+            self.launches.append(("extend", len(args[7]), None))  # args[7]: req_pool_indices
+            extend(*args, **kw)
+
+        def spied_decode(*args, **kw) -> None:
+            self.launches.append(("decode", len(args[5]), kw["q_rows"].tolist()))
+            decode(*args, **kw)
+
+        self._extend_attention, self._decode_attention = spied_extend, spied_decode
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["kv-model", "kv-e4m3"])
+@DTYPES
+@GQA_MHA
+def test_mixed_batch_sends_its_one_token_rows_to_the_decode_kernel(heads, kv_heads, dtype, kv_dtype) -> None:
+    """A mixed chunked-prefill batch: decode rows (one new token after a cached prefix, split over the
+    KV length) interleaved with prefill chunks with and without a prefix. The extend kernel runs the
+    chunks only, the decode kernel the one-token rows, both into one output equal to torch_native's."""
+    case = build(ForwardMode.EXTEND, [5, 0, 12, 9, 30], [1, 6, 1, 7, 1], heads, kv_heads, 16, dtype, kv_dtype)
+    ctx = case.triton.attn_backend.ctx
+    backend = case.triton.attn_backend = SpiedBackend(ctx)
+    check(case, run(case.triton, case))
+    assert backend.launches == [("extend", 2, None), ("decode", 3, [0, 7, 15])]
+    assert backend._extend is not None and backend._extend.decode_rows is not None
+    assert backend._extend.decode_rows.plan.num_kv_splits.tolist() == [2, 4, 4]
+    assert not backend._counters.any()
+
+
+def test_extend_batch_of_one_token_rows_runs_no_extend_kernel() -> None:
+    """Every request with one new token (with or without a prefix): the decode kernel alone."""
+    case = build(ForwardMode.EXTEND, [0, 7, 3], [1, 1, 1], 4, 2, 16, torch.float32)
+    backend = case.triton.attn_backend = SpiedBackend(case.triton.attn_backend.ctx)
+    check(case, run(case.triton, case))
+    assert backend.launches == [("decode", 3, [0, 1, 2])]

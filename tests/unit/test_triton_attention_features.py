@@ -1,7 +1,8 @@
 """The triton backend's sliding windows, logit soft-caps and sinks against torch_native, on CPU under
 the Triton interpreter (fp32, tiny shapes): extend over a cached prefix longer than the window, an
 extend chunk across the window edge, row blocks smaller than the window's reach, decode with its
-splits cut to the window, CUDA-graph metadata, all features at once, GQA.
+splits cut to the window, a mixed batch's one-token rows through the decode kernel, CUDA-graph
+metadata, all features at once, GQA.
 
 TRITON_INTERPRET must be set before any kernel module is imported (see test_triton_attention.py).
 """
@@ -53,6 +54,24 @@ def test_extend_small_blocks_skip_keys_before_the_window(features: str, monkeypa
     that no row of theirs sees, at offsets that are not block-aligned."""
     monkeypatch.setattr(extend_module, "_config", lambda head_dim: (16, 16, 4, 2))
     assert_same(*compare_backends(TritonAttnBackend, [37, 0], [45, 50], **SHAPE, **FEATURES[features]))
+
+
+@ALL
+def test_mixed_batch_decode_rows_through_the_decode_kernel(features: str) -> None:
+    """Decode rows (one new token; prefixes longer and shorter than the window) interleaved with prefill
+    chunks (one crossing the window edge, one without a prefix): the decode kernel attends the one-token
+    rows, split over the KV length and cut to the window, the extend kernel the rest."""
+    calls = []
+
+    class Mixed(TritonAttnBackend):
+        def init_forward_metadata(self, b) -> None:
+            self.min_split_len, self.max_kv_splits, self.target_programs = 4, 4, 1 << 20
+            super().init_forward_metadata(b)
+            assert self._extend is not None and self._extend.decode_rows is not None
+            calls.append((self._extend.decode_rows.q_rows.tolist(), self._extend.req_pool_indices.numel()))
+
+    assert_same(*compare_backends(Mixed, [40, 3, 7, 0, 45], [1, 20, 1, 11, 1], **SHAPE, **FEATURES[features]))
+    assert calls == [([0, 21, 33], 2)]
 
 
 @ALL

@@ -5,7 +5,14 @@ are imported when a backend is constructed.
 
 Per-batch metadata, planned once in `init_forward_metadata` and shared by all layers, lives in tensors:
   extend: qo_start [bs] (each request's first row in q), plus the host-side longest extend length
-          that sizes the grid. Extend always runs eagerly.
+          that sizes the grid. Extend always runs eagerly. The requests with one new token (the
+          decode rows mixed chunked prefill puts into a prefill forward) are attended by the decode
+          kernel instead, with a decode plan of their own (`_DecodeRows`): the extend kernel would
+          give each a whole block of BLOCK_M query rows, all but one of them padding. Both kernels
+          write the same `out`, each its own rows. That is exact: the decode kernel implements the
+          same features (window, soft-cap, sinks, FP8 pool), and the one new key it reads back from
+          the pool is the k the extend kernel would read from its input (the pool stores k in the
+          model dtype; an FP8 pool's new keys the extend kernel reads back from the pool too).
   decode: num_kv_splits [bs] (each request's chunk count), the scratch for partial results and the
           merge counters (see decode.py), and the host-side grid_splits. For CUDA graphs these live in static buffers sized for `max_bs`
           (`init_cuda_graph_state`); capture and replay refill them in place, and grid_splits depends
@@ -45,18 +52,34 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class _ExtendMeta:
-    qo_start: torch.Tensor  # [bs] int32: exclusive prefix sum of extend_lens
-    max_extend_len: int
-
-
-@dataclass
 class _DecodeMeta:
     num_kv_splits: torch.Tensor  # [bs] int32, each in [1, grid_splits]
     grid_splits: int
     mid_o: torch.Tensor  # [>= bs, H, >= grid_splits, D] fp32 scratch
     mid_lse: torch.Tensor  # [>= bs, H, >= grid_splits] fp32 scratch
     counters: torch.Tensor  # [>= bs * programs per split] int32 zeros (the kernel leaves them zeroed)
+
+
+@dataclass
+class _DecodeRows:
+    """The n requests of an extend batch with one new token, for the decode kernel."""
+
+    q_rows: torch.Tensor  # [n] int32: each one's row in q and out (its qo_start)
+    req_pool_indices: torch.Tensor  # [n]
+    seq_lens: torch.Tensor  # [n] int32
+    plan: _DecodeMeta
+
+
+@dataclass
+class _ExtendMeta:
+    """The extend kernel's requests (all of the batch's, or all but its decode rows) and the decode rows."""
+
+    req_pool_indices: torch.Tensor  # [m]
+    prefix_lens: torch.Tensor  # [m] int32
+    extend_lens: torch.Tensor  # [m] int32
+    qo_start: torch.Tensor  # [m] int32: each request's first row in q (exclusive prefix sum of extend_lens)
+    max_extend_len: int  # over these m requests (0: none)
+    decode_rows: _DecodeRows | None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -119,21 +142,39 @@ class TritonAttnBackend(AttentionBackend):
         mid_lse = torch.empty((bs, ctx.num_heads, splits), dtype=torch.float32, device=ctx.device)
         return mid_o, mid_lse
 
+    def _plan_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: list[int]) -> _DecodeMeta:
+        """The eager decode plan of requests with these lengths (device and host copies)."""
+        bs = len(seq_lens_cpu)
+        cap = self.split_cap(bs)
+        # The grid needs only as many splits as the longest request uses (never more than cap).
+        grid_splits = min(cap, _cdiv(max(max(seq_lens_cpu), 1), self.min_split_len))
+        splits = torch.empty(bs, dtype=torch.int32, device=seq_lens.device)
+        self._fill_splits(seq_lens, cap, splits)
+        if self._counters.numel() < bs * self._programs_per_split:
+            self._counters = torch.zeros(bs * self._programs_per_split, dtype=torch.int32, device=self.ctx.device)
+        return _DecodeMeta(splits, grid_splits, *self._scratch(bs, grid_splits), self._counters)
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        bs = batch.batch_size
         self._extend = self._decode = None  # a stale plan must not serve the next batch
         if batch.mode.is_decode():
-            cap = self.split_cap(bs)
-            # The grid needs only as many splits as the longest request uses (never more than cap).
-            grid_splits = min(cap, _cdiv(max(max(batch.seq_lens_cpu), 1), self.min_split_len))
-            splits = torch.empty(bs, dtype=torch.int32, device=batch.seq_lens.device)
-            self._fill_splits(batch.seq_lens, cap, splits)
-            if self._counters.numel() < bs * self._programs_per_split:
-                self._counters = torch.zeros(bs * self._programs_per_split, dtype=torch.int32, device=self.ctx.device)
-            self._decode = _DecodeMeta(splits, grid_splits, *self._scratch(bs, grid_splits), self._counters)
+            self._decode = self._plan_decode(batch.seq_lens, batch.seq_lens_cpu)
             return
         qo_start = torch.cumsum(batch.extend_lens, 0, dtype=torch.int32) - batch.extend_lens
-        self._extend = _ExtendMeta(qo_start, max(batch.extend_lens_cpu))
+        single = [i for i, n in enumerate(batch.extend_lens_cpu) if n == 1]
+        if not single:
+            self._extend = _ExtendMeta(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, qo_start,
+                                       max(batch.extend_lens_cpu), None)
+            return
+        rest = [i for i, n in enumerate(batch.extend_lens_cpu) if n != 1]
+        # One upload of both index lists (non_blocking from pageable memory: staged before the call
+        # returns, and the host does not wait), then gathers on the device.
+        index = torch.tensor(single + rest, dtype=torch.int64).to(batch.extend_lens.device, non_blocking=True)
+        dec, ext = index[: len(single)], index[len(single) :]
+        seq_lens = batch.seq_lens[dec]
+        rows = _DecodeRows(qo_start[dec], batch.req_pool_indices[dec], seq_lens,
+                           self._plan_decode(seq_lens, [batch.seq_lens_cpu[i] for i in single]))
+        self._extend = _ExtendMeta(batch.req_pool_indices[ext], batch.prefix_lens[ext], batch.extend_lens[ext],
+                                   qo_start[ext], max((batch.extend_lens_cpu[i] for i in rest), default=0), rows)
 
     # ---- CUDA graphs (decode only) ----
     def init_cuda_graph_state(self, max_bs: int) -> None:
@@ -182,16 +223,25 @@ class TritonAttnBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
         rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        assert self._extend is not None, "init_forward_metadata was not called for this batch"
+        meta = self._extend
+        assert meta is not None, "init_forward_metadata was not called for this batch"
         k_buf, v_buf = self._store_kv(layer, batch, q, k, v, rotary)
         out = q.new_empty(q.shape)
-        self._extend_attention(
-            q, k, v, out, k_buf, v_buf, batch.req_to_token_pool.req_to_token,
-            batch.req_pool_indices, batch.prefix_lens, batch.extend_lens,
-            self._extend.qo_start, self._extend.max_extend_len, layer.scaling,
-            sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, sinks=layer.sinks,
-            k_scale=layer.k_scale, v_scale=layer.v_scale,
-        )
+        req_to_token = batch.req_to_token_pool.req_to_token
+        features = {"sliding_window": layer.sliding_window, "logit_cap": layer.logit_cap, "sinks": layer.sinks,
+                    "k_scale": layer.k_scale, "v_scale": layer.v_scale}
+        if meta.max_extend_len:
+            self._extend_attention(
+                q, k, v, out, k_buf, v_buf, req_to_token, meta.req_pool_indices, meta.prefix_lens, meta.extend_lens,
+                meta.qo_start, meta.max_extend_len, layer.scaling, **features,
+            )
+        rows = meta.decode_rows
+        if rows is not None:
+            self._decode_attention(
+                q, k_buf, v_buf, out, req_to_token, rows.req_pool_indices, rows.seq_lens, rows.plan.num_kv_splits,
+                rows.plan.grid_splits, rows.plan.mid_o, rows.plan.mid_lse, rows.plan.counters, layer.scaling,
+                min_split_len=self.min_split_len, q_rows=rows.q_rows, **features,
+            )
         return out
 
     def forward_decode(

@@ -10,10 +10,10 @@ Grid: (batch_size, num_kv_heads * head_blocks, grid_splits); program (b, g, s), 
 kv_head = g // head_blocks and hb = g % head_blocks, handles the query heads
 kv_head * GROUP + [hb * BLOCK_H, (hb + 1) * BLOCK_H) (clipped to the group), so each K/V element of its
 chunk is loaded once for all the heads sharing it (head_blocks is 1 unless GROUP > 64).
-Region map:
-  reads  q[b, those heads, :]; slots req_to_token[row_b, start:end] and pool K/V there, kv head kv_head
+Region map (row = b, or q_rows[b] for the one-token rows of an extend batch):
+  reads  q[row, those heads, :]; slots req_to_token[row_b, start:end] and pool K/V there, kv head kv_head
   writes mid_o[b, those heads, s, :] and mid_lse[b, those heads, s] (only if start < end and the
-         request has several non-empty chunks); out[b, those heads, :] (one program per (b, g))
+         request has several non-empty chunks); out[row, those heads, :] (one program per (b, g))
 Neither reads a slot at or past seq_len[b]. A request with seq_len 0 (e.g. a padded CUDA-graph entry)
 has no non-empty chunk: its split-0 programs write zeros.
 
@@ -90,19 +90,23 @@ def _merge(m_i, l_i, acc, lse, o):
 
 @triton.jit
 def _decode_kernel(
-    Q, KBuf, VBuf, ReqToToken, req_pool_indices, seq_lens, num_kv_splits, MidO, MidLse, Counters, Out,
+    Q, KBuf, VBuf, ReqToToken, req_pool_indices, seq_lens, num_kv_splits, MidO, MidLse, Counters, Out, QRows,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     qk_scale, cap_log2, window, min_split_len, KScale, VScale, Sinks,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
     IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    KV_FP8: tl.constexpr, PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_Q_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the previous kernel writes this one's inputs (rxf/core/runner/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     req = tl.program_id(0)
+    if HAS_Q_ROWS:  # the decode rows of an extend batch: the request's row in q and out
+        row = tl.load(QRows + req).to(tl.int64)
+    else:
+        row = req
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
@@ -116,7 +120,7 @@ def _decode_kernel(
     heads = kv_head * GROUP + in_group
     offs_d = tl.arange(0, BLOCK_D)
     mask_hd = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
-    out_ptrs = Out + req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    out_ptrs = Out + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     if start >= end:
         if non_empty == 0 and split == 0:  # seq_len 0: no chunk at all, the output is zeros
             tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(Out.dtype.element_ty), mask=mask_hd)
@@ -125,7 +129,7 @@ def _decode_kernel(
 
     offs_n = tl.arange(0, BLOCK_N)
     row_base = ReqToToken + tl.load(req_pool_indices + req).to(tl.int64) * stride_r2t
-    q = tl.load(Q + req * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
+    q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
     m_i = tl.full([BLOCK_H], M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -202,9 +206,13 @@ def decode_attention(
     min_split_len: int = 1,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_rows: torch.Tensor | None = None,
 ) -> None:
     """Write into `out` [bs, H, D] the attention of q [bs, H, D] (one new token per request) over
-    request b's keys req_to_token[req_pool_indices[b], 0:seq_lens[b]] in the pool.
+    request b's keys req_to_token[req_pool_indices[b], 0:seq_lens[b]] in the pool. With `q_rows`
+    (int32 [bs]; the one-token rows of an extend batch) request b's query is q[q_rows[b]] and its
+    result goes to out[q_rows[b]]; q and out may then have any number of rows, and no other row is
+    read or written.
 
     num_kv_splits [bs] int32 holds each request's chunk count (>= 1, <= grid_splits); mid_o
     [>= bs, H, >= grid_splits, D] and mid_lse [>= bs, H, >= grid_splits] fp32 are scratch; counters
@@ -215,7 +223,8 @@ def decode_attention(
     request uses at most cdiv(min(seq_len, window), min_split_len) of its chunks. k_scale / v_scale
     are the layer's too, needed by an FP8 pool.
     """
-    bs, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
+    bs = q.shape[0] if q_rows is None else q_rows.shape[0]
     num_kv_heads = k_buf.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert mid_o.shape[2] >= grid_splits and mid_lse.shape[2] >= grid_splits, "scratch too small"
@@ -233,6 +242,7 @@ def decode_attention(
     pdl = use_pdl(q)
     _decode_kernel[(bs, num_kv_heads * head_blocks, grid_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, counters, out,
+        out if q_rows is None else q_rows,  # (a placeholder without rows: never read)
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -242,8 +252,8 @@ def decode_attention(
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n or _block_n(head_dim), BLOCK_D=block_d, M_INIT=_M_INIT,
         IEEE=q.dtype == torch.float32, HAS_WINDOW=features["HAS_WINDOW"], HAS_CAP=features["HAS_CAP"],
-        HAS_SINKS=features["HAS_SINKS"], KV_FP8=scales["KV_FP8"], PDL=pdl, num_warps=num_warps,
-        num_stages=num_stages, launch_pdl=pdl,
+        HAS_SINKS=features["HAS_SINKS"], KV_FP8=scales["KV_FP8"], HAS_Q_ROWS=q_rows is not None, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
 
