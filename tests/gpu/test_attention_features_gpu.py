@@ -2,8 +2,8 @@
 torch_native on the GPU, in bf16 at real shapes: each shape with the layer kinds of the models that
 have it (Mistral / Qwen2 windows at head_dim 128, Gemma 2 / 3 local and global layers at head_dim
 256, gpt-oss's sink layers at head_dim 64), over a cached prefix longer than the window, an extend
-across the window edge, ragged prefill, decode, and decode replayed from a CUDA graph with two
-variants (a local and a global layer) in one capture.
+across the window edge, ragged prefill, decode, a mixed batch of decode rows and prefill chunks, and
+decode replayed from a CUDA graph with two variants (a local and a global layer) in one capture.
 
 FlashInfer compiles a kernel per (head_dim, window on/off, cap on/off, sinks) on first use; the
 module fixture compiles them all concurrently first, so the tests do not wait on nvcc one by one.
@@ -64,6 +64,8 @@ CASES = {
     "extend_across_edge": ([100, 4000, 1000], [200, 300, 90]),  # new tokens cross the window edges
     "prefill": ([0, 0, 0], [37, 1500, 260]),
     "decode": ([0, 60, 127, 128, 700, 4095, 4096, 9000], [1] * 8),
+    # mixed chunked prefill: decode rows (the triton backend's decode kernel) among prefill chunks
+    "mixed": ([6000, 0, 127, 3000, 128, 9000, 60], [1, 500, 1, 200, 1, 1, 1]),
 }
 
 

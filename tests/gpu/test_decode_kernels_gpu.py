@@ -16,10 +16,8 @@ under the interpreter).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,6 +44,7 @@ from rxf.plugins.quantization.int4 import pack_int32  # noqa: E402
 from rxf.plugins.quantization.qgemv import QuantGemv  # noqa: E402
 from rxf.testing import make_tiny_checkpoint  # noqa: E402
 from rxf.testing.attention import make_case  # noqa: E402
+from rxf.testing.pdl import pdl_env  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -149,24 +148,6 @@ def test_gemv_replays_from_a_cuda_graph() -> None:
 
 
 # ---------------------------------------------------------------- norm kernel, PDL chains
-@contextlib.contextmanager
-def _pdl(on: bool) -> Iterator[None]:
-    """RXF_PDL set for the block (rxf/core/runner/pdl.py reads it once: its cache is reset)."""
-    from rxf.core.runner import pdl
-
-    old = os.environ.get(pdl.ENV)
-    os.environ[pdl.ENV] = "1" if on else "0"
-    pdl._supported.cache_clear()
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(pdl.ENV)
-        else:
-            os.environ[pdl.ENV] = old
-        pdl._supported.cache_clear()
-
-
 HOPPER = torch.cuda.get_device_capability()[0] >= 9
 needs_pdl = pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs compute capability 9.0")
 
@@ -185,7 +166,7 @@ def test_decode_rmsnorm_matches_forward_native(rows: int, gemma: bool, pdl: bool
     res = torch.randn(rows, 4096, device=DEV, generator=gen).to(BF16)
     want, want_sum = norm.forward_native(x, res)
     res_out = res.clone()
-    with _pdl(pdl):
+    with pdl_env(pdl):
         out = rmsnorm(x, norm.weight, norm.eps, res_out, gemma=gemma)
     assert torch.equal(res_out, want_sum)
     torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
@@ -201,13 +182,13 @@ def _pdl_graph_equals_eager(chain: Callable[[torch.Tensor, torch.Tensor], torch.
     from rxf.core.runner.pdl import use_pdl
 
     expected = []
-    with _pdl(False):
+    with pdl_env(False):
         for seed in range(4):
             g = torch.Generator(device=DEV).manual_seed(100 + seed)
             x, res = (torch.randn(shape, device=DEV, generator=g).to(BF16) for _ in range(2))
             assert not use_pdl(x)
             expected.append((x, res, chain(x.clone(), res.clone())))
-    with _pdl(True):
+    with pdl_env(True):
         static_x, static_res = torch.zeros(shape, device=DEV, dtype=BF16), torch.zeros(shape, device=DEV, dtype=BF16)
         assert use_pdl(static_x)
         chain(static_x.clone(), static_res.clone())  # compile outside the capture
@@ -348,7 +329,7 @@ def _runner(ckpt: Path, monkeypatch: pytest.MonkeyPatch, gemv_env: str) -> Model
 def test_model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch, pdl: bool) -> None:
     """Every role on the GEMV against cuBLAS; with PDL the GEMVs, norms, K/V store, attention and
     argmax of the step all launch early (a race would show as graph != eager or a logits error)."""
-    with _pdl(pdl):
+    with pdl_env(pdl):
         _model_on_gemv_matches_cublas(ckpt, monkeypatch)
 
 

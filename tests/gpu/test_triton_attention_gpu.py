@@ -1,5 +1,5 @@
-"""The triton attention backend against torch_native on the GPU: real shapes, bf16, and a captured CUDA
-graph for decode. Skipped without CUDA (the kernel modules are imported only after that check, so on a
+"""The triton attention backend against torch_native on the GPU: real shapes, bf16, a mixed batch's
+one-token rows through the decode kernel, and a captured CUDA graph for decode. Skipped without CUDA (the kernel modules are imported only after that check, so on a
 CPU machine they stay free for the interpreter tests in tests/unit)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rxf.plugins.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from rxf.testing.attention import Layer, assert_bf16_close  # noqa: E402
+from rxf.testing.pdl import pdl_env  # noqa: E402
 
 DEV = torch.device("cuda")
 DTYPE = torch.bfloat16
@@ -105,6 +106,30 @@ def test_prefill_ragged() -> None:
         ForwardMode.PREFILL, [0] * 8, [1, 2048, 100, 777, 64, 65, 1500, 3], 32, 8, 128
     )
     assert_matches(run(triton, layer, q, k, v), run(native, layer, q, k, v), native, triton)
+
+
+HOPPER = torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HOPPER, reason="programmatic dependent launch needs compute capability 9.0"))], ids=["plain", "pdl"])
+@SHAPES
+def test_mixed_batch_one_token_rows_take_the_decode_kernel(heads: int, kv_heads: int, head_dim: int, pdl: bool) -> None:
+    """Mixed chunked prefill's batch: decode rows at contexts up to 3000 (split over the KV length)
+    interleaved with prefill chunks with and without a prefix; the decode kernel (launched with PDL
+    when on) writes the one-token rows of the extend forward's output, the extend kernel the rest."""
+    prefix, extend = [1023, 0, 64, 2047, 128, 500, 3000, 5], [1, 1024, 1, 1, 512, 1, 1, 1]
+    layer, q, k, v, native, triton = build(ForwardMode.EXTEND, prefix, extend, heads, kv_heads, head_dim)
+    with pdl_env(pdl):
+        out = run(triton, layer, q, k, v)
+    backend = triton.attn_backend
+    assert isinstance(backend, TritonAttnBackend) and backend._extend is not None
+    rows = backend._extend.decode_rows
+    assert rows is not None and rows.q_rows.tolist() == [0, 1025, 1026, 1539, 1540, 1541]
+    assert backend._extend.max_extend_len == 1024 and backend._extend.req_pool_indices.numel() == 2
+    assert max(rows.plan.num_kv_splits.tolist()) > 1
+    assert_matches(out, run(native, layer, q, k, v), native, triton)
+    assert not backend._counters.any()
 
 
 @SHAPES
