@@ -7,6 +7,8 @@
   equality is not a bf16 property (on this checkpoint transformers' own bf16 greedy tokens show gaps
   up to 5% under its float32 logits), so our worst gap must stay within 1.5x of transformers' bf16
   worst gap on the same prompts: rxf in bf16 is about as faithful as transformers in bf16.
+- The same with requests arriving while others decode (mixed chunked prefill: decode rows in the
+  prefill forwards), per GPU backend and dtype.
 - A graph replay gives the eager forward's logits for batch sizes that fill a bucket and that pad one,
   also over an FP8 KV pool whose checkpoint carries KV-cache scales (triton reads them as device
   tensors, flashinfer captures them as constants).
@@ -171,18 +173,26 @@ def _hf_model(ckpt: Path, dtype: torch.dtype) -> Any:
     return _HF_MODELS[key]
 
 
-def _scheduler_greedy(config: Any, runner: ModelRunner, ckpt: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """`n` greedy tokens of every prompt, all queued at once in an in-process Scheduler over `runner`."""
+def _scheduler_greedy(
+    config: Any, runner: ModelRunner, ckpt: Path, prompts: list[list[int]], n: int, arrive_every: int = 0
+) -> list[list[int]]:
+    """`n` greedy tokens of every prompt in an in-process Scheduler over `runner`: all queued at once,
+    or with `arrive_every` k > 0 one joining every k steps (the others are decoding by then)."""
     from transformers import AutoTokenizer
 
     sched = Scheduler(config, runner, AutoTokenizer.from_pretrained(ckpt), check_memory=True)
     params = SamplingParams.from_dict({"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True})
-    for i, p in enumerate(prompts):
-        sched.add_request(PreparedRequest(f"r{i}", p, params))
+    waiting = [PreparedRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
     got: dict[str, list[int]] = {}
-    while sched.has_work:
+    step = 0
+    while waiting or sched.has_work:
+        while waiting and (not arrive_every or step % arrive_every == 0):
+            sched.add_request(waiting.pop(0))
+            if arrive_every:
+                break
         for out in sched.step():
             got.setdefault(out.rid, []).extend(out.new_token_ids)
+        step += 1
     tokens = [got[f"r{i}"] for i in range(len(prompts))]
     assert all(len(t) == n for t in tokens)
     return tokens
@@ -208,6 +218,31 @@ def test_greedy_matches_transformers(ckpt: Path, backend: str, dtype: torch.dtyp
     assert (runner.cuda_graphs is not None) == graphs
     prompts = _prompts(5, seed=11)  # 5 requests: decode batches of 5 replay the padded bucket 8
     _assert_as_faithful_as_transformers(ckpt, prompts, _scheduler_greedy(config, runner, ckpt, prompts, 32), dtype)
+
+
+MIXED_CASES = [(b, d) for b, d in CASES if b in ("triton", "flashinfer")]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), MIXED_CASES, ids=[f"{b}-{str(d)[6:]}" for b, d in MIXED_CASES])
+def test_mixed_chunked_prefill_greedy_matches_transformers(ckpt: Path, backend: str, dtype: torch.dtype) -> None:
+    """Requests joining every 3 steps while the others decode, prompts in chunks of 16: the running
+    decodes ride in the prefill forwards (on triton the decode kernel attends those rows, the extend
+    kernel the chunk); the tokens stay as faithful as transformers'."""
+    config = _config(ckpt, backend, dtype, graphs=True, **{"scheduler.chunked_prefill_size": 16})
+    assert config.scheduler.mixed_chunked_prefill
+    runner = ModelRunner(config, _registry(), str(ckpt))
+    attn, plan, mixed = runner.attn_backend, runner.attn_backend.init_forward_metadata, []
+
+    def spied_plan(batch: Any) -> None:
+        plan(batch)
+        if not batch.mode.is_decode() and 1 in batch.extend_lens_cpu and max(batch.extend_lens_cpu) > 1:
+            mixed.append(backend != "triton" or attn._extend.decode_rows is not None)
+
+    attn.init_forward_metadata = spied_plan
+    prompts = _prompts(6, seed=12)
+    tokens = _scheduler_greedy(config, runner, ckpt, prompts, 24, arrive_every=3)
+    assert len(mixed) >= 3 and all(mixed), mixed
+    _assert_as_faithful_as_transformers(ckpt, prompts, tokens, dtype)
 
 
 REPLAY_CASES = [(b, d, "auto") for b, d in CASES] + [(b, d, "fp8_e4m3") for b, d in CASES if d == torch.bfloat16]
