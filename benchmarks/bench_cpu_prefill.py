@@ -60,11 +60,17 @@ def replay(args: argparse.Namespace) -> dict:
     demo_toml = Path(rxf.__file__).resolve().parent.parent / "examples" / "demo.toml"  # the checkout's own
     config = load_config(str(demo_toml), **overrides)
     path = resolve_model_path("demo")
-    if not config.runtime.cpu_threads:
-        from rxf.core.scheduler.process import default_cpu_threads
+    kwargs = {}
+    if not config.runtime.cpu_threads:  # the scheduler process's default (of the checkout's time)
+        try:
+            from rxf.core.runner.cpu_threads import CpuThreads
 
-        torch.set_num_threads(default_cpu_threads())
-    runner = ModelRunner(config, PluginRegistry.load(), path)
+            kwargs["threads"] = CpuThreads(os.cpu_count() or 1)
+        except ImportError:
+            from rxf.core.scheduler.process import default_cpu_threads
+
+            torch.set_num_threads(default_cpu_threads())
+    runner = ModelRunner(config, PluginRegistry.load(), path, **kwargs)
     backend = runner.attn_backend
     if hasattr(backend, "compiled"):
         backend.compiled.wait()
@@ -83,9 +89,11 @@ def replay(args: argparse.Namespace) -> dict:
     launch = sched.runner.launch
 
     def recording_launch(batch):
+        handle = launch(batch)  # (runs the forward, unless overlap is on)
         launched.append({"mode": batch.mode.name, "reqs": len(batch.reqs), "tokens": batch.num_tokens,
-                         "prefix": sum(batch.prefix_lens), "sampled": sum(batch.sample)})
-        return launch(batch)
+                         "prefix": sum(batch.prefix_lens), "sampled": sum(batch.sample),
+                         "threads": torch.get_num_threads()})
+        return handle
 
     sched.runner.launch = recording_launch
     pending = list(enumerate(prompts))
@@ -125,7 +133,7 @@ def replay(args: argparse.Namespace) -> dict:
         "cached_tokens": [cached[f"r{i}"] for i in range(len(prompts))],
         "prompt_tokens": stats.extra["prompt_tokens"],
         "computed_prompt_tokens": stats.extra["prompt_tokens"] - stats.extra["cached_tokens"],
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": sorted({s["threads"] for s in steps}),
         "steps": steps,
     }
 
@@ -134,7 +142,7 @@ def print_result(res: dict, show_steps: bool) -> None:
     if show_steps:
         for s in res["steps"]:
             print(f"  t {s['t']:7.3f} s  {s['mode']:7s} {s['dt'] * 1e3:7.1f} ms  reqs {s['reqs']:2d} tokens {s['tokens']:5d} "
-                  f"prefix {s['prefix']:5d} sampled {s['sampled']:2d} waiting {s['waiting']:2d}")
+                  f"prefix {s['prefix']:5d} sampled {s['sampled']:2d} waiting {s['waiting']:2d} threads {s['threads']}")
     print(f"output {res['output_tok_s']:.1f} tok/s in {res['duration_s']:.1f} s; TTFT median {res['ttft_median_ms']:.0f} ms "
           f"(min {res['ttft_ms'][0]}, max {res['ttft_ms'][-1]}); prompt tokens {res['prompt_tokens']}, computed "
           f"{res['computed_prompt_tokens']}; torch threads {res['torch_threads']}", flush=True)

@@ -169,7 +169,10 @@ class RuntimeConfig(_Section):
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     cpu_threads: int | None = Field(
-        None, gt=0, description="torch threads in the scheduler process (unset, on the CPU: the cores less one, at least 1)"
+        None,
+        gt=0,
+        description="torch threads in the scheduler process (unset, on the CPU: every core while other processes "
+        "leave them idle, one fewer while they use a quarter core or more; chosen before each forward)",
     )
     startup_timeout_s: float = Field(600, gt=0)
 

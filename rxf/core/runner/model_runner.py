@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, GenerationConfig
@@ -37,6 +37,9 @@ from rxf.core.runner.cuda_graph_runner import (
 from rxf.core.runner.step_io import StepBatch, StepResult
 from rxf.core.runner.step_runner import StepExecutor, StepHandle
 from rxf.core.weight_loader import fill_random_weights, iter_safetensors
+
+if TYPE_CHECKING:
+    from rxf.core.runner.cpu_threads import CpuThreads
 
 logger = logging.getLogger(__name__)
 
@@ -188,9 +191,14 @@ def _select_backend(
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, registry: PluginRegistry, model_path: str) -> None:
+    def __init__(
+        self, config: EngineConfig, registry: PluginRegistry, model_path: str, threads: CpuThreads | None = None
+    ) -> None:
+        """`threads`: the CPU thread count chosen before each forward (else torch's, or
+        `runtime.cpu_threads`, stays)."""
         start = time.perf_counter()
         self.config = config
+        self.threads = threads
         if config.runtime.cpu_threads:
             torch.set_num_threads(config.runtime.cpu_threads)
         torch.manual_seed(config.runtime.seed)
@@ -408,6 +416,8 @@ class ModelRunner:
         rows (decode: its one token; extend: new tokens logits_start[i].. or the last) ascending.
         An embedding model (`pooling` set) returns those rows' final hidden states instead."""
         self._validate(inp)
+        if self.threads is not None:
+            self.threads.before_forward()
         if inp.mode.is_decode():
             with torch.inference_mode():
                 return self._forward_decode(inp)

@@ -48,15 +48,6 @@ _REQUESTS = codec.Decoder(ToScheduler)
 _BROADCAST = codec.Decoder(RankBroadcast)
 
 
-def default_cpu_threads() -> int:
-    """`runtime.cpu_threads` when unset, on the CPU: one core is left to the tokenizer, the detokenizer
-    and the HTTP server (and to whatever else runs). On the 2-core machine one torch thread kept
-    86-99% of its quiet decode rate beside a busy core or a second torch process, where two threads
-    fell to 16-29% spinning (2 passive threads did worse than 1 everywhere); two threads are 25-40%
-    faster only while nothing else runs (benchmarks/RESULTS.md, "OpenMP threads on a busy machine")."""
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
 def _on_cpu(config: EngineConfig) -> bool:
     import torch
 
@@ -81,6 +72,7 @@ def run_scheduler_process(
         from transformers import AutoTokenizer
 
         from rxf.core.registry import PluginRegistry
+        from rxf.core.runner.cpu_threads import CpuThreads
         from rxf.core.runner.distributed import init_tensor_parallel
         from rxf.core.runner.model_runner import ModelRunner
         from rxf.core.scheduler.scheduler import Scheduler
@@ -92,10 +84,11 @@ def run_scheduler_process(
             elif config.runtime.cpu_threads is None:  # share the cores instead of each taking all
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // (placement.local_size * config.parallel.dp_size)))
             init_tensor_parallel(placement, timeout_s=config.runtime.startup_timeout_s + 1800)
-        elif config.runtime.cpu_threads is None and _on_cpu(config):
-            torch.set_num_threads(default_cpu_threads())
+        threads = None
+        if placement is None and config.runtime.cpu_threads is None and _on_cpu(config):
+            threads = CpuThreads(os.cpu_count() or 1)  # all cores while nothing else runs, else one fewer
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
-        runner = ModelRunner(config, registry, model_path)
+        runner = ModelRunner(config, registry, model_path, threads=threads)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or model_path)
         draft = load_draft_model(config, registry, runner)
         scheduler = Scheduler(
