@@ -74,6 +74,9 @@ def replay(args: argparse.Namespace) -> dict:
     backend = runner.attn_backend
     if hasattr(backend, "compiled"):
         backend.compiled.wait()
+    compiled = getattr(runner, "compiled_decode", None)  # (checkouts of its time)
+    if compiled is not None:
+        compiled.done.wait()
     tokenizer = AutoTokenizer.from_pretrained(path)
     sched = Scheduler(config, runner, tokenizer)
     prompts = build_prompts(args, tokenizer)

@@ -174,6 +174,11 @@ class RuntimeConfig(_Section):
         description="torch threads in the scheduler process (unset, on the CPU: every core while other processes "
         "leave them idle, one fewer while they use a quarter core or more; chosen before each forward)",
     )
+    cpu_compile: Literal["background", "startup", "off"] = Field(
+        "background",
+        description="CPU: compile the decode forward whole with torch.compile; 'background' serves eagerly until it "
+        "is compiled, 'startup' waits for it before serving",
+    )
     startup_timeout_s: float = Field(600, gt=0)
 
 

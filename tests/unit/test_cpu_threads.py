@@ -20,6 +20,7 @@ class FakeMachine:
         monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: self.now)
         monkeypatch.setattr(cpu_threads.time, "process_time", lambda: self.own)
         monkeypatch.setattr(cpu_threads.torch, "set_num_threads", self.set_to.append)
+        monkeypatch.setattr(cpu_threads, "_background", 0)  # no compile of another test's engine counts
 
     def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
         self.now += seconds
@@ -44,6 +45,16 @@ def test_threads_follow_what_the_other_processes_use(monkeypatch: pytest.MonkeyP
     m.run(0.3, own_cores=2, other_cores=0.15)
     assert t.before_forward() == 2
     assert m.set_to == [1, 2, 1, 2]  # set only when the count changes
+
+
+def test_a_background_compile_holds_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = FakeMachine(monkeypatch)
+    t = cpu_threads.CpuThreads(2)
+    with cpu_threads.background_work():  # our own thread compiling: it needs a core as another process would
+        m.run(0.3, own_cores=2, other_cores=0)
+        assert t.before_forward() == 1
+    m.run(0.3, own_cores=1, other_cores=0)
+    assert t.before_forward() == 2
 
 
 def test_one_core_or_no_proc_stat_keeps_the_fewer_threads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,14 +11,19 @@ them is descheduled while its partner spins, and a forward of hundreds of region
 What the others use is sampled at most every `SAMPLE_S`: the machine's busy time (`/proc/stat`:
 everything but idle and iowait, steal included) less this process's own CPU time, over the wall
 time since the last sample. The tokenizer, detokenizer and HTTP server count as others: when they
-are busy they need the core too. Without `/proc/stat` the count stays at the fewer threads.
+are busy they need the core too. Without `/proc/stat` the count stays at the fewer threads. While a
+thread of this process compiles in the background (`background_work`) it is the other taking a
+core, so forwards keep the fewer threads then too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -30,6 +35,21 @@ SAMPLE_S = 0.2  # shortest window between two samples of the machine's use
 BUSY_CORES = 0.25
 IDLE_CORES = 0.1
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+_background = 0  # threads of this process busy with background work (compiling) now
+_background_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def background_work() -> Iterator[None]:
+    """Mark the calling thread as busy beside the forwards (a background compile) while inside."""
+    global _background
+    with _background_lock:
+        _background += 1
+    try:
+        yield
+    finally:
+        with _background_lock:
+            _background -= 1
 
 
 def machine_busy_s() -> float | None:
@@ -74,7 +94,7 @@ class CpuThreads:
         self._last = sample
         self.others_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
         threads = self.threads
-        if self.others_cores >= BUSY_CORES:
+        if self.others_cores >= BUSY_CORES or _background:
             threads = self.fewer
         elif self.others_cores < IDLE_CORES:
             threads = self.most

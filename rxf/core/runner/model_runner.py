@@ -5,7 +5,8 @@ Owns, per scheduler process: the model, the two-level KV pool and the attention 
 takes a `ModelInput` (CPU lists and slot tensors), writes the batch's slots into `req_to_token`,
 builds the `ForwardBatch` and returns float32 logits for the rows the scheduler asked for. DECODE
 batches go through `cuda_graph_runner`'s packed inputs (two host-to-device copies, no host sync) and,
-on GPU, are replayed from a captured CUDA graph when one fits.
+on GPU, are replayed from a captured CUDA graph when one fits; on the CPU they run the forward
+compiled whole (`compiled_decode`) once it is ready.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool, is_fp8, kv_storage_d
 from rxf.core.pooling import Pooling
 from rxf.core.registry import PluginRegistry
 from rxf.core.runner import distributed
+from rxf.core.runner.compiled_decode import CompiledDecode
 from rxf.core.runner.cuda_graph_runner import (
     INPUT_IDS,
     CudaGraphRunner,
@@ -259,6 +261,7 @@ class ModelRunner:
         backend_cls = _select_backend(registry, config.attention.backend, self.device, layers, is_fp8(self.kv_dtype))
         self.attn_backend = backend_cls(self._attention_context)
         self.cuda_graphs = self._init_cuda_graphs()
+        self.compiled_decode = self._init_compiled_decode()
         # Overlap scheduling: `launch` returns before the step is done (CUDA: the work is only
         # enqueued; CPU: it runs in a worker thread) and the scheduler plans the next one meanwhile.
         self.overlap = overlap_enabled(config, self.device)
@@ -347,6 +350,18 @@ class ModelRunner:
                 budget_s,
                 self.device,
             )
+
+    def _init_compiled_decode(self) -> CompiledDecode | None:
+        when = self.config.runtime.cpu_compile
+        if (
+            self.device.type != "cpu"
+            or when == "off"
+            or self.pooling is not None  # an embedding model never decodes
+            or distributed.tp_size() > 1  # (collectives are not traced)
+            or not self.attn_backend.supports_compiled_decode
+        ):
+            return None
+        return CompiledDecode(self.model, self.attn_backend, self._attention_context, when)
 
     # ---- one scheduler step (the `StepRunner` protocol) ----
     def launch(self, batch: StepBatch) -> StepHandle:
@@ -470,8 +485,9 @@ class ModelRunner:
             return self.model.hidden_states(batch) if self.pooling is not None else self.model(batch)
 
     def _forward_decode(self, inp: ModelInput) -> torch.Tensor:
-        """Replayed from a CUDA graph when a captured bucket holds the batch, else eager; either way the
-        inputs reach the device in two non-blocking copies and only real rows write req_to_token."""
+        """Replayed from a CUDA graph when a captured bucket holds the batch, else compiled (CPU, once
+        ready) or eager; either way the inputs reach the device in two non-blocking copies and only
+        real rows write req_to_token."""
         self._write_req_to_token(inp)  # row writes only: new tokens' slots go with the packed inputs
         ids = [0 if t < 0 else t for t in inp.input_ids]  # placeholders of pending tokens, patched below
         args = (ids, inp.prefix_lens, inp.req_pool_indices, inp.out_cache_loc.tolist())
@@ -486,4 +502,5 @@ class ModelRunner:
         dev.write_req_to_token(self.req_to_token_pool.req_to_token, host.bs)
         batch = dev.forward_batch(host, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend)
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch)
+        compiled = self.compiled_decode
+        return compiled(batch) if compiled is not None and compiled.ready else self.model(batch)

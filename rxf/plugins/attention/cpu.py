@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
+from rxf.core.runner.cpu_threads import background_work
 from rxf.plugins.attention.cpu_decode import decode_attention, paged_decode_attention, warm_up
 from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
 
@@ -99,6 +100,7 @@ class _Group:
 
 class CpuBackend(TorchNativeBackend):
     auto_priority = 5  # above torch_native (0) on the CPU; GPU backends rank above it on CUDA
+    supports_compiled_decode = True
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
@@ -129,10 +131,14 @@ class CpuBackend(TorchNativeBackend):
             # An interpreter that exits while Inductor compiles aborts (std::terminate): wait for it.
             atexit.register(thread.join)
 
+    def wait_compiled(self) -> None:
+        self.compiled.wait()
+
     def _compile(self) -> None:
         start = time.perf_counter()
         try:
-            warm_up(self.ctx)
+            with background_work():
+                warm_up(self.ctx)
         except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
             logger.warning("cpu attention: no compiled decode (%s: %s); decode stays torch_native's", type(e).__name__, e)
         else:

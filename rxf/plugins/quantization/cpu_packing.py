@@ -71,8 +71,22 @@ def pack_dense(weight: torch.Tensor) -> torch.Tensor:
 
 
 def dense_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` for `packed` = pack_dense(W); x `[..., K]` in W's dtype."""
+    """`x @ W.T + bias` for `packed` = pack_dense(W); x `[..., K]` in W's dtype. Traced by
+    torch.compile, it is one opaque op (`rxf::packed_dense_linear`): Inductor lowers the mkldnn op
+    only for weights it packed itself (frozen graph constants)."""
+    if torch.compiler.is_compiling():
+        return packed_dense_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("rxf::packed_dense_linear", mutates_args=())
+def packed_dense_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_dense_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def int4_kernel_group(n: int, k: int, group: int) -> int | None:
