@@ -1,5 +1,5 @@
-"""Dense CPU linears packed for oneDNN (`layers/onednn_linear.py`) against F.linear on the plain
-weight, on the demo model, in one process: two ModelRunners on the same checkpoint, one loaded with
+"""Dense bf16 CPU linears packed for oneDNN (`rxf.plugins.quantization.cpu_packing`, `pack_for_device`)
+against F.linear on the plain weight, on the demo model, in one process: two ModelRunners on the same checkpoint, one loaded with
 `RXF_CPU_WEIGHT_PACKING=1` and one with `=0`, timed in alternation (rounds), so load changes on a
 shared machine hit both alike.
 
@@ -33,7 +33,7 @@ from rxf.entrypoints.demo_model import resolve_model_path  # noqa: E402
 def make_runner(path: str, dtype: str, pack: bool) -> ModelRunner:
     os.environ["RXF_CPU_WEIGHT_PACKING"] = "1" if pack else "0"  # read at load
     cfg = load_config({"model": {"path": path, "dtype": dtype}, "attention": {"backend": "cpu"},
-                       "runtime": {"device": "cpu"}, "scheduler": {"max_running_requests": 32},
+                       "runtime": {"device": "cpu", "cpu_compile": "off"}, "scheduler": {"max_running_requests": 32},
                        "cache": {"max_total_tokens": 16384}})
     return ModelRunner(cfg, PluginRegistry.load(), path)
 
@@ -71,7 +71,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = str(resolve_model_path("demo"))
     runners = {"packed": make_runner(path, args.dtype, True), "plain": make_runner(path, args.dtype, False)}
-    assert runners["packed"].model.model.layers[0].self_attn.qkv_proj.weight.is_mkldnn
+    assert runners["packed"].model.model.layers[0].self_attn.qkv_proj.packed_weight is not None
     for bs in map(int, args.batches.split(",")):
         step = {k: [] for k in runners}
         pre = {k: [] for k in runners}

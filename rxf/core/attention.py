@@ -155,6 +155,15 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor: ...
 
+    # Whether `forward_decode` can be traced whole into a model's compiled CPU decode forward
+    # (`rxf.core.runner.compiled_decode`): it creates no state and takes no lock while tracing, and
+    # its graph depends only on the backend's type and tensors, so one traced on another instance
+    # serves this one.
+    supports_compiled_decode: bool = False
+
+    def wait_compiled(self) -> None:  # noqa: B027 - optional hook
+        """Block until the backend's own background compiling, if any, is over. Default: none."""
+
     # CUDA-graph hooks (DECODE only; `rxf.core.runner.cuda_graph_runner` calls them). A backend that cannot
     # be captured keeps these defaults and decode runs eager. One graph is captured per batch size;
     # whatever `forward_decode` reads must then live at fixed device addresses for that size, and must

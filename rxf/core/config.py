@@ -169,8 +169,15 @@ class RuntimeConfig(_Section):
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     cpu_threads: int | None = Field(
-        None, gt=0, description="torch threads in the scheduler process (unset, on the CPU: the cores less one at start-up, then "
-        "every core while other processes leave them idle, one fewer per core they keep busy)"
+        None,
+        gt=0,
+        description="torch threads in the scheduler process (unset, on the CPU: every core while other processes "
+        "leave them idle, one fewer while they use a quarter core or more; chosen before each forward)",
+    )
+    cpu_compile: Literal["background", "startup", "off"] = Field(
+        "background",
+        description="CPU: compile the decode forward whole with torch.compile; 'background' serves eagerly until it "
+        "is compiled, 'startup' waits for it before serving",
     )
     startup_timeout_s: float = Field(600, gt=0)
 

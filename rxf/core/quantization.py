@@ -14,15 +14,15 @@ so the core and the models name no method. The model runner:
    method's parameters or, for a layer the method leaves alone, its dense weight);
 3. loads the checkpoint (the method's `checkpoint_weights` when it reads another file), then calls
    `finish_loading(model)`: each quantized layer is turned into the
-   form its device computes with (repacked for a kernel, or dequantized), and every module with a
-   `loaded()` hook runs it (dense CPU linears pack their weights for oneDNN).
+   form its device computes with (repacked for a kernel, or dequantized), and dense layers that
+   can are packed for their device's kernels (`pack_for_device`).
 
 Mixture-of-experts layers (`FusedExperts`) go through the same three steps: a method that takes
 them over registers their stacked `[E, ...]` parameters and computes their forward in
 `apply_experts`. Routers are built inside `unquantized()`: they stay dense under every method (as
 quantized MoE checkpoints store them).
 
-Without a method none of this runs: unquantized models keep their code path and speed.
+Without a method only the dense packing of `finish_loading` runs: unquantized models keep their code path.
 """
 
 from __future__ import annotations
@@ -178,13 +178,12 @@ def materialize(model: nn.Module, method: QuantizationMethod | None, device: tor
 
 
 def finish_loading(model: nn.Module) -> None:
-    """After the checkpoint is loaded: each quantized layer's `process_loaded`, then every module's
-    own `loaded()` where it has one (e.g. a dense CPU linear packs its weight for oneDNN)."""
+    """After the checkpoint is loaded: each quantized layer's `process_loaded`; then every layer left
+    dense (or made dense by it) that has a `pack_for_device()` lays its weight out for its device's
+    kernels (the linear layers: oneDNN's packed layout for bf16 on the CPU)."""
     for module in model.modules():
         method = getattr(module, "quant", None)
         if method is not None:
             method.process_loaded(module)
-    for module in model.modules():
-        hook = getattr(module, "loaded", None)
-        if callable(hook):
-            hook()
+        if getattr(module, "quant", None) is None and hasattr(module, "pack_for_device"):
+            module.pack_for_device()

@@ -23,6 +23,7 @@ from rxf.core.runner.model_runner import ModelInput, ModelRunner
 
 CPU_DEFAULTS: dict[str, Any] = {
     "runtime.device": "cpu",
+    "runtime.cpu_compile": "off",  # eager decode unless a caller asks for the compiled one
     "model.dtype": "float32",
     "cache.max_total_tokens": 4096,
     "scheduler.max_running_requests": 8,

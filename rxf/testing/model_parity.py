@@ -81,7 +81,7 @@ def runtime_config(path: str | Path, *, chunk: int | None, **extra: Any) -> dict
     """A CPU `Runtime` config for `path`; `chunk` = scheduler.chunked_prefill_size (None: off)."""
     config: dict[str, Any] = {
         "model": {"path": str(path)},
-        "runtime": {"device": "cpu", "cpu_threads": 1},
+        "runtime": {"device": "cpu", "cpu_threads": 1, "cpu_compile": "off"},
         "attention": {"backend": "torch_native"},
         "cache": {"max_total_tokens": 4096},
         "scheduler": {"chunked_prefill_size": "off" if chunk is None else chunk},

@@ -28,6 +28,7 @@ import pytest
 RUNTIME_DEFAULTS: dict[str, Any] = {
     "runtime.device": "cpu",
     "runtime.cpu_threads": 1,
+    "runtime.cpu_compile": "off",  # no background compile competing with a test for the cores
     "model.dtype": "float32",
     "cache.max_total_tokens": 4096,
     "scheduler.max_running_requests": 8,

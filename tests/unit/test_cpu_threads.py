@@ -1,17 +1,78 @@
-"""The scheduler's torch thread count when `runtime.cpu_threads` is unset on the CPU."""
+"""The scheduler's torch thread count when `runtime.cpu_threads` is unset on the CPU: every core
+while the other processes leave them idle, one fewer while they use part of one."""
 
 from __future__ import annotations
 
 import pytest
 
 from rxf.core.config import load_config
+from rxf.core.runner import cpu_threads
 from rxf.core.scheduler import process
 
 
-@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (16, 15), (None, 1)])
-def test_default_leaves_a_core(monkeypatch: pytest.MonkeyPatch, cores: int | None, threads: int) -> None:
-    monkeypatch.setattr(process.os, "cpu_count", lambda: cores)
-    assert process.default_cpu_threads() == threads
+class FakeMachine:
+    """Wall clock, the machine's busy CPU seconds and this process's own, advanced by hand."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, readable: bool = True) -> None:
+        self.now = self.busy = self.own = 0.0
+        self.set_to: list[int] = []
+        monkeypatch.setattr(cpu_threads, "machine_busy_s", lambda: self.busy if readable else None)
+        monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(cpu_threads.time, "process_time", lambda: self.own)
+        monkeypatch.setattr(cpu_threads.torch, "set_num_threads", self.set_to.append)
+        monkeypatch.setattr(cpu_threads, "_background", 0)  # no compile of another test's engine counts
+
+    def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
+        self.now += seconds
+        self.own += seconds * own_cores
+        self.busy += seconds * (own_cores + other_cores)
+
+
+def test_threads_follow_what_the_other_processes_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = FakeMachine(monkeypatch)
+    t = cpu_threads.CpuThreads(2)
+    assert m.set_to == [1]  # until a first window says the machine is quiet
+    m.run(0.3, own_cores=1, other_cores=0.02)
+    assert t.before_forward() == 2 and m.set_to == [1, 2]
+    m.run(0.1, own_cores=2, other_cores=0.6)  # shorter than a window: not sampled yet
+    assert t.before_forward() == 2
+    m.run(0.2, own_cores=2, other_cores=0.6)  # e.g. a busy loop: it gets 0.6 core beside two threads
+    assert t.before_forward() == 1 and t.others_cores == pytest.approx(0.6)
+    m.run(0.3, own_cores=1, other_cores=0.15)  # between the bounds: stays
+    assert t.before_forward() == 1
+    m.run(0.3, own_cores=1, other_cores=0.0)
+    assert t.before_forward() == 2
+    m.run(0.3, own_cores=2, other_cores=0.15)
+    assert t.before_forward() == 2
+    assert m.set_to == [1, 2, 1, 2]  # set only when the count changes
+
+
+def test_a_background_compile_holds_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = FakeMachine(monkeypatch)
+    t = cpu_threads.CpuThreads(2)
+    with cpu_threads.background_work():  # our own thread compiling: it needs a core as another process would
+        m.run(0.3, own_cores=2, other_cores=0)
+        assert t.before_forward() == 1
+    m.run(0.3, own_cores=1, other_cores=0)
+    assert t.before_forward() == 2
+
+
+def test_one_core_or_no_proc_stat_keeps_the_fewer_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = FakeMachine(monkeypatch)
+    t = cpu_threads.CpuThreads(1)
+    m.run(1.0, own_cores=1, other_cores=0)
+    assert t.before_forward() == 1
+    m = FakeMachine(monkeypatch, readable=False)
+    t = cpu_threads.CpuThreads(16)
+    m.run(1.0, own_cores=1, other_cores=0)
+    assert t.before_forward() == 15 and m.set_to == [15]
+
+
+def test_machine_busy_time_is_read_from_proc_stat() -> None:
+    first = cpu_threads.machine_busy_s()
+    assert first is not None and first > 0
+    sum(range(2_000_000))  # some CPU time
+    assert cpu_threads.machine_busy_s() >= first
 
 
 def test_default_applies_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -191,3 +191,39 @@ def test_online_integer_methods_keep_moe_experts_dense(tmp_path):
     dense = ModelHarness(mixtral).runner.model.model.layers[0]
     assert torch.equal(layer.mlp.experts.w13.weight, dense.mlp.experts.w13.weight)
     assert hasattr(layer.self_attn.qkv_proj, "scales_and_zeros")
+
+
+@pytest.mark.skipif(not cpu_packing.dense_packable(torch.empty(1, 1, dtype=torch.bfloat16)),
+                    reason="no oneDNN bf16 kernels (or packing off)")
+def test_dense_bf16_matmul_on_the_packed_weight_is_f_linear_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((96, 64), (576, 1536)):
+        w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+        bias = torch.randn(n, generator=gen).bfloat16()
+        packed = cpu_packing.pack_dense(w)
+        for x in (torch.randn(1, k, generator=gen), torch.randn(33, k, generator=gen),
+                  torch.randn(2, 7, k, generator=gen), torch.randn(5, 2 * k, generator=gen)[:, ::2]):
+            x = x.bfloat16()
+            assert torch.equal(cpu_packing.dense_linear(x, packed, bias), torch.nn.functional.linear(x, w, bias))
+            assert torch.equal(cpu_packing.dense_linear(x, packed, None), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.skipif(not cpu_packing.dense_packable(torch.empty(1, 1, dtype=torch.bfloat16)),
+                    reason="no oneDNN bf16 kernels (or packing off)")
+def test_a_bf16_model_runs_its_dense_layers_on_packed_weights(dense, monkeypatch):
+    """Every projection and the head of a bf16 model compute from oneDNN's packed copy (the dense
+    Parameter keeps only its shape and dtype); logits and greedy tokens are F.linear's, exactly.
+    float32 stays on F.linear (the tests' exactness reference)."""
+    bf16 = {"model.dtype": "bfloat16"}
+    packed = ModelHarness(dense, **bf16)
+    model = packed.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.packed_weight is not None and qkv.weight.is_meta and qkv.weight.dtype == torch.bfloat16
+    assert model.lm_head.packed_weight is not None and not model.lm_head.weight.is_meta  # the embedding may share it
+    assert ModelHarness(dense).runner.model.lm_head.packed_weight is None
+    monkeypatch.setenv(cpu_packing.ENV, "0")
+    plain = ModelHarness(dense, **bf16)
+    assert plain.runner.model.model.layers[0].self_attn.qkv_proj.packed_weight is None
+    for ours, theirs in zip(packed.prefill_logits(PROMPTS), plain.prefill_logits(PROMPTS), strict=True):
+        assert torch.equal(ours, theirs)
+    assert packed.greedy(PROMPTS, 8) == plain.greedy(PROMPTS, 8)

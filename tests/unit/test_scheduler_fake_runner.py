@@ -197,7 +197,7 @@ def test_identical_prompts_prefilled_together_share_the_tree_copy(overlap):
     # Both compute the same prompt in one forward; the second to be cached finds it in the tree,
     # frees its own copy and must read the tree's from then on, while newcomers reuse the freed slots.
     sched, runner = make(overlap, {"num_slots": 100})
-    p = [8 + i % 30 for i in range(40)]
+    p = [8 + i % 30 for i in range(30)]  # within SHARED_PREFIX_WAIT: "b" is not held back for "a"
     sched.add_request(request("a", p, 12))
     sched.add_request(request("b", p, 12))
     got = run(sched, 2)
@@ -206,6 +206,34 @@ def test_identical_prompts_prefilled_together_share_the_tree_copy(overlap):
     got = drain(sched, got)
     assert got["a"]["ids"] == got["b"]["ids"] == want(p, 12)
     assert all(got[f"new{i}"]["ids"] == want([20 + i] * 5, 10) for i in range(4))
+
+
+def test_a_prefix_shared_by_waiting_requests_is_computed_once(overlap):
+    """Three prompts of one 40-token prefix, queued at once, prefilled in chunks of 40: the first
+    computes the prefix, the others wait for that chunk to reach the tree and compute only their
+    own tails (admitted together, each would compute the prefix too). A request of another cache
+    salt shares nothing and does not wait."""
+    sched, runner = make(overlap, **{"scheduler.chunked_prefill_size": 40})
+    prefix = [8 + (i * 7) % 40 for i in range(40)]
+    ps = {f"g{i}": prefix + [20 + i, 21, 22, 23] for i in range(3)}
+    for rid, p in ps.items():
+        sched.add_request(request(rid, p, 6))
+    salted = PreparedRequest("salted", ps["g0"], request("x", [9], 6).sampling_params,
+                             RequestOptions(stream=True, cache_salt="other"))
+    sched.add_request(salted)
+    got = drain(sched)
+    assert {rid: got[rid]["ids"] for rid in ps} == {rid: want(p, 6) for rid, p in ps.items()}
+    assert got["salted"]["ids"] == want(ps["g0"], 6) and got["salted"]["cached"] == 0
+    assert sorted(got[rid]["cached"] for rid in ps) == [0, 40, 40]
+    first = runner.batches[0]
+    assert sorted(r.rid for r in first.reqs) == ["g0", "salted"]  # the followers wait
+    prompt_tokens_computed = sum(
+        max(0, min(start + n, len(ps[r.rid])) - start)
+        for b in runner.batches
+        for r, start, n in zip(b.reqs, b.prefix_lens, b.extend_lens, strict=True)
+        if r.rid in ps
+    )
+    assert prompt_tokens_computed == 44 + 4 + 4
 
 
 def test_penalised_requests_never_leave_their_token_in_flight():

@@ -5,7 +5,8 @@ Owns, per scheduler process: the model, the two-level KV pool and the attention 
 takes a `ModelInput` (CPU lists and slot tensors), writes the batch's slots into `req_to_token`,
 builds the `ForwardBatch` and returns float32 logits for the rows the scheduler asked for. DECODE
 batches go through `cuda_graph_runner`'s packed inputs (two host-to-device copies, no host sync) and,
-on GPU, are replayed from a captured CUDA graph when one fits.
+on GPU, are replayed from a captured CUDA graph when one fits; on the CPU they run the forward
+compiled whole (`compiled_decode`) once it is ready.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, GenerationConfig
@@ -27,6 +28,7 @@ from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool, is_fp8, kv_storage_d
 from rxf.core.pooling import Pooling
 from rxf.core.registry import PluginRegistry
 from rxf.core.runner import distributed
+from rxf.core.runner.compiled_decode import CompiledDecode
 from rxf.core.runner.cuda_graph_runner import (
     INPUT_IDS,
     CudaGraphRunner,
@@ -37,6 +39,9 @@ from rxf.core.runner.cuda_graph_runner import (
 from rxf.core.runner.step_io import StepBatch, StepResult
 from rxf.core.runner.step_runner import StepExecutor, StepHandle
 from rxf.core.weight_loader import fill_random_weights, iter_safetensors
+
+if TYPE_CHECKING:
+    from rxf.core.runner.cpu_threads import CpuThreads
 
 logger = logging.getLogger(__name__)
 
@@ -194,16 +199,20 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, registry: PluginRegistry, model_path: str, *,
         aux_hidden_layers: tuple[int, ...] = (), draft_of: ModelRunner | None = None,
+        threads: CpuThreads | None = None,
     ) -> None:
         """`aux_hidden_layers`: the target of an EAGLE-3 head, whose forwards also give the inputs of
         these layers (`forward_with_aux`). `draft_of`: this runner holds a draft head (an EAGLE-3 head)
         that runs beside the runner `draft_of`: it reads that runner's req_to_token rows and serves
         its context, and its KV pool has that runner's slots (one more set of layers over the same slot
-        numbers, so whatever holds a slot, a request or the radix cache, holds the head's K/V too)."""
+        numbers, so whatever holds a slot, a request or the radix cache, holds the head's K/V too).
+        `threads`: the CPU thread count chosen before each forward (else torch's, or
+        `runtime.cpu_threads`, stays)."""
         start = time.perf_counter()
         self.config = config
         self.draft_of = draft_of
         self.aux_hidden_layers = aux_hidden_layers
+        self.threads = threads
         if config.runtime.cpu_threads:
             torch.set_num_threads(config.runtime.cpu_threads)
         torch.manual_seed(config.runtime.seed)
@@ -283,6 +292,7 @@ class ModelRunner:
         backend_cls = _select_backend(registry, config.attention.backend, self.device, layers, is_fp8(self.kv_dtype))
         self.attn_backend = backend_cls(self._attention_context)
         self.cuda_graphs = self._init_cuda_graphs()
+        self.compiled_decode = self._init_compiled_decode()
         # Overlap scheduling: `launch` returns before the step is done (CUDA: the work is only
         # enqueued; CPU: it runs in a worker thread) and the scheduler plans the next one meanwhile.
         self.overlap = overlap_enabled(config, self.device)
@@ -378,6 +388,20 @@ class ModelRunner:
                 self.device,
             )
 
+    def _init_compiled_decode(self) -> CompiledDecode | None:
+        when = self.config.runtime.cpu_compile
+        if (
+            self.device.type != "cpu"
+            or when == "off"
+            or self.pooling is not None  # an embedding model never decodes
+            or distributed.tp_size() > 1  # (collectives are not traced)
+            or not self.attn_backend.supports_compiled_decode
+            # EAGLE-3: the target's decode also returns hidden states, a draft head reads them
+            or self.aux_hidden_layers or self.draft_of is not None
+        ):
+            return None
+        return CompiledDecode(self.model, self.attn_backend, self._attention_context, when)
+
     # ---- one scheduler step (the `StepRunner` protocol) ----
     def launch(self, batch: StepBatch) -> StepHandle:
         return self._steps.launch(batch)
@@ -451,6 +475,8 @@ class ModelRunner:
         """`forward`'s result and what the model put in `ForwardBatch.aux_hidden` (None unless the model
         captures auxiliary hidden states or is a draft head), on the device."""
         self._validate(inp)
+        if self.threads is not None:
+            self.threads.before_forward()
         if inp.mode.is_decode():
             with torch.inference_mode():
                 return self._forward_decode(inp)
@@ -505,8 +531,9 @@ class ModelRunner:
             return out, batch.aux_hidden
 
     def _forward_decode(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replayed from a CUDA graph when a captured bucket holds the batch, else eager; either way the
-        inputs reach the device in two non-blocking copies and only real rows write req_to_token."""
+        """Replayed from a CUDA graph when a captured bucket holds the batch, else compiled (CPU, once
+        ready) or eager; either way the inputs reach the device in two non-blocking copies and only
+        real rows write req_to_token."""
         self._write_req_to_token(inp)  # row writes only: new tokens' slots go with the packed inputs
         ids = [0 if t < 0 else t for t in inp.input_ids]  # placeholders of pending tokens, patched below
         args = (ids, inp.prefix_lens, inp.req_pool_indices, inp.out_cache_loc.tolist())
@@ -525,4 +552,6 @@ class ModelRunner:
         batch = dev.forward_batch(host, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend)
         batch.spec_hidden = inp.hidden
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch), batch.aux_hidden
+        compiled = self.compiled_decode
+        logits = compiled(batch) if compiled is not None and compiled.ready else self.model(batch)
+        return logits, batch.aux_hidden

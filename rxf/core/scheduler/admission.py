@@ -11,6 +11,12 @@ A chunked prompt's later chunks are counted in full, for the requests admitted a
 running ones between chunks: they are owed, not estimated. Counting only the first chunk let
 more prompts start than the pool could finish, and once their next chunks found no slots none of
 them could progress (nothing decodes to free any): the engine stalled for good.
+
+A request that shares more than `SHARED_PREFIX_WAIT` uncached tokens with a prompt being computed
+(a running request's unfinished prompt, or one admitted to this batch) waits: once that prompt's
+KV is in the tree (after each chunk's step) it matches there and computes only the rest, where
+admitting it now would compute the shared tokens twice. 16 requests of 4 system prompts arriving
+at once computed 9232 prompt tokens instead of 2560 on the CPU (benchmarks/RESULTS.md, issue 22).
 """
 
 from __future__ import annotations
@@ -26,9 +32,37 @@ from rxf.core.scheduler.req import Req
 # does outgrow the estimate is retracted when decode runs out of slots.
 MAX_NEW_TOKENS_ESTIMATE = 4096
 
+# Shared uncached tokens above which a request waits for the prompt it shares them with (SGLang's
+# in-batch prefix caching uses the same bound): the wait costs it about one step, while admitting
+# it computes the shared tokens again in the same steps.
+SHARED_PREFIX_WAIT = 32
+
 
 def _future_tokens(req: Req) -> int:
     return min(req.remaining_new_tokens, MAX_NEW_TOKENS_ESTIMATE)
+
+
+def _computing_prompt(req: Req) -> bool:
+    """Whether the running request's prompt is not all in the tree yet (its KV is cached after each
+    resolved chunk, the last one included)."""
+    return req.cached_len < len(req.origin_input_ids)
+
+
+def _waits_for(req: Req, cached_len: int, computing: list[Req]) -> bool:
+    """Whether `req`'s first `cached_len + SHARED_PREFIX_WAIT + 1` tokens (beyond what the tree
+    gave it) are the first prompt tokens of a request in `computing` with the same cache salt."""
+    n = cached_len + SHARED_PREFIX_WAIT + 1
+    if req.known_len < n:
+        return False
+    ids = req.fill_ids[:n]
+    salt = req.options.cache_salt
+    return any(
+        len(other.origin_input_ids) >= n
+        and other.origin_input_ids[n - 1] == ids[n - 1]  # cheap first: most pairs differ here
+        and other.options.cache_salt == salt
+        and other.origin_input_ids[:n] == ids
+        for other in computing
+    )
 
 
 def _prompt_left(req: Req) -> int:
@@ -64,12 +98,16 @@ def admit(
         return kv.available() - sum(_prompt_left(r) + _future_tokens(r) * new_token_ratio for r in running)
 
     out = Admission()
+    computing = [r for r in running if _computing_prompt(r)]  # prompts a request may share a prefix with
     futures = 0.0  # tokens owed to the requests admitted so far: later chunks, future tokens
     for req in ordered:
         if kv.free_rows() == 0:
             break
         limit = req.prompt_logits_from() if req.wants_prompt_logprobs() else None
         res = kv.reserve(req, limit)
+        if not kv.tree.disable and limit is None and _waits_for(req, res.prefix_len, computing):
+            res.cancel()
+            continue
         extend_len = req.seq_len - res.prefix_len
         if chunk_size is not None and not req.wants_prompt_logprobs():
             extend_len = req.chunk_len(res.prefix_len, min(extend_len, chunk_size))
@@ -91,4 +129,5 @@ def admit(
         out.extend_lens.append(extend_len)
         out.new_tokens += extend_len
         futures += rest + future
+        computing.append(req)
     return out

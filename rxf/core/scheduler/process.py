@@ -41,19 +41,11 @@ from rxf.core.ipc.messages import (
 )
 from rxf.core.launch.heap import IdleHeapTrimmer
 from rxf.core.runner.distributed import RankPlacement
-from rxf.core.scheduler.cpu_threads import CpuThreadGovernor
 
 logger = logging.getLogger(__name__)
 
 _REQUESTS = codec.Decoder(ToScheduler)
 _BROADCAST = codec.Decoder(RankBroadcast)
-
-
-def default_cpu_threads() -> int:
-    """`runtime.cpu_threads` when unset, on the CPU, at start-up: one core is left to the tokenizer,
-    the detokenizer and the HTTP server (and to whatever else runs); from the first steps on,
-    `cpu_threads.CpuThreadGovernor` follows what the rest of the machine leaves free."""
-    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def _on_cpu(config: EngineConfig) -> bool:
@@ -80,24 +72,25 @@ def run_scheduler_process(
         from transformers import AutoTokenizer
 
         from rxf.core.registry import PluginRegistry
+        from rxf.core.runner.cpu_threads import CpuThreads
         from rxf.core.runner.distributed import init_tensor_parallel
         from rxf.core.runner.model_runner import ModelRunner
         from rxf.core.scheduler.scheduler import Scheduler
         from rxf.core.speculative.draft import load_draft_model
         from rxf.core.speculative.eagle import load_eagle3, target_aux_layers
 
-        governor = None
         if placement is not None:
             if placement.cuda:  # before any CUDA work: "cuda" then means this rank's device
                 torch.cuda.set_device(placement.device_index)
             elif config.runtime.cpu_threads is None:  # share the cores instead of each taking all
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // (placement.local_size * config.parallel.dp_size)))
             init_tensor_parallel(placement, timeout_s=config.runtime.startup_timeout_s + 1800)
-        elif config.runtime.cpu_threads is None and _on_cpu(config):
-            torch.set_num_threads(default_cpu_threads())
-            governor = CpuThreadGovernor.for_this_machine(default_cpu_threads())
+        threads = None
+        if placement is None and config.runtime.cpu_threads is None and _on_cpu(config):
+            threads = CpuThreads(os.cpu_count() or 1)  # all cores while nothing else runs, else one fewer
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
-        runner = ModelRunner(config, registry, model_path, aux_hidden_layers=target_aux_layers(config, model_path))
+        runner = ModelRunner(config, registry, model_path, aux_hidden_layers=target_aux_layers(config, model_path),
+                             threads=threads)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or model_path)
         draft = load_draft_model(config, registry, runner) or load_eagle3(config, registry, runner)
         scheduler = Scheduler(
@@ -125,7 +118,7 @@ def run_scheduler_process(
             "pooling": runner.pooling.to_info() if runner.pooling is not None else None,
         }
     )
-    _loop(scheduler, sockets, governor)
+    _loop(scheduler, sockets)
 
 
 class _Sockets:
@@ -183,9 +176,8 @@ def _share(frames: list[memoryview] | None) -> list[memoryview] | None:
     return None if shared.stop else shared.frames
 
 
-def _loop(scheduler: Any, sockets: _Sockets | None, governor: CpuThreadGovernor | None = None) -> None:
-    """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies;
-    `governor` (a CPU engine of one rank, threads unset) sets the torch threads before each step."""
+def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
+    """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies."""
     parent = os.getppid()
     heap = IdleHeapTrimmer()
     if sockets is not None:
@@ -206,8 +198,6 @@ def _loop(scheduler: Any, sockets: _Sockets | None, governor: CpuThreadGovernor 
         outs = _apply(scheduler, frames, sockets)
         stepped = scheduler.has_work
         if stepped:
-            if governor is not None:
-                governor.before_step()
             outs += scheduler.step()
             heap.busy()
         elif not frames:

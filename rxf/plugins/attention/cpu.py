@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
-from rxf.plugins.attention.cpu_decode import decode_attention, warm_up
+from rxf.core.runner.cpu_threads import background_work
+from rxf.plugins.attention.cpu_decode import decode_attention, paged_decode_attention, warm_up
 from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class _Group:
 
 class CpuBackend(TorchNativeBackend):
     auto_priority = 5  # above torch_native (0) on the CPU; GPU backends rank above it on CUDA
+    supports_compiled_decode = True
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:
@@ -107,9 +109,12 @@ class CpuBackend(TorchNativeBackend):
     def __init__(self, ctx: AttentionContext) -> None:
         super().__init__(ctx)
         self._groups: list[_Group] = []
-        self._first_key: dict[int | None, torch.Tensor] = {}  # decode: window -> [bs] first visible key
-        self._no_sinks: dict[int, torch.Tensor] = {}  # heads -> float32 -inf [heads] (no sink)
-        self._unit_scale: torch.Tensor | None = None  # float32 1.0: the scale of a model-dtype pool
+        self._from_first = torch.empty(0, dtype=torch.int32)  # decode: [bs] zeros, first visible key without a window
+        # Made once, so that a decode forward creates and caches nothing (a forward compiled whole must
+        # not mutate Python state), as inference tensors like the runner's (dynamo guards on the kind).
+        with torch.inference_mode():
+            self._no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)  # float32 [heads]: no sink
+            self._unit_scale = torch.ones((), dtype=torch.float32, device=ctx.device)  # a model-dtype pool's scale
         # Until the compiled kernels are ready decode runs torch_native's: the same results up to
         # rounding (in bf16 its SDPA rounds the softmax weights to bf16, the kernel keeps float32).
         self._decode: Callable[..., torch.Tensor] | None = None
@@ -126,10 +131,14 @@ class CpuBackend(TorchNativeBackend):
             # An interpreter that exits while Inductor compiles aborts (std::terminate): wait for it.
             atexit.register(thread.join)
 
+    def wait_compiled(self) -> None:
+        self.compiled.wait()
+
     def _compile(self) -> None:
         start = time.perf_counter()
         try:
-            warm_up(self.ctx)
+            with background_work():
+                warm_up(self.ctx)
         except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
             logger.warning("cpu attention: no compiled decode (%s: %s); decode stays torch_native's", type(e).__name__, e)
         else:
@@ -141,7 +150,8 @@ class CpuBackend(TorchNativeBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         super().init_forward_metadata(batch)  # the [bs, max_len] slot table; torch_native's decode state
         self._groups = [] if batch.mode.is_decode() else self._plan_extend(batch)
-        self._first_key = {}
+        if batch.mode.is_decode():
+            self._from_first = torch.zeros_like(batch.seq_lens)
         self._step_decode = self._decode  # one forward's layers all take the same path
 
     def _plan_extend(self, batch: ForwardBatch) -> list[_Group]:
@@ -200,28 +210,23 @@ class CpuBackend(TorchNativeBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        if self._step_decode is None:
+        # Traced into a compiled forward, the kernel's function is inlined (its own compiled wrapper
+        # takes a lock, which dynamo cannot trace).
+        attend = paged_decode_attention if torch.compiler.is_compiling() else self._step_decode
+        if attend is None:
             return super().forward_decode(q, k, v, layer, batch)
         self._store_kv(layer, batch, k, v)
         pool = batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         # An FP8 pool holds k / k_scale and v / v_scale; a pool of the model dtype holds K/V as they are.
-        k_scale, v_scale = (layer.k_scale, layer.v_scale) if pool.is_fp8 else (self._one(q.device), self._one(q.device))
+        k_scale, v_scale = (layer.k_scale, layer.v_scale) if pool.is_fp8 else (self._unit_scale, self._unit_scale)
         window = layer.sliding_window
-        if window not in self._first_key:  # shared by the layers of one window
-            first = torch.zeros_like(batch.seq_lens) if window is None else (batch.seq_lens - window).clamp_min(0)
-            self._first_key[window] = first
+        first = self._from_first if window is None else (batch.seq_lens - window).clamp_min(0)
         sinks = layer.sinks
         if sinks is None:
-            sinks = self._no_sinks.get(layer.num_heads)
-            if sinks is None:
-                sinks = self._no_sinks[layer.num_heads] = torch.full((layer.num_heads,), float("-inf"), device=q.device)
-        return self._step_decode(
-            q, k_buf, v_buf, k_scale, v_scale, self._slots, batch.seq_lens, self._first_key[window], sinks,
-            layer.scaling, layer.logit_cap,
+            sinks = self._no_sinks
+            if layer.num_heads != sinks.numel():  # a layer of its own head count (none of today's models)
+                sinks = torch.full((layer.num_heads,), float("-inf"), device=q.device)
+        return attend(
+            q, k_buf, v_buf, k_scale, v_scale, self._slots, batch.seq_lens, first, sinks, layer.scaling, layer.logit_cap,
         )
-
-    def _one(self, device: torch.device) -> torch.Tensor:
-        if self._unit_scale is None:
-            self._unit_scale = torch.ones((), dtype=torch.float32, device=device)
-        return self._unit_scale

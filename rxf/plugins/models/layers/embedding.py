@@ -15,9 +15,9 @@ from torch import nn
 
 from rxf.core.quantization import QuantizationMethod
 from rxf.core.runner import distributed
-from rxf.plugins.models.layers import onednn_linear
 from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
 from rxf.plugins.models.layers.linear import copy_weight, resolve_tp
+from rxf.plugins.quantization import cpu_packing
 
 
 class VocabEmbedding(nn.Module):
@@ -70,22 +70,23 @@ class LogitsHead(VocabEmbedding):
     # rxf.core.quantization); the weight itself stays, for the embedding it may be tied to.
     quantize_after_load = True
     quant: QuantizationMethod | None = None
-    # On the CPU: the weight packed for oneDNN (`onednn_linear.py`); the plain weight stays, as the
-    # embedding's when the two are tied.
-    packed: torch.Tensor | None = None
-
-    def loaded(self) -> None:
-        if self.quant is None and onednn_linear.packs(self.weight):
-            self.packed = onednn_linear.pack(self.weight.data)
+    packed_weight: torch.Tensor | None = None  # oneDNN's copy of the weight (`pack_for_device`)
 
     def use_decode_gemv(self) -> None:
         self.gemv = decode_gemv("lm_head", self.weight, out_dtype=torch.float32 if self.tp_size == 1 else None)
 
+    def pack_for_device(self) -> None:
+        """After loading: a bf16 CPU head computes from a copy of its weight in oneDNN's packed layout
+        (`cpu_packing`; 2.4x faster at one row for the demo's 49152 x 576 head). A copy: the
+        weight itself may be the embedding's, which looks rows up."""
+        if cpu_packing.dense_packable(self.weight):
+            self.packed_weight = cpu_packing.pack_dense(self.weight.data)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             logits = self.quant.apply(self, hidden, None)
-        elif self.packed is not None:
-            logits = onednn_linear.linear(hidden, self.packed, None)
+        elif self.packed_weight is not None:
+            logits = cpu_packing.dense_linear(hidden, self.packed_weight, None)
         elif self.gemv is not None and self.gemv.applies(hidden):
             logits = self.gemv(hidden, self.weight, None)
         else:

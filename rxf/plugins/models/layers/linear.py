@@ -26,8 +26,8 @@ from torch import nn
 
 from rxf.core import quantization
 from rxf.core.runner import distributed
-from rxf.plugins.models.layers import onednn_linear
 from rxf.plugins.models.layers.gemv import DecodeGemv, decode_gemv
+from rxf.plugins.quantization import cpu_packing
 
 
 def resolve_tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:
@@ -103,6 +103,7 @@ class _TPLinear(nn.Module):
         if bias:
             self.add_param("bias", torch.empty(out_per_rank, dtype=dtype), BIAS)
         self.gemv: DecodeGemv | None = None
+        self.packed_weight: torch.Tensor | None = None  # the dense weight in oneDNN's layout (`pack_for_device`)
 
     def create_dense_weight(self) -> None:
         # torch.empty: every value is overwritten by the checkpoint, so skip the random init.
@@ -127,6 +128,14 @@ class _TPLinear(nn.Module):
     def use_decode_gemv(self, role: str) -> None:
         """Serve small CUDA batches with the GEMV that `RXF_GEMV` gives `role` (if any)."""
         self.gemv = self.decode_gemv(role)
+
+    def pack_for_device(self) -> None:
+        """After loading (`rxf.core.quantization.finish_loading`): a dense bf16 CPU weight moves into
+        oneDNN's packed layout, which the matmul reads from then on (`cpu_packing`); the `weight`
+        Parameter stays as a meta tensor, its shape and dtype without the memory."""
+        if self.quant is None and not self.quant_pending and cpu_packing.dense_packable(self.weight):
+            self.packed_weight = cpu_packing.pack_dense(self.weight.data)
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def out_slice(self, shard_id: str | int | None) -> tuple[int, int, int] | None:
         """(first checkpoint feature, first feature of this rank's parameter, count) along the
@@ -164,17 +173,11 @@ class _TPLinear(nn.Module):
             src = _narrow(src, layout.in_dim, inp[0], inp[1], layout.in_pack, what)
         copy_weight(dst, src, what)
 
-    def loaded(self) -> None:
-        """After loading (`rxf.core.quantization.finish_loading`): a dense CPU weight is replaced by
-        its oneDNN-packed form (`onednn_linear.py`), which only `_matmul` reads."""
-        if self.quant is None and not self.quant_pending and onednn_linear.packs(self.weight):
-            self.weight = nn.Parameter(onednn_linear.pack(self.weight.data), requires_grad=False)
-
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
-        if self.weight.is_mkldnn:
-            return onednn_linear.linear(x, self.weight, bias)
+        if self.packed_weight is not None:
+            return cpu_packing.dense_linear(x, self.packed_weight, bias)
         if self.gemv is not None and self.gemv.applies(x):
             return self.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

@@ -1,0 +1,94 @@
+"""The CPU's DECODE forward compiled whole by `torch.compile` (Inductor's C++ code): the CPU
+counterpart of CUDA graphs, which a user of vLLM's CPU backend also gets.
+
+A batch-1 step of the demo model is ~10 ms of matmuls and ~8 ms of Python and small ops (30 layers
+of norms, rope, SiLU·mul, residual adds, the attention call); compiled, the small ops fuse into a
+few loop nests and the step dispatches once: 22.3 -> 15.6 ms at batch 1 and 42.5 -> 32.3 ms at
+batch 16, one thread, bf16 (benchmarks/RESULTS.md, issue 22). The matmuls stay oneDNN's
+(`cpu_packing.dense_linear`, an opaque op inside the graph).
+
+Compiling takes dynamo ~8 s of tracing per graph on the 2-core VM with Inductor's disk cache warm,
+a minute or more cold, so it runs in a background thread (`runtime.cpu_compile = "background"`,
+the default) and decode stays eager until it is done, or for good if it fails (no C++ compiler):
+start-up does not wait. "startup" waits (benchmarks, tests), "off" never compiles.
+
+Two graphs are traced: batch 1 (dynamo specializes size 1) and one dynamic in the batch size and
+the key count, at 5 rows of 13 keys (sizes equal to another dimension would be guarded equal by
+dynamo's duck sizing). The warm-up runs on an attention backend instance of its own, because the
+runner's serves the eager forwards meanwhile (dynamo guards on the backend's type and tensors, not
+its identity: a graph traced on one instance serves another), with padding rows as CUDA graphs use
+them: token 0, req_to_token row 0 read (any slot there is a valid index) and never written, K/V
+written to the reserved slot 0, outputs dropped. A decode whose guards would need a new graph runs
+eagerly rather than stall the engine on a compile.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from rxf.core.runner.cpu_threads import background_work
+from rxf.core.runner.cuda_graph_runner import DecodeBuffers, DecodeInputs
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from rxf.core.attention import AttentionBackend, AttentionContext
+    from rxf.core.forward import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+WARM_UP = ((1, 13), (5, 13))  # (rows, keys) of the warm-up forwards: the batch-1 and the dynamic graph
+
+
+class CompiledDecode:
+    """`__call__(batch)`: the model's decode forward through the compiled graphs; only once `ready`."""
+
+    def __init__(self, model: nn.Module, backend: AttentionBackend, ctx: AttentionContext, when: str) -> None:
+        self.model = model
+        self.backend = backend
+        self.ctx = ctx
+        # Intermediate bf16 roundings as eager code makes them: greedy tokens then equal eager decode's
+        # (without it, one of 6 demo prompts parted from eager within 32 tokens, measured).
+        self._compiled = torch.compile(model, dynamic=True, options={"emulate_precision_casts": True})
+        self.ready = False  # set once both graphs exist
+        self.done = threading.Event()  # compiling is over, done or failed
+        if when == "startup":
+            self._compile()
+        else:
+            thread = threading.Thread(target=self._compile, name="rxf-cpu-decode-compile", daemon=True)
+            thread.start()
+            atexit.register(thread.join)  # an interpreter exiting while Inductor compiles aborts
+
+    def _compile(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.backend.wait_compiled()  # its own kernels first (one compile at a time anyway)
+            with background_work(), torch.inference_mode():
+                own = type(self.backend)(self.ctx)
+                own.wait_compiled()
+                for rows, keys in WARM_UP:
+                    self._compiled(self._padding_batch(own, rows, keys))
+        except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
+            logger.warning("cpu decode: not compiled (%s: %s); decode stays eager", type(e).__name__, e)
+        else:
+            self.ready = True
+            logger.info("cpu decode: forward compiled in %.1f s", time.perf_counter() - start)
+        finally:
+            self.done.set()
+
+    def _padding_batch(self, backend: AttentionBackend, rows: int, keys: int) -> ForwardBatch:
+        host = DecodeInputs.pack([0] * rows, [keys - 1] * rows, [0] * rows, [0] * rows, padded_bs=rows)
+        dev = DecodeBuffers.upload(host, self.ctx.device)
+        batch = dev.forward_batch(host, self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool, backend)
+        backend.init_forward_metadata(batch)
+        return batch
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return self._compiled(batch)

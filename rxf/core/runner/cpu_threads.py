@@ -1,0 +1,105 @@
+"""The scheduler's torch thread count on the CPU, chosen before each forward from what the rest of
+the machine uses (`runtime.cpu_threads` unset).
+
+All cores while the other processes leave them idle; one fewer once they take part of a core. Two
+threads on two cores are 1.3-2x faster than one on a quiet machine (decode 1.3-1.5x, prefill 2x),
+but libgomp's threads spin at the end of each parallel region: beside another busy process one of
+them is descheduled while its partner spins, and a forward of hundreds of regions collapses
+(prefill of 4 x 256 tokens 10.5 s against 2.2 s for one thread on the busy 2-core VM; decode to
+16-29% of one thread's rate). One thread has no team to wait for (benchmarks/RESULTS.md, issue 22).
+
+What the others use is sampled at most every `SAMPLE_S`: the machine's busy time (`/proc/stat`:
+everything but idle and iowait, steal included) less this process's own CPU time, over the wall
+time since the last sample. The tokenizer, detokenizer and HTTP server count as others: when they
+are busy they need the core too. Without `/proc/stat` the count stays at the fewer threads. While a
+thread of this process compiles in the background (`background_work`) it is the other taking a
+core, so forwards keep the fewer threads then too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_S = 0.2  # shortest window between two samples of the machine's use
+# Cores the others may use before a forward gives up a thread, and the use below which it takes the
+# thread back (between the two the count stays: a load near one bound does not flip it every sample).
+BUSY_CORES = 0.25
+IDLE_CORES = 0.1
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+_background = 0  # threads of this process busy with background work (compiling) now
+_background_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def background_work() -> Iterator[None]:
+    """Mark the calling thread as busy beside the forwards (a background compile) while inside."""
+    global _background
+    with _background_lock:
+        _background += 1
+    try:
+        yield
+    finally:
+        with _background_lock:
+            _background -= 1
+
+
+def machine_busy_s() -> float | None:
+    """Seconds of CPU time every process of the machine has used since boot (None: unreadable)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    # cpu user nice system idle iowait irq softirq steal [guest guest_nice: counted in user already]
+    ticks = [int(x) for x in fields[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) * _TICK_S
+
+
+class CpuThreads:
+    """Sets torch's thread count to `most` or `most - 1` before each forward (`before_forward`)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = max(1, most)
+        self.fewer = max(1, self.most - 1)
+        self.threads = self.fewer
+        torch.set_num_threads(self.threads)
+        self._last = self._sample()
+        self.others_cores = 0.0  # the others' use over the last window, in cores
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        busy = machine_busy_s()
+        return None if busy is None else (time.monotonic(), busy, time.process_time())
+
+    def before_forward(self) -> int:
+        """Re-sample when the window is over and set the thread count; returns it."""
+        if self._last is None or self.most == self.fewer:
+            return self.threads
+        now = time.monotonic()
+        if now - self._last[0] < SAMPLE_S:
+            return self.threads
+        sample = self._sample()
+        if sample is None:
+            return self.threads
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, sample
+        self._last = sample
+        self.others_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
+        threads = self.threads
+        if self.others_cores >= BUSY_CORES or _background:
+            threads = self.fewer
+        elif self.others_cores < IDLE_CORES:
+            threads = self.most
+        if threads != self.threads:
+            logger.debug("torch threads %d -> %d (other processes use %.2f cores)", self.threads, threads, self.others_cores)
+            self.threads = threads
+            torch.set_num_threads(threads)
+        return threads
