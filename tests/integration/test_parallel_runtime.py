@@ -157,7 +157,7 @@ def test_a_forward_failing_on_one_rank_ends_that_rank(tiny_llama, monkeypatch):
     def broken(inp):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(runner, "forward", broken)
+    monkeypatch.setattr(runner, "forward_with_aux", broken)  # what the step executor calls
     params = SamplingParams.from_dict({"max_new_tokens": 4})
     sched.add_request(PreparedRequest("alone", [5, 6, 7], params))
     (out,) = sched.step()

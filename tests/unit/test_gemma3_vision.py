@@ -219,8 +219,8 @@ def test_greedy_with_prefill_chunks_smaller_than_an_image(setup: Setup) -> None:
     imgs = [image(40, 70, seed=30), image(60, 30, seed=31)]
     ids, items = setup.ours(TWO, imgs)
     sched = setup.scheduler(chunked_prefill_size=7)
-    forward = mock.Mock(wraps=setup.runner.forward)
-    with mock.patch.object(setup.runner, "forward", forward):
+    forward = mock.Mock(wraps=setup.runner.forward_with_aux)  # what the step executor calls
+    with mock.patch.object(setup.runner, "forward_with_aux", forward):
         out = run(sched, "r", ids, items)
     assert out["ids"] == setup.hf_greedy(TWO, imgs)
     ends = [inp.prefix_lens[0] + inp.extend_lens[0] for (inp,), _ in forward.call_args_list if not inp.mode.is_decode()]
