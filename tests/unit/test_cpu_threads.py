@@ -50,7 +50,7 @@ def test_threads_follow_what_the_other_processes_use(monkeypatch: pytest.MonkeyP
 def test_a_background_compile_holds_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
     m = FakeMachine(monkeypatch)
     t = cpu_threads.CpuThreads(2)
-    with cpu_threads.background_work():  # our own thread compiling: it needs a core as another process would
+    with cpu_threads.compiling():  # our own thread compiling: it needs a core as another process would
         m.run(0.3, own_cores=2, other_cores=0)
         assert t.before_forward() == 1
     m.run(0.3, own_cores=1, other_cores=0)

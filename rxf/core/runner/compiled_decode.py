@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rxf.core.runner.cpu_threads import background_work
+from rxf.core.runner.cpu_threads import compiling
 from rxf.core.runner.cuda_graph_runner import DecodeBuffers, DecodeInputs
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class CompiledDecode:
         start = time.perf_counter()
         try:
             self.backend.wait_compiled()  # its own kernels first (one compile at a time anyway)
-            with background_work(), torch.inference_mode():
+            with compiling(), torch.inference_mode():
                 own = type(self.backend)(self.ctx)
                 own.wait_compiled()
                 for rows, keys in WARM_UP:

@@ -12,8 +12,8 @@ What the others use is sampled at most every `SAMPLE_S`: the machine's busy time
 everything but idle and iowait, steal included) less this process's own CPU time, over the wall
 time since the last sample. The tokenizer, detokenizer and HTTP server count as others: when they
 are busy they need the core too. Without `/proc/stat` the count stays at the fewer threads. While a
-thread of this process compiles in the background (`background_work`) it is the other taking a
-core, so forwards keep the fewer threads then too.
+thread of this process compiles in the background (`compiling`) it is the other taking a core, so
+forwards keep the fewer threads then too.
 """
 
 from __future__ import annotations
@@ -40,14 +40,21 @@ _background_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def background_work() -> Iterator[None]:
-    """Mark the calling thread as busy beside the forwards (a background compile) while inside."""
+def compiling() -> Iterator[None]:
+    """Inside: the calling thread compiles with torch.compile, beside the forwards. It counts as
+    background work (forwards keep the fewer threads meanwhile), and its torch thread count is the
+    machine's cores: Inductor's C++ kernels then leave their team size to the runtime, so they run
+    at whatever count a forward sets. Compiled at another count they hard-code it, and at one
+    thread they are not parallel at all (2-thread decode steps of such a graph took 4x as long)."""
     global _background
     with _background_lock:
         _background += 1
+    saved = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
     try:
         yield
     finally:
+        torch.set_num_threads(saved)
         with _background_lock:
             _background -= 1
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
-from rxf.core.runner.cpu_threads import background_work
+from rxf.core.runner.cpu_threads import compiling
 from rxf.plugins.attention.cpu_decode import decode_attention, paged_decode_attention, warm_up
 from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
 
@@ -137,7 +137,7 @@ class CpuBackend(TorchNativeBackend):
     def _compile(self) -> None:
         start = time.perf_counter()
         try:
-            with background_work():
+            with compiling():
                 warm_up(self.ctx)
         except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
             logger.warning("cpu attention: no compiled decode (%s: %s); decode stays torch_native's", type(e).__name__, e)

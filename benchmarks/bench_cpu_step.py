@@ -1,0 +1,93 @@
+"""One CPU decode step of the demo model, engine variants side by side in one process (issue 22).
+
+    python benchmarks/bench_cpu_step.py [--variants plain packed compiled] [--threads 1 2] \
+        [--batch 1 4 16] [--context 128] [--dtype bfloat16]
+
+Variants (each a `ModelHarness` of the cpu backend on the same checkpoint, built in turn):
+  plain     dense matmuls through F.linear (RXF_CPU_WEIGHT_PACKING=0), eager decode
+  packed    bf16 weights packed for oneDNN at load (`cpu_packing.pack_dense`), eager decode
+  compiled  packed, and the decode forward compiled whole (`runtime.cpu_compile = "startup"`)
+
+Per batch size: a PREFILL of `--context`-token prompts, then blocks of DECODE steps, variant after
+variant and thread count after thread count in turn (a block of 6 steps, the first dropped), so a
+change in the machine's load hits all alike. Prints each one's median step, and the greedy tokens'
+agreement with the first variant on 6 prompts (the demo chat question and 5 others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+CHAT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
+        2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+VARIANTS = {
+    "plain": ({"runtime.cpu_compile": "off"}, "0"),
+    "packed": ({"runtime.cpu_compile": "off"}, "1"),
+    "compiled": ({"runtime.cpu_compile": "startup"}, "1"),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--threads", type=int, nargs="+", default=[1])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--blocks", type=int, default=4)
+    args = p.parse_args()
+
+    from rxf.core.forward import ForwardMode
+    from rxf.core.runner.model_runner import ModelInput
+    from rxf.entrypoints.demo_model import resolve_model_path
+    from rxf.testing.model_harness import ModelHarness
+
+    os.environ.setdefault("RXF_CPU_ATTENTION_COMPILE", "startup")
+    harnesses = {}
+    for name in args.variants:
+        overrides, packing = VARIANTS[name]
+        os.environ["RXF_CPU_WEIGHT_PACKING"] = packing  # read at load
+        start = time.perf_counter()
+        harnesses[name] = ModelHarness(resolve_model_path("demo"), "cpu", **{
+            "model.dtype": args.dtype, "cache.max_total_tokens": max(args.batch) * (args.context + 12 * args.blocks * len(args.threads)) + 2048,
+            "scheduler.max_running_requests": max(args.batch) + 8, **overrides})
+        print(f"{name}: engine built in {time.perf_counter() - start:.1f} s", flush=True)
+    prompts = [CHAT] + [[(11 + 7 * i + 3 * j) % 49000 for j in range(30 + 9 * i)] for i in range(5)]
+    greedy = {name: h.greedy(prompts, 32) for name, h in harnesses.items()}
+    first = args.variants[0]
+    for name in args.variants[1:]:
+        same = sum(a == b for a, b in zip(greedy[first], greedy[name], strict=True))
+        print(f"greedy tokens, {name} vs {first}: {same} of {len(prompts)} prompts identical over 32 tokens")
+    for bs in args.batch:
+        batch = [[(11 + 7 * i + 3 * j) % 49000 for j in range(args.context)] for i in range(bs)]
+        state = {}
+        with torch.inference_mode():
+            for name, h in harnesses.items():
+                rows, slots = h._start(batch)
+                h._prefill(batch, rows, slots, all_logits=False)
+                state[name] = (rows, [args.context] * bs)
+            steps: dict[tuple[str, int], list[float]] = {(n, t): [] for n in harnesses for t in args.threads}
+            for _ in range(args.blocks):
+                for name, h in harnesses.items():
+                    for threads in args.threads:
+                        torch.set_num_threads(threads)
+                        for i in range(6):
+                            rows, lens = state[name]
+                            new = h.runner.token_to_kv_pool.alloc(bs)
+                            start = time.perf_counter()
+                            h.runner.forward(ModelInput(ForwardMode.DECODE, rows, [5] * bs, list(lens), [1] * bs, new))
+                            if i:
+                                steps[name, threads].append(time.perf_counter() - start)
+                            state[name] = (rows, [n + 1 for n in lens])
+        cells = ", ".join(f"{n} {t}t {statistics.median(v) * 1e3:.1f}" for (n, t), v in steps.items())
+        print(f"{args.dtype} batch {bs:2d}, {args.context} keys, load average {os.getloadavg()[0]:.2f}: "
+              f"median ms per step: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
