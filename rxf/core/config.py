@@ -175,9 +175,10 @@ class RuntimeConfig(_Section):
         "leave them idle, one fewer while they use a quarter core or more; chosen before each forward)",
     )
     cpu_compile: Literal["background", "startup", "off"] = Field(
-        "background",
+        "off",
         description="CPU: compile the decode forward whole with torch.compile; 'background' serves eagerly until it "
-        "is compiled, 'startup' waits for it before serving",
+        "is compiled, 'startup' waits for it before serving (off by default until a quiet comparison has "
+        "measured it: benchmarks/RESULTS.md)",
     )
     startup_timeout_s: float = Field(600, gt=0)
 

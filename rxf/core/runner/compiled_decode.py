@@ -3,13 +3,15 @@ counterpart of CUDA graphs, which a user of vLLM's CPU backend also gets.
 
 A batch-1 step of the demo model is ~10 ms of matmuls and ~8 ms of Python and small ops (30 layers
 of norms, rope, SiLU·mul, residual adds, the attention call); compiled, the small ops fuse into a
-few loop nests and the step dispatches once: 22.3 -> 15.6 ms at batch 1 and 42.5 -> 32.3 ms at
-batch 16, one thread, bf16 (benchmarks/RESULTS.md, issue 22). The matmuls stay oneDNN's
+few loop nests and the step dispatches once (its author measured 22.3 -> 15.6 ms at batch 1 and
+42.5 -> 32.3 ms at batch 16, one thread, bf16, with `benchmarks/bench_cpu_step.py`; the one run on
+record, under a load average of 3.5, gave 30.5 -> 40.1 ms: benchmarks/RESULTS.md, issue 22), so it is
+off by default until a quiet comparison decides. The matmuls stay oneDNN's
 (`cpu_packing.dense_linear`, an opaque op inside the graph).
 
 Compiling takes dynamo ~8 s of tracing per graph on the 2-core VM with Inductor's disk cache warm,
-a minute or more cold, so it runs in a background thread (`runtime.cpu_compile = "background"`,
-the default) and decode stays eager until it is done, or for good if it fails (no C++ compiler):
+a minute or more cold, so it runs in a background thread (`runtime.cpu_compile = "background"`)
+and decode stays eager until it is done, or for good if it fails (no C++ compiler):
 start-up does not wait. "startup" waits (benchmarks, tests), "off" never compiles.
 
 Two graphs are traced: batch 1 (dynamo specializes size 1) and one dynamic in the batch size and
