@@ -37,12 +37,13 @@ from rxf.testing.reference import HFReference  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
+ALL_AUTO = "fp8=auto,fp8-block=auto,int4=auto"
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
 
 
 @pytest.fixture(autouse=True)
 def default_settings(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv(qgemv.ENV, raising=False)
+    monkeypatch.setenv(qgemv.ENV, ALL_AUTO)  # the GEMV is off unless asked for
     qgemv._plan.cache_clear()
     yield monkeypatch
     qgemv._plan.cache_clear()
@@ -103,7 +104,7 @@ def test_gemv_matches_the_dequantized_matmul_and_replays(fmt: str, role: str) ->
 @pytest.mark.parametrize("fmt", qgemv.FORMATS)
 def test_gemv_with_a_label_from_the_environment(fmt: str, default_settings: pytest.MonkeyPatch) -> None:
     """A label as the benchmark prints it (explicit split), with a bias."""
-    default_settings.setenv(qgemv.ENV, f"{fmt}:down_proj=n32k128s4st3w4")
+    default_settings.setenv(qgemv.ENV, f"{ALL_AUTO},{fmt}:down_proj=n32k128s4st3w4")
     qgemv._plan.cache_clear()
     op, dense = _layer(fmt, "down_proj", torch.Generator(device=DEV).manual_seed(2))
     assert op.settings.label == "n32k128s4st3w4"

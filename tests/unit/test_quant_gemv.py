@@ -117,7 +117,7 @@ def test_int4(qgemv_env, dtype, m, group, split):
 
 
 def test_int4_needs_integer_zero_points(qgemv_env):
-    qgemv_env("")
+    qgemv_env("int4=auto")
     layer = SimpleNamespace(qweight=torch.zeros(8, 16, dtype=torch.int32), scales=torch.ones(1, 16).half(),
                             zeros=torch.full((1, 16), 7.5).half())
     assert qgemv.int4(layer, 64) is None, "7.5 - a code is not exact in half precision"
@@ -129,7 +129,7 @@ def test_settings_from_the_environment(qgemv_env):
     assert qgemv.settings_for("fp8", "qkv_proj").label == "n32k128s2st3w4"
     assert qgemv.settings_for("fp8", "down_proj") is None
     assert qgemv.settings_for("int4", "o_proj") == qgemv.DEFAULTS["int4"]
-    assert qgemv.settings_for("fp8-block", None) == qgemv.DEFAULTS["fp8-block"]
+    assert qgemv.settings_for("fp8-block", None) is None, "a format the variable does not name stays off"
     assert qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="down_proj")) is None
     op = qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="gate_up_proj"))
     assert op is not None and op.counters.tolist() == [0, 0]

@@ -7,9 +7,12 @@ quantized, even where the checkpoint asks for FP8 activations (the GEMV computes
 with the stored weight, which quantized activations only approximate). Larger batches and float32
 models keep the method's GEMM.
 
-Tile sizes come per weight format from `DEFAULTS`, with the split over K chosen from the shape and
-the SM count (`GemvSettings.resolve`), and `RXF_QGEMV`, read once per process, overrides them: a
-comma-separated list of `FORMAT=SETTING` or `FORMAT:ROLE=SETTING` (the role's entry wins), e.g.
+Off unless `RXF_QGEMV` (read once per process) names the format: the kernel was written in a
+session without a GPU, so it has not yet compiled or been timed on one (`benchmarks/gpu_profile.py
+--phases qgemv` and tests/gpu/test_quant_gemv_gpu.py will); the default becomes `auto` once they
+have. `RXF_QGEMV` is a comma-separated list of `FORMAT=SETTING` or `FORMAT:ROLE=SETTING` (the role's
+entry wins); `auto` takes the format's tile sizes from `DEFAULTS`, with the split over K chosen from
+the shape and the SM count (`GemvSettings.resolve`), e.g.
 
     RXF_QGEMV="int4=n128k128s2st4w4,fp8:gate_up_proj=n64k256s1st4w4,fp8-block:o_proj=off"
 
@@ -76,7 +79,7 @@ def settings_for(fmt: str, role: str | None) -> GemvSettings | None:
     for key in ((fmt, role), (fmt, None)):
         if key in plan:
             return plan[key]
-    return DEFAULTS[fmt]
+    return None  # off unless asked for: see the module docstring
 
 
 class QuantGemv:
