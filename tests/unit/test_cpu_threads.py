@@ -28,33 +28,45 @@ class FakeMachine:
         self.busy += seconds * (own_cores + other_cores)
 
 
+def quiet_for(m: FakeMachine, t: cpu_threads.CpuThreads, seconds: float) -> int:
+    """Run quiet windows for `seconds`, a forward after each; the last thread count."""
+    for _ in range(round(seconds / 0.25)):
+        m.run(0.25, own_cores=t.threads, other_cores=0.02)
+        threads = t.before_forward()
+    return threads
+
+
 def test_threads_follow_what_the_other_processes_use(monkeypatch: pytest.MonkeyPatch) -> None:
     m = FakeMachine(monkeypatch)
     t = cpu_threads.CpuThreads(2)
-    assert m.set_to == [1]  # until a first window says the machine is quiet
-    m.run(0.3, own_cores=1, other_cores=0.02)
-    assert t.before_forward() == 2 and m.set_to == [1, 2]
+    assert m.set_to == [1]  # until the machine has been quiet for QUIET_S
+    assert quiet_for(m, t, 1.0) == 1
+    assert quiet_for(m, t, 1.25) == 2 and m.set_to == [1, 2]
     m.run(0.1, own_cores=2, other_cores=0.6)  # shorter than a window: not sampled yet
     assert t.before_forward() == 2
     m.run(0.2, own_cores=2, other_cores=0.6)  # e.g. a busy loop: it gets 0.6 core beside two threads
     assert t.before_forward() == 1 and t.others_cores == pytest.approx(0.6)
     m.run(0.3, own_cores=1, other_cores=0.15)  # between the bounds: stays
     assert t.before_forward() == 1
-    m.run(0.3, own_cores=1, other_cores=0.0)
-    assert t.before_forward() == 2
-    m.run(0.3, own_cores=2, other_cores=0.15)
-    assert t.before_forward() == 2
+    # The load came back within FLAP_S of the thread's return: the next return waits twice as long.
+    assert quiet_for(m, t, 3.0) == 1
+    assert quiet_for(m, t, 1.25) == 2
     assert m.set_to == [1, 2, 1, 2]  # set only when the count changes
+    m.run(cpu_threads.FLAP_S, own_cores=2, other_cores=0.15)  # a long while at two threads, then a load
+    assert t.before_forward() == 2
+    m.run(0.25, own_cores=2, other_cores=0.6)
+    assert t.before_forward() == 1
+    assert quiet_for(m, t, 2.25) == 2  # it did not come back soon: the wait is QUIET_S again
 
 
 def test_a_background_compile_holds_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
     m = FakeMachine(monkeypatch)
     t = cpu_threads.CpuThreads(2)
+    assert quiet_for(m, t, 2.25) == 2
     with cpu_threads.compiling():  # our own thread compiling: it needs a core as another process would
         m.run(0.3, own_cores=2, other_cores=0)
         assert t.before_forward() == 1
-    m.run(0.3, own_cores=1, other_cores=0)
-    assert t.before_forward() == 2
+    assert quiet_for(m, t, 4.25) == 2
 
 
 def test_one_core_or_no_proc_stat_keeps_the_fewer_threads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,10 +30,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 SAMPLE_S = 0.2  # shortest window between two samples of the machine's use
-# Cores the others may use before a forward gives up a thread, and the use below which it takes the
-# thread back (between the two the count stays: a load near one bound does not flip it every sample).
+# Cores the others may use before a forward gives up a thread (at once: one busy window), and the
+# use below which the thread is taken back, once it has stayed that low for `QUIET_S`. The costs are
+# uneven, so the way back is slow: a window of two threads beside a busy process costs several
+# times what a window of one thread on an idle core forgoes.
 BUSY_CORES = 0.25
 IDLE_CORES = 0.1
+QUIET_S = 2.0
+# A load that returns within `FLAP_S` of taking the thread back doubles the quiet time asked next
+# (up to `MAX_QUIET_S`): a bursty neighbour keeps the fewer threads instead of meeting two threads
+# at every burst. `FLAP_S` at all cores without a load resets it.
+FLAP_S = 10.0
+MAX_QUIET_S = 60.0
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 _background = 0  # threads of this process busy with background work (compiling) now
 _background_lock = threading.Lock()
@@ -81,6 +89,9 @@ class CpuThreads:
         torch.set_num_threads(self.threads)
         self._last = self._sample()
         self.others_cores = 0.0  # the others' use over the last window, in cores
+        self._quiet_since: float | None = None  # start of the current run of quiet windows
+        self._quiet_s = QUIET_S  # how long a run of quiet windows must last to take the thread back
+        self._raised_at = float("-inf")  # when the count last went up to `most`
 
     @staticmethod
     def _sample() -> tuple[float, float, float] | None:
@@ -102,9 +113,16 @@ class CpuThreads:
         self.others_cores = max(0.0, (busy1 - busy0) - (own1 - own0)) / (t1 - t0)
         threads = self.threads
         if self.others_cores >= BUSY_CORES or _background:
-            threads = self.fewer
+            threads, self._quiet_since = self.fewer, None
+            if self.threads == self.most:  # a load returned: came back soon, the next wait is longer
+                soon = t1 - self._raised_at < FLAP_S
+                self._quiet_s = min(2 * self._quiet_s, MAX_QUIET_S) if soon else QUIET_S
         elif self.others_cores < IDLE_CORES:
-            threads = self.most
+            self._quiet_since = t0 if self._quiet_since is None else self._quiet_since
+            if self.threads == self.fewer and t1 - self._quiet_since >= self._quiet_s:
+                threads, self._raised_at = self.most, t1
+        else:
+            self._quiet_since = None
         if threads != self.threads:
             logger.debug("torch threads %d -> %d (other processes use %.2f cores)", self.threads, threads, self.others_cores)
             self.threads = threads
