@@ -48,17 +48,15 @@ _background_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def compiling() -> Iterator[None]:
+def compiling(threads: int | None = None) -> Iterator[None]:
     """Inside: the calling thread compiles with torch.compile, beside the forwards. It counts as
-    background work (forwards keep the fewer threads meanwhile), and its torch thread count is the
-    machine's cores: Inductor's C++ kernels then leave their team size to the runtime, so they run
-    at whatever count a forward sets. Compiled at another count they hard-code it, and at one
-    thread they are not parallel at all (2-thread decode steps of such a graph took 4x as long)."""
+    background work (forwards keep the fewer threads meanwhile), and its torch thread count is
+    `threads` (default: the machine's cores), which Inductor generates its C++ kernels for."""
     global _background
     with _background_lock:
         _background += 1
     saved = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
         yield
     finally:

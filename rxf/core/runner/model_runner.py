@@ -361,7 +361,9 @@ class ModelRunner:
             or not self.attn_backend.supports_compiled_decode
         ):
             return None
-        return CompiledDecode(self.model, self.attn_backend, self._attention_context, when)
+        # Graphs for each thread count the forwards may run at, the count of an idle machine first.
+        counts = [self.threads.most, self.threads.fewer] if self.threads is not None else [torch.get_num_threads()]
+        return CompiledDecode(self.model, self.attn_backend, self._attention_context, when, counts)
 
     # ---- one scheduler step (the `StepRunner` protocol) ----
     def launch(self, batch: StepBatch) -> StepHandle:
@@ -503,4 +505,6 @@ class ModelRunner:
         batch = dev.forward_batch(host, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend)
         self.attn_backend.init_forward_metadata(batch)
         compiled = self.compiled_decode
-        return compiled(batch) if compiled is not None and compiled.ready else self.model(batch)
+        if compiled is not None and compiled.ready_for(torch.get_num_threads()):
+            return compiled(batch)
+        return self.model(batch)
