@@ -14,6 +14,14 @@ every step's mode, size and time (`--steps`), output tok/s.
 
 With --checkouts, each round runs the replay once per checkout in a fresh interpreter with
 PYTHONPATH set to it (so old and new code alternate within one run), and prints the medians.
+
+    python benchmarks/bench_cpu_prefill.py --forward [--threads 1] [--profile]   # one forward's cost
+    python benchmarks/bench_cpu_prefill.py --attention [--threads 1]             # its attention alone
+
+--forward: PREFILL and EXTEND forwards of the shapes these workloads make (the best of 3), in ms
+per token, through `ModelHarness` (cpu backend, bf16); --profile adds torch.profiler's top ops of
+a 4 x 256 prefill. --attention: one layer's attention of the demo's shapes (9 / 3 heads, head_dim
+64) as SDPA with the causal flag, with a mask, in float32, and as matmuls with the softmax in float32.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 
 def build_prompts(args: argparse.Namespace, tokenizer) -> list[list[int]]:
@@ -141,6 +151,87 @@ def replay(args: argparse.Namespace) -> dict:
     }
 
 
+FORWARDS = [(1, 256, 0), (4, 256, 0), (16, 256, 0), (4, 256, 256), (16, 256, 256), (16, 32, 512), (1, 544, 0)]
+
+
+def forward_costs(args: argparse.Namespace) -> None:
+    from rxf.core.forward import ForwardMode
+    from rxf.core.runner.model_runner import ModelInput
+    from rxf.entrypoints.demo_model import resolve_model_path
+    from rxf.testing.model_harness import ModelHarness
+
+    h = ModelHarness(resolve_model_path("demo"), "cpu", **{"model.dtype": args.dtype, "cache.max_total_tokens": 20000,
+                                                           "scheduler.max_running_requests": 32})
+    r = h.runner
+
+    def run(n: int, new: int, prefix: int) -> float:
+        prompts = [[(11 + 7 * i + 3 * j) % 49000 for j in range(prefix + new)] for i in range(n)]
+        rows, slots = h._start(prompts)
+        if prefix:
+            r.forward(ModelInput(ForwardMode.PREFILL, rows, [t for p in prompts for t in p[:prefix]], [0] * n,
+                                 [prefix] * n, torch.cat([s[:prefix] for s in slots])))
+        start = time.perf_counter()
+        r.forward(ModelInput(ForwardMode.EXTEND if prefix else ForwardMode.PREFILL, rows,
+                             [t for p in prompts for t in p[prefix:]], [prefix] * n, [new] * n,
+                             torch.cat([s[prefix:] for s in slots])))
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        for n, new, prefix in FORWARDS:
+            best = min(run(n, new, prefix) for _ in range(3))
+            print(f"{args.dtype}, {torch.get_num_threads()} threads: {n:2d} x {new:3d} new tokens over {prefix:3d}: "
+                  f"{best * 1e3:7.1f} ms, {best * 1e3 / (n * new):.3f} ms per token (load average "
+                  f"{os.getloadavg()[0]:.2f})", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run(4, 256, 0)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+
+
+def _median_ms(fn) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def attention_case(dtype: torch.dtype, b: int, new: int, keys: int) -> dict[str, float]:
+    """ms of one layer's attention of the demo's shapes, each way (causal only without a prefix)."""
+    import torch.nn.functional as F
+
+    heads, kv_heads, dim = 9, 3, 64
+    q = torch.randn(b, heads, new, dim, dtype=dtype)
+    k, v = (torch.randn(b, kv_heads, keys, dim, dtype=dtype) for _ in range(2))
+    mask = (torch.arange(keys)[None, :] <= torch.arange(keys - new, keys)[:, None]).expand(b, 1, new, keys)
+
+    def matmuls() -> torch.Tensor:  # query heads grouped per kv head, the softmax in float32
+        scores = (q.view(b, kv_heads, -1, dim) @ k.transpose(-1, -2)).float() * dim**-0.5
+        scores = scores.view(b, kv_heads, heads // kv_heads, new, keys).masked_fill(~mask[:, :, None], float("-inf"))
+        return scores.softmax(-1).to(dtype).view(b, kv_heads, -1, keys) @ v
+
+    out = {}
+    if new == keys:
+        out["SDPA causal"] = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    out["SDPA mask"] = _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    out["SDPA float32"] = _median_ms(
+        lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True))
+    out["matmuls"] = _median_ms(matmuls)
+    return out
+
+
+def attention_costs(args: argparse.Namespace) -> None:
+    for b, new, keys in ((4, 256, 256), (1, 544, 544), (16, 32, 544), (16, 256, 256)):
+        cells = ", ".join(f"{name} {ms:.1f}" for name, ms in attention_case(getattr(torch, args.dtype), b, new, keys).items())
+        print(f"{args.dtype}, {torch.get_num_threads()} threads, {b} x {new} queries over {keys} keys: ms {cells}",
+              flush=True)
+
+
 def print_result(res: dict, show_steps: bool) -> None:
     if show_steps:
         for s in res["steps"]:
@@ -164,8 +255,16 @@ def main() -> None:
     p.add_argument("--steps", action="store_true", help="print every step")
     p.add_argument("--checkouts", nargs="+", help="alternate these trees, each in a fresh interpreter")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--forward", action="store_true", help="time single forwards instead of a replay")
+    p.add_argument("--attention", action="store_true", help="time one layer's attention variants")
+    p.add_argument("--profile", action="store_true", help="with --forward: torch.profiler's top ops")
+    p.add_argument("--dtype", default="bfloat16", help="--forward / --attention")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.forward or args.attention:
+        torch.set_num_threads(args.threads or 1)
+        forward_costs(args) if args.forward else attention_costs(args)
+        return
     if not args.checkouts:
         res = replay(args)
         if args.json:

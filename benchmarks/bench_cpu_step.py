@@ -8,6 +8,11 @@ Variants (each a `ModelHarness` of the cpu backend on the same checkpoint, built
   packed    bf16 weights packed for oneDNN at load (`cpu_packing.pack_dense`), eager decode
   compiled  packed, and the decode forward compiled whole (`runtime.cpu_compile = "startup"`)
 
+    python benchmarks/bench_cpu_step.py --matmuls [--threads 1]   # the demo's matmuls alone
+
+--matmuls: F.linear against the oneDNN-packed weight (`cpu_packing`) for the demo's projection
+shapes and its logits head, 1 / 16 / 256 rows, bf16, median of 50 calls.
+
 Per batch size: a PREFILL of `--context`-token prompts, then blocks of DECODE steps, variant after
 variant at each thread count in turn (a block of 6 steps, the first dropped), so a
 change in the machine's load hits all alike. The machine may be shared: a block starts once the
@@ -74,6 +79,32 @@ def decode_block(h, state: dict, name: str, bs: int, threads: int, times: list[f
         state[name] = (rows, [n + 1 for n in lens])
 
 
+MATMULS = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576), "head": (49152, 576)}  # (out, in)
+
+
+def matmuls(threads: int) -> None:
+    from rxf.plugins.quantization import cpu_packing
+
+    torch.set_num_threads(threads)
+    for name, (n, k) in MATMULS.items():
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        packed = cpu_packing.pack_dense(w)
+        for rows in (1, 16, 256):
+            x = torch.randn(rows, k, dtype=torch.bfloat16)
+            times = {}
+            for way, fn in (("F.linear", lambda: torch.nn.functional.linear(x, w)),  # noqa: B023 - run at once
+                            ("packed", lambda: cpu_packing.dense_linear(x, packed, None))):  # noqa: B023
+                for _ in range(5):
+                    fn()
+                start = time.perf_counter()
+                for _ in range(50):
+                    fn()
+                times[way] = (time.perf_counter() - start) / 50 * 1e6
+            print(f"{name} {n} x {k}, {rows:3d} rows, {threads} threads: F.linear {times['F.linear']:.0f} us, packed "
+                  f"{times['packed']:.0f} us ({times['F.linear'] / times['packed']:.2f}x; F.linear reads the weight at "
+                  f"{n * k * 2 / times['F.linear'] / 1e3:.1f} GB/s)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -83,7 +114,12 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--quiet-cores", type=float, default=0.15)
+    p.add_argument("--matmuls", action="store_true", help="the matmuls alone, F.linear against packed")
     args = p.parse_args()
+    if args.matmuls:
+        for threads in args.threads:
+            matmuls(threads)
+        return
 
     from rxf.entrypoints.demo_model import resolve_model_path
     from rxf.testing.model_harness import ModelHarness

@@ -88,6 +88,9 @@ class AttentionContext:
     device: torch.device
     max_batch_size: int
     max_context_len: int
+    # CPU: the torch thread counts the forwards may run at (torch.compile guards on the count, and
+    # Inductor's kernels are made for it); empty: the count of the thread that builds the backend.
+    thread_counts: tuple[int, ...] = ()
 
 
 class AttentionBackend(ABC):

@@ -40,7 +40,7 @@ def test_compiled_decode_is_the_eager_decode_and_never_compiles_again(tiny_mistr
     from torch._dynamo.utils import counters
 
     compiled = ModelHarness(tiny_mistral, "cpu", **{"model.dtype": "bfloat16", **COMPILED})
-    assert compiled.runner.compiled_decode.ready
+    assert compiled.runner.compiled_decode.ready_for(torch.get_num_threads())
     eager = ModelHarness(tiny_mistral, "cpu", **{"model.dtype": "bfloat16"})
     assert eager.runner.compiled_decode is None
     graphs = counters["stats"]["unique_graphs"]

@@ -85,17 +85,25 @@ def test_background_compile_takes_over_decode(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_warm_up_compiles_what_the_runner_decodes() -> None:
-    """The runner decodes under inference mode, batches of any size: after the backend's warm-up no
+    """The runner decodes under inference mode, batches of any size, at each thread count its
+    `CpuThreads` may choose (torch.compile guards on the count): after the backend's warm-up no
     such decode compiles a graph of its own (it would stall the first request for seconds)."""
     from torch._dynamo.utils import counters
 
     ctx, batch, layer, qkv = make_case([4, 9, 6], [1, 1, 1], heads=6, kv_heads=3, head_dim=16, dtype=torch.float32, device="cpu")
-    backend = CpuBackend(ctx)
+    saved = torch.get_num_threads()
+    counts = (1, 2) if saved <= 2 else (saved - 1, saved)
+    backend = CpuBackend(dataclasses.replace(ctx, thread_counts=counts))
     graphs = counters["stats"]["unique_graphs"]
-    with torch.inference_mode():  # q, k, v and the batch's lengths made there, as the runner makes them
-        b = dataclasses.replace(batch, attn_backend=backend, seq_lens=batch.seq_lens.clone())
-        backend.init_forward_metadata(b)
-        backend.forward(*(x.clone() for x in qkv), layer, b)
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            with torch.inference_mode():  # q, k, v and the batch's lengths made there, as the runner makes them
+                b = dataclasses.replace(batch, attn_backend=backend, seq_lens=batch.seq_lens.clone())
+                backend.init_forward_metadata(b)
+                backend.forward(*(x.clone() for x in qkv), layer, b)
+    finally:
+        torch.set_num_threads(saved)
     assert counters["stats"]["unique_graphs"] == graphs
 
 

@@ -20,6 +20,7 @@ class FakeMachine:
         monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: self.now)
         monkeypatch.setattr(cpu_threads.time, "process_time", lambda: self.own)
         monkeypatch.setattr(cpu_threads.torch, "set_num_threads", self.set_to.append)
+        monkeypatch.setattr(cpu_threads.torch, "get_num_threads", lambda: self.set_to[-1] if self.set_to else 0)
         monkeypatch.setattr(cpu_threads, "_background", 0)  # no compile of another test's engine counts
 
     def run(self, seconds: float, own_cores: float, other_cores: float) -> None:
@@ -63,9 +64,13 @@ def test_a_background_compile_holds_a_core(monkeypatch: pytest.MonkeyPatch) -> N
     m = FakeMachine(monkeypatch)
     t = cpu_threads.CpuThreads(2)
     assert quiet_for(m, t, 2.25) == 2
-    with cpu_threads.compiling():  # our own thread compiling: it needs a core as another process would
+    with cpu_threads.compiling(2):  # our own thread compiling: it needs a core as another process would
         m.run(0.3, own_cores=2, other_cores=0)
         assert t.before_forward() == 1
+        assert m.set_to[-1] == 2  # but the compile holds torch's count (its graphs guard on it)
+    assert m.set_to[-1] == 2  # the count before it, restored
+    m.run(0.25, own_cores=1, other_cores=0)
+    assert t.before_forward() == 1 and m.set_to[-1] == 1  # the next forward sets its own
     assert quiet_for(m, t, 4.25) == 2
 
 

@@ -9,12 +9,12 @@ record, under a load average of 3.5, gave 30.5 -> 40.1 ms: benchmarks/RESULTS.md
 off by default until a quiet comparison decides. The matmuls stay oneDNN's
 (`cpu_packing.dense_linear`, an opaque op inside the graph).
 
-Compiling takes dynamo ~8 s of tracing per graph on the 2-core VM with Inductor's disk cache warm,
-a minute or more cold, so it runs in a background thread (`runtime.cpu_compile = "background"`)
-and decode stays eager until it is done, or for good if it fails (no C++ compiler):
+Compiling takes dynamo ~8 s of tracing per graph and thread count on the 2-core VM with Inductor's
+disk cache warm, a minute or more cold, so it runs in a background thread (`runtime.cpu_compile = "background"`)
+and decode stays eager until a count's graphs are done, or for good if it fails (no C++ compiler):
 start-up does not wait. "startup" waits (benchmarks, tests), "off" never compiles.
 
-Two graphs are traced: batch 1 (dynamo specializes size 1) and one dynamic in the batch size and
+Per thread count two graphs are traced: batch 1 (dynamo specializes size 1) and one dynamic in the batch size and
 the key count, at 5 rows of 13 keys (sizes equal to another dimension would be guarded equal by
 dynamo's duck sizing). The warm-up runs on an attention backend instance of its own, because the
 runner's serves the eager forwards meanwhile (dynamo guards on the backend's type and tensors, not
@@ -30,6 +30,7 @@ import atexit
 import logging
 import threading
 import time
+import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,6 +39,8 @@ from rxf.core.runner.cpu_threads import compiling
 from rxf.core.runner.cuda_graph_runner import DecodeBuffers, DecodeInputs
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import nn
 
     from rxf.core.attention import AttentionBackend, AttentionContext
@@ -46,19 +49,40 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WARM_UP = ((1, 13), (5, 13))  # (rows, keys) of the warm-up forwards: the batch-1 and the dynamic graph
+# Intermediate bf16 roundings as eager code makes them: greedy tokens then equal eager decode's
+# (without it, one of 6 demo prompts parted from eager within 32 tokens, measured).
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
+def _entry(threads: int) -> Callable[[nn.Module, ForwardBatch], torch.Tensor]:
+    """`model(batch)` as a function whose code object is its own: dynamo keeps compiled graphs per
+    code object, so each thread count's graphs live apart."""
+
+    def decode(model: nn.Module, batch: ForwardBatch) -> torch.Tensor:
+        return model(batch)
+
+    code = decode.__code__.replace(co_name=f"decode_{threads}_threads")
+    return types.FunctionType(code, decode.__globals__, code.co_name)
 
 
 class CompiledDecode:
-    """`__call__(batch)`: the model's decode forward through the compiled graphs; only once `ready`."""
+    """`__call__(batch)`: the model's decode forward through the graphs compiled for the current
+    torch thread count; only where `ready_for(threads)`.
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, ctx: AttentionContext, when: str) -> None:
+    torch.compile guards on the torch thread count (a forward at another count would need a graph
+    of its own), and Inductor's C++ kernels are made for the count they are generated at (run at
+    another, 4x slower and more in the helper's runs), so each count that forwards may use
+    (`ctx.thread_counts`, all cores first) gets graphs of its own, compiled one after the other."""
+
+    def __init__(
+        self, model: nn.Module, backend: AttentionBackend, ctx: AttentionContext, when: str
+    ) -> None:
         self.model = model
         self.backend = backend
         self.ctx = ctx
-        # Intermediate bf16 roundings as eager code makes them: greedy tokens then equal eager decode's
-        # (without it, one of 6 demo prompts parted from eager within 32 tokens, measured).
-        self._compiled = torch.compile(model, dynamic=True, options={"emulate_precision_casts": True})
-        self.ready = False  # set once both graphs exist
+        self.counts = ctx.thread_counts or (torch.get_num_threads(),)
+        self._compiled = {n: torch.compile(_entry(n), dynamic=True, options=INDUCTOR_OPTIONS) for n in self.counts}
+        self._ready: set[int] = set()  # thread counts whose graphs exist
         self.done = threading.Event()  # compiling is over, done or failed
         if when == "startup":
             self._compile()
@@ -67,20 +91,23 @@ class CompiledDecode:
             thread.start()
             atexit.register(thread.join)  # an interpreter exiting while Inductor compiles aborts
 
+    def ready_for(self, threads: int) -> bool:
+        return threads in self._ready
+
     def _compile(self) -> None:
-        start = time.perf_counter()
         try:
             self.backend.wait_compiled()  # its own kernels first (one compile at a time anyway)
-            with compiling(), torch.inference_mode():
-                own = type(self.backend)(self.ctx)
-                own.wait_compiled()
-                for rows, keys in WARM_UP:
-                    self._compiled(self._padding_batch(own, rows, keys))
+            for n in self.counts:
+                start = time.perf_counter()
+                with compiling(n), torch.inference_mode():
+                    own = type(self.backend)(self.ctx)
+                    own.wait_compiled()
+                    for rows, keys in WARM_UP:
+                        self._compiled[n](self.model, self._padding_batch(own, rows, keys))
+                self._ready.add(n)
+                logger.info("cpu decode: forward compiled for %d threads in %.1f s", n, time.perf_counter() - start)
         except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
             logger.warning("cpu decode: not compiled (%s: %s); decode stays eager", type(e).__name__, e)
-        else:
-            self.ready = True
-            logger.info("cpu decode: forward compiled in %.1f s", time.perf_counter() - start)
         finally:
             self.done.set()
 
@@ -93,4 +120,4 @@ class CompiledDecode:
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         with torch.compiler.set_stance("eager_on_recompile"):
-            return self._compiled(batch)
+            return self._compiled[torch.get_num_threads()](self.model, batch)

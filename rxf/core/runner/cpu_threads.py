@@ -11,9 +11,13 @@ them is descheduled while its partner spins, and a forward of hundreds of region
 What the others use is sampled at most every `SAMPLE_S`: the machine's busy time (`/proc/stat`:
 everything but idle and iowait, steal included) less this process's own CPU time, over the wall
 time since the last sample. The tokenizer, detokenizer and HTTP server count as others: when they
-are busy they need the core too. Without `/proc/stat` the count stays at the fewer threads. While a
-thread of this process compiles in the background (`compiling`) it is the other taking a core, so
-forwards keep the fewer threads then too.
+are busy they need the core too. Without `/proc/stat` the count stays at the fewer threads.
+
+torch's thread count is the process's, not a thread's, and torch.compile guards on it: a graph
+compiled at one count serves forwards at that count only. So a thread of this process that
+compiles (`compiling(n)`) holds the count at `n` until it is done, and the forwards meanwhile run
+at `n` too (the compiles warm the fewer count first: the count a forward beside a busy compiling
+thread should have).
 """
 
 from __future__ import annotations
@@ -43,28 +47,27 @@ QUIET_S = 2.0
 FLAP_S = 10.0
 MAX_QUIET_S = 60.0
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-_background = 0  # threads of this process busy with background work (compiling) now
-_background_lock = threading.Lock()
+_background = 0  # threads of this process compiling now (`compiling`)
+_count_lock = threading.Lock()  # held to read `_background` and set torch's count as one step
 
 
 @contextlib.contextmanager
-def compiling() -> Iterator[None]:
-    """Inside: the calling thread compiles with torch.compile, beside the forwards. It counts as
-    background work (forwards keep the fewer threads meanwhile), and its torch thread count is the
-    machine's cores: Inductor's C++ kernels then leave their team size to the runtime, so they run
-    at whatever count a forward sets. Compiled at another count they hard-code it, and at one
-    thread they are not parallel at all (2-thread decode steps of such a graph took 4x as long)."""
+def compiling(threads: int) -> Iterator[None]:
+    """Inside: the calling thread compiles with torch.compile at torch thread count `threads` (what
+    dynamo's graphs guard on and Inductor generates its C++ kernels for); no `CpuThreads` changes
+    the count meanwhile. Nested or concurrent compiles must ask for the same count."""
     global _background
-    with _background_lock:
+    with _count_lock:
         _background += 1
-    saved = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
     try:
         yield
     finally:
-        torch.set_num_threads(saved)
-        with _background_lock:
+        with _count_lock:
             _background -= 1
+            if not _background:
+                torch.set_num_threads(saved)
 
 
 def machine_busy_s() -> float | None:
@@ -98,8 +101,21 @@ class CpuThreads:
         busy = machine_busy_s()
         return None if busy is None else (time.monotonic(), busy, time.process_time())
 
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """The thread counts a forward may run at, the fewer (a forward's first) first."""
+        return tuple(dict.fromkeys((self.fewer, self.most)))
+
     def before_forward(self) -> int:
-        """Re-sample when the window is over and set the thread count; returns it."""
+        """Re-sample when the window is over and set torch's thread count, unless a compile holds it
+        (`compiling`); returns the count chosen."""
+        threads = self._choose()
+        with _count_lock:
+            if not _background and torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+        return threads
+
+    def _choose(self) -> int:
         if self._last is None or self.most == self.fewer:
             return self.threads
         now = time.monotonic()
@@ -126,5 +142,4 @@ class CpuThreads:
         if threads != self.threads:
             logger.debug("torch threads %d -> %d (other processes use %.2f cores)", self.threads, threads, self.others_cores)
             self.threads = threads
-            torch.set_num_threads(threads)
         return threads

@@ -215,6 +215,8 @@ class ModelRunner:
         self.threads = threads
         if config.runtime.cpu_threads:
             torch.set_num_threads(config.runtime.cpu_threads)
+        # The counts forwards may run at, the count of an idle machine first (what is compiled for).
+        self.thread_counts = threads.counts if threads is not None else (torch.get_num_threads(),)
         torch.manual_seed(config.runtime.seed)
         self.device = _resolve_device(config.runtime.device)
         self.hf_config = AutoConfig.from_pretrained(
@@ -346,6 +348,7 @@ class ModelRunner:
             self.device,
             max_running,
             self.max_context_len,
+            self.thread_counts,
         )
 
     def _slots_from_memory(self, bytes_per_slot: int, max_running: int) -> int:
@@ -553,5 +556,6 @@ class ModelRunner:
         batch.spec_hidden = inp.hidden
         self.attn_backend.init_forward_metadata(batch)
         compiled = self.compiled_decode
-        logits = compiled(batch) if compiled is not None and compiled.ready else self.model(batch)
+        ready = compiled is not None and compiled.ready_for(torch.get_num_threads())
+        logits = compiled(batch) if ready else self.model(batch)
         return logits, batch.aux_hidden

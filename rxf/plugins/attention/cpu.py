@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
-from rxf.core.runner.cpu_threads import compiling
 from rxf.plugins.attention.cpu_decode import decode_attention, paged_decode_attention, warm_up
 from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
 
@@ -120,6 +119,8 @@ class CpuBackend(TorchNativeBackend):
         self._decode: Callable[..., torch.Tensor] | None = None
         self._step_decode = self._decode
         self.compiled = threading.Event()  # set once compiling is over, done or failed
+        # Read here: a background thread's own torch thread count is not the forwards'.
+        self._thread_counts = ctx.thread_counts or (torch.get_num_threads(),)
         when = os.environ.get(COMPILE_ENV, "background")
         if when not in ("background", "startup"):
             raise ValueError(f"{COMPILE_ENV}={when!r}: must be 'background' or 'startup'")
@@ -137,8 +138,7 @@ class CpuBackend(TorchNativeBackend):
     def _compile(self) -> None:
         start = time.perf_counter()
         try:
-            with compiling():
-                warm_up(self.ctx)
+            warm_up(self.ctx, self._thread_counts)
         except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
             logger.warning("cpu attention: no compiled decode (%s: %s); decode stays torch_native's", type(e).__name__, e)
         else:

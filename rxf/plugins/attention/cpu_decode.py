@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rxf.core.runner.cpu_threads import compiling
+
 if TYPE_CHECKING:
     from rxf.core.attention import AttentionContext
 
@@ -74,7 +76,7 @@ def paged_decode_attention(
 # new shapes must not compile the same function from two threads (dynamo's guards then misfire).
 _lock = threading.Lock()
 _compiled: Callable[..., torch.Tensor] | None = None
-_warmed: set[tuple] = set()  # (dtype, pool dtype, heads, kv heads, head_dim) already compiled
+_warmed: set[tuple] = set()  # (dtype, pool dtype, heads, kv heads, head_dim, threads) already compiled
 # Graphs per process: dtypes x shapes x (soft-cap or not) x (batch 1 or not); tests in one process
 # build many models, dynamo's default of 8 per function would send the rest to eager.
 RECOMPILE_LIMIT = 64
@@ -93,25 +95,28 @@ def decode_attention(*args: object) -> torch.Tensor:
         return _compiled(*args)
 
 
-def warm_up(ctx: AttentionContext) -> None:
-    """Compile the graphs of plain layers of `ctx`'s shapes and dtype, batch 1 and larger (once per
-    process), under inference mode as the runner's forwards run (dynamo guards on the grad mode: a
-    graph compiled outside it would be compiled again by the first decode). Reads slot 0 of layer
-    0's pool buffers only (the reserved slot, never written to). The dynamic graph is compiled for 5
+def warm_up(ctx: AttentionContext, counts: tuple[int, ...]) -> None:
+    """Compile the graphs of plain layers of `ctx`'s shapes and dtype, batch 1 and larger, for each
+    torch thread count of `counts` (once per process): torch.compile guards on the count, so a
+    forward at a count not warmed would compile in the middle of serving. Under inference mode as
+    the runner's forwards run (dynamo guards on the grad mode too). Reads slot 0 of layer 0's pool
+    buffers only (the reserved slot, never written to). The dynamic graph is compiled for 5
     requests of 13 keys: sizes equal to another dimension (heads, head_dim) would be guarded equal
     by dynamo's duck sizing, and a real batch would compile again."""
     k_buf, v_buf = ctx.token_to_kv_pool.get_kv_buffer(0)
-    key = (ctx.dtype, k_buf.dtype, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim)
-    if key in _warmed:
-        return
-    with torch.inference_mode():
-        no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)
-        one = torch.ones((), dtype=torch.float32, device=ctx.device)
-        for bs in (1, 5):
-            q = torch.zeros(bs, ctx.num_heads, ctx.head_dim, dtype=ctx.dtype, device=ctx.device)
-            slots = torch.zeros(bs, 13, dtype=torch.int64, device=ctx.device)
-            seq_lens = torch.full((bs,), 13, dtype=torch.int32, device=ctx.device)
-            decode_attention(
-                q, k_buf, v_buf, one, one, slots, seq_lens, torch.zeros_like(seq_lens), no_sinks, ctx.head_dim**-0.5, None
-            )
-    _warmed.add(key)
+    for threads in counts:
+        key = (ctx.dtype, k_buf.dtype, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim, threads)
+        if key in _warmed:
+            continue
+        with compiling(threads), torch.inference_mode():
+            no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)
+            one = torch.ones((), dtype=torch.float32, device=ctx.device)
+            for bs in (1, 5):
+                q = torch.zeros(bs, ctx.num_heads, ctx.head_dim, dtype=ctx.dtype, device=ctx.device)
+                slots = torch.zeros(bs, 13, dtype=torch.int64, device=ctx.device)
+                seq_lens = torch.full((bs,), 13, dtype=torch.int32, device=ctx.device)
+                decode_attention(
+                    q, k_buf, v_buf, one, one, slots, seq_lens, torch.zeros_like(seq_lens), no_sinks,
+                    ctx.head_dim**-0.5, None,
+                )
+        _warmed.add(key)
