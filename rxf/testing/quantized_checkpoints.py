@@ -11,7 +11,7 @@ descriptions (AutoAWQ's packer order, AutoGPTQ's zero-minus-one) independently o
 `rxf.plugins.quantization`, so a test that compares the two checks both.
 
 Formats: `fp8` (block-wise, `block=[128, 128]`), `ct-channel` / `ct-tensor` (compressed-tensors
-FP8, dynamic per-token activations, or `static=True` with an `input_scale`), `awq`, `gptq`
+FP8, dynamic per-token activations, `static=True` with an `input_scale`, or `weight_only=True`), `awq`, `gptq`
 (`sym`, `desc_act`, `group_size`, `checkpoint_format`).
 """
 
@@ -134,9 +134,11 @@ def quantization_config(fmt: str, **opts: Any) -> dict[str, Any]:
                 else {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True})
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
                    "strategy": "channel" if fmt == "ct-channel" else "tensor"}
+        group = {"targets": ["Linear"], "weights": weights}
+        if not opts.get("weight_only", False):  # weight_only: W8A16, activations stay in the model's dtype
+            group["input_activations"] = acts
         return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-                "ignore": ["lm_head", *ROUTERS],
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+                "ignore": ["lm_head", *ROUTERS], "config_groups": {"group_0": group}}
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": opts.get("group_size", 128), "zero_point": True,
                 "version": "gemm"}

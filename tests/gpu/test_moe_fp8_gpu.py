@@ -8,9 +8,8 @@
   (+0.1%) the error of the bf16 kernels on the dequantized weights rounded to bf16.
 - A CUDA-graph replay of the FP8 path equals its eager run, on both paths.
 - Tiny FP8 Qwen3-MoE checkpoints (block-wise, compressed-tensors) and online FP8 through
-  `ModelRunner` on CUDA in bf16: the experts stay FP8 (not dequantized at load) and the logits are
-  within 15% of transformers running the float32 twin (the dense FP8 layers also quantize their
-  activations: tests/gpu/test_quantization_gpu.py's bound).
+  `ModelRunner` on CUDA: the experts stay FP8 (not dequantized at load) and the logits are near
+  transformers running the float32 twin (`TWIN_CASES` says how near, and why).
 """
 
 from __future__ import annotations
@@ -98,11 +97,23 @@ def tiny_qwen3_moe(tmp_path_factory):
                                 initializer_range=0.1, **QWEN3_MOE)
 
 
-@pytest.mark.parametrize("case", ["fp8", "ct-channel", "online"])
-def test_fp8_moe_checkpoint_on_cuda_is_near_its_twin(tiny_qwen3_moe, tmp_path, case: str) -> None:
-    fmt = "ct-channel" if case == "online" else case
-    q = quantize_checkpoint(tiny_qwen3_moe, tmp_path / "q", fmt, twin=tmp_path / "twin")
-    overrides = {"runtime.device": "cuda", "model.dtype": "bfloat16"}
+# (case, model dtype, bound on the logits' relative error to the float32 twin). The dense layers of
+# the first three quantize their activations to FP8 (the twin cannot), and this small model with
+# large weights amplifies that noise: 0.20-0.26 of it in float32 alone, 0.10-0.27 in bf16 (measured
+# on the H200), so their bound only tells a working expert path from a broken one (errors near 1).
+# The weight-only checkpoint in float32 has nothing but the FP8 experts and dense FP8 weights, exact
+# in float32: there the bound is tight.
+TWIN_CASES = [("fp8", "bfloat16", 0.35), ("ct-channel", "bfloat16", 0.35), ("online", "bfloat16", 0.35),
+              ("ct-weight-only", "float32", 1e-2), ("ct-weight-only", "bfloat16", 0.15)]
+
+
+@pytest.mark.parametrize(("case", "dtype", "bound"), TWIN_CASES, ids=[f"{c}-{d}" for c, d, _ in TWIN_CASES])
+def test_fp8_moe_checkpoint_on_cuda_is_near_its_twin(tiny_qwen3_moe, tmp_path, case: str, dtype: str,
+                                                      bound: float) -> None:
+    fmt = "ct-channel" if case in ("online", "ct-weight-only") else case
+    q = quantize_checkpoint(tiny_qwen3_moe, tmp_path / "q", fmt, twin=tmp_path / "twin",
+                            weight_only=case == "ct-weight-only")
+    overrides = {"runtime.device": "cuda", "model.dtype": dtype}
     if case == "online":  # the dense checkpoint quantized at load: the per-channel twin's rounding
         q, overrides = tiny_qwen3_moe, {**overrides, "model.quantization": "fp8"}
     harness = ModelHarness(q, "triton", **overrides)
@@ -110,5 +121,5 @@ def test_fp8_moe_checkpoint_on_cuda_is_near_its_twin(tiny_qwen3_moe, tmp_path, c
     assert experts.quant is not None and experts.w13.weight.dtype == torch.float8_e4m3fn
     ref = HFReference(tmp_path / "twin")
     prompts = [[5, 80, 17, 300, 42, 9, 77, 123], [400, 12, 33]]
-    for prompt, ours in zip(prompts, harness.prefill_logits(prompts), strict=True):
-        assert rel_err(ours.cpu(), ref.logits(prompt)) < 0.15
+    errs = [rel_err(ours.cpu(), ref.logits(prompt)) for prompt, ours in zip(prompts, harness.prefill_logits(prompts), strict=True)]
+    assert max(errs) < bound, f"relative errors {errs}"

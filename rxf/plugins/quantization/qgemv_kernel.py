@@ -86,7 +86,9 @@ def _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, n_ok, stride_s,
 @triton.jit
 def _tile_dot(w, scale, zero, x_t, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr):
-    """acc + dequant(w) @ x_t, for a tile `_weight_tile` read (FP8 row scales join in the epilogue)."""
+    """acc + dequant(w) @ x_t, for a tile `_weight_tile` read (FP8 row scales join in the epilogue).
+    One if/else chain with one return: Triton's compiler also generates the statements after a
+    branch that returns (the interpreter does not), and an int4 tile there fails the shape check."""
     if FORMAT == _INT4:
         shifts = tl.arange(0, 8) * 4
         codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
@@ -94,13 +96,14 @@ def _tile_dot(w, scale, zero, x_t, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr
             dq = codes.to(tl.float32) - zero[:, None]
         else:
             dq = (codes | MAGIC).to(tl.int16).to(x_t.dtype, bitcast=True) - (zero + OFFSET)[:, None]
-        return acc + _dot(dq, x_t, IEEE) * scale.to(tl.float32)[:, None]
-    dq = w.to(x_t.dtype)
-    if FORMAT == _FP8_BLOCKS:
-        return acc + _dot(dq, x_t, IEEE) * scale[:, None]
-    if IEEE:
-        return tl.dot(dq, x_t, acc, input_precision="ieee")
-    return tl.dot(dq, x_t, acc)
+        out = acc + _dot(dq, x_t, IEEE) * scale.to(tl.float32)[:, None]
+    elif FORMAT == _FP8_BLOCKS:
+        out = acc + _dot(w.to(x_t.dtype), x_t, IEEE) * scale[:, None]
+    elif IEEE:
+        out = tl.dot(w.to(x_t.dtype), x_t, acc, input_precision="ieee")
+    else:
+        out = tl.dot(w.to(x_t.dtype), x_t, acc)
+    return out
 
 
 @triton.jit
