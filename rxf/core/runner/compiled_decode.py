@@ -97,11 +97,12 @@ class CompiledDecode:
     def _compile(self) -> None:
         try:
             self.backend.wait_compiled()  # its own kernels first (one compile at a time anyway)
+            with torch.inference_mode():  # (outside `compiling`: its warm-up may compile in a thread of its own)
+                own = type(self.backend)(self.ctx)
+                own.wait_compiled()
             for n in self.counts:
                 start = time.perf_counter()
                 with compiling(n), torch.inference_mode():
-                    own = type(self.backend)(self.ctx)
-                    own.wait_compiled()
                     for rows, keys in WARM_UP:
                         self._compiled[n](self.model, self._padding_batch(own, rows, keys))
                 self._ready.add(n)

@@ -49,25 +49,29 @@ MAX_QUIET_S = 60.0
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 _background = 0  # threads of this process compiling now (`compiling`)
 _count_lock = threading.Lock()  # held to read `_background` and set torch's count as one step
+_compile_lock = threading.RLock()  # one compile at a time (each holds torch's count at its own)
 
 
 @contextlib.contextmanager
 def compiling(threads: int) -> Iterator[None]:
     """Inside: the calling thread compiles with torch.compile at torch thread count `threads` (what
     dynamo's graphs guard on and Inductor generates its C++ kernels for); no `CpuThreads` changes
-    the count meanwhile. Nested or concurrent compiles must ask for the same count."""
+    the count meanwhile. Compiles of other threads wait (two engines of one process, a draft's and
+    its target's, each warm their kernels up); a nested one must ask for the same count. Inside, do
+    not wait for another thread that compiles."""
     global _background
-    with _count_lock:
-        _background += 1
-        saved = torch.get_num_threads()
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
+    with _compile_lock:
         with _count_lock:
-            _background -= 1
-            if not _background:
-                torch.set_num_threads(saved)
+            _background += 1
+            saved = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            with _count_lock:
+                _background -= 1
+                if not _background:
+                    torch.set_num_threads(saved)
 
 
 def machine_busy_s() -> float | None:

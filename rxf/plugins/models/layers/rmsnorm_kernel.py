@@ -7,10 +7,12 @@ streaming its weights until the norm is done. This kernel lets the next kernel l
 projection then reads its first weight tiles while the norm runs) and reads its own weight before
 waiting.
 
-One program per row, the whole row in registers (`norm.PDL_MAX_HIDDEN` bounds the hidden size). Rounding follows
-`RMSNorm.forward_native` exactly: with a residual, `s = x + r` rounded to the row's dtype (stored as
-the new residual), then `s / rms(s)` in float32; Llama's order casts that to the dtype before the
-weight multiply (one more rounding), Gemma's (GEMMA) multiplies by `1 + w` in float32 and rounds once.
+One program per row, the whole row in registers (`norm.PDL_MAX_HIDDEN` bounds the hidden size).
+Rounding is FlashInfer's, the norm this kernel stands in for at decode (prefill keeps FlashInfer's):
+`s = x + r` in float32, stored rounded as the new residual, and `s * rsqrt(mean(s^2) + eps) * w`
+(Gemma: `1 + w`) of the unrounded `s` in float32, rounded once. (Rounding as `forward_native` does,
+decode and prefill disagreed by a bf16 step here and there, and the bf16 greedy tokens of
+tests/gpu/test_cuda_graph_gpu.py strayed from transformers' further than its bound allows.)
 In place: `out` may be `x` and `res_out` may be `residual` (a program reads its row before writing).
 """
 
@@ -33,17 +35,15 @@ def _rmsnorm_kernel(X, Res, W, Out, ResOut, N, stride_x, stride_r, stride_o, str
     if PDL:  # the previous kernel writes x and the residual
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    x32 = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(Res + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
-        x = x.to(X.dtype.element_ty)
-        tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
-    x32 = x.to(tl.float32)
+        x32 += tl.load(Res + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ResOut + row * stride_ro + cols, x32.to(ResOut.dtype.element_ty), mask=mask)
     normed = x32 * tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
     if GEMMA:
         y = normed * (1.0 + w)
     else:
-        y = w * normed.to(X.dtype.element_ty).to(tl.float32)
+        y = normed * w
     tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
 
 
