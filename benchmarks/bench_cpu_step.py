@@ -130,7 +130,7 @@ def main() -> None:
         overrides, packing = VARIANTS[name]
         os.environ["RXF_CPU_WEIGHT_PACKING"] = packing  # read at load
         start = time.perf_counter()
-        harnesses[name] = ModelHarness(resolve_model_path("demo"), "cpu", **{
+        harnesses[name] = ModelHarness(resolve_model_path("demo"), "cpu", thread_counts=tuple(args.threads), **{
             "model.dtype": args.dtype, "cache.max_total_tokens": max(args.batch) * (args.context + 40 * args.blocks * len(args.threads)) + 2048,
             "scheduler.max_running_requests": max(args.batch) + 8, **overrides})
         print(f"{name}: engine built in {time.perf_counter() - start:.1f} s", flush=True)

@@ -36,10 +36,13 @@ class ModelHarness:
         path: str | Path,
         attention_backend: str = "torch_native",
         registry: PluginRegistry | None = None,
+        thread_counts: tuple[int, ...] | None = None,
         **config_overrides: Any,
     ) -> None:
+        """`thread_counts`: the torch thread counts the caller will run forwards at (CPU kernels are
+        compiled for each; default: the current count)."""
         config = load_config(None, **{**CPU_DEFAULTS, "attention.backend": attention_backend, **config_overrides})
-        self.runner = ModelRunner(config, registry or PluginRegistry.load(), str(path))
+        self.runner = ModelRunner(config, registry or PluginRegistry.load(), str(path), thread_counts=thread_counts)
 
     def _start(self, prompts: list[list[int]]) -> tuple[list[int], list[torch.Tensor]]:
         """Fresh pools; one req_to_token row and len(prompt) KV slots per prompt."""

@@ -199,7 +199,7 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, registry: PluginRegistry, model_path: str, *,
         aux_hidden_layers: tuple[int, ...] = (), draft_of: ModelRunner | None = None,
-        threads: CpuThreads | None = None,
+        threads: CpuThreads | None = None, thread_counts: tuple[int, ...] | None = None,
     ) -> None:
         """`aux_hidden_layers`: the target of an EAGLE-3 head, whose forwards also give the inputs of
         these layers (`forward_with_aux`). `draft_of`: this runner holds a draft head (an EAGLE-3 head)
@@ -207,7 +207,8 @@ class ModelRunner:
         its context, and its KV pool has that runner's slots (one more set of layers over the same slot
         numbers, so whatever holds a slot, a request or the radix cache, holds the head's K/V too).
         `threads`: the CPU thread count chosen before each forward (else torch's, or
-        `runtime.cpu_threads`, stays)."""
+        `runtime.cpu_threads`, stays). `thread_counts`: without `threads`, the counts the caller
+        will run forwards at (what CPU kernels are compiled for; default: the current count)."""
         start = time.perf_counter()
         self.config = config
         self.draft_of = draft_of
@@ -216,7 +217,7 @@ class ModelRunner:
         if config.runtime.cpu_threads:
             torch.set_num_threads(config.runtime.cpu_threads)
         # The counts forwards may run at, the count of an idle machine first (what is compiled for).
-        self.thread_counts = threads.counts if threads is not None else (torch.get_num_threads(),)
+        self.thread_counts = threads.counts if threads is not None else thread_counts or (torch.get_num_threads(),)
         torch.manual_seed(config.runtime.seed)
         self.device = _resolve_device(config.runtime.device)
         self.hf_config = AutoConfig.from_pretrained(
