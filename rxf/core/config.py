@@ -176,9 +176,10 @@ class RuntimeConfig(_Section):
     )
     cpu_compile: Literal["background", "startup", "off"] = Field(
         "off",
-        description="CPU: compile the decode forward whole with torch.compile; 'background' serves eagerly until it "
-        "is compiled, 'startup' waits for it before serving (off by default until a quiet comparison has "
-        "measured it: benchmarks/RESULTS.md)",
+        description="CPU: compile the decode forward whole with torch.compile, for each thread count forwards may "
+        "use (decode steps 1.4-1.5x faster once compiled); 'startup' waits for the graphs before serving, "
+        "'background' serves at once but its forwards run 10-20x slower while the compile holds the GIL "
+        "(benchmarks/RESULTS.md, issue 22)",
     )
     startup_timeout_s: float = Field(600, gt=0)
 

@@ -26,7 +26,6 @@ eagerly rather than stall the engine on a compile.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rxf.core.runner.cpu_threads import compiling
+from rxf.core.runner.cpu_threads import compiling, start_background_compile
 from rxf.core.runner.cuda_graph_runner import DecodeBuffers, DecodeInputs
 
 if TYPE_CHECKING:
@@ -87,9 +86,7 @@ class CompiledDecode:
         if when == "startup":
             self._compile()
         else:
-            thread = threading.Thread(target=self._compile, name="rxf-cpu-decode-compile", daemon=True)
-            thread.start()
-            atexit.register(thread.join)  # an interpreter exiting while Inductor compiles aborts
+            start_background_compile(self._compile, "rxf-cpu-decode-compile")
 
     def ready_for(self, threads: int) -> bool:
         return threads in self._ready

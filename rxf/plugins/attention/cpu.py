@@ -18,7 +18,6 @@ without a working C++ compiler (Inductor's requirement, with a warning), decode 
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
@@ -31,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
+from rxf.core.runner.cpu_threads import start_background_compile
 from rxf.plugins.attention.cpu_decode import decode_attention, paged_decode_attention, warm_up
 from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
 
@@ -127,10 +127,7 @@ class CpuBackend(TorchNativeBackend):
         if when == "startup":
             self._compile()
         else:
-            thread = threading.Thread(target=self._compile, name="rxf-cpu-attention-compile", daemon=True)
-            thread.start()
-            # An interpreter that exits while Inductor compiles aborts (std::terminate): wait for it.
-            atexit.register(thread.join)
+            start_background_compile(self._compile, "rxf-cpu-attention-compile")
 
     def wait_compiled(self) -> None:
         self.compiled.wait()
