@@ -85,6 +85,15 @@ def test_one_core_or_no_proc_stat_keeps_the_fewer_threads(monkeypatch: pytest.Mo
     assert t.before_forward() == 15 and m.set_to == [15]
 
 
+def test_usable_cores_follow_the_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A container pinned to 2 CPUs of a 16-CPU host: os.cpu_count() says 16.
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {4, 5})
+    monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 16)
+    assert cpu_threads.usable_cores() == 2
+    monkeypatch.delattr(cpu_threads.os, "sched_getaffinity")
+    assert cpu_threads.usable_cores() == 16
+
+
 def test_machine_busy_time_is_read_from_proc_stat() -> None:
     first = cpu_threads.machine_busy_s()
     assert first is not None and first > 0

@@ -88,6 +88,15 @@ def start_background_compile(compile_: Callable[[], None], name: str) -> None:
     atexit.register(thread.join)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a container pinned to 2 CPUs of a
+    larger host sees the host's count in `os.cpu_count()`, and torch's default follows the affinity)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (no affinity on this OS)
+        return os.cpu_count() or 1
+
+
 def machine_busy_s() -> float | None:
     """Seconds of CPU time every process of the machine has used since boot (None: unreadable)."""
     try:

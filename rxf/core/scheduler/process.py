@@ -72,7 +72,7 @@ def run_scheduler_process(
         from transformers import AutoTokenizer
 
         from rxf.core.registry import PluginRegistry
-        from rxf.core.runner.cpu_threads import CpuThreads
+        from rxf.core.runner.cpu_threads import CpuThreads, usable_cores
         from rxf.core.runner.distributed import init_tensor_parallel
         from rxf.core.runner.model_runner import ModelRunner
         from rxf.core.scheduler.scheduler import Scheduler
@@ -83,11 +83,11 @@ def run_scheduler_process(
             if placement.cuda:  # before any CUDA work: "cuda" then means this rank's device
                 torch.cuda.set_device(placement.device_index)
             elif config.runtime.cpu_threads is None:  # share the cores instead of each taking all
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // (placement.local_size * config.parallel.dp_size)))
+                torch.set_num_threads(max(1, usable_cores() // (placement.local_size * config.parallel.dp_size)))
             init_tensor_parallel(placement, timeout_s=config.runtime.startup_timeout_s + 1800)
         threads = None
         if placement is None and config.runtime.cpu_threads is None and _on_cpu(config):
-            threads = CpuThreads(os.cpu_count() or 1)  # all cores while nothing else runs, else one fewer
+            threads = CpuThreads(usable_cores())  # all cores while nothing else runs, else one fewer
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
         runner = ModelRunner(config, registry, model_path, aux_hidden_layers=target_aux_layers(config, model_path),
                              threads=threads)
