@@ -3,16 +3,16 @@ counterpart of CUDA graphs, which a user of vLLM's CPU backend also gets.
 
 A batch-1 step of the demo model is ~10 ms of matmuls and ~8 ms of Python and small ops (30 layers
 of norms, rope, SiLU·mul, residual adds, the attention call); compiled, the small ops fuse into a
-few loop nests and the step dispatches once (its author measured 22.3 -> 15.6 ms at batch 1 and
-42.5 -> 32.3 ms at batch 16, one thread, bf16, with `benchmarks/bench_cpu_step.py`; the one run on
-record, under a load average of 3.5, gave 30.5 -> 40.1 ms: benchmarks/RESULTS.md, issue 22), so it is
-off by default until a quiet comparison decides. The matmuls stay oneDNN's
+few loop nests and the step dispatches once: on the quiet 2-core VM, bf16, 128 keys, packed eager ->
+compiled 30.5 -> 20.4 ms at batch 1 and one thread, 24.5 -> 17.7 at two; 61.6 -> 44.1 and 50.6 ->
+35.8 at batch 16 (`benchmarks/bench_cpu_step.py`; benchmarks/RESULTS.md, issue 22). The matmuls stay oneDNN's
 (`cpu_packing.dense_linear`, an opaque op inside the graph).
 
 Compiling takes dynamo ~8 s of tracing per graph and thread count on the 2-core VM with Inductor's
 disk cache warm, a minute or more cold, so it runs in a background thread (`runtime.cpu_compile = "background"`)
 and decode stays eager until a count's graphs are done, or for good if it fails (no C++ compiler):
-start-up does not wait. "startup" waits (benchmarks, tests), "off" never compiles.
+start-up does not wait, but the forwards meanwhile run 10-20x slower (`cpu_threads.start_background_compile`).
+"startup" waits (benchmarks, tests), "off" (the default) never compiles.
 
 Per thread count two graphs are traced: batch 1 (dynamo specializes size 1) and one dynamic in the batch size and
 the key count, at 5 rows of 13 keys (sizes equal to another dimension would be guarded equal by
@@ -71,7 +71,7 @@ class CompiledDecode:
     torch.compile guards on the torch thread count (a forward at another count would need a graph
     of its own), and Inductor's C++ kernels are made for the count they are generated at (run at
     another, 4x slower and more in the helper's runs), so each count that forwards may use
-    (`ctx.thread_counts`, all cores first) gets graphs of its own, compiled one after the other."""
+    (`ctx.thread_counts`, the fewer first) gets graphs of its own, compiled one after the other."""
 
     def __init__(
         self, model: nn.Module, backend: AttentionBackend, ctx: AttentionContext, when: str

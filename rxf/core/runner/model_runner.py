@@ -216,7 +216,7 @@ class ModelRunner:
         self.threads = threads
         if config.runtime.cpu_threads:
             torch.set_num_threads(config.runtime.cpu_threads)
-        # The counts forwards may run at, the count of an idle machine first (what is compiled for).
+        # The counts forwards may run at (what CPU kernels are compiled for), the fewer first.
         self.thread_counts = threads.counts if threads is not None else thread_counts or (torch.get_num_threads(),)
         torch.manual_seed(config.runtime.seed)
         self.device = _resolve_device(config.runtime.device)
