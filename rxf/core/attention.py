@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -89,8 +89,8 @@ class AttentionContext:
     max_batch_size: int
     max_context_len: int
     # CPU: the torch thread counts the forwards may run at (torch.compile guards on the count, and
-    # Inductor's kernels are made for it); empty: the count of the thread that builds the backend.
-    thread_counts: tuple[int, ...] = ()
+    # Inductor's kernels are made for it); default: the count current where the context is made.
+    thread_counts: tuple[int, ...] = field(default_factory=lambda: (torch.get_num_threads(),))
 
 
 class AttentionBackend(ABC):

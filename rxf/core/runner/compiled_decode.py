@@ -79,7 +79,7 @@ class CompiledDecode:
         self.model = model
         self.backend = backend
         self.ctx = ctx
-        self.counts = ctx.thread_counts or (torch.get_num_threads(),)
+        self.counts = ctx.thread_counts
         self._compiled = {n: torch.compile(_entry(n), dynamic=True, options=INDUCTOR_OPTIONS) for n in self.counts}
         self._ready: set[int] = set()  # thread counts whose graphs exist
         self.done = threading.Event()  # compiling is over, done or failed

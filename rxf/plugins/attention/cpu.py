@@ -119,8 +119,6 @@ class CpuBackend(TorchNativeBackend):
         self._decode: Callable[..., torch.Tensor] | None = None
         self._step_decode = self._decode
         self.compiled = threading.Event()  # set once compiling is over, done or failed
-        # Read here: a background thread's own torch thread count is not the forwards'.
-        self._thread_counts = ctx.thread_counts or (torch.get_num_threads(),)
         when = os.environ.get(COMPILE_ENV, "background")
         if when not in ("background", "startup"):
             raise ValueError(f"{COMPILE_ENV}={when!r}: must be 'background' or 'startup'")
@@ -135,7 +133,7 @@ class CpuBackend(TorchNativeBackend):
     def _compile(self) -> None:
         start = time.perf_counter()
         try:
-            warm_up(self.ctx, self._thread_counts)
+            warm_up(self.ctx)
         except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
             logger.warning("cpu attention: no compiled decode (%s: %s); decode stays torch_native's", type(e).__name__, e)
         else:

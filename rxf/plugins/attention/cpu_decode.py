@@ -95,16 +95,16 @@ def decode_attention(*args: object) -> torch.Tensor:
         return _compiled(*args)
 
 
-def warm_up(ctx: AttentionContext, counts: tuple[int, ...]) -> None:
+def warm_up(ctx: AttentionContext) -> None:
     """Compile the graphs of plain layers of `ctx`'s shapes and dtype, batch 1 and larger, for each
-    torch thread count of `counts` (once per process): torch.compile guards on the count, so a
+    torch thread count of `ctx.thread_counts` (once per process): torch.compile guards on the count, so a
     forward at a count not warmed would compile in the middle of serving. Under inference mode as
     the runner's forwards run (dynamo guards on the grad mode too). Reads slot 0 of layer 0's pool
     buffers only (the reserved slot, never written to). The dynamic graph is compiled for 5
     requests of 13 keys: sizes equal to another dimension (heads, head_dim) would be guarded equal
     by dynamo's duck sizing, and a real batch would compile again."""
     k_buf, v_buf = ctx.token_to_kv_pool.get_kv_buffer(0)
-    for threads in counts:
+    for threads in ctx.thread_counts:
         key = (ctx.dtype, k_buf.dtype, ctx.num_heads, ctx.num_kv_heads, ctx.head_dim, threads)
         if key in _warmed:
             continue
