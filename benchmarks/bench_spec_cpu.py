@@ -156,17 +156,23 @@ def verify_cost(args: argparse.Namespace) -> None:
     from rxf.entrypoints.demo_model import resolve_model_path
     from rxf.testing.model_harness import ModelHarness
 
-    harness = ModelHarness(resolve_model_path("demo"), **{"runtime.cpu_threads": args.threads, "model.dtype": "float32",
-                                                          "cache.max_total_tokens": 8192})
+    os.environ.setdefault("RXF_CPU_ATTENTION_COMPILE", "startup")  # the cpu backend's kernels, not its fallback
+    harness = ModelHarness(resolve_model_path("demo"), attention_backend=args.backend,
+                           **{"runtime.cpu_threads": args.threads, "model.dtype": args.dtype,
+                              "cache.max_total_tokens": 8192})
     runner = harness.runner
+    attn = runner.attn_backend
+    print(f"{args.backend}, {args.dtype}, {args.threads} thread(s); a verify as decode rows (serving's path) "
+          "and as the extend it replaces", flush=True)
     for bs in (1, 2, 4, 8):
         prompts = [list(range(100 + i, 400 + i)) for i in range(bs)]
         rows, slots = harness._start(prompts)
         times = {}
         with torch.inference_mode():
             harness._prefill(prompts, rows, slots, all_logits=False)
-            for k in (0, 4, 8):
+            for k, as_rows in ((0, True), (4, True), (8, True), (4, False), (8, False)):
                 n, runs = k + 1, []
+                attn.verifies_as_decode = as_rows
                 for _ in range(5):
                     new = runner.token_to_kv_pool.alloc(n * bs)
                     mode = ForwardMode.DECODE if k == 0 else ForwardMode.EXTEND
@@ -176,9 +182,12 @@ def verify_cost(args: argparse.Namespace) -> None:
                     runner.forward(inp)
                     runs.append(time.perf_counter() - start)
                     runner.token_to_kv_pool.free(new)
-                times[k] = sorted(runs)[2]
-        print(f"batch {bs}: decode step {times[0] * 1e3:.1f} ms; verify of 5 tokens {times[4] / times[0]:.2f}x, "
-              f"of 9 tokens {times[8] / times[0]:.2f}x", flush=True)
+                times[k, as_rows] = sorted(runs)[2]
+            del attn.verifies_as_decode
+        step = times[0, True]
+        print(f"batch {bs}: decode step {step * 1e3:.1f} ms; verify of 5 tokens {times[4, True] / step:.2f}x "
+              f"(extend {times[4, False] / step:.2f}x), of 9 tokens {times[8, True] / step:.2f}x "
+              f"(extend {times[8, False] / step:.2f}x)", flush=True)
 
 
 def main() -> None:
@@ -189,6 +198,7 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--min-match", type=int, default=2, help="rxf's speculative.ngram_min_match")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--backend", default="cpu", help="--verify-cost: rxf's attention.backend")
     parser.add_argument("--dtype", default="bfloat16", help="rxf's model.dtype (bf16: the demo's; float32 rounds a "
                         "verify extend like a decode step, so its texts match with speculation off)")
     parser.add_argument("--output", type=Path, default=None, help="write the results as JSON here")

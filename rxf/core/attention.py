@@ -158,6 +158,13 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor: ...
 
+    # Whether `forward_decode` stores every row's K/V before any row attends and attends row r over
+    # req_to_token[req_pool_indices[r], :seq_lens[r]] alone, whatever the other rows (they need not
+    # be distinct requests). Then a speculative verify, a request's newest token and its drafts, runs
+    # as decode rows of one request at consecutive positions, causal through seq_lens, and so from
+    # the decode CUDA graphs (`ModelRunner._verify_rows`).
+    verifies_as_decode: bool = False
+
     # Whether `forward_decode` can be traced whole into a model's compiled CPU decode forward
     # (`rxf.core.runner.compiled_decode`): it creates no state and takes no lock while tracing, and
     # its graph depends only on the backend's type and tensors, so one traced on another instance

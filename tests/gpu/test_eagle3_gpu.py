@@ -50,6 +50,9 @@ def test_eagle3_drafts_and_outputs_on_the_gpu(models, backend):
     sched, proposals = recording_scheduler(config)
     # Plain decode steps replay graphs where the backend can be captured (torch_native cannot).
     assert (sched.runner.cuda_graphs is not None) == sched.runner.attn_backend.supports_cuda_graph
+    # So do the head's drafting steps (its rows' features copied into the graphs' static buffer).
+    head_graphs = sched.spec.draft.runner.cuda_graphs
+    assert (head_graphs is not None) == sched.runner.attn_backend.supports_cuda_graph
     prompts = [[(7 * i + 3 * j) % 500 + 5 for j in range(9 + 6 * i)] for i in range(6)]
     lengths = [8 + 4 * i for i in range(6)]  # requests finish at different steps: the batch shrinks
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):

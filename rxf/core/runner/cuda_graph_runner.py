@@ -41,10 +41,11 @@ INPUT_IDS, POSITIONS, REQ_POOL_INDICES, OUT_CACHE_LOC = range(4)
 SEQ_LENS, PREFIX_LENS = range(2)
 
 
-def capture_sizes(cfg: CudaGraphConfig, max_running_requests: int) -> list[int]:
-    """Ascending bucket sizes. The largest is min(max_bs, max_running_requests): no decode batch is
-    larger than the running set, and capturing a bigger one would only cost startup time."""
-    limit = min(cfg.max_bs, max_running_requests)
+def capture_sizes(cfg: CudaGraphConfig, max_rows: int) -> list[int]:
+    """Ascending bucket sizes. The largest is min(max_bs, max_rows), `max_rows` the most rows a decode
+    forward can have (the running requests, or a speculative verify's rows): capturing a bigger one
+    would only cost startup time."""
+    limit = min(cfg.max_bs, max_rows)
     base = cfg.batch_sizes if cfg.batch_sizes is not None else [1, 2, 4, *range(8, cfg.max_bs + 1, 8)]
     return sorted({b for b in base if b < limit} | {limit})
 
@@ -186,7 +187,10 @@ class CudaGraphRunner:
         sizes: list[int],
         budget_s: float,
         device: torch.device,
+        spec_hidden: tuple[int, torch.dtype] | None = None,
     ) -> None:
+        """`spec_hidden` = (width, dtype): a draft head's graphs, whose rows also take a hidden state
+        each (`ForwardBatch.spec_hidden`, copied into a static buffer before each replay)."""
         if not attn_backend.supports_cuda_graph:
             raise ValueError(f"{type(attn_backend).__name__} does not support CUDA graphs")
         self.model = model
@@ -195,6 +199,8 @@ class CudaGraphRunner:
         self.token_to_kv_pool = token_to_kv_pool
         self.width = max(sizes)
         self.buffers = DecodeBuffers.allocate(self.width, device)
+        self.hidden = None if spec_hidden is None else torch.zeros(self.width, spec_hidden[0], dtype=spec_hidden[1],
+                                                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Per bucket: the logits and the model's `ForwardBatch.aux_hidden` (None unless it sets them).
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -213,12 +219,18 @@ class CudaGraphRunner:
         return DecodeInputs.pack(input_ids, prefix_lens, rows, slots, bucket, self.width)
 
     def replay(
-        self, host: DecodeInputs, patch: Callable[[torch.Tensor], None] | None = None
+        self, host: DecodeInputs, patch: Callable[[torch.Tensor], None] | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """float32 logits `[host.bs, vocab]` and the auxiliary hidden states (if the model gives them):
         views into graph memory, valid until the next replay. `patch(input_ids)` may then rewrite
-        input ids on the device (tokens the host does not know)."""
+        input ids on the device (tokens the host does not know). `hidden`: a draft head's rows' states
+        (required by, and only by, graphs captured with `spec_hidden`)."""
+        if (hidden is None) != (self.hidden is None):
+            raise ValueError("a draft head's graphs take hidden states, and only they do")
         self.buffers.fill(host)
+        if hidden is not None:
+            self.hidden[: host.bs].copy_(hidden)
         if patch is not None:
             patch(self.buffers.ints[INPUT_IDS])
         self.buffers.write_req_to_token(self.req_to_token_pool.req_to_token, host.bs)
@@ -229,7 +241,10 @@ class CudaGraphRunner:
         return logits[: host.bs], None if aux is None else aux[: host.bs]
 
     def _batch(self, host: DecodeInputs) -> ForwardBatch:
-        return self.buffers.forward_batch(host, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend)
+        batch = self.buffers.forward_batch(host, self.req_to_token_pool, self.token_to_kv_pool, self.attn_backend)
+        if self.hidden is not None:
+            batch.spec_hidden = self.hidden[: host.padded_bs]
+        return batch
 
     def _capture_all(self, descending: list[int], budget_s: float) -> None:
         """Largest first, so smaller graphs reuse the memory the largest one took from the shared pool.

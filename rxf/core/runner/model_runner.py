@@ -294,7 +294,8 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, AttentionLayer)]
         backend_cls = _select_backend(registry, config.attention.backend, self.device, layers, is_fp8(self.kv_dtype))
         self.attn_backend = backend_cls(self._attention_context)
-        self.cuda_graphs = self._init_cuda_graphs()
+        # A draft head is captured by its loader once it is whole (it may share the target's embedding).
+        self.cuda_graphs = self._init_cuda_graphs() if draft_of is None else None
         self.compiled_decode = self._init_compiled_decode()
         # Overlap scheduling: `launch` returns before the step is done (CUDA: the work is only
         # enqueued; CPU: it runs in a worker thread) and the scheduler plans the next one meanwhile.
@@ -370,6 +371,11 @@ class ModelRunner:
             )
         return slots
 
+    def capture_cuda_graphs(self) -> None:
+        """A draft head's CUDA graphs (if `cuda_graph.enabled`), once its weights are all in place."""
+        assert self.draft_of is not None and self.cuda_graphs is None, "a target captures at construction"
+        self.cuda_graphs = self._init_cuda_graphs()
+
     def _init_cuda_graphs(self) -> CudaGraphRunner | None:
         cfg = self.config.cuda_graph
         if self.device.type != "cuda" or not cfg.enabled or self.pooling is not None:
@@ -377,10 +383,16 @@ class ModelRunner:
         if not self.attn_backend.supports_cuda_graph:
             logger.info("CUDA graphs off: backend %s cannot be captured", type(self.attn_backend).__name__)
             return None
-        sizes = capture_sizes(cfg, self.config.scheduler.max_running_requests)
+        rows = self.config.scheduler.max_running_requests
+        spec = self.config.speculative
+        if spec.method != "none":  # a verify's rows: each speculating request's newest token and drafts
+            rows = max(rows, spec.max_batch_size * (spec.num_draft_tokens + 1))
+        sizes = capture_sizes(cfg, rows)
         # With tensor parallelism every rank must capture (and replay) the same sizes, since the
         # captured forwards meet in collectives; a time budget could cut them at different sizes.
         budget_s = cfg.capture_budget_s if distributed.tp_size() == 1 else float("inf")
+        # A draft head's decode rows read a hidden state each (its own previous feature).
+        hidden = (self.hf_config.hidden_size, self.dtype) if self.draft_of is not None else None
         with torch.inference_mode():
             return CudaGraphRunner(
                 self.model,
@@ -390,6 +402,7 @@ class ModelRunner:
                 sizes,
                 budget_s,
                 self.device,
+                spec_hidden=hidden,
             )
 
     def _init_compiled_decode(self) -> CompiledDecode | None:
@@ -484,6 +497,11 @@ class ModelRunner:
         if inp.mode.is_decode():
             with torch.inference_mode():
                 return self._forward_decode(inp)
+        rows = self._verify_rows(inp)
+        if rows is not None:
+            with torch.inference_mode():
+                self._write_req_to_token(inp)  # the requests' row writes; the rows' slots go with the packed inputs
+                return self._forward_decode(rows)
         bs = len(inp.req_pool_indices)
         extend_lens = torch.tensor(inp.extend_lens)
         prefix_lens = torch.tensor(inp.prefix_lens)
@@ -534,6 +552,47 @@ class ModelRunner:
             out = self.model.hidden_states(batch) if self.pooling is not None else self.model(batch)
             return out, batch.aux_hidden
 
+    def _verify_rows(self, inp: ModelInput) -> ModelInput | None:
+        """A speculative verify as DECODE rows replayed from a captured graph, or None (it runs as the
+        extend it is). A verify asks for the logits of every new token (each request's newest token
+        and its drafts, at most `speculative.num_draft_tokens` + 1) and carries no images: its token t
+        of request i becomes a row of request i's req_to_token row at position prefix_lens[i] + t,
+        which attends up to itself (seq_len prefix_lens[i] + t + 1). Exact where the backend says
+        `verifies_as_decode`; logits and auxiliary states come out in the extend's order. Only where a
+        graph holds the rows: on the H200 a graph replay costs a fraction of the eager extend
+        (benchmarks/RESULTS.md), while on the CPU the rows cost more than the extend at 9 tokens
+        (each row re-reads its prefix; `bench_spec_cpu.py --verify-cost`). The caller writes `inp`'s
+        row writes."""
+        if (
+            not self.attn_backend.verifies_as_decode
+            or self.pooling is not None
+            or inp.logits_start is None
+            or any(inp.logits_start)
+            or inp.mm_items is not None
+            or inp.hidden is not None  # a draft head's forward (its graphs take its own rows' states)
+            or max(inp.extend_lens) > self.config.speculative.num_draft_tokens + 1
+            or not self._replays(len(inp.input_ids))
+        ):
+            return None
+        rows: list[int] = []
+        positions: list[int] = []
+        for row, prefix, n in zip(inp.req_pool_indices, inp.prefix_lens, inp.extend_lens, strict=True):
+            rows += [row] * n
+            positions += range(prefix, prefix + n)
+        return ModelInput(
+            mode=ForwardMode.DECODE,
+            req_pool_indices=rows,
+            input_ids=inp.input_ids,
+            prefix_lens=positions,
+            extend_lens=[1] * len(rows),
+            out_cache_loc=inp.out_cache_loc,
+            pending=inp.pending,  # indexes input_ids, whose order is unchanged
+        )
+
+    def _replays(self, rows: int) -> bool:
+        """Whether a decode forward of this many rows replays a captured graph."""
+        return self.cuda_graphs is not None and self.cuda_graphs.can_run(ForwardMode.DECODE, rows)
+
     def _forward_decode(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replayed from a CUDA graph when a captured bucket holds the batch, else compiled (CPU, once
         ready) or eager; either way the inputs reach the device in two non-blocking copies and only
@@ -544,7 +603,7 @@ class ModelRunner:
         patch = inp.pending.apply if inp.pending is not None else None
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inp.mode, len(inp.input_ids)):
-            logits, aux = graphs.replay(graphs.pack(*args), patch)
+            logits, aux = graphs.replay(graphs.pack(*args), patch, inp.hidden)
             # The next replay overwrites graph memory, and the auxiliary states are read after the
             # step (when the next one may already have run, with overlap): copied out.
             return logits, None if aux is None else aux.clone()

@@ -1,11 +1,12 @@
 """The draft-model proposer: a smaller model with the target's tokenizer, run ahead of it.
 
-It has its own `ModelRunner` (weights, KV pool, attention backend; eager, no CUDA graphs) in the
-scheduler process. Per request a `DraftKV` holds a row of its `req_to_token` and the slots of the
+It has its own `ModelRunner` (weights, KV pool, attention backend, decode CUDA graphs up to
+`speculative.max_batch_size` requests) in the scheduler process. Per request a `DraftKV` holds a row of its `req_to_token` and the slots of the
 tokens it computed. Each speculative step first extends the draft over the request's tokens it has
 not seen (the whole prompt the first time, then the tokens the last step accepted), whose last
 logits give the first draft, then decodes k - 1 more, greedily: a deterministic draft, so the
-target's verification (`accept.py`) is exact.
+target's verification (`accept.py`) is exact. Each step's drafts stay on the device and feed the
+next step there (`PendingTokens`); all of them reach the host in one copy at the end.
 
 The draft's KV is checked against the request's tokens before each proposal, from the last
 position known to agree: rejected drafts, tokens after a stop and a jump-forward's re-tokenized
@@ -22,11 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from rxf.core.forward import ForwardMode
+from rxf.core.speculative.chain import ChainStep, read_drafts
 
 if TYPE_CHECKING:
     from rxf.core.config import EngineConfig
     from rxf.core.registry import PluginRegistry
-    from rxf.core.runner.model_runner import ModelRunner
+    from rxf.core.runner.model_runner import ModelRunner, PendingTokens
     from rxf.core.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -69,22 +71,31 @@ class DraftModel:
             return [[] for _ in reqs]
 
     def _propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in reqs]
+        from rxf.core.runner.model_runner import PendingTokens
+
         live = [i for i, b in enumerate(budgets) if b > 0 and self._prepare(reqs[i], b)]
         if not live:
-            return drafts
+            return [[] for _ in reqs]
+
         # The tokens each draft has not computed yet (at least the newest), as one extend.
         news = [[_token(reqs[i], p) for p in range(len(reqs[i].draft_kv.tokens), reqs[i].known_len)] for i in live]
         ids = self._forward(ForwardMode.EXTEND, [reqs[i] for i in live], news)
-        for i, t in zip(live, ids, strict=True):
-            drafts[i].append(t)
+        steps: list[ChainStep] = [(live, ids)]
         for step in range(1, max(budgets[i] for i in live)):
-            live = [i for i in live if budgets[i] > step]
-            if not live:
+            prev = steps[-1][0]
+            alive = [i for i in prev if budgets[i] > step]
+            if not alive:
                 break
-            ids = self._forward(ForwardMode.DECODE, [reqs[i] for i in live], [[drafts[i][-1]] for i in live])
-            for i, t in zip(live, ids, strict=True):
-                drafts[i].append(t)
+            at = {i: j for j, i in enumerate(prev)}  # row j of the previous step's ids is request prev[j]'s
+            pending = PendingTokens(list(range(len(alive))), [at[i] for i in alive], steps[-1][1])
+            steps.append((alive, self._forward(ForwardMode.DECODE, [reqs[i] for i in alive], [[0]] * len(alive), pending)))
+        drafts = read_drafts(steps, len(reqs))
+        # The decode steps' input tokens (placeholders above) are the drafts before each one's last.
+        for i in live:
+            kv = reqs[i].draft_kv
+            n = len(drafts[i]) - 1
+            if n:
+                kv.tokens[len(kv.tokens) - n :] = drafts[i][:-1]
         return drafts
 
     def _prepare(self, req: Req, budget: int) -> bool:
@@ -108,8 +119,11 @@ class DraftModel:
         kv.slots.extend(self.pool.alloc(need).tolist())  # taken now, used by this step's forwards
         return True
 
-    def _forward(self, mode: ForwardMode, reqs: list[Req], new: list[list[int]]) -> list[int]:
-        """Compute `new[j]` after request j's draft tokens; the argmax after each one's last."""
+    def _forward(
+        self, mode: ForwardMode, reqs: list[Req], new: list[list[int]], pending: PendingTokens | None = None
+    ) -> torch.Tensor:
+        """Compute `new[j]` after request j's draft tokens (the ones `pending` names taken on the
+        device); the argmax after each one's last, on the device."""
         from rxf.core.runner.model_runner import ModelInput
 
         prefix = [len(r.draft_kv.tokens) for r in reqs]
@@ -121,11 +135,11 @@ class DraftModel:
             prefix_lens=prefix,
             extend_lens=[len(n) for n in new],
             out_cache_loc=torch.tensor([s for ss in slots for s in ss], dtype=torch.int64),
+            pending=pending,
         )
         for r, n in zip(reqs, new, strict=True):
             r.draft_kv.tokens += n
-        logits = self.runner.forward(inp)
-        return logits.argmax(dim=-1).tolist()
+        return self.runner.forward(inp).argmax(dim=-1)
 
     def _truncate(self, kv: DraftKV, end: int) -> None:
         if len(kv.slots) > end:
@@ -143,7 +157,7 @@ class DraftModel:
 
 def load_draft_model(config: EngineConfig, registry: PluginRegistry, target: ModelRunner) -> DraftModel | None:
     """The draft model of `speculative.method = "draft"` (None for other methods): the target's
-    settings with the draft's checkpoint, its own context length, eager forwards, and a KV pool of
+    settings with the draft's checkpoint, its own context length, and a KV pool of
     the target's slot count plus every running request's drafts."""
     spec = config.speculative
     if spec.method != "draft":
@@ -157,8 +171,10 @@ def load_draft_model(config: EngineConfig, registry: PluginRegistry, target: Mod
         config,
         **{
             "model.path": spec.draft_model_path, "model.tokenizer_path": None, "model.context_length": None,
-            "cache.max_total_tokens": slots, "cuda_graph.enabled": False, "scheduler.overlap": False,
+            "cache.max_total_tokens": slots, "scheduler.overlap": False,
             "speculative.method": "none", "speculative.draft_model_path": None,
+            # Its decode steps draft for at most max_batch_size requests.
+            "cuda_graph.max_bs": min(config.cuda_graph.max_bs, spec.max_batch_size),
         },
     )
     runner = ModelRunner(draft_config, registry, spec.draft_model_path)

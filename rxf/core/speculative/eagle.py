@@ -39,6 +39,7 @@ import torch
 from transformers import AutoConfig
 
 from rxf.core.forward import ForwardMode
+from rxf.core.speculative.chain import ChainStep, read_drafts
 
 if TYPE_CHECKING:
     from rxf.core.config import EngineConfig
@@ -174,10 +175,9 @@ class Eagle3Drafter:
     def _propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
         from rxf.core.runner.model_runner import ModelInput, PendingTokens
 
-        drafts: list[list[int]] = [[] for _ in reqs]
         live = [i for i, (r, b) in enumerate(zip(reqs, budgets, strict=True)) if b > 0 and _current(r)]
         if not live:
-            return drafts
+            return [[] for _ in reqs]
         # Steps after the first write the head's K/V of positions length .. length + budget - 2.
         lent = self.free_list.alloc(sum(budgets[i] - 1 for i in live))
         if lent is None:  # too few free slots: only the first draft, which needs none
@@ -187,7 +187,7 @@ class Eagle3Drafter:
             own = dict(zip(live, lent.split([budgets[i] - 1 for i in live]), strict=True))
             tokens = torch.stack([reqs[i].eagle.token for i in live])
             features = torch.stack([reqs[i].eagle.feature for i in live])
-            steps = [(live, tokens)]  # (requests, their draft of that step), on the device
+            steps: list[ChainStep] = [(live, tokens)]
             for step in range(1, max(budgets[i] for i in live)):
                 prev = steps[-1][0]
                 alive = [i for i in prev if budgets[i] > step]
@@ -212,13 +212,7 @@ class Eagle3Drafter:
                 steps.append((alive, tokens))
         finally:
             self.free_list.free(lent)
-        flat = torch.cat([t for _, t in steps]).tolist()  # the one device-to-host copy
-        k = 0
-        for owners, _ in steps:
-            for i in owners:
-                drafts[i].append(int(flat[k]))
-                k += 1
-        return drafts
+        return read_drafts(steps, len(reqs))
 
     def release(self, req: Req) -> None:
         """The request gives up its KV (finish, abort, retraction): its state goes too."""
@@ -251,8 +245,9 @@ def load_eagle3(config: EngineConfig, registry: PluginRegistry, target: ModelRun
         **{
             "model.path": path, "model.tokenizer_path": None, "model.context_length": target.max_context_len,
             "model.dtype": str(target.dtype).removeprefix("torch."), "model.quantization": None,
-            "cuda_graph.enabled": False, "scheduler.overlap": False,
-            "speculative.method": "none", "speculative.draft_model_path": None,
+            "scheduler.overlap": False, "speculative.method": "none", "speculative.draft_model_path": None,
+            # Its decode steps draft for at most max_batch_size requests.
+            "cuda_graph.max_bs": min(config.cuda_graph.max_bs, spec.max_batch_size),
         },
     )
     try:
@@ -267,6 +262,7 @@ def load_eagle3(config: EngineConfig, registry: PluginRegistry, target: ModelRun
             if embedding is None:
                 raise ValueError(f"it has no embedding and {type(target.model).__name__} shares none")
             head.share_embedding(embedding())
+        runner.capture_cuda_graphs()
     except (ValueError, OSError) as e:
         raise ValueError(f"speculative.draft_model_path {path}: {e}") from e
     logger.info(

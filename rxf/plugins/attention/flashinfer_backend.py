@@ -94,6 +94,7 @@ class FlashInferBackend(AttentionBackend):
     supports_cuda_graph = True
     features = frozenset(ATTENTION_FEATURES)
     fp8_kv = True
+    verifies_as_decode = True
 
     @classmethod
     def is_available(cls, device: torch.device) -> bool:

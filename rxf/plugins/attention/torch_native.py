@@ -63,6 +63,7 @@ class TorchNativeBackend(AttentionBackend):
     auto_priority = 0  # the fallback: any accelerated backend that is available ranks above it
     features = frozenset(ATTENTION_FEATURES)
     fp8_kv = True
+    verifies_as_decode = True
 
     def __init__(self, ctx: AttentionContext) -> None:
         super().__init__(ctx)

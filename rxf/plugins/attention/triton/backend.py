@@ -97,6 +97,7 @@ class TritonAttnBackend(AttentionBackend):
     supports_cuda_graph = True
     features = frozenset(ATTENTION_FEATURES)
     fp8_kv = True
+    verifies_as_decode = True
 
     # Decode split policy (see the module docstring); first guesses, to be tuned on the GPU. They and
     # the instance's target_programs may be overridden before the first batch and before

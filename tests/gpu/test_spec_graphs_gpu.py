@@ -1,0 +1,83 @@
+"""Speculative decoding under CUDA graphs (skipped without CUDA): a verify replays a decode graph
+(`ModelRunner._verify_rows`) and gives the eager extend's logits; n-gram and draft-model speculation
+(the draft's decode steps replayed from its own graphs) keep greedy tokens those of transformers.
+
+float32 for triton, so that the two paths agree to rounding; FlashInfer runs bf16 (its kernels take
+half-precision queries), where the decode and prefill kernels round differently: the bound there
+only tells a right verify from a wrong one (a wrong mask moves logits by O(1)).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rxf import Runtime
+from rxf.core.forward import ForwardMode
+from rxf.core.runner.model_runner import ModelInput
+from rxf.testing.checkpoints import make_tiny_checkpoint
+from rxf.testing.model_harness import ModelHarness
+from rxf.testing.model_parity import runtime_config
+from rxf.testing.reference import HFReference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TINY_GPU = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "intermediate_size": 512, "num_hidden_layers": 4}
+# Speculation's settings size the graphs: 4 requests x (8 drafts + 1) rows, capped by max_bs.
+GPU = {"runtime.device": "cuda", "cuda_graph.max_bs": 32, "speculative.method": "ngram",
+       "speculative.num_draft_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("spec-graphs"), seed=5, **TINY_GPU)
+
+
+@pytest.mark.parametrize(("backend", "dtype", "tol"), [("triton", "float32", 1e-4), ("flashinfer", "bfloat16", 5e-2)])
+def test_a_verify_replays_a_decode_graph_with_the_extends_logits(target, backend, dtype, tol, monkeypatch):
+    runner = ModelHarness(target, attention_backend=backend, **{**GPU, "model.dtype": dtype}).runner
+    graphs = runner.cuda_graphs
+    assert graphs is not None and max(graphs.sizes) == 32
+    prompts = [[(11 * i + 5 * j) % 500 + 3 for j in range(40 + 23 * i)] for i in range(3)]
+    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+    with torch.inference_mode():
+        runner.forward(ModelInput(ForwardMode.PREFILL, rows, [t for p in prompts for t in p], [0] * 3,
+                                  [len(p) for p in prompts], runner.token_to_kv_pool.alloc(sum(map(len, prompts)))))
+        new = [[7, 8, 9, 10, 11, 12, 13, 14, 15], [20], [30, 31, 32]]  # 8 drafts, none, 2
+        slots = runner.token_to_kv_pool.alloc(13)
+        inp = ModelInput(ForwardMode.EXTEND, rows, [t for n in new for t in n], [len(p) for p in prompts],
+                         [len(n) for n in new], slots, logits_start=[0, 0, 0])
+        replays = []
+        replay = graphs.replay
+        monkeypatch.setattr(graphs, "replay", lambda *a: replays.append(a[0].padded_bs) or replay(*a))
+        as_rows = runner.forward(inp).clone()
+        assert replays == [16]  # 13 rows in the 16-row bucket
+        monkeypatch.setattr(runner.attn_backend, "verifies_as_decode", False)
+        as_extend = runner.forward(inp)
+    assert replays == [16]
+    torch.testing.assert_close(as_rows, as_extend, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_under_graphs_keeps_greedy_tokens(target, method, tmp_path):
+    # A prompt that repeats, so n-gram drafts are proposed and some accepted.
+    prompts = [[5, 17, 33, 48, 17, 33, 48, 17, 33, 60, 7, 9] * 3, list(range(40, 90)), [100, 101, 102, 103] * 8]
+    ref = HFReference(target)
+    want = [ref.greedy(p, 32) for p in prompts]
+    spec = {"method": method, "num_draft_tokens": 4, "max_batch_size": 4, "ngram_min_match": 2}
+    if method == "draft":  # the target drafts for itself: every draft is accepted
+        spec["draft_model_path"] = str(target)
+    config = runtime_config(target, chunk=16, speculative=spec, runtime={"device": "cuda"},
+                            attention={"backend": "triton"}, model={"dtype": "float32"}, cuda_graph={"max_bs": 32})
+    params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+    with Runtime.from_config(config) as rt:
+        for attempt in ("first pass", "second pass (cached prefixes)"):
+            outs = rt.generate(input_ids=prompts, sampling_params=params)
+            assert [o["output_ids"] for o in outs] == want, attempt
+        extra = rt.get_stats().extra
+    # Random weights seldom continue a prompt's n-grams: n-gram's drafts may all be rejected.
+    assert extra["verify_steps"] > 0 and (method == "ngram" or extra["accepted_tokens"] > 0), extra

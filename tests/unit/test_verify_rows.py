@@ -1,0 +1,81 @@
+"""A speculative verify runs as DECODE rows where a CUDA graph holds them (`ModelRunner._verify_rows`):
+the same logits as the extend it replaces, for every backend that says `verifies_as_decode`, windowed
+layers included. On the CPU there are no graphs: the tests let the rows run eagerly
+(`_replays`), which is the same computation a replay does on the GPU (tests/gpu replays it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rxf.core.forward import ForwardMode
+from rxf.core.runner.model_runner import ModelInput, ModelRunner
+from rxf.plugins.attention.cpu import COMPILE_ENV
+from rxf.testing import make_tiny_checkpoint
+from rxf.testing.model_harness import ModelHarness
+
+PROMPTS = [[5, 80, 17, 9, 33, 2, 41], [400, 12, 7, 7, 90, 3, 11, 19, 260, 5, 6, 8]]
+NEW = [[21, 22, 23, 24], [30]]  # request 0: newest token + 3 drafts; request 1: no drafts
+
+
+@pytest.fixture(scope="module", params=[None, 6], ids=["full", "window6"])
+def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch = "LlamaForCausalLM" if request.param is None else "MistralForCausalLM"
+    extra = {} if request.param is None else {"sliding_window": request.param}
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("verify"), arch, **extra)
+
+
+def _prefill(runner: ModelRunner) -> tuple[list[int], list[int]]:
+    runner.req_to_token_pool.clear()
+    runner.token_to_kv_pool.clear()
+    rows = [runner.req_to_token_pool.alloc() for _ in PROMPTS]
+    slots = torch.cat([runner.token_to_kv_pool.alloc(len(p)) for p in PROMPTS])
+    runner.forward(ModelInput(ForwardMode.PREFILL, rows, [t for p in PROMPTS for t in p], [0, 0],
+                              [len(p) for p in PROMPTS], slots))
+    return rows, [len(p) for p in PROMPTS]
+
+
+def _verify(runner: ModelRunner, rows: list[int], prefix: list[int], slots: torch.Tensor) -> torch.Tensor:
+    inp = ModelInput(ForwardMode.EXTEND, rows, [t for n in NEW for t in n], prefix, [len(n) for n in NEW], slots,
+                     logits_start=[0, 0])
+    return runner.forward(inp)
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "cpu"])
+def test_a_verify_as_decode_rows_gives_the_extends_logits(
+    ckpt: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(COMPILE_ENV, "startup")  # the cpu backend's own decode kernel, not its fallback
+    runner = ModelHarness(ckpt, attention_backend=backend).runner
+    assert runner.attn_backend.verifies_as_decode and not runner._replays(5)
+    monkeypatch.setattr(runner, "_replays", lambda rows: True)
+    rows, prefix = _prefill(runner)
+    slots = runner.token_to_kv_pool.alloc(sum(map(len, NEW)))
+    decodes = []
+    real = runner._forward_decode
+    monkeypatch.setattr(runner, "_forward_decode", lambda inp: decodes.append(inp) or real(inp))
+    with torch.inference_mode():
+        as_rows = _verify(runner, rows, prefix, slots)
+        assert len(decodes) == 1 and decodes[0].req_pool_indices == [rows[0]] * 4 + [rows[1]]
+        assert decodes[0].prefix_lens == [7, 8, 9, 10, 12]
+        monkeypatch.setattr(runner.attn_backend, "verifies_as_decode", False)
+        as_extend = _verify(runner, rows, prefix, slots)  # the same tokens into the same slots
+    assert len(decodes) == 1
+    assert as_rows.shape == as_extend.shape == (5, runner.vocab_size)
+    torch.testing.assert_close(as_rows, as_extend, rtol=1e-5, atol=1e-5)
+    # And the rows' positions wrote req_to_token as the extend does.
+    table = runner.req_to_token_pool.req_to_token
+    assert table[rows[0], 7:11].tolist() == slots[:4].tolist() and table[rows[1], 12].item() == slots[4].item()
+
+
+def test_only_a_verify_becomes_decode_rows(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = ModelHarness(ckpt, **{"speculative.num_draft_tokens": 3}).runner
+    inp = ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 5, [7, 12], [4, 1], torch.arange(5), logits_start=[0, 0])
+    assert runner._verify_rows(inp) is None  # no graph holds them
+    monkeypatch.setattr(runner, "_replays", lambda rows: True)
+    inp = ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 5, [7, 12], [4, 1], torch.arange(5), logits_start=[0, 0])
+    assert runner._verify_rows(inp) is not None
+    for change in ({"logits_start": None}, {"logits_start": [1, 0]}, {"extend_lens": [5, 1], "input_ids": [1] * 6}):
+        assert runner._verify_rows(ModelInput(**{**inp.__dict__, **change})) is None
