@@ -188,7 +188,10 @@ class CudaGraphConfig(_Section):
     """Decode forwards replayed from CUDA graphs captured at startup (GPU and a backend that supports it)."""
 
     enabled: bool = Field(True, description="capture decode forwards as CUDA graphs on GPU")
-    max_bs: int = Field(256, gt=0, description="largest captured batch (capped at max_running_requests)")
+    max_bs: int = Field(
+        256, gt=0, description="largest captured batch, in rows (capped at the most rows a decode forward has: "
+        "max_running_requests, or speculative.max_batch_size x (num_draft_tokens + 1))"
+    )
     batch_sizes: list[int] | None = Field(
         None, description="captured batch sizes; default 1, 2, 4, then every 8 up to max_bs"
     )

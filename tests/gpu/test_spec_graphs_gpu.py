@@ -1,5 +1,5 @@
-"""Speculative decoding under CUDA graphs (skipped without CUDA): a verify replays a decode graph
-(`ModelRunner._verify_rows`) and gives the eager extend's logits; n-gram and draft-model speculation
+"""Speculative decoding under CUDA graphs (skipped without CUDA): a verify (and a draft's catch-up
+extend) replays a decode graph (`ModelRunner._short_extend_rows`) and gives the eager extend's logits; n-gram and draft-model speculation
 (the draft's decode steps replayed from its own graphs) keep greedy tokens those of transformers.
 
 float32 for triton, so that the two paths agree to rounding; FlashInfer runs bf16 (its kernels take
@@ -38,7 +38,9 @@ def target(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("backend", "dtype", "tol"), [("triton", "float32", 1e-4), ("flashinfer", "bfloat16", 5e-2)])
-def test_a_verify_replays_a_decode_graph_with_the_extends_logits(target, backend, dtype, tol, monkeypatch):
+@pytest.mark.parametrize("logits_start", [[0, 0, 0], None], ids=["verify", "catch-up"])
+def test_a_short_extend_replays_a_decode_graph_with_the_extends_logits(target, backend, dtype, tol, logits_start,
+                                                                        monkeypatch):
     runner = ModelHarness(target, attention_backend=backend, **{**GPU, "model.dtype": dtype}).runner
     graphs = runner.cuda_graphs
     assert graphs is not None and max(graphs.sizes) == 32
@@ -50,7 +52,7 @@ def test_a_verify_replays_a_decode_graph_with_the_extends_logits(target, backend
         new = [[7, 8, 9, 10, 11, 12, 13, 14, 15], [20], [30, 31, 32]]  # 8 drafts, none, 2
         slots = runner.token_to_kv_pool.alloc(13)
         inp = ModelInput(ForwardMode.EXTEND, rows, [t for n in new for t in n], [len(p) for p in prompts],
-                         [len(n) for n in new], slots, logits_start=[0, 0, 0])
+                         [len(n) for n in new], slots, logits_start=logits_start)
         replays = []
         replay = graphs.replay
         monkeypatch.setattr(graphs, "replay", lambda *a: replays.append(a[0].padded_bs) or replay(*a))

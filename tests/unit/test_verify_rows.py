@@ -1,7 +1,8 @@
-"""A speculative verify runs as DECODE rows where a CUDA graph holds them (`ModelRunner._verify_rows`):
-the same logits as the extend it replaces, for every backend that says `verifies_as_decode`, windowed
-layers included. On the CPU there are no graphs: the tests let the rows run eagerly
-(`_replays`), which is the same computation a replay does on the GPU (tests/gpu replays it)."""
+"""A short extend (a speculative verify, a draft's catch-up) runs as DECODE rows where a CUDA graph
+holds them (`ModelRunner._short_extend_rows`): the logits the extend asks for, as the extend gives
+them, for every backend that says `verifies_as_decode`, windowed layers included. On the CPU there
+are no graphs: the tests let the rows run eagerly (`_replays`), the computation a replay does on the
+GPU (tests/gpu/test_spec_graphs_gpu.py replays it)."""
 
 from __future__ import annotations
 
@@ -37,16 +38,23 @@ def _prefill(runner: ModelRunner) -> tuple[list[int], list[int]]:
     return rows, [len(p) for p in PROMPTS]
 
 
-def _verify(runner: ModelRunner, rows: list[int], prefix: list[int], slots: torch.Tensor) -> torch.Tensor:
+def _verify(runner: ModelRunner, rows: list[int], prefix: list[int], slots: torch.Tensor,
+            logits_start: list[int] | None) -> torch.Tensor:
     inp = ModelInput(ForwardMode.EXTEND, rows, [t for n in NEW for t in n], prefix, [len(n) for n in NEW], slots,
-                     logits_start=[0, 0])
+                     logits_start=logits_start)
     return runner.forward(inp)
 
 
+# A verify (every new token's logits), a catch-up (each request's last), and some of request 0's.
+LOGITS = {"verify": ([0, 0], 5), "last": (None, 2), "from 2": ([2, 0], 3)}
+
+
 @pytest.mark.parametrize("backend", ["torch_native", "cpu"])
-def test_a_verify_as_decode_rows_gives_the_extends_logits(
-    ckpt: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("logits", LOGITS)
+def test_a_short_extend_as_decode_rows_gives_the_extends_logits(
+    ckpt: Path, backend: str, logits: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    logits_start, num_logits = LOGITS[logits]
     monkeypatch.setenv(COMPILE_ENV, "startup")  # the cpu backend's own decode kernel, not its fallback
     runner = ModelHarness(ckpt, attention_backend=backend).runner
     assert runner.attn_backend.verifies_as_decode and not runner._replays(5)
@@ -57,25 +65,24 @@ def test_a_verify_as_decode_rows_gives_the_extends_logits(
     real = runner._forward_decode
     monkeypatch.setattr(runner, "_forward_decode", lambda inp: decodes.append(inp) or real(inp))
     with torch.inference_mode():
-        as_rows = _verify(runner, rows, prefix, slots)
+        as_rows = _verify(runner, rows, prefix, slots, logits_start)
         assert len(decodes) == 1 and decodes[0].req_pool_indices == [rows[0]] * 4 + [rows[1]]
         assert decodes[0].prefix_lens == [7, 8, 9, 10, 12]
         monkeypatch.setattr(runner.attn_backend, "verifies_as_decode", False)
-        as_extend = _verify(runner, rows, prefix, slots)  # the same tokens into the same slots
+        as_extend = _verify(runner, rows, prefix, slots, logits_start)  # the same tokens into the same slots
     assert len(decodes) == 1
-    assert as_rows.shape == as_extend.shape == (5, runner.vocab_size)
+    assert as_rows.shape == as_extend.shape == (num_logits, runner.vocab_size)
     torch.testing.assert_close(as_rows, as_extend, rtol=1e-5, atol=1e-5)
     # And the rows' positions wrote req_to_token as the extend does.
     table = runner.req_to_token_pool.req_to_token
     assert table[rows[0], 7:11].tolist() == slots[:4].tolist() and table[rows[1], 12].item() == slots[4].item()
 
 
-def test_only_a_verify_becomes_decode_rows(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_a_short_extend_that_a_graph_holds_becomes_decode_rows(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = ModelHarness(ckpt, **{"speculative.num_draft_tokens": 3}).runner
-    inp = ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 5, [7, 12], [4, 1], torch.arange(5), logits_start=[0, 0])
-    assert runner._verify_rows(inp) is None  # no graph holds them
+    inp = ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 5, [7, 12], [4, 1], torch.arange(5))
+    assert runner._short_extend_rows(inp) is None  # no graph holds them
     monkeypatch.setattr(runner, "_replays", lambda rows: True)
-    inp = ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 5, [7, 12], [4, 1], torch.arange(5), logits_start=[0, 0])
-    assert runner._verify_rows(inp) is not None
-    for change in ({"logits_start": None}, {"logits_start": [1, 0]}, {"extend_lens": [5, 1], "input_ids": [1] * 6}):
-        assert runner._verify_rows(ModelInput(**{**inp.__dict__, **change})) is None
+    assert runner._short_extend_rows(inp) is not None
+    longer = ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 6, [7, 12], [5, 1], torch.arange(6))  # 5 > 3 drafts + 1
+    assert runner._short_extend_rows(longer) is None

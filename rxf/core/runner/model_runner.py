@@ -383,10 +383,10 @@ class ModelRunner:
         if not self.attn_backend.supports_cuda_graph:
             logger.info("CUDA graphs off: backend %s cannot be captured", type(self.attn_backend).__name__)
             return None
-        rows = self.config.scheduler.max_running_requests
+        # The most rows a decode forward has: every running request, or a short extend's tokens (a
+        # verify: each speculating request's newest token and drafts; `_short_extend_rows`).
         spec = self.config.speculative
-        if spec.method != "none":  # a verify's rows: each speculating request's newest token and drafts
-            rows = max(rows, spec.max_batch_size * (spec.num_draft_tokens + 1))
+        rows = max(self.config.scheduler.max_running_requests, spec.max_batch_size * (spec.num_draft_tokens + 1))
         sizes = capture_sizes(cfg, rows)
         # With tensor parallelism every rank must capture (and replay) the same sizes, since the
         # captured forwards meet in collectives; a time budget could cut them at different sizes.
@@ -497,11 +497,15 @@ class ModelRunner:
         if inp.mode.is_decode():
             with torch.inference_mode():
                 return self._forward_decode(inp)
-        rows = self._verify_rows(inp)
+        rows = self._short_extend_rows(inp)
         if rows is not None:
             with torch.inference_mode():
                 self._write_req_to_token(inp)  # the requests' row writes; the rows' slots go with the packed inputs
-                return self._forward_decode(rows)
+                logits, aux = self._forward_decode(rows)
+                wanted = self._logits_rows(inp)
+                if wanted is not None:  # (every row's, for a verify)
+                    logits = logits.index_select(0, torch.tensor(wanted).to(logits.device, non_blocking=True))
+                return logits, aux
         bs = len(inp.req_pool_indices)
         extend_lens = torch.tensor(inp.extend_lens)
         prefix_lens = torch.tensor(inp.prefix_lens)
@@ -552,22 +556,22 @@ class ModelRunner:
             out = self.model.hidden_states(batch) if self.pooling is not None else self.model(batch)
             return out, batch.aux_hidden
 
-    def _verify_rows(self, inp: ModelInput) -> ModelInput | None:
-        """A speculative verify as DECODE rows replayed from a captured graph, or None (it runs as the
-        extend it is). A verify asks for the logits of every new token (each request's newest token
-        and its drafts, at most `speculative.num_draft_tokens` + 1) and carries no images: its token t
-        of request i becomes a row of request i's req_to_token row at position prefix_lens[i] + t,
-        which attends up to itself (seq_len prefix_lens[i] + t + 1). Exact where the backend says
-        `verifies_as_decode`; logits and auxiliary states come out in the extend's order. Only where a
-        graph holds the rows: on the H200 a graph replay costs a fraction of the eager extend
-        (benchmarks/RESULTS.md), while on the CPU the rows cost more than the extend at 9 tokens
-        (each row re-reads its prefix; `bench_spec_cpu.py --verify-cost`). The caller writes `inp`'s
-        row writes."""
+    def _short_extend_rows(self, inp: ModelInput) -> ModelInput | None:
+        """A short extend as DECODE rows replayed from a captured graph, or None (it runs as the
+        extend it is). Short: at most `speculative.num_draft_tokens` + 1 new tokens per request, no
+        images: a speculative verify (each request's newest token and its drafts), a draft model's
+        catch-up over the tokens a verify accepted, a prompt's last few uncached tokens. Token t of
+        request i becomes a row of request i's req_to_token row at position prefix_lens[i] + t, which
+        attends up to itself (seq_len prefix_lens[i] + t + 1): exact where the backend says
+        `verifies_as_decode`; the rows' logits are then cut to those the extend asks for
+        (`_logits_rows`), auxiliary states stay per token as an extend gives them. Only where a graph
+        holds the rows: on the H200 a 9-token verify replayed costs 1.07x a decode step against 3.7x
+        as an eager extend (benchmarks/RESULTS.md), while on the CPU the rows cost more than the
+        extend at 9 tokens (each re-reads its prefix; `bench_spec_cpu.py --verify-cost`). The caller
+        writes `inp`'s row writes."""
         if (
             not self.attn_backend.verifies_as_decode
             or self.pooling is not None
-            or inp.logits_start is None
-            or any(inp.logits_start)
             or inp.mm_items is not None
             or inp.hidden is not None  # a draft head's forward (its graphs take its own rows' states)
             or max(inp.extend_lens) > self.config.speculative.num_draft_tokens + 1
@@ -588,6 +592,19 @@ class ModelRunner:
             out_cache_loc=inp.out_cache_loc,
             pending=inp.pending,  # indexes input_ids, whose order is unchanged
         )
+
+    @staticmethod
+    def _logits_rows(inp: ModelInput) -> list[int] | None:
+        """The token rows whose logits an extend asks for (None: all of them): per request, its new
+        tokens from logits_start[i] (default: its last) on."""
+        starts = inp.logits_start or [n - 1 for n in inp.extend_lens]
+        if not any(starts):
+            return None
+        wanted, first = [], 0
+        for start, n in zip(starts, inp.extend_lens, strict=True):
+            wanted += range(first + start, first + n)
+            first += n
+        return wanted
 
     def _replays(self, rows: int) -> bool:
         """Whether a decode forward of this many rows replays a captured graph."""

@@ -1,7 +1,7 @@
 """The draft-model proposer: a smaller model with the target's tokenizer, run ahead of it.
 
-It has its own `ModelRunner` (weights, KV pool, attention backend, decode CUDA graphs up to
-`speculative.max_batch_size` requests) in the scheduler process. Per request a `DraftKV` holds a row of its `req_to_token` and the slots of the
+It has its own `ModelRunner` (weights, KV pool, attention backend, decode CUDA graphs that its
+catch-up extends replay too) in the scheduler process. Per request a `DraftKV` holds a row of its `req_to_token` and the slots of the
 tokens it computed. Each speculative step first extends the draft over the request's tokens it has
 not seen (the whole prompt the first time, then the tokens the last step accepted), whose last
 logits give the first draft, then decodes k - 1 more, greedily: a deterministic draft, so the
@@ -173,8 +173,7 @@ def load_draft_model(config: EngineConfig, registry: PluginRegistry, target: Mod
             "model.path": spec.draft_model_path, "model.tokenizer_path": None, "model.context_length": None,
             "cache.max_total_tokens": slots, "scheduler.overlap": False,
             "speculative.method": "none", "speculative.draft_model_path": None,
-            # Its decode steps draft for at most max_batch_size requests.
-            "cuda_graph.max_bs": min(config.cuda_graph.max_bs, spec.max_batch_size),
+
         },
     )
     runner = ModelRunner(draft_config, registry, spec.draft_model_path)
