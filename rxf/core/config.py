@@ -298,8 +298,20 @@ class SpeculativeConfig(_Section):
         4, gt=0, description="speculate only while at most this many requests decode (verifying costs more per request in larger batches)"
     )
 
+    tree_topk: int = Field(
+        1, gt=0, le=16, description="eagle3: children per expanded draft node (1: a chain of num_draft_tokens; more: "
+        "a tree whose num_draft_tokens best nodes are verified at once)"
+    )
+    tree_depth: int = Field(
+        5, gt=0, le=32, description="eagle3 with tree_topk > 1: levels of the draft tree (head forwards per step: depth - 1)"
+    )
+
     @model_validator(mode="after")
     def _windows(self) -> SpeculativeConfig:
+        if self.tree_topk > 1 and self.method != "eagle3":
+            raise ValueError(f"tree_topk {self.tree_topk}: tree drafts are method 'eagle3''s (ngram and draft draw chains)")
+        if self.tree_topk > self.num_draft_tokens:
+            raise ValueError(f"tree_topk {self.tree_topk} must be <= num_draft_tokens {self.num_draft_tokens}")
         if (self.method in ("draft", "eagle3")) != (self.draft_model_path is not None):
             raise ValueError("draft_model_path is required by methods 'draft' and 'eagle3' and used by them only")
         if self.ngram_min_match > self.ngram_max_match:

@@ -41,12 +41,18 @@ def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
 
 
 class ReqToTokenPool:
-    """`req_to_token[r, i]` is the KV slot of token i of the request occupying row r."""
+    """`req_to_token[r, i]` is the KV slot of token i of the request occupying row r.
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
+    Rows [size, size + scratch) are the runner's scratch rows, never handed out: a tree draft's
+    nodes attend through them, one row per node holding its request's prefix and the node's path
+    (`ModelRunner.path_rows`). One forward at a time uses them; forwards run in stream order, so a
+    later forward's writes never overtake an earlier one's reads."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device | str, scratch: int = 0) -> None:
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.scratch_rows = range(size, size + scratch)
+        self.req_to_token = torch.zeros((size + scratch, max_context_len), dtype=torch.int32, device=device)
         self._free_rows: list[int] = list(range(size - 1, -1, -1))  # pop() hands out row 0 first
 
     def available_size(self) -> int:

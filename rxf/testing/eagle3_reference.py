@@ -98,6 +98,38 @@ class Eagle3Reference:
         return drafts, margins
 
 
+    @torch.inference_mode()
+    def logits_after(self, tokens, path):
+        """The head's draft-vocabulary logits after `tokens` and then the drafts `path` (each fed
+        its predecessor's feature, as drafting does)."""
+        _, states = self.target_states(tokens)
+        after = list(tokens[1:])
+        for token in path:
+            _, features = self.head(states, after)
+            states, after = torch.cat([states, features[-1:]]), after + [token]
+        return self.head(states, after)[0][-1]
+
+
+def check_tree_proposals(reference: Eagle3Reference, trees: list[tuple[list[int], list[int], list[int]]], topk: int,
+                         tie: float = 1e-4) -> None:
+    """In each proposed tree (the tokens it followed, its drafts, their parents) every node's
+    children are among the reference's `topk` likeliest tokens after that node's path (a child
+    within `tie` of the k-th logit counts as one of them)."""
+    from rxf.core.speculative.accept import draft_path
+
+    to_draft = {int(t): d for d, t in enumerate(reference.draft_to_target.tolist())}
+    for tokens, drafts, parents in trees:
+        assert all(-1 <= p < j for j, p in enumerate(parents)), parents
+        for node in range(-1, len(drafts)):
+            children = [drafts[j] for j, p in enumerate(parents) if p == node]
+            if not children:
+                continue
+            logits = reference.logits_after(tokens, draft_path(drafts, parents, node))
+            kth = logits.topk(topk).values[-1]
+            for child in children:
+                assert float(logits[to_draft[child]]) >= float(kth) - tie, (tokens, node, child, drafts, parents)
+
+
 def eagle3_engine(config: EngineConfig) -> tuple[ModelRunner, Eagle3Drafter]:
     """The target's runner (capturing what the head reads) and the drafter, as the scheduler
     process builds them."""
@@ -115,7 +147,8 @@ def eagle3_engine(config: EngineConfig) -> tuple[ModelRunner, Eagle3Drafter]:
 
 def recording_scheduler(config: EngineConfig) -> tuple[Scheduler, list[tuple[list[int], list[int]]]]:
     """A Scheduler over `eagle3_engine(config)` (the KV ledger checked every step), and the list
-    that receives each proposal as (the request's tokens then, its drafts)."""
+    that receives each proposal as (the request's tokens then, its drafts), a tree's as (tokens,
+    drafts, parents)."""
     from transformers import AutoTokenizer
 
     from rxf.core.scheduler.scheduler import Scheduler
@@ -130,7 +163,14 @@ def recording_scheduler(config: EngineConfig) -> tuple[Scheduler, list[tuple[lis
         proposals.extend((r.fill_ids, d) for r, d in zip(reqs, drafts, strict=True) if d)
         return drafts
 
+    def recording_trees(reqs, budgets, topk, depth):
+        drafts, parents = propose_trees(reqs, budgets, topk, depth)
+        proposals.extend((r.fill_ids, d, p) for r, d, p in zip(reqs, drafts, parents, strict=True) if d)
+        return drafts, parents
+
+    propose_trees = drafter.propose_trees
     drafter.propose = recording  # type: ignore[method-assign]
+    drafter.propose_trees = recording_trees  # type: ignore[method-assign]
     return sched, proposals
 
 

@@ -190,6 +190,18 @@ class KVManager:
         h.length = end
         h.computed = min(h.computed, end)
 
+    def keep_path(self, req: Req, start: int, nodes: list[int]) -> None:
+        """After a tree verify: its newest token sat at position `start` and draft j's slot at
+        start + 1 + j; put the slots of the drafts kept (`nodes`, root to leaf) at positions
+        start + 1 .., the others after them (for `truncate`). The device row holds the drafts on
+        scratch rows only, so its entries from start + 1 on are marked stale."""
+        h = req.kv
+        assert h is not None and h.cached <= start < h.length
+        drafts = h._slots[start + 1 : h.length].copy()
+        rest = [j for j in range(len(drafts)) if j not in set(nodes)]
+        h._slots[start + 1 : h.length] = drafts[list(nodes) + rest]
+        h._mark_stale(start + 1)
+
     def row_writes(self, req: Req, end: int) -> tuple[int, torch.Tensor] | None:
         """(start, slots) of the row entries before position `end` that the device row lacks, or
         None; the handle counts them written from now on (the caller hands them to the forward)."""

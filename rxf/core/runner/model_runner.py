@@ -74,6 +74,10 @@ class ModelInput:
     # A draft head's forward (EAGLE-3): the hidden state of each new token, on the device
     # (`ForwardBatch.spec_hidden`).
     hidden: torch.Tensor | None = None
+    # A tree verify: per request, the parent of each draft (its new tokens after the first; -1: the
+    # first, the request's newest token), or None for a chain. Draft j sits at position
+    # prefix_lens[i] + its depth and attends to the prefix, the newest token and its ancestors.
+    tree_parents: list[list[int] | None] | None = None
 
 
 @dataclass
@@ -336,7 +340,10 @@ class ModelRunner:
             )
             # Every rank's scheduler must admit the same requests: all size their pool like the fullest GPU.
             self.max_total_tokens = distributed.tp_min(self.max_total_tokens)
-            self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
+            # Tree drafts attend through scratch rows: one per verified node (`path_rows`).
+            spec = self.config.speculative
+            scratch = spec.max_batch_size * spec.num_draft_tokens if spec.tree_topk > 1 else 0
+            self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device, scratch)
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.kv_dtype, self.device
         )
@@ -497,6 +504,10 @@ class ModelRunner:
         if inp.mode.is_decode():
             with torch.inference_mode():
                 return self._forward_decode(inp)
+        if inp.tree_parents is not None:
+            with torch.inference_mode():
+                self._write_req_to_token(inp)  # first: the scratch rows copy the requests' rows
+                return self._forward_decode(self._tree_rows(inp))
         rows = self._short_extend_rows(inp)
         if rows is not None:
             with torch.inference_mode():
@@ -592,6 +603,71 @@ class ModelRunner:
             out_cache_loc=inp.out_cache_loc,
             pending=inp.pending,  # indexes input_ids, whose order is unchanged
         )
+
+    def _tree_rows(self, inp: ModelInput) -> ModelInput:
+        """A tree verify as DECODE rows (replayed from a graph where a bucket holds them, else eager):
+        each request's newest token on its own row at position prefix_lens[i], draft j on a scratch
+        row (`path_rows`) holding the request's prefix and the slots of the newest token and of j's
+        ancestors, at position prefix_lens[i] + depth(j). Its logits are every row's."""
+        assert inp.tree_parents is not None
+        if not self.attn_backend.verifies_as_decode:
+            raise ValueError(f"{type(self.attn_backend).__name__} cannot verify tree drafts (verifies_as_decode)")
+        if inp.logits_start is None or any(inp.logits_start) or inp.mm_items is not None:
+            raise ValueError("a tree verify asks for every new token's logits and carries no images")
+        slots = inp.out_cache_loc.tolist()
+        rows, positions, src, starts, paths = [], [], [], [], []
+        first = 0
+        for row, prefix, n, parents in zip(inp.req_pool_indices, inp.prefix_lens, inp.extend_lens, inp.tree_parents,
+                                           strict=True):
+            mine = slots[first : first + n]
+            first += n
+            parents = parents if parents is not None else list(range(-1, n - 2))  # a chain
+            if len(parents) != n - 1 or any(not -1 <= p < j for j, p in enumerate(parents)):
+                raise ValueError(f"tree_parents {parents}: each draft's parent must come before it")
+            rows.append(row)
+            positions.append(prefix)
+            node_paths: list[list[int]] = []
+            for j, p in enumerate(parents):
+                path = (node_paths[p] if p >= 0 else [mine[0]]) + [mine[1 + j]]
+                node_paths.append(path)
+                src.append(row)
+                starts.append(prefix)
+                paths.append(path)
+                positions.append(prefix + len(path) - 1)
+            rows += [-1] * len(parents)  # filled with scratch rows below
+        scratch = iter(self.path_rows(src, starts, paths))
+        rows = [r if r >= 0 else next(scratch) for r in rows]
+        return ModelInput(
+            mode=ForwardMode.DECODE,
+            req_pool_indices=rows,
+            input_ids=inp.input_ids,
+            prefix_lens=positions,
+            extend_lens=[1] * len(rows),
+            out_cache_loc=inp.out_cache_loc,
+            pending=inp.pending,
+        )
+
+    def path_rows(self, src: list[int], starts: list[int], paths: list[list[int]]) -> list[int]:
+        """Scratch rows of req_to_token, one per j: row src[j]'s entries before starts[j], then the
+        slots paths[j] (written on the device now, in stream order before the next forward)."""
+        scratch = self.req_to_token_pool.scratch_rows
+        if len(src) > len(scratch):
+            raise ValueError(f"{len(src)} tree rows, {len(scratch)} scratch rows (speculative.tree_topk sizes them)")
+        rows = list(scratch[: len(src)])
+        table = self.req_to_token_pool.req_to_token
+        width = max(starts, default=0)
+        dev = self.device
+        with torch.inference_mode():
+            if width:
+                index = torch.tensor([rows, src], dtype=torch.int64).to(dev, non_blocking=True)
+                table[index[0], :width] = table[index[1], :width]
+            r = [row for row, path in zip(rows, paths, strict=True) for _ in path]
+            c = [s + k for s, path in zip(starts, paths, strict=True) for k in range(len(path))]
+            v = [slot for path in paths for slot in path]
+            if r:
+                pairs = torch.tensor([r, c, v], dtype=torch.int64).to(dev, non_blocking=True)
+                table[pairs[0], pairs[1]] = pairs[2].to(torch.int32)
+        return rows
 
     @staticmethod
     def _logits_rows(inp: ModelInput) -> list[int] | None:

@@ -21,6 +21,7 @@ import torch
 
 from rxf.core.forward import ForwardMode
 from rxf.core.runner.sampling import GrammarMask
+from rxf.core.speculative.accept import chain_parents, draft_path
 
 if TYPE_CHECKING:
     from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool
@@ -65,6 +66,9 @@ class StepBatch:
     # Structured output: one bitmask row per sampled row, on the host (the runner moves it).
     grammar: GrammarMask | None = None
     drafts: list[list[int]] | None = None  # per request (None: no request has drafts)
+    # Per request: its drafts' parents for a tree (`rxf.core.speculative.accept`), None for a chain
+    # (None: every request's drafts are a chain). Position t of a tree samples after draft t - 1's path.
+    draft_parents: list[list[int] | None] | None = None
 
     @property
     def sampled(self) -> list[Req]:
@@ -76,6 +80,16 @@ class StepBatch:
 
     def draft_of(self, i: int) -> list[int]:
         return self.drafts[i] if self.drafts else []
+
+    def parents_of(self, i: int) -> list[int]:
+        parents = self.draft_parents[i] if self.draft_parents else None
+        return chain_parents(len(self.draft_of(i))) if parents is None else parents
+
+    def ahead(self, i: int, t: int) -> list[int]:
+        """The drafts request i's sampled position t follows (as if already output)."""
+        if not self.draft_parents or self.draft_parents[i] is None:
+            return self.draft_of(i)[:t]
+        return draft_path(self.draft_of(i), self.parents_of(i), t - 1)
 
     @property
     def num_tokens(self) -> int:

@@ -152,6 +152,7 @@ class StepExecutor:
             logits_start=None if decode else logits_start,
             mm_items=mm_items if any(mm_items) else None,
             pending=pending,
+            tree_parents=batch.draft_parents,
         )
         return inp, starts
 
@@ -211,7 +212,7 @@ class StepExecutor:
         retried row by row, and a row that still fails samples token 0 and is reported (for its
         request). `sampled[j]` = (request index, position t: sampled after its drafts[:t])."""
         reqs = [batch.reqs[i] for i, _ in sampled]
-        ahead = [batch.draft_of(i)[:t] for i, t in sampled]
+        ahead = [batch.ahead(i, t) for i, t in sampled]
         layout.logprob_rows = [j for j, r in enumerate(reqs) if r.options.return_logprob]
         layout.logprob_top_k = [reqs[j].options.top_logprobs_num for j in layout.logprob_rows]
         try:

@@ -53,7 +53,7 @@ from rxf.core.scheduler.output import StopChecker, make_token_out
 from rxf.core.scheduler.policy import order_waiting
 from rxf.core.scheduler.req import Req
 from rxf.core.scheduler.speculation import Speculator
-from rxf.core.speculative.accept import accepted_tokens
+from rxf.core.speculative.accept import accepted_path, accepted_tokens, row_depths
 from rxf.core.speculative.draft import DraftModel
 from rxf.core.speculative.eagle import Eagle3Drafter
 
@@ -86,6 +86,7 @@ class _Planned:
     sample: list[bool] = field(default_factory=list)
     prompt_logits_from: list[int | None] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
+    draft_parents: list[list[int] | None] = field(default_factory=list)  # per request: a tree's, None for a chain
     decode_rows: int = 0
     extend_rows: int = 0
 
@@ -211,7 +212,9 @@ class Scheduler:
         plan = _Planned()
         decoding = [r for r in self.running if r.decoding and not self._ends_by_length(r)]
         if self.sc.mixed_chunked_prefill and decoding:
-            self._plan_decode(plan, decoding, outs)
+            # Tree drafts verify as decode rows only: where prefill work may join, the drafts are chains.
+            prefill_waits = bool(self.waiting) or any(not r.decoding for r in self.running)
+            self._plan_decode(plan, decoding, outs, trees=not prefill_waits)
         self._plan_chunks(plan)
         self._plan_admissions(plan)
         if not plan.reqs and decoding:  # no prefill work could run: decode alone
@@ -224,6 +227,9 @@ class Scheduler:
             mode = ForwardMode.DECODE
         sampled = [r for r, s in zip(plan.reqs, plan.sample, strict=True) if s]
         drafts = [d for d, s in zip(plan.drafts, plan.sample, strict=True) if s] if any(plan.drafts) else None
+        trees = plan.draft_parents if drafts and any(p is not None for p in plan.draft_parents) else None
+        # The output index each sampled row would take (the min_new_tokens ban): its depth in the drafts.
+        depths = [row_depths(p, len(d)) for d, p, s in zip(plan.drafts, plan.draft_parents, plan.sample, strict=True) if s]
         batch = StepBatch(
             mode=mode,
             reqs=plan.reqs,
@@ -236,11 +242,10 @@ class Scheduler:
             row_writes=plan.row_writes,
             sample=plan.sample,
             prompt_logits_from=plan.prompt_logits_from,
-            banned_ids=[
-                self.stop.banned_ids(r, t) for j, r in enumerate(sampled) for t in range(1 + len(drafts[j] if drafts else ()))
-            ],
+            banned_ids=[self.stop.banned_ids(r, t) for r, ts in zip(sampled, depths, strict=True) for t in ts],
             grammar=self.grammar.mask(sampled, drafts),
             drafts=plan.drafts if drafts else None,
+            draft_parents=trees,
         )
         return batch, [i < plan.decode_rows for i in range(len(plan.reqs))]
 
@@ -252,35 +257,38 @@ class Scheduler:
         p = req.sampling_params
         return req.inflight > 0 and (req.generated >= p.max_new_tokens or req.seq_len >= self.runner.max_context_len)
 
-    def _plan_decode(self, plan: _Planned, decoding: list[Req], outs: list[TokenOut]) -> None:
-        """One new token for each decoding request, retracting some if the KV runs out; a lone
-        request that outgrew the whole cache ends here."""
+    def _plan_decode(self, plan: _Planned, decoding: list[Req], outs: list[TokenOut], trees: bool = True) -> None:
+        """One new token for each decoding request (and its drafts; `trees`: they may be a tree),
+        retracting some if the KV runs out; a lone request that outgrew the whole cache ends here."""
         decoding = self._ensure_decode_space(decoding)
-        drafts = self._drafts(decoding)
+        drafts, parents = self._drafts(decoding, trees)
         slots = self.kv.alloc_slots(len(decoding) + sum(map(len, drafts)))
         if slots is None:
             outs.append(self._finish(decoding[0], FinishReason("length", message="the KV cache is full")))
             return
         prev = self._prev_rows()
-        for req, draft, slot in zip(decoding, drafts, slots.split([1 + len(d) for d in drafts]), strict=True):
+        for req, draft, tree, slot in zip(decoding, drafts, parents, slots.split([1 + len(d) for d in drafts]),
+                                          strict=True):
             kv_len = req.kv_len
             self.kv.grow_with(req, slot)
             row = prev.get(id(req), -1) if req.inflight else -1
-            self._add_row(plan, req, kv_len, [req.output_ids[-1] if row < 0 else PENDING, *draft], row, draft)
+            self._add_row(plan, req, kv_len, [req.output_ids[-1] if row < 0 else PENDING, *draft], row, draft, tree)
             plan.sample.append(True)
             plan.prompt_logits_from.append(None)
         plan.slots.append(slots)
         plan.decode_rows = len(decoding)
 
-    def _drafts(self, decoding: list[Req]) -> list[list[int]]:
-        """Each decoding request's draft tokens (all [] when this step does not speculate). Drafts
-        take only free slots: they never evict cached prefixes or retract a request."""
+    def _drafts(self, decoding: list[Req], trees: bool) -> tuple[list[list[int]], list[list[int] | None]]:
+        """Each decoding request's draft tokens (all [] when this step does not speculate) and, for
+        a tree, their parents (None: a chain). Drafts take only free slots: they never evict cached
+        prefixes or retract a request."""
+        none: tuple[list[list[int]], list[list[int] | None]] = ([[] for _ in decoding], [None] * len(decoding))
         if self.spec is None or not self.spec.applies(len(decoding)):
-            return [[] for _ in decoding]
-        drafts = self.spec.propose(decoding)
+            return none
+        drafts, parents = self.spec.propose(decoding, trees)
         if len(decoding) + sum(map(len, drafts)) > self.kv.free_slots():
-            return [[] for _ in decoding]
-        return drafts
+            return none
+        return drafts, parents
 
     def _prev_rows(self) -> dict[int, int]:
         """Sampled-row index in the step in flight, per request (by id)."""
@@ -289,10 +297,12 @@ class Scheduler:
         return {id(r): j for j, r in enumerate(self._inflight.batch.sampled)}
 
     def _add_row(
-        self, plan: _Planned, req: Req, prefix_len: int, ids: list[int], prev_row: int, drafts: list[int] | None = None
+        self, plan: _Planned, req: Req, prefix_len: int, ids: list[int], prev_row: int, drafts: list[int] | None = None,
+        parents: list[int] | None = None,
     ) -> None:
         plan.reqs.append(req)
         plan.drafts.append(drafts or [])
+        plan.draft_parents.append(parents)
         plan.rows.append(req.kv.row)
         plan.prefix_lens.append(prefix_len)
         plan.extend_lens.append(len(ids))
@@ -424,9 +434,9 @@ class Scheduler:
             if batch.sample[i]:
                 if self.spec is not None and launched.decode[i]:
                     req.spec_verify_ct += 1
-                drafts = batch.draft_of(i)
-                kv_start = batch.prefix_lens[i]
-                outs += self._accept(req, result, first, drafts, kv_start, force_send=not launched.decode[i])
+                parents = batch.draft_parents[i] if batch.draft_parents else None
+                outs += self._accept(req, result, first, batch.draft_of(i), parents, batch.prefix_lens[i],
+                                     force_send=not launched.decode[i])
             elif completes and req.sampling_params.max_new_tokens == 0:
                 outs.append(self._finish(req, FinishReason("length")))  # prefill only (or an embedding)
         if self.spec is not None:
@@ -449,16 +459,29 @@ class Scheduler:
             req.embedding = vector.numpy().astype("<f4").tobytes()
 
     def _accept(
-        self, req: Req, result: StepResult, j: int, drafts: list[int], kv_start: int, force_send: bool
+        self, req: Req, result: StepResult, j: int, drafts: list[int], parents: list[int] | None, kv_start: int,
+        force_send: bool,
     ) -> list[TokenOut]:
         """The request's newly sampled tokens (rows j.., one more than its drafts): the ones the
-        drafts agree with, each recorded and checked against the stop conditions in turn (the first
-        stop, or a jump-forward, ends the step's tokens there); then stream them.
+        drafts agree with (`parents`: a tree's, along its path), each recorded and checked against
+        the stop conditions in turn (the first stop, or a jump-forward, ends the step's tokens
+        there); then stream them.
 
         KV: the step computed positions [kv_start, kv_start + 1 + len(drafts)); of those, the first
-        as many as tokens were taken are kept (the newest input token's and the accepted drafts'),
-        so the newest token has no KV, as after any decode step, and the rest is freed now."""
-        tokens = accepted_tokens(drafts, result.next_ids[j : j + len(drafts) + 1])
+        as many as tokens were taken are kept (the newest input token's and the accepted drafts',
+        a tree's moved to the positions their path gives), so the newest token has no KV, as after
+        any decode step, and the rest is freed now."""
+        samples = result.next_ids[j : j + len(drafts) + 1]
+        if parents is None:
+            tokens = accepted_tokens(drafts, samples)
+            rows = list(range(len(tokens)))  # each emitted token's sampled row
+        else:
+            tokens, nodes = accepted_path(drafts, parents, samples)
+            rows = [0] + [1 + n for n in nodes]
+            if req.kv is not None:
+                self.kv.keep_path(req, kv_start, nodes)
+            if self.spec is not None:
+                self.spec.kept_rows(req, rows)
         if self.spec is not None and drafts:
             self.spec.record(len(drafts), len(tokens) - 1)
         if req.first_token_at is None:
@@ -468,7 +491,7 @@ class Scheduler:
         for t, token in enumerate(tokens):
             known = len(req.output_ids) + 1
             req.output_ids.append(token)
-            logprob = result.logprobs[j + t] if j + t < len(result.logprobs) else None
+            logprob = result.logprobs[j + rows[t]] if j + rows[t] < len(result.logprobs) else None
             if logprob is not None:
                 req.pending_logprobs.append(logprob[0])
                 req.pending_top_logprobs.append(logprob[1])

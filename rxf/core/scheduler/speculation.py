@@ -30,7 +30,7 @@ meanwhile at its `release` (before its KV goes to the tree), all in one forward 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,7 @@ from rxf.core.kvcache.kv_manager import KVManager
 from rxf.core.runner.step_io import StepBatch, StepResult
 from rxf.core.scheduler.constrained import ConstrainedDecoding
 from rxf.core.scheduler.req import Req
+from rxf.core.speculative.accept import first_chain
 from rxf.core.speculative.draft import DraftModel
 from rxf.core.speculative.eagle import AbsorbItem, Eagle3Drafter
 from rxf.core.speculative.ngram import NgramIndex
@@ -62,6 +63,8 @@ class _StepStates:
     states: torch.Tensor
     first_row: dict[int, tuple[int, int]]  # id(req) -> (request index, first row)
     items: list[AbsorbItem]
+    # id(req) -> the rows (after its first) of the positions a tree verify kept, root to leaf
+    kept: dict[int, list[int]] = field(default_factory=dict)
 
 
 class Speculator:
@@ -86,17 +89,31 @@ class Speculator:
         """Whether a decode step of this many requests speculates."""
         return 0 < num_decoding <= self.config.max_batch_size
 
-    def propose(self, reqs: list[Req]) -> list[list[int]]:
-        """Each request's draft tokens for its next decode step (possibly none)."""
+    def propose(self, reqs: list[Req], trees: bool = True) -> tuple[list[list[int]], list[list[int] | None]]:
+        """Each request's draft tokens for its next decode step (possibly none) and, for a tree
+        (EAGLE-3 with tree_topk > 1, where `trees`), their parents (None: a chain). A request
+        under a grammar drafts a chain (the tree's first children), cut before the first draft the
+        grammar rejects."""
         budgets = [self._budget(r) for r in reqs]
-        if self.draft is not None:
+        parents: list[list[int] | None] = [None] * len(reqs)
+        if isinstance(self.draft, Eagle3Drafter) and self.config.tree_topk > 1 and trees:
+            drafts, parents = self.draft.propose_trees(reqs, budgets, self.config.tree_topk, self.config.tree_depth)
+        elif self.draft is not None:
             drafts = self.draft.propose(reqs, budgets)
         else:
             drafts = [self._ngram(r, b) if b > 0 else [] for r, b in zip(reqs, budgets, strict=True)]
-        return [
-            d[: self.grammar.valid_prefix(r, d)] if d and r.grammar_active else d
-            for r, d in zip(reqs, drafts, strict=True)
-        ]
+        for i, r in enumerate(reqs):
+            if drafts[i] and r.grammar_active:
+                if parents[i] is not None:
+                    drafts[i], parents[i] = first_chain(drafts[i], parents[i]), None
+                drafts[i] = drafts[i][: self.grammar.valid_prefix(r, drafts[i])]
+        return drafts, parents
+
+    def kept_rows(self, req: Req, rows: list[int]) -> None:
+        """A tree verify kept the positions of these rows of the request's (its first: 0): the
+        head absorbs the target's states of those rows."""
+        if self._step is not None:
+            self._step.kept[id(req)] = rows
 
     def _budget(self, req: Req) -> int:
         if req.inflight or (req.grammar is not None and not req.grammar_active):
@@ -158,13 +175,15 @@ class Speculator:
         end = min(start + batch.extend_lens[i], req.known_len - 1, req.kv_len)
         if end <= start:
             return None
+        kept = step.kept.get(id(req))
+        state_rows = torch.arange(row, row + end - start) if kept is None else torch.tensor(kept[: end - start]) + row
         return AbsorbItem(
             req=req if keep else None,
             row=req.kv.row,
             start=start,
             tokens=req.tokens(start + 1, end + 1),
             slots=req.kv.slots(end)[start:].clone(),
-            state_rows=torch.arange(row, row + end - start),
+            state_rows=state_rows,
             row_write=self.kv.stale_entries(req, start),
         )
 

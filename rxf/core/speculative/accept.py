@@ -19,6 +19,15 @@ is only used when the emitted token equals d_i, i.e. when the prefix it was comp
 real one. Each position draws fresh noise, independent of the others. Greedy decoding is the
 deterministic case: the sample is the argmax, and the longest prefix of drafts equal to the argmax
 is accepted, plus the argmax after it.
+
+Trees (`parents[j]`: draft j's parent, -1 for the newest token; parents come first). Row 0 is
+sampled after the newest token, row 1 + j after draft j's path (its ancestors, then j). From the
+newest token, the sample of the current node's row is emitted; if a child of the node holds it, that
+child becomes current and its row is read next, else the step ends. The children are a
+deterministic function of the context, so the same argument holds: each emitted token is a fresh
+draw from p at the real context, and a child's row is read only when the emitted token is the
+child's, i.e. when the context it was computed for is the real one. A chain is the tree whose
+draft j has parent j - 1.
 """
 
 from __future__ import annotations
@@ -37,3 +46,59 @@ def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
         if sampled[i] != draft:
             return sampled[: i + 1]
     return list(sampled)
+
+
+def chain_parents(num_drafts: int) -> list[int]:
+    """The parents of a chain of drafts: each follows the one before it."""
+    return list(range(-1, num_drafts - 1))
+
+
+def draft_path(drafts: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens from the first draft on to `node` along the tree (-1: the newest token: [])."""
+    path: list[int] = []
+    while node >= 0:
+        path.append(drafts[node])
+        node = parents[node]
+    return path[::-1]
+
+
+def accepted_path(drafts: list[int], parents: list[int], sampled: list[int]) -> tuple[list[int], list[int]]:
+    """What a tree verify emits: (tokens, the drafts they took: one fewer). `sampled[0]` follows the
+    newest token, `sampled[1 + j]` draft j's path."""
+    if len(sampled) != len(drafts) + 1 or len(parents) != len(drafts):
+        raise ValueError(f"{len(sampled)} samples and {len(parents)} parents for {len(drafts)} drafts")
+    children: dict[int, dict[int, int]] = {}
+    for j, (token, parent) in enumerate(zip(drafts, parents, strict=True)):
+        children.setdefault(parent, {}).setdefault(token, j)
+    tokens, nodes, node = [], [], -1
+    while True:
+        token = sampled[node + 1]
+        tokens.append(token)
+        child = children.get(node, {}).get(token)
+        if child is None:
+            return tokens, nodes
+        nodes.append(child)
+        node = child
+
+
+def row_depths(parents: list[int] | None, num_drafts: int) -> list[int]:
+    """Per sampled row (the newest token's, then each draft's), how many drafts precede its sample."""
+    if parents is None:
+        return list(range(num_drafts + 1))
+    depths = [0]
+    for parent in parents:
+        depths.append(depths[parent + 1] + 1)
+    return depths
+
+
+def first_chain(drafts: list[int], parents: list[int]) -> list[int]:
+    """The tree's chain of first children from the newest token (a proposer lists the likelier
+    child first)."""
+    first: dict[int, int] = {}
+    for j, parent in enumerate(parents):
+        first.setdefault(parent, j)
+    chain, node = [], first.get(-1)
+    while node is not None:
+        chain.append(drafts[node])
+        node = first.get(node)
+    return chain

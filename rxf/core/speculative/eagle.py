@@ -1,4 +1,5 @@
-"""EAGLE-3 speculation: a one-layer draft head that reads the target's hidden states (chain drafts).
+"""EAGLE-3 speculation: a one-layer draft head that reads the target's hidden states (chain drafts;
+trees with `speculative.tree_topk` > 1 in `eagle_tree.py`).
 
 The head (`rxf/plugins/models/llama_eagle3.py` documents its checkpoint and forward) runs in the
 scheduler process on a `ModelRunner(draft_of=target)`: its own weights, attention backend and a
@@ -93,6 +94,10 @@ class EagleState:
     token: torch.Tensor  # device int64 []
     feature: torch.Tensor  # device [hidden]
     length: int
+    # Trees (tree_topk > 1): the first level of the tree, the head's top tokens (target ids) and
+    # their log-probabilities over the draft vocabulary, likelier first.
+    top_tokens: torch.Tensor | None = None  # device int64 [tree_topk]
+    top_logprobs: torch.Tensor | None = None  # device float32 [tree_topk]
 
 
 @dataclass
@@ -116,10 +121,11 @@ class Eagle3Drafter:
     # The head's entry at a position depends on the next token too: the radix tree pairs them.
     pairs_tree_keys = True
 
-    def __init__(self, runner: ModelRunner, target: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, target: ModelRunner, tree_topk: int = 1) -> None:
         self.runner = runner
         self.head = runner.model
         self.free_list = target.token_to_kv_pool  # the slot numbers the head's pool shares
+        self.tree_topk = tree_topk
 
     # ---- after each target step ----
     def absorb(self, items: list[AbsorbItem], states: torch.Tensor) -> None:
@@ -155,12 +161,18 @@ class Eagle3Drafter:
         logits, features = self.runner.forward_with_aux(inp)
         assert features is not None
         tokens = self.head.to_target_ids(logits.argmax(dim=-1))
+        top = None
+        if self.tree_topk > 1:
+            top_logprobs, top_ids = logits.log_softmax(dim=-1).topk(self.tree_topk, dim=-1)
+            top = (self.head.to_target_ids(top_ids), top_logprobs)
         for j, it in enumerate(items):
             if it.req is None:
                 continue
             end = it.start + len(it.tokens)
             caught_up = end == it.req.known_len - 1
-            it.req.eagle = EagleState(tokens[j], features[j], end) if caught_up else None
+            it.req.eagle = None
+            if caught_up:
+                it.req.eagle = EagleState(tokens[j], features[j], end, *((top[0][j], top[1][j]) if top else ()))
 
     # ---- drafting ----
     def propose(self, reqs: list[Req], budgets: list[int]) -> list[list[int]]:
@@ -214,6 +226,19 @@ class Eagle3Drafter:
             self.free_list.free(lent)
         return read_drafts(steps, len(reqs))
 
+    def propose_trees(
+        self, reqs: list[Req], budgets: list[int], topk: int, depth: int
+    ) -> tuple[list[list[int]], list[list[int] | None]]:
+        """Up to budgets[i] draft tokens for each request as a tree (`eagle_tree.py`) and their
+        parents; a failing head forward costs the step its drafts only."""
+        from rxf.core.speculative.eagle_tree import draft_trees
+
+        try:
+            return draft_trees(self, reqs, budgets, topk, depth)
+        except Exception:
+            logger.exception("the EAGLE-3 head failed; this step decodes without drafts")
+            return [[] for _ in reqs], [None] * len(reqs)
+
     def release(self, req: Req) -> None:
         """The request gives up its KV (finish, abort, retraction): its state goes too."""
         req.eagle = None
@@ -246,8 +271,9 @@ def load_eagle3(config: EngineConfig, registry: PluginRegistry, target: ModelRun
             "model.path": path, "model.tokenizer_path": None, "model.context_length": target.max_context_len,
             "model.dtype": str(target.dtype).removeprefix("torch."), "model.quantization": None,
             "scheduler.overlap": False, "speculative.method": "none", "speculative.draft_model_path": None,
-            # Its decode steps draft for at most max_batch_size requests.
-            "cuda_graph.max_bs": min(config.cuda_graph.max_bs, spec.max_batch_size),
+            "speculative.tree_topk": 1,  # (its forwards use the target's scratch rows)
+            # Its decode steps draft for at most max_batch_size requests, tree_topk rows each.
+            "cuda_graph.max_bs": min(config.cuda_graph.max_bs, spec.max_batch_size * spec.tree_topk),
         },
     )
     try:
@@ -269,4 +295,4 @@ def load_eagle3(config: EngineConfig, registry: PluginRegistry, target: ModelRun
         "EAGLE-3 head %s: draft vocabulary %d, reads target layers %s, %s embedding",
         path, head.draft_vocab_size, list(target.aux_hidden_layers), "own" if own_embedding else "the target's",
     )
-    return Eagle3Drafter(runner, target)
+    return Eagle3Drafter(runner, target, spec.tree_topk)
