@@ -26,6 +26,8 @@ Phases (each guarded: a failure prints its traceback and the others still run):
   eagle3  an EAGLE-3 head of yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's shape (one layer, draft vocabulary
           32000, the target's embedding), random weights, chain of k = 4, batch 1 and 4; the target
           captures its three layers' states
+  eagle3_tree  (with eagle3 in --phases too) the same head drafting trees: tree_topk 4, tree_depth
+          5, the 16 best nodes verified
 For draft and eagle3, `speculative steps x accept length = speed-up`: the accept length (tokens
 per request per step), the step-time ratio (a plain decode step's time over a speculative step's,
 both whole scheduler steps: drafting, verify, sampling, bookkeeping) and their product, which is
@@ -59,6 +61,7 @@ DEVICE = "cuda"
 # draft and EAGLE-3 phases speculate with MECHANICS.
 VERIFY_ROWS = {"method": "ngram", "num_draft_tokens": 8, "max_batch_size": 16}
 MECHANICS = {"num_draft_tokens": 4, "max_batch_size": 16}
+EAGLE_TREE = {"tree_topk": 4, "tree_depth": 5, "num_draft_tokens": 16}  # (SGLang's EAGLE-3 examples: 8 / 5 / 64)
 
 
 def _sync() -> None:
@@ -325,7 +328,7 @@ def report() -> None:
     for bs, row in RESULTS.get("ngram", {}).items():
         print(f"| ngram {bs}: {row['off_tok_s']:.1f} -> {row['on_tok_s']:.1f} tok/s | {row['speedup']:.2f}x at accept length "
               f"{row['accept_length']:.2f} (same tokens: {row['same_tokens']}) |")
-    for name in ("draft", "eagle3"):
+    for name in ("draft", "eagle3", "eagle3_tree"):
         for bs, row in RESULTS.get(name, {}).items():
             print(f"| {name} {bs}: step {row['plain_step_ms']:.2f} -> {row['spec_step_ms']:.2f} ms | accept length "
                   f"{row['accept_length']:.2f} x step ratio {row['step_ratio']:.2f} = {row['speedup']:.2f}x |")
@@ -380,12 +383,14 @@ def main() -> None:
 
         spec = {"method": "eagle3", "draft_model_path": str(head_dir(p, model_dir.parent / f"{model_dir.name}-drafts"))}
 
-        def eagle3() -> None:
-            config = load_config(base, speculative={**spec, **MECHANICS})
+        def eagle3(name: str, extra: dict[str, Any]) -> None:
+            config = load_config(base, speculative={**spec, **MECHANICS, **extra})
             target = _runner(config, target_aux_layers(config, str(model_dir)))
-            mechanics("eagle3", runner, target, base, spec, load_eagle3, p.vocab, steps)
+            mechanics(name, runner, target, base, {**spec, **extra}, load_eagle3, p.vocab, steps)
 
-        gd.phase("eagle3", eagle3)
+        gd.phase("eagle3", lambda: eagle3("eagle3", {}))
+        if "eagle3_tree" in phases:
+            gd.phase("eagle3_tree", lambda: eagle3("eagle3_tree", EAGLE_TREE))
     output = args.output or (Path(os.environ["OUT"]) / "gpu_spec.json" if os.environ.get("OUT") else None)
     if output is not None:
         output.write_text(json.dumps(RESULTS, indent=1))

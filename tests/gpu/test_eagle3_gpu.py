@@ -14,7 +14,7 @@ from rxf.core.config import load_config
 from rxf.core.ipc.messages import PreparedRequest
 from rxf.core.sampling_params import SamplingParams
 from rxf.testing.checkpoints import make_tiny_checkpoint, make_tiny_eagle3_head
-from rxf.testing.eagle3_reference import Eagle3Reference, check_proposals, recording_scheduler
+from rxf.testing.eagle3_reference import Eagle3Reference, check_proposals, check_tree_proposals, recording_scheduler
 from rxf.testing.reference import HFReference
 
 pytestmark = [
@@ -36,7 +36,8 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])
-def test_eagle3_drafts_and_outputs_on_the_gpu(models, backend):
+@pytest.mark.parametrize("tree", [None, {"tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 6}], ids=["chain", "tree"])
+def test_eagle3_drafts_and_outputs_on_the_gpu(models, backend, tree):
     target, head = models
     config = load_config({
         "model": {"path": str(target), "dtype": "float32"},
@@ -45,7 +46,8 @@ def test_eagle3_drafts_and_outputs_on_the_gpu(models, backend):
         "cache": {"max_total_tokens": 4096},
         "scheduler": {"overlap": True, "chunked_prefill_size": 16, "max_running_requests": 8},
         "cuda_graph": {"max_bs": 8},
-        "speculative": {"method": "eagle3", "draft_model_path": str(head), "num_draft_tokens": 4, "max_batch_size": 2},
+        "speculative": {"method": "eagle3", "draft_model_path": str(head), "num_draft_tokens": 4, "max_batch_size": 2,
+                        **(tree or {})},
     })
     sched, proposals = recording_scheduler(config)
     # Plain decode steps replay graphs where the backend can be captured (torch_native cannot).
@@ -65,4 +67,10 @@ def test_eagle3_drafts_and_outputs_on_the_gpu(models, backend):
     hf = HFReference(target)
     assert [got[f"r{i}"] for i in range(6)] == [hf.greedy(p, n) for p, n in zip(prompts, lengths, strict=True)]
     assert len(proposals) > 10 and sched.stats().extra["verify_steps"] > 0
-    check_proposals(Eagle3Reference(head, target, AUX_IDS), proposals, tie=1e-3)
+    reference = Eagle3Reference(head, target, AUX_IDS)
+    chains = [p for p in proposals if len(p) == 2]  # (steps a prefill chunk may join draft chains)
+    check_proposals(reference, chains, tie=1e-3)
+    if tree:
+        trees = [p for p in proposals if len(p) == 3]
+        assert trees
+        check_tree_proposals(reference, trees, tree["tree_topk"], tie=1e-3)

@@ -3,8 +3,9 @@ extend) replays a decode graph (`ModelRunner._short_extend_rows`) and gives the 
 (the draft's decode steps replayed from its own graphs) keep greedy tokens those of transformers.
 
 float32 for triton, so that the two paths agree to rounding; FlashInfer runs bf16 (its kernels take
-half-precision queries), where the decode and prefill kernels round differently: the bound there
-only tells a right verify from a wrong one (a wrong mask moves logits by O(1)).
+half-precision queries), where the decode and prefill kernels round differently (single logits
+then differ by up to ~0.25): the bound there is on the relative difference over all logits, which
+tells a right verify from a wrong one (a wrong mask moves every logit by O(1)).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def target(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("spec-graphs"), seed=5, **TINY_GPU)
 
 
+# FlashInfer's bound: measured 2.2e-2 (verify) and 1.4e-2 (catch-up) on the H200.
 @pytest.mark.parametrize(("backend", "dtype", "tol"), [("triton", "float32", 1e-4), ("flashinfer", "bfloat16", 5e-2)])
 @pytest.mark.parametrize("logits_start", [[0, 0, 0], None], ids=["verify", "catch-up"])
 def test_a_short_extend_replays_a_decode_graph_with_the_extends_logits(target, backend, dtype, tol, logits_start,
@@ -61,7 +63,12 @@ def test_a_short_extend_replays_a_decode_graph_with_the_extends_logits(target, b
         monkeypatch.setattr(runner.attn_backend, "verifies_as_decode", False)
         as_extend = runner.forward(inp)
     assert replays == [16]
-    torch.testing.assert_close(as_rows, as_extend, rtol=tol, atol=tol)
+    if dtype == "float32":
+        torch.testing.assert_close(as_rows, as_extend, rtol=tol, atol=tol)
+    else:  # bf16 kernels of two kinds: their relative difference over all logits
+        error = float((as_rows - as_extend).norm() / as_extend.norm())
+        print(f"{backend} {dtype}: relative difference of the logits {error:.2e}")
+        assert error < tol, error
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -83,3 +90,31 @@ def test_speculation_under_graphs_keeps_greedy_tokens(target, method, tmp_path):
         extra = rt.get_stats().extra
     # Random weights seldom continue a prompt's n-grams: n-gram's drafts may all be rejected.
     assert extra["verify_steps"] > 0 and (method == "ngram" or extra["accepted_tokens"] > 0), extra
+
+
+def test_a_tree_verify_replays_a_decode_graph_with_each_nodes_path_logits(target, monkeypatch):
+    """Each node on a scratch row over its path: its logits are a plain prefill's of prefix + path."""
+    from rxf.core.speculative.accept import draft_path
+
+    spec = {"speculative.method": "eagle3", "speculative.draft_model_path": str(target), "speculative.tree_topk": 2}
+    runner = ModelHarness(target, attention_backend="triton", **{**GPU, **spec, "model.dtype": "float32"}).runner
+    drafts, parents = [7, 8, 9, 10, 11, 12], [-1, -1, 0, 0, 1, 3]
+    prompt = [(13 * j) % 500 + 3 for j in range(70)]
+    with torch.inference_mode():
+        row = runner.req_to_token_pool.alloc()
+        runner.forward(ModelInput(ForwardMode.PREFILL, [row], prompt, [0], [70], runner.token_to_kv_pool.alloc(70)))
+        replays = []
+        replay = runner.cuda_graphs.replay
+        monkeypatch.setattr(runner.cuda_graphs, "replay", lambda *a: replays.append(a[0].padded_bs) or replay(*a))
+        inp = ModelInput(ForwardMode.EXTEND, [row], [44, *drafts], [70], [7], runner.token_to_kv_pool.alloc(7),
+                         logits_start=[0], tree_parents=[parents])
+        logits = runner.forward(inp).clone()
+        assert replays == [8]
+        want = []
+        for node in range(-1, len(drafts)):
+            context = [*prompt, 44, *draft_path(drafts, parents, node)]
+            r, slots = runner.req_to_token_pool.alloc(), runner.token_to_kv_pool.alloc(len(context))
+            want.append(runner.forward(ModelInput(ForwardMode.PREFILL, [r], context, [0], [len(context)], slots))[0])
+            runner.req_to_token_pool.free(r)
+            runner.token_to_kv_pool.free(slots)
+    torch.testing.assert_close(logits, torch.stack(want), rtol=1e-4, atol=1e-4)

@@ -17,6 +17,12 @@ resolves the previous step first whenever it may speculate), when its grammar is
 (`grammar_after`: the drafts might wake it), or when its budget (max_new_tokens, the context) has
 room for only one more token. A grammar truncates the drafts before the first one it rejects.
 
+Trees (EAGLE-3 with `tree_topk` > 1, `speculative/eagle_tree.py`): a request's drafts come with
+their parents; its slots are taken for every node, the verify walks the samples down the tree
+(`accept.accepted_path`), and the kept nodes' slots move to the path's positions before the rest
+are freed (`KVManager.keep_path`). Chains instead where a prefill chunk may join the step (an
+extend cannot express a tree's mask) and for a request under a grammar (its masks follow one path).
+
 Overlap: a step with drafts is always postprocessed before the next step is planned (the next
 drafts come from its accepted tokens), so speculative steps run without overlap; steps above
 `speculative.max_batch_size` decoding requests overlap as before.
