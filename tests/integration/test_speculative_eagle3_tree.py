@@ -9,13 +9,17 @@ ledger is checked every step).
 from __future__ import annotations
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from rxf.core.config import load_config
 from rxf.core.ipc.messages import PreparedRequest
 from rxf.core.sampling_params import SamplingParams
+from rxf import Runtime
 from rxf.testing.checkpoints import make_tiny_checkpoint, make_tiny_eagle3_head
+from rxf.testing.distribution import chi_square_p, exact_prefixes
+from rxf.testing.model_parity import runtime_config
 from rxf.testing.eagle3_reference import Eagle3Reference, check_tree_proposals, recording_scheduler
 from rxf.testing.reference import HFReference
 
@@ -92,12 +96,12 @@ def test_tree_drafts_under_retraction_stops_and_n(target, head):
     assert _drain(sched)["stop"] == want[0][: want[0].index(stop) + 1]
 
 
-def _two_token_models(tmp_path_factory):
-    """A target and a head that both choose between tokens A and B only (see
+@pytest.fixture(scope="module")
+def two_token_models(tmp_path_factory):
+    """A target and a head that both choose between tokens A and B (see
     test_speculative_eagle3_runtime.py), the head's draft vocabulary being just those two: with
-    tree_topk 2 every expanded node's children are both."""
-    import torch
-
+    tree_topk 2 every expanded node's children are both. The target's other logits are its random
+    ones x 0.01 (small, but no ties for top-k sampling to break)."""
     target = make_tiny_checkpoint(tmp_path_factory.mktemp("tree-ab-target"), seed=1, num_hidden_layers=4)
     head = make_tiny_eagle3_head(tmp_path_factory.mktemp("tree-ab-head"), target, seed=3, draft_vocab_size=2)
     tensors = load_file(str(head / "model.safetensors"))
@@ -107,17 +111,19 @@ def _two_token_models(tmp_path_factory):
     save_file(tensors, str(head / "model.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(target)
     with torch.no_grad():
-        model.lm_head.weight.zero_()
+        model.lm_head.weight.mul_(0.01)
+        model.lm_head.weight[a].zero_()
+        model.lm_head.weight[b].zero_()
         model.lm_head.weight[a, 0], model.lm_head.weight[b, 0] = 1.0, -1.0
     model.save_pretrained(target)
     return target, head
 
 
-def test_a_tree_accepts_more_per_verify_than_a_chain(tmp_path_factory):
+def test_a_tree_accepts_more_per_verify_than_a_chain(two_token_models):
     """Where the head's top choice is the target's about half the time, a chain accepts a run
     only while they agree; a tree holding both choices at every node accepts whatever the target
     picks, down to the tree's depth (here the whole binary tree of depth 3: 14 drafts)."""
-    target, head = _two_token_models(tmp_path_factory)
+    target, head = two_token_models
     prompts = [[5, 17, 33, 48, 17, 33, 60, 7, 9], list(range(40, 70)), [9, 9, 9, 200]]
     hf = HFReference(target)
     want = [hf.greedy(p, 24) for p in prompts]
@@ -136,3 +142,30 @@ def test_a_tree_accepts_more_per_verify_than_a_chain(tmp_path_factory):
             got = _drain(sched)
             assert [got[f"n{j}"] for j in range(3)] == [want[1]] * 3
     assert verify["tree"] < verify["chain"], verify
+
+
+def test_sampling_with_tree_drafts_keeps_the_target_distribution(two_token_models):
+    """The first three tokens of 1200 seeded samples (temperature 0.8, top-k 2: the target's A or
+    B and one other token), with tree drafts, against the exact joint distribution from
+    transformers' logits: a sample of A or B is accepted down the tree, another one ends the
+    step."""
+    target, head = two_token_models
+    temperature, top_k, n = 0.8, 2, 1200
+    prompt = [5, 17, 33, 48, 17, 33, 60, 7, 9]
+    hf = HFReference(target)
+    exact = exact_prefixes(lambda tokens: hf.logits(tokens)[-1], prompt, 3, temperature, top_k)
+    params = [{"max_new_tokens": 4, "temperature": temperature, "top_k": top_k, "ignore_eos": True, "seed": i}
+              for i in range(n)]
+    spec = {"method": "eagle3", "draft_model_path": str(head), "tree_topk": 2, "tree_depth": 3, "num_draft_tokens": 14,
+            "max_batch_size": 128}
+    config = runtime_config(target, chunk=None, speculative=spec, scheduler={"max_running_requests": 128})
+    with Runtime.from_config(config) as rt:
+        outs = [o for i in range(0, n, 400) for o in rt.generate(input_ids=[prompt] * 400, sampling_params=params[i : i + 400])]
+        extra = rt.get_stats().extra
+    counts: dict[tuple[int, ...], int] = {}
+    for out in outs:
+        key = tuple(out["output_ids"][:3])
+        counts[key] = counts.get(key, 0) + 1
+    p_value = chi_square_p(counts, exact)
+    assert p_value > 1e-3, (p_value, counts, exact)
+    assert 0 < extra["accepted_tokens"] < extra["drafted_tokens"], extra

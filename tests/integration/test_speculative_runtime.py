@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from rxf import Runtime
 from rxf.testing.checkpoints import make_tiny_checkpoint
+from rxf.testing.distribution import chi_square_p, exact_prefixes
 from rxf.testing.model_parity import runtime_config
 from rxf.testing.reference import HFReference
 
@@ -75,21 +76,6 @@ def test_retraction_under_a_tiny_kv_budget_keeps_greedy_exact(cyclic_model, refe
     assert extra["retractions"] > 0 and extra["accepted_tokens"] > 0, extra
 
 
-def _filtered(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    """The sampler's distribution by definition: the top_k logits, softmax at `temperature`."""
-    probs = torch.zeros_like(logits, dtype=torch.float64)
-    values, ids = logits.double().topk(top_k)
-    return probs.index_put_((ids,), torch.softmax(values / temperature, dim=0))
-
-
-def _chi_square_p(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float]) -> float:
-    n = sum(counts.values())
-    assert set(counts) <= set(exact), f"sampled outside the support: {set(counts) - set(exact)}"
-    stat = sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in exact.items())
-    df = len(exact) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
-
-
 def test_sampling_with_drafts_keeps_the_target_distribution(cyclic_model, reference):
     """The first three tokens of 1200 seeded samples, with and without speculation, against the
     exact joint distribution from transformers' logits. The prompt holds each likely first token
@@ -102,14 +88,7 @@ def test_sampling_with_drafts_keeps_the_target_distribution(cyclic_model, refere
         if all(a in prompt for a in firsts):
             break
         prompt = [t for a in firsts for t in (a, int(reference.logits(prompt + [a])[-1].argmax()))] + prompt
-    exact: dict[tuple[int, ...], float] = {}
-    p1 = _filtered(reference.logits(prompt)[-1], temperature, top_k)
-    for a in p1.nonzero().flatten().tolist():
-        p2 = _filtered(reference.logits(prompt + [a])[-1], temperature, top_k)
-        for b in p2.nonzero().flatten().tolist():
-            p3 = _filtered(reference.logits(prompt + [a, b])[-1], temperature, top_k)
-            for c in p3.nonzero().flatten().tolist():
-                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    exact = exact_prefixes(lambda tokens: reference.logits(tokens)[-1], prompt, 3, temperature, top_k)
     params = [
         {"max_new_tokens": 5, "temperature": temperature, "top_k": top_k, "ignore_eos": True, "seed": i}
         for i in range(n)
@@ -124,7 +103,7 @@ def test_sampling_with_drafts_keeps_the_target_distribution(cyclic_model, refere
         for out in outs:
             key = tuple(out["output_ids"][:3])
             counts[key] = counts.get(key, 0) + 1
-        p_value = _chi_square_p(counts, exact)
+        p_value = chi_square_p(counts, exact)
         assert p_value > 1e-3, (spec["method"], p_value, counts, exact)
         if spec is with_drafts:
             assert 0 < extra["accepted_tokens"] < extra["drafted_tokens"], extra
