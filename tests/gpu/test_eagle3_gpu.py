@@ -14,7 +14,12 @@ from rxf.core.config import load_config
 from rxf.core.ipc.messages import PreparedRequest
 from rxf.core.sampling_params import SamplingParams
 from rxf.testing.checkpoints import make_tiny_checkpoint, make_tiny_eagle3_head
-from rxf.testing.eagle3_reference import Eagle3Reference, check_proposals, check_tree_proposals, recording_scheduler
+from rxf.testing.eagle3_reference import (
+    Eagle3Reference,
+    check_proposals,
+    check_tree_proposals,
+    recording_scheduler,
+)
 from rxf.testing.reference import HFReference
 
 pytestmark = [

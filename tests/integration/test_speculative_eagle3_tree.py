@@ -13,14 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from rxf import Runtime
 from rxf.core.config import load_config
 from rxf.core.ipc.messages import PreparedRequest
 from rxf.core.sampling_params import SamplingParams
-from rxf import Runtime
 from rxf.testing.checkpoints import make_tiny_checkpoint, make_tiny_eagle3_head
 from rxf.testing.distribution import chi_square_p, exact_prefixes
-from rxf.testing.model_parity import runtime_config
 from rxf.testing.eagle3_reference import Eagle3Reference, check_tree_proposals, recording_scheduler
+from rxf.testing.model_parity import runtime_config
 from rxf.testing.reference import HFReference
 
 AUX_IDS = [1, 2, 3]
