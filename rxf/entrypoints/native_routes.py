@@ -32,6 +32,7 @@ from rxf.core.frontend.requests import (
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.entrypoints.body_text import check_unicode
+from rxf.entrypoints.json_route import MsgspecJSONRoute
 from rxf.entrypoints.server_state import (
     APIError,
     ServerState,
@@ -43,7 +44,7 @@ from rxf.entrypoints.server_state import (
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 State = Annotated[ServerState, Depends(server_state)]
 # /health_generate gives up after this long (the engine is then too busy or stuck: 503).
 HEALTH_GENERATE_TIMEOUT_S = 30.0

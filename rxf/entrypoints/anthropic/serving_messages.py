@@ -23,6 +23,7 @@ from rxf.entrypoints.anthropic.protocol import (
     TokenCount,
 )
 from rxf.entrypoints.anthropic.stream import message_events
+from rxf.entrypoints.json_route import MsgspecJSONRoute
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.sampling import check_model
 from rxf.entrypoints.openai.serving_chat import ChatPlan, prepare_chat
@@ -30,7 +31,7 @@ from rxf.entrypoints.openai.sse import sse_response
 from rxf.entrypoints.server_state import APIError, ServerState, server_state, until_disconnected
 
 logger = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 # Chat fields an error may name -> the Messages API's field that set them.
 _FIELD_NAMES = {"stop": "stop_sequences"}

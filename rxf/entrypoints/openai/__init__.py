@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from rxf.entrypoints.json_route import MsgspecJSONRoute
 from rxf.entrypoints.openai import (
     serving_chat,
     serving_completions,
@@ -17,7 +18,7 @@ from rxf.entrypoints.openai import (
     tokenize,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 for _module in (serving_models, serving_completions, serving_chat, serving_responses, serving_embeddings, tokenize):
     router.include_router(_module.router)
 

@@ -29,6 +29,7 @@ from rxf.entrypoints.chat.tool_parsers import ToolCallParser, make_parser
 from rxf.entrypoints.chat.tool_stream import finish_type
 from rxf.entrypoints.chat.tools import ToolPlan, plan_tools, tool_params
 from rxf.entrypoints.choices import choice_requests, warm_prefixes
+from rxf.entrypoints.json_route import MsgspecJSONRoute
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs, token_str_fn
 from rxf.entrypoints.openai.protocol import (
@@ -62,7 +63,7 @@ from rxf.entrypoints.server_state import (
     until_disconnected,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 
 @dataclass

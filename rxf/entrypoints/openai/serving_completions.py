@@ -22,6 +22,7 @@ from rxf.core.frontend.requests import GenerateRequest
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.entrypoints.choices import choice_requests, warm_prefixes
+from rxf.entrypoints.json_route import MsgspecJSONRoute
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import (
     TokenStr,
@@ -49,7 +50,7 @@ from rxf.entrypoints.openai.sampling import (
 from rxf.entrypoints.openai.sse import event, sse_response
 from rxf.entrypoints.server_state import prepare, server_state, until_disconnected
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 # OpenAI's default when max_tokens is left out (cut to what the context has room for).
 DEFAULT_MAX_TOKENS = 16

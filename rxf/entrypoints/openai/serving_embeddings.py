@@ -17,12 +17,13 @@ from rxf.core.frontend.outputs import GenerateOutput, embedding_floats
 from rxf.core.frontend.request_preparer import RequestPreparer
 from rxf.core.frontend.requests import GenerateRequest
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
+from rxf.entrypoints.json_route import MsgspecJSONRoute
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.protocol import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from rxf.entrypoints.openai.sampling import bad_request, check_model, prepare_request
 from rxf.entrypoints.server_state import prepare, server_state, until_disconnected
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 _INPUT_FIELDS = {"text": "input", "input_ids": "input"}
 

@@ -10,11 +10,12 @@ import time
 
 from fastapi import APIRouter, Request
 
+from rxf.entrypoints.json_route import MsgspecJSONRoute
 from rxf.entrypoints.openai.protocol import ModelCard, ModelList
 from rxf.entrypoints.openai.sampling import check_model
 from rxf.entrypoints.server_state import ServerState, server_state
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 # OpenAI's `created` is when the model was made; here, when this server process started.
 _STARTED = int(time.time())

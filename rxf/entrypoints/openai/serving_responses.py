@@ -20,6 +20,7 @@ from rxf.core.echo import echo
 from rxf.core.frontend.request_preparer import RequestPreparer
 from rxf.entrypoints.chat.reasoning import ReasoningParser
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
+from rxf.entrypoints.json_route import MsgspecJSONRoute
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, token_str_fn
 from rxf.entrypoints.openai.responses_input import (
@@ -48,7 +49,7 @@ from rxf.entrypoints.openai.serving_chat import plan_chat, reasoning_parser, too
 from rxf.entrypoints.openai.sse import sse_response
 from rxf.entrypoints.server_state import APIError, ServerState, prepare, server_state, until_disconnected
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 
 def response_store(state: ServerState) -> ResponseStore:

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.messages import render_messages, template_messages
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
+from rxf.entrypoints.json_route import MsgspecJSONRoute
 from rxf.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -26,7 +27,7 @@ from rxf.entrypoints.openai.sampling import bad_request, check_model
 from rxf.entrypoints.openai.serving_chat import tool_parser
 from rxf.entrypoints.server_state import ServerState, server_state
 
-router = APIRouter()
+router = APIRouter(route_class=MsgspecJSONRoute)
 
 
 def prompt_text(req: TokenizeRequest, chat_template: Any, parser: ToolCallParser | None = None) -> tuple[str, bool]:
