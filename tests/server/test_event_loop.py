@@ -34,8 +34,11 @@ def tokenizer(long_context_model_dir):
 
 
 def test_health_stays_fast_during_a_million_id_detokenize(server, http, model, tokenizer):
+    # Encoded before the probe starts: encoding 3 MB of JSON holds this process's GIL, which the
+    # probe's thread needs to send and time its requests (that stall would be the client's own).
+    body = json.dumps({"model": model, "tokens": [7] * 1_000_000})
     with HealthProbe(server.url) as probe:
-        r = http.post("/v1/detokenize", json={"model": model, "tokens": [7] * 1_000_000})
+        r = http.post("/v1/detokenize", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
     assert "context length" in r.json()["error"]["message"]
     print(f"\n1M-id detokenize: answered in {r.elapsed.total_seconds() * 1000:.0f} ms; "
@@ -48,9 +51,12 @@ def test_health_stays_fast_during_a_million_id_detokenize(server, http, model, t
 
 def test_health_stays_fast_during_a_10k_message_chat(server, http, model):
     messages = [{"role": "user", "content": f"message {i}"} for i in range(10_000)]
+    chat_body = json.dumps({"model": model, "messages": messages, "max_tokens": 1})  # (encoded first: see above)
+    tokenize_body = json.dumps({"model": model, "messages": messages})
+    headers = {"Content-Type": "application/json"}
     with HealthProbe(server.url) as probe:
-        chat = http.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 1})
-        tokenized = http.post("/v1/tokenize", json={"model": model, "messages": messages})
+        chat = http.post("/v1/chat/completions", content=chat_body, headers=headers)
+        tokenized = http.post("/v1/tokenize", content=tokenize_body, headers=headers)
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
     assert tokenized.status_code == 200 and tokenized.json()["count"] > 16384
     print(f"\n10k-message chat and tokenize: {chat.elapsed.total_seconds():.2f} s, "
