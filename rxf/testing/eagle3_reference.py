@@ -115,7 +115,7 @@ def check_tree_proposals(reference: Eagle3Reference, trees: list[tuple[list[int]
     """In each proposed tree (the tokens it followed, its drafts, their parents) every node's
     children are among the reference's `topk` likeliest tokens after that node's path (a child
     within `tie` of the k-th logit counts as one of them)."""
-    from rxf.core.speculative.accept import draft_path
+    from rxf.core.draft_tree import draft_path
 
     to_draft = {int(t): d for d, t in enumerate(reference.draft_to_target.tolist())}
     for tokens, drafts, parents in trees:

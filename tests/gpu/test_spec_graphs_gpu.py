@@ -94,7 +94,7 @@ def test_speculation_under_graphs_keeps_greedy_tokens(target, method, tmp_path):
 
 def test_a_tree_verify_replays_a_decode_graph_with_each_nodes_path_logits(target, monkeypatch):
     """Each node on a scratch row over its path: its logits are a plain prefill's of prefix + path."""
-    from rxf.core.speculative.accept import draft_path
+    from rxf.core.draft_tree import draft_path
 
     spec = {"speculative.method": "eagle3", "speculative.draft_model_path": str(target), "speculative.tree_topk": 2}
     runner = ModelHarness(target, attention_backend="triton", **{**GPU, **spec, "model.dtype": "float32"}).runner

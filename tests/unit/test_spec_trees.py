@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from rxf.core.draft_tree import chain_parents, draft_path
 from rxf.core.forward import ForwardMode
 from rxf.core.runner.model_runner import ModelInput
-from rxf.core.speculative.accept import accepted_path, chain_parents, draft_path, first_chain, row_depths
+from rxf.core.speculative.accept import accepted_path, first_chain, row_depths
 from rxf.core.speculative.eagle_tree import _best_tree
 from rxf.plugins.attention.cpu import COMPILE_ENV
 from rxf.testing import make_tiny_checkpoint

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from rxf.core.draft_tree import chain_parents, draft_path
 from rxf.core.forward import ForwardMode
 from rxf.core.runner.sampling import GrammarMask
-from rxf.core.speculative.accept import chain_parents, draft_path
 
 if TYPE_CHECKING:
     from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool

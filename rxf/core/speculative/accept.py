@@ -48,20 +48,6 @@ def accepted_tokens(drafts: list[int], sampled: list[int]) -> list[int]:
     return list(sampled)
 
 
-def chain_parents(num_drafts: int) -> list[int]:
-    """The parents of a chain of drafts: each follows the one before it."""
-    return list(range(-1, num_drafts - 1))
-
-
-def draft_path(drafts: list[int], parents: list[int], node: int) -> list[int]:
-    """The tokens from the first draft on to `node` along the tree (-1: the newest token: [])."""
-    path: list[int] = []
-    while node >= 0:
-        path.append(drafts[node])
-        node = parents[node]
-    return path[::-1]
-
-
 def accepted_path(drafts: list[int], parents: list[int], sampled: list[int]) -> tuple[list[int], list[int]]:
     """What a tree verify emits: (tokens, the drafts they took: one fewer). `sampled[0]` follows the
     newest token, `sampled[1 + j]` draft j's path."""
