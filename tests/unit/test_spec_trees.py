@@ -78,10 +78,15 @@ def test_a_tree_verify_gives_each_node_its_paths_logits(ckpt: Path, backend: str
                                   [len(p) for p in prompts], runner.token_to_kv_pool.alloc(27)))
         trees = [(DRAFTS, PARENTS), ([50, 51], [-1, 0])]  # a tree and a chain
         ids = [t for (d, _), n in zip(trees, newest, strict=True) for t in [n, *d]]
-        inp = ModelInput(ForwardMode.EXTEND, rows, ids, [7, 20], [7, 3], runner.token_to_kv_pool.alloc(10),
-                         logits_start=[0, 0], tree_parents=[PARENTS, None])
+        slots = runner.token_to_kv_pool.alloc(10)
+        inp = ModelInput(ForwardMode.EXTEND, rows, ids, [7, 20], [7, 3], slots, logits_start=[0, 0],
+                         tree_parents=[PARENTS, None])
         logits = runner.forward(inp)
         assert logits.shape == (10, runner.vocab_size)
+        # The chain stays on its request's row (the scheduler keeps its slots at their positions
+        # without rewriting them); the tree's drafts went to scratch rows, its row holds the newest.
+        table = runner.req_to_token_pool.req_to_token
+        assert table[rows[1], 20:23].tolist() == slots[7:10].tolist() and table[rows[0], 7].item() == slots[0].item()
         # The reference: each row's context as one plain prefill of a fresh request.
         want = []
         for p, n, (drafts, parents) in zip(prompts, newest, trees, strict=True):

@@ -608,7 +608,9 @@ class ModelRunner:
         """A tree verify as DECODE rows (replayed from a graph where a bucket holds them, else eager):
         each request's newest token on its own row at position prefix_lens[i], draft j on a scratch
         row (`path_rows`) holding the request's prefix and the slots of the newest token and of j's
-        ancestors, at position prefix_lens[i] + depth(j). Its logits are every row's."""
+        ancestors, at position prefix_lens[i] + depth(j). A chain in the batch (parents None) stays
+        on its own row, as `_short_extend_rows` puts it: its row then holds every verified slot at
+        its position, as the scheduler's bookkeeping of a chain expects. Its logits are every row's."""
         assert inp.tree_parents is not None
         if not self.attn_backend.verifies_as_decode:
             raise ValueError(f"{type(self.attn_backend).__name__} cannot verify tree drafts (verifies_as_decode)")
@@ -621,7 +623,10 @@ class ModelRunner:
                                            strict=True):
             mine = slots[first : first + n]
             first += n
-            parents = parents if parents is not None else list(range(-1, n - 2))  # a chain
+            if parents is None:  # a chain: its own row, consecutive positions
+                rows += [row] * n
+                positions += range(prefix, prefix + n)
+                continue
             if len(parents) != n - 1 or any(not -1 <= p < j for j, p in enumerate(parents)):
                 raise ValueError(f"tree_parents {parents}: each draft's parent must come before it")
             rows.append(row)
