@@ -8,6 +8,7 @@ the server, recording when each probe was sent, how long it took and what it got
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,10 @@ class HealthProbe:
                 self._stop.wait(self.interval_s)
 
     def __enter__(self) -> HealthProbe:
+        # The probe's thread times requests from the test's own process: a collection of its heap
+        # (large late in a test session) would stall it and count as the server's latency. Frozen
+        # objects are left out of collections until __exit__.
+        gc.freeze()
         self._thread.start()
         while not self.probes and self._thread.is_alive():  # the connection is up before the block runs
             time.sleep(0.005)
@@ -51,6 +56,7 @@ class HealthProbe:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(self.timeout_s + 1)
+        gc.unfreeze()
 
     def max_latency_s(self) -> float:
         return max(p.latency_s for p in self.probes)

@@ -11,9 +11,11 @@ import threading
 import time
 
 import httpx
+import msgspec
 import pytest
 from transformers import AutoTokenizer
 
+from rxf.entrypoints.openai.protocol import ChatCompletionRequest, DetokenizeRequest
 from rxf.testing.health_probe import HealthProbe
 
 PREFILL_TOKENS = 8000  # one EXTEND step of seconds on the tiny model (attention is quadratic)
@@ -33,17 +35,37 @@ def tokenizer(long_context_model_dir):
     return AutoTokenizer.from_pretrained(long_context_model_dir)
 
 
+def _idle_health_s(server) -> float:
+    """/health's slowest answer over half a second with nothing else sent (what the machine's own
+    load adds to every answer)."""
+    with HealthProbe(server.url) as idle:
+        time.sleep(0.5)
+    return idle.max_latency_s()
+
+
+def _stall_bound_s(server, body: str, request_type: type) -> float:
+    """How long /health may wait behind `body`: the event loop must decode and validate it (the
+    rest is off the loop), so the bound is 100 ms or three times what that takes here and now,
+    whichever is longer (on a 2-core machine that also runs the rest of a test session the work
+    takes several times its quiet ~30 ms), plus /health's idle latency."""
+    start = time.perf_counter()
+    request_type.model_validate(msgspec.json.decode(body))
+    return max(0.1, 3 * (time.perf_counter() - start)) + _idle_health_s(server)
+
+
 def test_health_stays_fast_during_a_million_id_detokenize(server, http, model, tokenizer):
     # Encoded before the probe starts: encoding 3 MB of JSON holds this process's GIL, which the
     # probe's thread needs to send and time its requests (that stall would be the client's own).
     body = json.dumps({"model": model, "tokens": [7] * 1_000_000})
+    bound = _stall_bound_s(server, body, DetokenizeRequest)
     with HealthProbe(server.url) as probe:
         r = http.post("/v1/detokenize", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
     assert "context length" in r.json()["error"]["message"]
     print(f"\n1M-id detokenize: answered in {r.elapsed.total_seconds() * 1000:.0f} ms; "
-          f"/health max {probe.max_latency_s() * 1000:.1f} ms over {len(probe.probes)} probes")
-    assert probe.max_latency_s() < 0.1
+          f"/health max {probe.max_latency_s() * 1000:.1f} ms over {len(probe.probes)} probes "
+          f"(bound {bound * 1000:.1f} ms)")
+    assert probe.max_latency_s() < bound
     ids = [3 + i % 500 for i in range(3000)]  # within the context: decoded as the tokenizer decodes
     r = http.post("/v1/detokenize", json={"model": model, "tokens": ids})
     assert r.status_code == 200 and r.json()["prompt"] == tokenizer.decode(ids)
@@ -54,6 +76,7 @@ def test_health_stays_fast_during_a_10k_message_chat(server, http, model):
     chat_body = json.dumps({"model": model, "messages": messages, "max_tokens": 1})  # (encoded first: see above)
     tokenize_body = json.dumps({"model": model, "messages": messages})
     headers = {"Content-Type": "application/json"}
+    bound = _stall_bound_s(server, chat_body, ChatCompletionRequest)
     with HealthProbe(server.url) as probe:
         chat = http.post("/v1/chat/completions", content=chat_body, headers=headers)
         tokenized = http.post("/v1/tokenize", content=tokenize_body, headers=headers)
@@ -61,8 +84,8 @@ def test_health_stays_fast_during_a_10k_message_chat(server, http, model):
     assert tokenized.status_code == 200 and tokenized.json()["count"] > 16384
     print(f"\n10k-message chat and tokenize: {chat.elapsed.total_seconds():.2f} s, "
           f"{tokenized.elapsed.total_seconds():.2f} s; /health max {probe.max_latency_s() * 1000:.1f} ms "
-          f"over {len(probe.probes)} probes")
-    assert probe.max_latency_s() < 0.1
+          f"over {len(probe.probes)} probes (bound {bound * 1000:.1f} ms)")
+    assert probe.max_latency_s() < bound
 
 
 def test_monitoring_answers_at_once_during_a_long_prefill(server, http):
