@@ -6,11 +6,6 @@ how a verify walks one)."""
 from __future__ import annotations
 
 
-def chain_parents(num_drafts: int) -> list[int]:
-    """The parents of a chain of drafts: each follows the one before it."""
-    return list(range(-1, num_drafts - 1))
-
-
 def draft_path(drafts: list[int], parents: list[int], node: int) -> list[int]:
     """The tokens from the first draft on to `node` along the tree (-1: the newest token: [])."""
     path: list[int] = []

@@ -34,3 +34,12 @@ def exact_prefixes(logits_of, prompt: list[int], length: int, temperature: float
                 grown[(*seq, t)] = p * float(probs[t])
         exact = grown
     return exact
+
+
+def prefix_counts(outputs: list[list[int]], length: int) -> dict[tuple[int, ...], int]:
+    """How often each sequence of the first `length` tokens occurs among `outputs`."""
+    counts: dict[tuple[int, ...], int] = {}
+    for ids in outputs:
+        key = tuple(ids[:length])
+        counts[key] = counts.get(key, 0) + 1
+    return counts

@@ -18,7 +18,7 @@ from rxf.core.config import load_config
 from rxf.core.ipc.messages import PreparedRequest
 from rxf.core.sampling_params import SamplingParams
 from rxf.testing.checkpoints import make_tiny_checkpoint, make_tiny_eagle3_head
-from rxf.testing.distribution import chi_square_p, exact_prefixes
+from rxf.testing.distribution import chi_square_p, exact_prefixes, prefix_counts
 from rxf.testing.eagle3_reference import Eagle3Reference, check_tree_proposals, recording_scheduler
 from rxf.testing.model_parity import runtime_config
 from rxf.testing.reference import HFReference
@@ -162,10 +162,7 @@ def test_sampling_with_tree_drafts_keeps_the_target_distribution(two_token_model
     with Runtime.from_config(config) as rt:
         outs = [o for i in range(0, n, 400) for o in rt.generate(input_ids=[prompt] * 400, sampling_params=params[i : i + 400])]
         extra = rt.get_stats().extra
-    counts: dict[tuple[int, ...], int] = {}
-    for out in outs:
-        key = tuple(out["output_ids"][:3])
-        counts[key] = counts.get(key, 0) + 1
+    counts = prefix_counts([o["output_ids"] for o in outs], 3)
     p_value = chi_square_p(counts, exact)
     assert p_value > 1e-3, (p_value, counts, exact)
     assert 0 < extra["accepted_tokens"] < extra["drafted_tokens"], extra

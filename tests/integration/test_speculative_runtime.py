@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from rxf import Runtime
 from rxf.testing.checkpoints import make_tiny_checkpoint
-from rxf.testing.distribution import chi_square_p, exact_prefixes
+from rxf.testing.distribution import chi_square_p, exact_prefixes, prefix_counts
 from rxf.testing.model_parity import runtime_config
 from rxf.testing.reference import HFReference
 
@@ -99,10 +99,7 @@ def test_sampling_with_drafts_keeps_the_target_distribution(cyclic_model, refere
         with Runtime.from_config(config) as rt:
             outs = [o for i in range(0, n, 400) for o in rt.generate(input_ids=[prompt] * 400, sampling_params=params[i : i + 400])]
             extra = rt.get_stats().extra
-        counts: dict[tuple[int, ...], int] = {}
-        for out in outs:
-            key = tuple(out["output_ids"][:3])
-            counts[key] = counts.get(key, 0) + 1
+        counts = prefix_counts([o["output_ids"] for o in outs], 3)
         p_value = chi_square_p(counts, exact)
         assert p_value > 1e-3, (spec["method"], p_value, counts, exact)
         if spec is with_drafts:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rxf.core.draft_tree import chain_parents, draft_path
+from rxf.core.draft_tree import draft_path
 from rxf.core.forward import ForwardMode
 from rxf.core.runner.model_runner import ModelInput
 from rxf.core.speculative.accept import accepted_path, first_chain, row_depths
@@ -35,7 +35,7 @@ def test_a_tree_verify_follows_the_samples_down_the_tree():
     assert accepted_path(DRAFTS, PARENTS, [8, 99, 11, 99, 99, 42, 99]) == ([8, 11, 42], [1, 4])
     assert accepted_path(DRAFTS, PARENTS, [3, 9, 9, 9, 9, 9, 9]) == ([3], [])
     chain = [4, 5, 6]
-    assert accepted_path(chain, chain_parents(3), [4, 5, 1, 2]) == ([4, 5, 1], [0, 1])
+    assert accepted_path(chain, [-1, 0, 1], [4, 5, 1, 2]) == ([4, 5, 1], [0, 1])
     with pytest.raises(ValueError, match="samples"):
         accepted_path(DRAFTS, PARENTS, [1, 2])
 

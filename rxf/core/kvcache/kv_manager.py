@@ -198,7 +198,8 @@ class KVManager:
         h = req.kv
         assert h is not None and h.cached <= start < h.length
         drafts = h._slots[start + 1 : h.length].copy()
-        rest = [j for j in range(len(drafts)) if j not in set(nodes)]
+        kept = set(nodes)
+        rest = [j for j in range(len(drafts)) if j not in kept]
         h._slots[start + 1 : h.length] = drafts[list(nodes) + rest]
         h._mark_stale(start + 1)
 

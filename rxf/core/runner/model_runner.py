@@ -93,6 +93,19 @@ class PendingTokens:
         input_ids.index_copy_(0, pairs[0], self.source.index_select(0, pairs[1]))
 
 
+def _as_decode_rows(inp: ModelInput, rows: list[int], positions: list[int]) -> ModelInput:
+    """`inp`'s new tokens as DECODE rows: token j on req_to_token row rows[j] at positions[j]."""
+    return ModelInput(
+        mode=ForwardMode.DECODE,
+        req_pool_indices=rows,
+        input_ids=inp.input_ids,
+        prefix_lens=positions,
+        extend_lens=[1] * len(rows),
+        out_cache_loc=inp.out_cache_loc,
+        pending=inp.pending,  # indexes input_ids, whose order is unchanged
+    )
+
+
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -594,15 +607,7 @@ class ModelRunner:
         for row, prefix, n in zip(inp.req_pool_indices, inp.prefix_lens, inp.extend_lens, strict=True):
             rows += [row] * n
             positions += range(prefix, prefix + n)
-        return ModelInput(
-            mode=ForwardMode.DECODE,
-            req_pool_indices=rows,
-            input_ids=inp.input_ids,
-            prefix_lens=positions,
-            extend_lens=[1] * len(rows),
-            out_cache_loc=inp.out_cache_loc,
-            pending=inp.pending,  # indexes input_ids, whose order is unchanged
-        )
+        return _as_decode_rows(inp, rows, positions)
 
     def _tree_rows(self, inp: ModelInput) -> ModelInput:
         """A tree verify as DECODE rows (replayed from a graph where a bucket holds them, else eager):
@@ -641,16 +646,7 @@ class ModelRunner:
                 positions.append(prefix + len(path) - 1)
             rows += [-1] * len(parents)  # filled with scratch rows below
         scratch = iter(self.path_rows(src, starts, paths))
-        rows = [r if r >= 0 else next(scratch) for r in rows]
-        return ModelInput(
-            mode=ForwardMode.DECODE,
-            req_pool_indices=rows,
-            input_ids=inp.input_ids,
-            prefix_lens=positions,
-            extend_lens=[1] * len(rows),
-            out_cache_loc=inp.out_cache_loc,
-            pending=inp.pending,
-        )
+        return _as_decode_rows(inp, [r if r >= 0 else next(scratch) for r in rows], positions)
 
     def path_rows(self, src: list[int], starts: list[int], paths: list[list[int]]) -> list[int]:
         """Scratch rows of req_to_token, one per j: row src[j]'s entries before starts[j], then the

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from rxf.core.draft_tree import chain_parents, draft_path
+from rxf.core.draft_tree import draft_path
 from rxf.core.forward import ForwardMode
 from rxf.core.runner.sampling import GrammarMask
 
@@ -81,15 +81,10 @@ class StepBatch:
     def draft_of(self, i: int) -> list[int]:
         return self.drafts[i] if self.drafts else []
 
-    def parents_of(self, i: int) -> list[int]:
-        parents = self.draft_parents[i] if self.draft_parents else None
-        return chain_parents(len(self.draft_of(i))) if parents is None else parents
-
     def ahead(self, i: int, t: int) -> list[int]:
         """The drafts request i's sampled position t follows (as if already output)."""
-        if not self.draft_parents or self.draft_parents[i] is None:
-            return self.draft_of(i)[:t]
-        return draft_path(self.draft_of(i), self.parents_of(i), t - 1)
+        parents = self.draft_parents[i] if self.draft_parents else None
+        return self.draft_of(i)[:t] if parents is None else draft_path(self.draft_of(i), parents, t - 1)
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """The draft-model proposer: a smaller model with the target's tokenizer, run ahead of it.
 
 It has its own `ModelRunner` (weights, KV pool, attention backend, decode CUDA graphs that its
-catch-up extends replay too) in the scheduler process. Per request a `DraftKV` holds a row of its `req_to_token` and the slots of the
-tokens it computed. Each speculative step first extends the draft over the request's tokens it has
+catch-up extends replay too) in the scheduler process. Per request a `DraftKV` holds a row of its
+`req_to_token` and the slots of the tokens it computed. Each speculative step first extends the draft over the request's tokens it has
 not seen (the whole prompt the first time, then the tokens the last step accepted), whose last
 logits give the first draft, then decodes k - 1 more, greedily: a deterministic draft, so the
 target's verification (`accept.py`) is exact. Each step's drafts stay on the device and feed the
