@@ -662,7 +662,10 @@ def kernels_phase(p: Preset, backends: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- offline (Runtime)
-def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "") -> None:
+def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "", profile_dir: Path | None = None) -> None:
+    """`profile_dir`: the timed run is profiled step by step (`Runtime.start_profile`: two CUDA events
+    a step), and a second run of n // 4 requests afterwards traces the kernels of two windows (10
+    steps from 2 s in, 40 from 8 s in: prefill and decode) into the same folder."""
     from rxf.entrypoints.runtime import Runtime
 
     rng = random.Random(0)
@@ -670,17 +673,27 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "
     prompts = [[rng.randrange(3, p.vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
     params = {"max_new_tokens": p.offline_output, "temperature": 0.0, "ignore_eos": True}
     start = time.perf_counter()
+    runtime = {"device": "cuda", "log_level": "warning"} | ({"profile_dir": str(profile_dir)} if profile_dir else {})
     with Runtime.from_config({
         "model": {"path": str(model_dir), "dtype": "bfloat16", "context_length": hi + p.offline_output + 64},
-        "runtime": {"device": "cuda", "log_level": "warning"},
+        "runtime": runtime,
         "attention": {"backend": backend},
         "scheduler": {"max_running_requests": 256, "max_prefill_tokens": 16384},
     }) as rt:
         started = time.perf_counter() - start
         rt.generate(input_ids=prompts[:8], sampling_params=params)  # warm-up
+        if profile_dir:
+            rt.start_profile()
         start = time.perf_counter()
         results = rt.generate(input_ids=prompts, sampling_params=params)
         elapsed = time.perf_counter() - start
+        if profile_dir:
+            print("offline step profile:", rt.stop_profile())
+            windows = [threading.Timer(at, lambda k=k: print("kernel profile:", rt.start_profile(k, kernels=True)))
+                       for at, k in ((2.0, 10), (8.0, 40))]
+            for w in windows:
+                w.start()
+            rt.generate(input_ids=prompts[: n // 4], sampling_params=params)
     out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     in_tokens = sum(map(len, prompts))
     RESULTS[f"offline{tag}"] = {"requests": n, "backend": backend, "startup_s": started, "seconds": elapsed,
@@ -773,6 +786,8 @@ def main() -> None:
     ap.add_argument("--backends", default="triton,flashinfer", help="decode/kernels; offline uses the last")
     ap.add_argument("--model-dir", type=Path, default=None, help="default: /tmp/rxf-bench-<preset>")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--profile-dir", type=Path, default=None,
+                    help="offline: profile the timed run's steps and trace two kernel windows into this folder")
     ap.add_argument("--random-weights", action="store_true",
                     help="no checkpoint written: the decode phase draws the weights at load, as for presets too large for the disk")
     ap.add_argument("--quantization", default="bf16",
@@ -827,7 +842,8 @@ def main() -> None:
         phase("kernels", lambda: kernels_phase(p, backends))
     if "offline" in phases:
         for name, tag in runs:
-            phase(f"offline {name}", lambda n=name, t=tag: offline_phase(p, dirs[n], args.num_requests, backends[-1], t))
+            phase(f"offline {name}", lambda n=name, t=tag: offline_phase(
+                p, dirs[n], args.num_requests, backends[-1], t, args.profile_dir))
     if "hf" in phases:
         phase("hf", lambda: hf_phase(p, model_dir))
     output = args.output or (Path(os.environ["OUT"]) / "gpu_decode.json" if os.environ.get("OUT") else None)

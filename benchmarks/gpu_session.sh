@@ -5,7 +5,7 @@
 #   ../shared/device/wheels.sh xgrammar==0.2.9 jsonschema==4.26.0 referencing jsonschema-specifications rpds-py msgspec==0.23.0
 # The JIT cache comes back in parts under 15 MB (the limit on returned files); put them in .fi-parts/
 # (git-ignored, carried) and the next call restores them.
-#   bash benchmarks/gpu_session.sh tests|split|bench|profile|gemv|compare|ab|pytest|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|bench|profile|gemv|compare|ab|offline-profile|pytest|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -81,12 +81,13 @@ elif [ "$stage" = ab ]; then
   # "ab [PRESET]": batch-1 decode (gpu_decode.py's decode1 phase) on one checkpoint, once per
   # programmatic-dependent-launch setting (RXF_PDL 0 / 1) and RXF_GEMV value: RXF_GEMV_A (default the
   # environment's) and the sweep's all-Triton value (the gemv phase runs first); separate processes,
-  # one call. AB_GEMV_SWEEP=0 skips the sweep (then only RXF_GEMV_A).
+  # one call. AB_GEMV_SWEEP=0 skips the sweep; RXF_GEMV_B adds a value of one's own.
   preset=${1:-llama3-8b}; dir=/tmp/rxf-ab-$preset
-  python3 benchmarks/gpu_decode.py --preset "$preset" --phases build,bandwidth --model-dir "$dir" \
+  python3 benchmarks/gpu_decode.py --preset "$preset" --phases bandwidth --model-dir "$dir" \
     --output "$out/ab-bandwidth.json" > "$out/ab-build.log" 2>&1 || { tail -n 20 "$out/ab-build.log"; exit 1; }
   grep -i "roofline\|bandwidth" "$out/ab-build.log" | tail -n 4
   envs=("${RXF_GEMV_A:-${RXF_GEMV:-}}")
+  [ -n "${RXF_GEMV_B:-}" ] && envs+=("$RXF_GEMV_B")
   if [ "${AB_GEMV_SWEEP:-1}" != 0 ]; then
     timeout 200 python3 benchmarks/gpu_profile.py --phases gemv --preset "$preset" > "$out/ab-gemv.log" 2>&1
     grep -E "^(suggested|all triton|projections)" "$out/ab-gemv.log"
@@ -101,6 +102,17 @@ elif [ "$stage" = ab ]; then
     done
     i=$((i + 1))
   done
+elif [ "$stage" = offline-profile ]; then
+  # "offline-profile [BACKEND]": gpu_decode.py's offline phase on the Llama-3-8B shape (the checkpoint
+  # `ab` uses, built if missing) with a step profile of the timed run and two kernel windows
+  # (`--profile-dir`); the step summaries print, the whole profile comes back as profiles.tgz.
+  dir=/tmp/rxf-ab-llama3-8b; rm -rf /tmp/rxf-profiles
+  timeout "${PROFILE_LIMIT_S:-300}" python3 benchmarks/gpu_decode.py --preset llama3-8b --model-dir "$dir" \
+    --phases offline --backends "${1:-triton}" --profile-dir /tmp/rxf-profiles --output "$out/offline-profile.json" \
+    > "$out/offline-profile.log" 2>&1
+  echo "offline-profile: rc $?"; grep -v "Loading weights" "$out/offline-profile.log" | tail -n 25
+  for f in /tmp/rxf-profiles/*/dp0-tp0/summary.txt; do echo "== $f"; head -n 40 "$f"; done
+  tar czf "$out/profiles.tgz" -C /tmp rxf-profiles
 elif [ "$stage" = others ]; then
   # "others SCRIPT[:ARGS] ...": each benchmark bounded to 400 s, e.g. others gpu_moe gpu_tp:--tp=1
   for spec in "$@"; do

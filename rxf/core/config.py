@@ -182,6 +182,11 @@ class RuntimeConfig(_Section):
         "(benchmarks/RESULTS.md, issue 22)",
     )
     startup_timeout_s: float = Field(600, gt=0)
+    profile_dir: str | None = Field(
+        None,
+        description="where /start_profile writes step profiles (each rank's step times, and optionally "
+        "torch.profiler's kernel trace); unset, profiling is refused",
+    )
 
 
 class CudaGraphConfig(_Section):

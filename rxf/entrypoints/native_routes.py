@@ -99,6 +99,11 @@ class AbortBody(_NativeBody):
     rid: str
 
 
+class StartProfileBody(_NativeBody):
+    num_steps: int | None = Field(None, gt=0, description="steps after which the profile stops itself")
+    kernels: bool = Field(False, description="add torch.profiler's kernel trace (for short windows)")
+
+
 def _per_item(name: str, value: Any, n: int, batched: bool) -> list[Any]:
     if isinstance(value, list):
         if not batched or len(value) != n:
@@ -323,6 +328,26 @@ async def flush_cache(state: State) -> dict[str, Any]:
     if not result.ok:
         raise APIError(400, result.message)
     return {"message": result.message}
+
+
+@router.post("/start_profile")
+async def start_profile(state: State, body: StartProfileBody | None = None) -> dict[str, Any]:
+    """Profile the scheduler's steps into `runtime.profile_dir` (refused, 400, when it is unset or a
+    profile runs); the answer names the profile's folder."""
+    body = body or StartProfileBody()
+    result = await state.require_ready().start_profile(body.num_steps, body.kernels)
+    if not result.ok:
+        raise APIError(400, result.message)
+    return {"message": "profiling", "path": result.message}
+
+
+@router.post("/stop_profile")
+async def stop_profile(state: State) -> dict[str, Any]:
+    """Stop the running profile and write it (400 when none runs); the answer names its folder."""
+    result = await state.require_ready().stop_profile()
+    if not result.ok:
+        raise APIError(400, result.message)
+    return {"message": "profile written", "path": result.message}
 
 
 @router.post("/abort_request")

@@ -105,8 +105,8 @@ def _responses(path: str, op: dict[str, Any], with_key: bool) -> dict[str, Any]:
         statuses.add(404)
     if path in _ENGINE_ROUTES:
         statuses.add(504)
-    if path == "/flush_cache":
-        statuses.add(400)  # refused while requests run
+    if path in ("/flush_cache", "/start_profile", "/stop_profile"):
+        statuses.add(400)  # refused while requests run; profiling off, or already (not) running
     responses |= {str(status): _error(status, path) for status in sorted(statuses)}
     return responses
 

@@ -165,6 +165,16 @@ class Runtime:
     def get_stats(self) -> Any:
         return self._call(self.tokenizer_manager.get_stats())
 
+    def start_profile(self, num_steps: int | None = None, kernels: bool = False) -> str:
+        """Profile the engine's steps (needs `runtime.profile_dir`) until `stop_profile`, or for
+        `num_steps` steps; `kernels` adds torch.profiler's kernel trace (for short windows). Returns
+        the profile's folder; raises ValueError with the reason when refused."""
+        return _admin_ok(self._call(self.tokenizer_manager.start_profile(num_steps, kernels)))
+
+    def stop_profile(self) -> str:
+        """Write the running profile (`rxf/core/runner/step_profiler.py` says what); its folder."""
+        return _admin_ok(self._call(self.tokenizer_manager.stop_profile()))
+
     # ---- async API (usable from any event loop) ----
     async def async_generate(
         self, prompt: Prompt = None, sampling_params: Params = None, *, input_ids: Any = None,
@@ -356,3 +366,9 @@ def _split_options(stream: bool, options: dict[str, Any]) -> tuple[str | None, R
     """The rid and the RequestOptions among a call's keyword options (an unknown one: TypeError)."""
     rid = options.pop("rid", None)
     return rid, RequestOptions(stream=stream, **options)
+
+
+def _admin_ok(result: Any) -> str:
+    if not result.ok:
+        raise ValueError(result.message)
+    return result.message

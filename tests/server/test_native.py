@@ -247,6 +247,12 @@ def test_flush_cache_refused_while_a_request_runs(http):
     assert stats["free_slots"] == stats["total_slots"] and stats["tree_slots"] == 0
 
 
+def test_profiling_is_refused_while_profile_dir_is_unset(http):
+    assert_error(http.post("/start_profile", json={"num_steps": 4}), 400, None, "runtime.profile_dir")
+    assert_error(http.post("/start_profile", json={"num_steps": 0}), 400, "num_steps")
+    assert_error(http.post("/stop_profile"), 400, None, "runtime.profile_dir")
+
+
 def test_abort_request(http):
     body = {"text": "abort me", "rid": "to-abort", "stream": True,
             "sampling_params": {"max_new_tokens": LONG, **GREEDY}}

@@ -16,15 +16,16 @@ import torch
 from rxf.core.ipc import codec
 from rxf.core.ipc.messages import (
     AbortReq,
+    AdminReply,
+    AdminResult,
     BatchStrOut,
     BatchTokenOut,
     FinishReason,
-    FlushCacheReply,
     FlushCacheReq,
-    FlushCacheResult,
     GetStatsReq,
     MultimodalItem,
     PreparedRequest,
+    ProfileReq,
     RankBroadcast,
     RequestOptions,
     SchedulerStats,
@@ -56,13 +57,14 @@ SENT = {
         AbortReq("r-1"),
         FlushCacheReq(7),
         GetStatsReq(8),
+        ProfileReq(9, True, "20261203-080000-abc123", 40, True),
     ],
     ToDetokenizer: [BatchTokenOut([TOKEN, TokenOut("r-2", [], None, 1, 0, 0)])],
     ToTokenizer: [
         BatchStrOut([StrOut(TOKEN, "héllo 🌍")]),
         StatsSnapshot(1, STATS),
         StatsReply(8, STATS),
-        FlushCacheReply(7, FlushCacheResult(False, "requests are running")),
+        AdminReply(7, AdminResult(False, "requests are running")),
     ],
 }
 

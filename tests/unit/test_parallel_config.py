@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from rxf.core.config import ConfigError, load_config
-from rxf.core.frontend.dp_router import DpRouter, combine_flush, combine_stats
+from rxf.core.frontend.dp_router import DpRouter, combine_results, combine_stats
 from rxf.core.ipc.addresses import replica_addrs
-from rxf.core.ipc.messages import FlushCacheResult, SchedulerStats
+from rxf.core.ipc.messages import AdminResult, SchedulerStats
 from rxf.core.launch.processes import rank_placements
 
 
@@ -72,7 +72,7 @@ def test_combine_replies():
     assert (total.num_running, total.total_slots, total.free_slots) == (3, 200, 100)
     assert total.cache_hit_rate == 10 / 40 and total.extra["prompt_tokens"] == 40
     assert [r["num_running"] for r in total.extra["replicas"]] == [1, 2]
-    bad = combine_flush([FlushCacheResult(True, "cache flushed"), FlushCacheResult(False, "busy")])
+    bad = combine_results([AdminResult(True, "cache flushed"), AdminResult(False, "busy")])
     assert not bad.ok and bad.message == "replica 1: busy"
     assert replica_addrs({"scheduler": "a", "scheduler_dp1": "b", "tokenizer": "t"}) == ["a", "b"]
 

@@ -13,9 +13,9 @@ import zmq.asyncio
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.ipc import codec
 from rxf.core.ipc.messages import (
-    FlushCacheReply,
+    AdminReply,
+    AdminResult,
     FlushCacheReq,
-    FlushCacheResult,
     GetStatsReq,
     SchedulerStats,
     StatsReply,
@@ -70,11 +70,11 @@ def test_replies_are_matched_by_id_in_any_order(tmp_path: Path) -> None:
         (flush_req,) = [m for m in asked if isinstance(m, FlushCacheReq)]
         assert stats_req.req_id != flush_req.req_id
         # Answered last-asked first, with a stray reply to an id nobody asked for in between.
-        await sched.reply(FlushCacheReply(flush_req.req_id, FlushCacheResult(False, "busy")))
+        await sched.reply(AdminReply(flush_req.req_id, AdminResult(False, "busy")))
         await sched.reply(StatsReply(10_000, _stats(99)))
         await sched.reply(StatsReply(stats_req.req_id, _stats(3)))
         assert (await asyncio.wait_for(stats, 10)).num_running == 3
-        assert await asyncio.wait_for(flush, 10) == FlushCacheResult(False, "busy")
+        assert await asyncio.wait_for(flush, 10) == AdminResult(False, "busy")
         assert tm._admin_waiters == {}
 
     _run(tmp_path, script)

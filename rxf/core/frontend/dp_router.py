@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import asdict, fields
 from typing import Any
 
-from rxf.core.ipc.messages import FlushCacheResult, SchedulerStats
+from rxf.core.ipc.messages import AdminResult, SchedulerStats
 
 
 class DpRouter:
@@ -83,11 +83,11 @@ class DpRouter:
             blocks.clear()
 
 
-def combine_flush(results: list[FlushCacheResult]) -> FlushCacheResult:
+def combine_results(results: list[AdminResult]) -> AdminResult:
     if len(results) == 1:
         return results[0]
     failed = [f"replica {d}: {r.message}" for d, r in enumerate(results) if not r.ok]
-    return FlushCacheResult(not failed, "; ".join(failed) if failed else results[0].message)
+    return AdminResult(not failed, "; ".join(failed) if failed else results[0].message)
 
 
 def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:

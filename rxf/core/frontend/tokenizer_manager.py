@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from rxf.core.echo import echo
-from rxf.core.frontend.dp_router import DpRouter, combine_flush, combine_stats
+from rxf.core.frontend.dp_router import DpRouter, combine_results, combine_stats
 from rxf.core.frontend.outputs import GenerateOutput, Logprobs
 from rxf.core.frontend.request_preparer import RequestPreparer
 from rxf.core.frontend.requests import (
@@ -44,12 +45,13 @@ from rxf.core.ipc import codec
 from rxf.core.ipc.addresses import replica_addrs
 from rxf.core.ipc.messages import (
     AbortReq,
+    AdminReply,
+    AdminResult,
     BatchStrOut,
-    FlushCacheReply,
     FlushCacheReq,
-    FlushCacheResult,
     GetStatsReq,
     PreparedRequest,
+    ProfileReq,
     SchedulerStats,
     StatsReply,
     StatsSnapshot,
@@ -261,12 +263,23 @@ class TokenizerManager:
                 await _send(sock, AbortReq(rid))
 
     # ---- admin ----
-    async def flush_cache(self) -> FlushCacheResult:
-        replies: list[FlushCacheReply] = await self._admin(FlushCacheReq)
-        result = combine_flush([r.result for r in replies])
+    async def flush_cache(self) -> AdminResult:
+        replies: list[AdminReply] = await self._admin(FlushCacheReq)
+        result = combine_results([r.result for r in replies])
         if result.ok:
             self.router.forget_cache()
         return result
+
+    async def start_profile(self, num_steps: int | None = None, kernels: bool = False) -> AdminResult:
+        """Profile every rank's steps (`rxf/core/runner/step_profiler.py`) until `stop_profile`, or for
+        `num_steps` steps; the result's message is the profile's folder, or why it was refused."""
+        name = time.strftime("%Y%m%d-%H%M%S-", time.gmtime()) + uuid.uuid4().hex[:6]
+        replies: list[AdminReply] = await self._admin(lambda i: ProfileReq(i, True, name, num_steps, kernels))
+        return combine_results([r.result for r in replies])
+
+    async def stop_profile(self) -> AdminResult:
+        replies: list[AdminReply] = await self._admin(lambda i: ProfileReq(i, False))
+        return combine_results([r.result for r in replies])
 
     async def get_stats(self) -> SchedulerStats:
         """Exact figures: asked of every replica, answered between two of its steps (a step of a
@@ -321,7 +334,7 @@ class TokenizerManager:
                         state.put(out)
             elif isinstance(msg, StatsSnapshot):
                 self._snapshots[msg.dp_rank] = (msg.stats, time.monotonic())
-            else:  # StatsReply, FlushCacheReply
+            else:  # StatsReply, AdminReply
                 fut = self._admin_waiters.get(msg.req_id)
                 if fut is not None and not fut.done():  # else: its caller gave up
                     fut.set_result(msg)

@@ -84,9 +84,22 @@ class AbortReq(msgspec.Struct, tag=True, array_like=True):
 
 
 class FlushCacheReq(msgspec.Struct, tag=True, array_like=True):
-    """Empty the prefix cache (answered with a `FlushCacheReply` of the same `req_id`)."""
+    """Empty the prefix cache (answered with an `AdminReply` of the same `req_id`)."""
 
     req_id: int
+
+
+class ProfileReq(msgspec.Struct, tag=True, array_like=True):
+    """Start (`start`) or stop a step profile (`rxf/core/runner/step_profiler.py`; answered with an
+    `AdminReply` of the same `req_id`). A start names the profile's folder under
+    `runtime.profile_dir`, the steps after which it stops itself (None: until stopped) and whether
+    torch.profiler traces the kernels."""
+
+    req_id: int
+    start: bool
+    name: str = ""
+    num_steps: int | None = None
+    kernels: bool = False
 
 
 class GetStatsReq(msgspec.Struct, tag=True, array_like=True):
@@ -126,14 +139,16 @@ STATS_INTERVAL_S = 0.1
 
 
 @dataclass
-class FlushCacheResult:
+class AdminResult:
+    """The outcome of an admin request that changes the engine (a flush, a profile)."""
+
     ok: bool
     message: str = ""
 
 
-class FlushCacheReply(msgspec.Struct, tag=True, array_like=True):
+class AdminReply(msgspec.Struct, tag=True, array_like=True):
     req_id: int
-    result: FlushCacheResult
+    result: AdminResult
 
 
 # The message of an abort that was asked for (the client left, /abort_request, a shutdown's drain), as
@@ -218,6 +233,6 @@ class RankBroadcast(msgspec.Struct, tag=True, array_like=True):
 
 
 # What each kind of socket receives (the codec decodes into exactly these).
-ToScheduler = PreparedRequest | AbortReq | FlushCacheReq | GetStatsReq
+ToScheduler = PreparedRequest | AbortReq | FlushCacheReq | GetStatsReq | ProfileReq
 ToDetokenizer = BatchTokenOut
-ToTokenizer = BatchStrOut | StatsSnapshot | StatsReply | FlushCacheReply
+ToTokenizer = BatchStrOut | StatsSnapshot | StatsReply | AdminReply

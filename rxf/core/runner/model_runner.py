@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -445,6 +446,13 @@ class ModelRunner:
 
     def resolve(self, handle: StepHandle) -> StepResult:
         return self._steps.resolve(handle)
+
+    def start_profile(self, out_dir: Path, num_steps: int | None, kernels: bool) -> None:
+        """Profile the steps from the next launch on (`rxf/core/runner/step_profiler.py`)."""
+        self._steps.start_profile(out_dir, num_steps, kernels)
+
+    def stop_profile(self) -> Path:
+        return self._steps.stop_profile()
 
     # ---- forward ----
     def _validate(self, inp: ModelInput) -> None:

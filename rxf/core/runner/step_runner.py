@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +37,7 @@ from rxf.core.runner.sampling import (
     unpack_logprobs,
 )
 from rxf.core.runner.step_io import StepBatch, StepResult
+from rxf.core.runner.step_profiler import StepProfiler
 
 if TYPE_CHECKING:
     from rxf.core.runner.model_runner import ModelInput, ModelRunner
@@ -83,6 +85,20 @@ class StepExecutor:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rxf-step") if background else None
         self._last_ids: torch.Tensor | None = None  # the previous launch's sampled ids, on the device
         self.faults = FaultInjector.from_env()  # test-only; None unless RXF_FAULT_INJECT is set
+        self.profiler: StepProfiler | None = None
+
+    # ---- profiling ----
+    def start_profile(self, out_dir: Path, num_steps: int | None, kernels: bool) -> None:
+        if self.profiler is not None:
+            raise ValueError(f"a profile is already running (into {self.profiler.out_dir})")
+        self.profiler = StepProfiler.start(out_dir, num_steps, kernels, self.device)
+
+    def stop_profile(self) -> Path:
+        """Write the running profile; its folder. A step still in flight is left out of it."""
+        if self.profiler is None:
+            raise ValueError("no profile is running (one started with num_steps stops by itself)")
+        profiler, self.profiler = self.profiler, None
+        return profiler.finish()
 
     # ---- launch ----
     def launch(self, batch: StepBatch) -> StepHandle:
@@ -91,6 +107,15 @@ class StepExecutor:
         return StepHandle(batch, done=self._run(batch))
 
     def _run(self, batch: StepBatch) -> _Done:
+        profiler = self.profiler
+        if profiler is None or profiler.done:
+            return self._forward_and_sample(batch)
+        begun = profiler.begin()
+        done = self._forward_and_sample(batch)
+        profiler.end(batch, begun)
+        return done
+
+    def _forward_and_sample(self, batch: StepBatch) -> _Done:
         layout = _Layout()
         try:
             if self.faults is not None:
@@ -291,6 +316,8 @@ class StepExecutor:
     def resolve(self, handle: StepHandle) -> StepResult:
         done = handle.future.result() if handle.future is not None else handle.done
         assert done is not None
+        if self.profiler is not None and self.profiler.done:  # it had its steps: write it
+            self.stop_profile()
         if done.error is not None:
             return StepResult(error=done.error)
         if done.event is not None:

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -28,12 +29,13 @@ from rxf.core.ipc import codec
 from rxf.core.ipc.messages import (
     STATS_INTERVAL_S,
     AbortReq,
+    AdminReply,
+    AdminResult,
     BatchTokenOut,
-    FlushCacheReply,
     FlushCacheReq,
-    FlushCacheResult,
     GetStatsReq,
     PreparedRequest,
+    ProfileReq,
     RankBroadcast,
     StatsReply,
     StatsSnapshot,
@@ -118,7 +120,7 @@ def run_scheduler_process(
             "pooling": runner.pooling.to_info() if runner.pooling is not None else None,
         }
     )
-    _loop(scheduler, sockets)
+    _loop(scheduler, sockets, "dp0-tp0" if placement is None else f"dp{placement.dp_rank}-tp{placement.rank}")
 
 
 class _Sockets:
@@ -176,7 +178,7 @@ def _share(frames: list[memoryview] | None) -> list[memoryview] | None:
     return None if shared.stop else shared.frames
 
 
-def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
+def _loop(scheduler: Any, sockets: _Sockets | None, rank_name: str) -> None:
     """The step loop of every rank; `sockets` only on rank 0, whose messages every rank applies."""
     parent = os.getppid()
     heap = IdleHeapTrimmer()
@@ -195,7 +197,7 @@ def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
         frames = _share(frames)
         if frames is None:
             return
-        outs = _apply(scheduler, frames, sockets)
+        outs = _apply(scheduler, frames, sockets, rank_name)
         stepped = scheduler.has_work
         if stepped:
             outs += scheduler.step()
@@ -209,7 +211,7 @@ def _loop(scheduler: Any, sockets: _Sockets | None) -> None:
                 sockets.to_detok.send(codec.encode(BatchTokenOut(outs)), copy=False)
 
 
-def _apply(scheduler: Any, frames: list[memoryview], sockets: _Sockets | None) -> list[Any]:
+def _apply(scheduler: Any, frames: list[memoryview], sockets: _Sockets | None, rank_name: str) -> list[Any]:
     """Decode and apply the received messages in order; admin replies go out from rank 0 only.
     Every rank decodes the same bytes, so a message none can decode is dropped by all of them."""
     outs = []
@@ -227,7 +229,28 @@ def _apply(scheduler: Any, frames: list[memoryview], sockets: _Sockets | None) -
             ok, text = scheduler.flush_cache()
             if sockets is not None:  # the snapshot first: a caller of the flush then reads its effect
                 sockets.publish_stats(scheduler, force=True)
-                sockets.send_tm(FlushCacheReply(msg.req_id, FlushCacheResult(ok, text)))
+                sockets.send_tm(AdminReply(msg.req_id, AdminResult(ok, text)))
         elif isinstance(msg, GetStatsReq) and sockets is not None:
             sockets.send_tm(StatsReply(msg.req_id, scheduler.stats()))
+        elif isinstance(msg, ProfileReq):
+            result = _profile(scheduler, msg, rank_name)
+            if sockets is not None:
+                sockets.send_tm(AdminReply(msg.req_id, result))
     return outs
+
+
+def _profile(scheduler: Any, msg: ProfileReq, rank_name: str) -> AdminResult:
+    """Start or stop this rank's step profile; the result's message is the profile's folder (every
+    rank writes a subfolder of its own there) or why it was refused."""
+    root = scheduler.config.runtime.profile_dir
+    if root is None:
+        return AdminResult(False, "profiling is off: set runtime.profile_dir to the folder for profiles")
+    try:
+        if msg.start:
+            folder = Path(root) / msg.name
+            scheduler.runner.start_profile(folder / rank_name, msg.num_steps, msg.kernels)
+        else:
+            folder = scheduler.runner.stop_profile().parent
+    except (ValueError, OSError) as exc:
+        return AdminResult(False, str(exc))
+    return AdminResult(True, str(folder))
