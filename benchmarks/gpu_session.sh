@@ -81,7 +81,8 @@ elif [ "$stage" = ab ]; then
   # "ab [PRESET]": batch-1 decode (gpu_decode.py's decode1 phase) on one checkpoint, once per
   # programmatic-dependent-launch setting (RXF_PDL 0 / 1) and RXF_GEMV value: RXF_GEMV_A (default the
   # environment's) and the sweep's all-Triton value (the gemv phase runs first); separate processes,
-  # one call. AB_GEMV_SWEEP=0 skips the sweep; RXF_GEMV_B adds a value of one's own.
+  # one call. AB_GEMV_SWEEP=0 skips the sweep; RXF_GEMV_B adds a value of one's own; AB_PDL="1" runs
+  # one PDL setting only.
   preset=${1:-llama3-8b}; dir=/tmp/rxf-ab-$preset
   python3 benchmarks/gpu_decode.py --preset "$preset" --phases bandwidth --model-dir "$dir" \
     --output "$out/ab-bandwidth.json" > "$out/ab-build.log" 2>&1 || { tail -n 20 "$out/ab-build.log"; exit 1; }
@@ -95,7 +96,7 @@ elif [ "$stage" = ab ]; then
   fi
   i=0
   for gemv in "${envs[@]}"; do
-    for pdl in 0 1; do
+    for pdl in ${AB_PDL:-0 1}; do
       RXF_PDL=$pdl RXF_GEMV=$gemv timeout 300 python3 benchmarks/gpu_decode.py --preset "$preset" --model-dir "$dir" \
         --phases decode1 --backends triton --output "$out/ab-$i-pdl$pdl.json" > "$out/ab-$i-pdl$pdl.log" 2>&1
       echo "RXF_GEMV=$gemv RXF_PDL=$pdl: rc $? $(grep '^decode1' "$out/ab-$i-pdl$pdl.log" | tail -n 1)"
@@ -103,16 +104,17 @@ elif [ "$stage" = ab ]; then
     i=$((i + 1))
   done
 elif [ "$stage" = offline-profile ]; then
-  # "offline-profile [BACKEND]": gpu_decode.py's offline phase on the Llama-3-8B shape (the checkpoint
-  # `ab` uses, built if missing) with a step profile of the timed run and two kernel windows
-  # (`--profile-dir`); the step summaries print, the whole profile comes back as profiles.tgz.
-  dir=/tmp/rxf-ab-llama3-8b; rm -rf /tmp/rxf-profiles
+  # "offline-profile [BACKEND [TAG]]": gpu_decode.py's offline phase on the Llama-3-8B shape (the
+  # checkpoint `ab` uses, built if missing) with a step profile of the timed run and two kernel
+  # windows (`--profile-dir`); the step summaries print, the whole profile comes back as
+  # profiles-TAG.tgz. TAG names a variant run in the same call (its environment set by the caller).
+  dir=/tmp/rxf-ab-llama3-8b; tag=${2:-base}; prof=/tmp/rxf-profiles-$tag; rm -rf "$prof"
   timeout "${PROFILE_LIMIT_S:-300}" python3 benchmarks/gpu_decode.py --preset llama3-8b --model-dir "$dir" \
-    --phases offline --backends "${1:-triton}" --profile-dir /tmp/rxf-profiles --output "$out/offline-profile.json" \
-    > "$out/offline-profile.log" 2>&1
-  echo "offline-profile: rc $?"; grep -v "Loading weights" "$out/offline-profile.log" | tail -n 25
-  for f in /tmp/rxf-profiles/*/dp0-tp0/summary.txt; do echo "== $f"; head -n 40 "$f"; done
-  tar czf "$out/profiles.tgz" -C /tmp rxf-profiles
+    --phases offline --backends "${1:-triton}" --profile-dir "$prof" --output "$out/offline-$tag.json" \
+    > "$out/offline-$tag.log" 2>&1
+  echo "offline-profile $tag: rc $?"; grep -v "Loading weights" "$out/offline-$tag.log" | tail -n 12
+  for f in "$prof"/*/dp0-tp0/summary.txt; do echo "== $f"; head -n 16 "$f"; done
+  tar czf "$out/profiles-$tag.tgz" -C /tmp "rxf-profiles-$tag"
 elif [ "$stage" = others ]; then
   # "others SCRIPT[:ARGS] ...": each benchmark bounded to 400 s, e.g. others gpu_moe gpu_tp:--tp=1
   for spec in "$@"; do

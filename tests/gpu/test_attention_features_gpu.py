@@ -33,14 +33,6 @@ from rxf.testing.attention import Layer, assert_bf16_close, make_case, run_backe
 BF16 = torch.bfloat16
 SINKS = "sinks"  # a feature value filled per shape: float32 [heads]
 
-@pytest.fixture(autouse=True)
-def _route_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The triton backend's mixed-batch routing is off by default (`ROUTE_DECODE_ROWS`): on here."""
-    from rxf.plugins.attention.triton import backend as triton_backend
-
-    monkeypatch.setattr(triton_backend, "ROUTE_DECODE_ROWS", True)
-
-
 
 def sinks(heads: int) -> torch.Tensor:
     """Per-head sinks from well below to well above the scores' range (they matter either way)."""

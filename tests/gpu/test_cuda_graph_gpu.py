@@ -51,14 +51,6 @@ TINY_GPU = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads":
             "intermediate_size": 1024, "num_hidden_layers": 2}
 FP32_GAP = 1e-4  # relative gap allowed in float32: rounding between incremental and full forwards
 
-@pytest.fixture(autouse=True)
-def _route_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The triton backend's mixed-batch routing is off by default (`ROUTE_DECODE_ROWS`): on here."""
-    from rxf.plugins.attention.triton import backend as triton_backend
-
-    monkeypatch.setattr(triton_backend, "ROUTE_DECODE_ROWS", True)
-
-
 
 class GraphableTorchNative(TorchNativeBackend):
     """torch_native whose decode metadata lives in static buffers spanning the whole context."""

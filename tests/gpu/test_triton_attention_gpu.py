@@ -25,14 +25,6 @@ DTYPE = torch.bfloat16
 MAX_CONTEXT = 4096
 NUM_SLOTS = 24_000
 
-@pytest.fixture(autouse=True)
-def _route_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The triton backend's mixed-batch routing is off by default (`ROUTE_DECODE_ROWS`): on here."""
-    from rxf.plugins.attention.triton import backend as triton_backend
-
-    monkeypatch.setattr(triton_backend, "ROUTE_DECODE_ROWS", True)
-
-
 
 def build(
     mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int,

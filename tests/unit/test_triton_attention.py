@@ -34,14 +34,6 @@ MAX_CONTEXT = 48
 NUM_SLOTS = 200
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
-@pytest.fixture(autouse=True)
-def _route_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mixed-batch routing is off by default (`ROUTE_DECODE_ROWS`); these tests check it on."""
-    from rxf.plugins.attention.triton import backend as triton_backend
-
-    monkeypatch.setattr(triton_backend, "ROUTE_DECODE_ROWS", True)
-
-
 
 @dataclass
 class Case:

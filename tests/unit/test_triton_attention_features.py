@@ -35,14 +35,6 @@ FEATURES = {
 ALL = pytest.mark.parametrize("features", list(FEATURES))
 SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 16, "dtype": torch.float32, "device": "cpu"}  # GQA 2
 
-@pytest.fixture(autouse=True)
-def _route_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mixed-batch routing is off by default (`ROUTE_DECODE_ROWS`); these tests check it on."""
-    from rxf.plugins.attention.triton import backend as triton_backend
-
-    monkeypatch.setattr(triton_backend, "ROUTE_DECODE_ROWS", True)
-
-
 
 def assert_same(out: torch.Tensor, ref: torch.Tensor, k: torch.Tensor, ref_k: torch.Tensor) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -40,7 +40,6 @@ merge would cost more than it saves.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,11 +50,6 @@ from rxf.core.attention import ATTENTION_FEATURES, AttentionBackend, AttentionCo
 if TYPE_CHECKING:
     from rxf.core.forward import ForwardBatch
 
-
-# A mixed EXTEND's one-token rows through the decode kernel (exact; written without a GPU, so off
-# until tests/gpu/test_triton_attention_gpu.py and an offline run have checked it on one):
-# RXF_TRITON_DECODE_ROWS=1 turns it on.
-ROUTE_DECODE_ROWS = os.environ.get("RXF_TRITON_DECODE_ROWS", "0") == "1"
 
 @dataclass
 class _DecodeMeta:
@@ -167,7 +161,7 @@ class TritonAttnBackend(AttentionBackend):
             self._decode = self._plan_decode(batch.seq_lens, batch.seq_lens_cpu)
             return
         qo_start = torch.cumsum(batch.extend_lens, 0, dtype=torch.int32) - batch.extend_lens
-        single = [i for i, n in enumerate(batch.extend_lens_cpu) if n == 1] if ROUTE_DECODE_ROWS else []
+        single = [i for i, n in enumerate(batch.extend_lens_cpu) if n == 1]
         if not single:
             self._extend = _ExtendMeta(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, qo_start,
                                        max(batch.extend_lens_cpu), None)
