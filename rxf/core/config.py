@@ -195,7 +195,7 @@ class CudaGraphConfig(_Section):
     enabled: bool = Field(True, description="capture decode forwards as CUDA graphs on GPU")
     max_bs: int = Field(
         256, gt=0, description="largest captured batch, in rows (capped at the most rows a decode forward has: "
-        "max_running_requests, or speculative.max_batch_size x (num_draft_tokens + 1))"
+        "max_running_requests, or when speculating speculative.max_batch_size x (num_draft_tokens + 1))"
     )
     batch_sizes: list[int] | None = Field(
         None, description="captured batch sizes; default 1, 2, 4, then every 8 up to max_bs"

@@ -404,10 +404,13 @@ class ModelRunner:
         if not self.attn_backend.supports_cuda_graph:
             logger.info("CUDA graphs off: backend %s cannot be captured", type(self.attn_backend).__name__)
             return None
-        # The most rows a decode forward has: every running request, or a short extend's tokens (a
-        # verify: each speculating request's newest token and drafts; `_short_extend_rows`).
+        # The most rows a decode forward has: every running request, or, when speculating, a short
+        # extend's tokens (a verify: each speculating request's newest token and drafts;
+        # `_short_extend_rows`).
         spec = self.config.speculative
-        rows = max(self.config.scheduler.max_running_requests, spec.max_batch_size * (spec.num_draft_tokens + 1))
+        rows = self.config.scheduler.max_running_requests
+        if spec.method != "none":
+            rows = max(rows, spec.max_batch_size * (spec.num_draft_tokens + 1))
         sizes = capture_sizes(cfg, rows)
         # With tensor parallelism every rank must capture (and replay) the same sizes, since the
         # captured forwards meet in collectives; a time budget could cut them at different sizes.
