@@ -43,6 +43,24 @@ def _idle_health_s(server) -> float:
     return idle.max_latency_s()
 
 
+def _stall_within_bound(server, body: str, request_type: type, send, attempts: int = 3) -> list[str]:
+    """Post `body` (through `send`) while /health is probed, up to `attempts` times, until /health's
+    slowest answer is within the bound; returns one line per attempt, the passing one last, or
+    fails. The event loop's own hold on a body shows in every attempt; one on which the 2-core
+    machine did not schedule the server's process for a while (a full test session runs beside it)
+    does not, so a stall is the server's only if it repeats."""
+    seen = []
+    for _ in range(attempts):
+        bound = _stall_bound_s(server, body, request_type)
+        with HealthProbe(server.url) as probe:
+            send()
+        seen.append(f"/health max {probe.max_latency_s() * 1000:.1f} ms over {len(probe.probes)} probes "
+                    f"(bound {bound * 1000:.1f} ms)")
+        if probe.max_latency_s() < bound:
+            return seen
+    pytest.fail("/health waited past the bound in every attempt: " + "; ".join(seen))
+
+
 def _stall_bound_s(server, body: str, request_type: type) -> float:
     """How long /health may wait behind `body`: the event loop must decode and validate it (the
     rest is off the loop), so the bound is 100 ms or three times what that takes here and now,
@@ -57,15 +75,16 @@ def test_health_stays_fast_during_a_million_id_detokenize(server, http, model, t
     # Encoded before the probe starts: encoding 3 MB of JSON holds this process's GIL, which the
     # probe's thread needs to send and time its requests (that stall would be the client's own).
     body = json.dumps({"model": model, "tokens": [7] * 1_000_000})
-    bound = _stall_bound_s(server, body, DetokenizeRequest)
-    with HealthProbe(server.url) as probe:
+    answers = []
+
+    def send() -> None:
         r = http.post("/v1/detokenize", content=body, headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
-    assert "context length" in r.json()["error"]["message"]
-    print(f"\n1M-id detokenize: answered in {r.elapsed.total_seconds() * 1000:.0f} ms; "
-          f"/health max {probe.max_latency_s() * 1000:.1f} ms over {len(probe.probes)} probes "
-          f"(bound {bound * 1000:.1f} ms)")
-    assert probe.max_latency_s() < bound
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+        assert "context length" in r.json()["error"]["message"]
+        answers.append(r.elapsed.total_seconds())
+
+    seen = _stall_within_bound(server, body, DetokenizeRequest, send)
+    print(f"\n1M-id detokenize: answered in {answers[-1] * 1000:.0f} ms; " + "; ".join(seen))
     ids = [3 + i % 500 for i in range(3000)]  # within the context: decoded as the tokenizer decodes
     r = http.post("/v1/detokenize", json={"model": model, "tokens": ids})
     assert r.status_code == 200 and r.json()["prompt"] == tokenizer.decode(ids)
@@ -76,16 +95,17 @@ def test_health_stays_fast_during_a_10k_message_chat(server, http, model):
     chat_body = json.dumps({"model": model, "messages": messages, "max_tokens": 1})  # (encoded first: see above)
     tokenize_body = json.dumps({"model": model, "messages": messages})
     headers = {"Content-Type": "application/json"}
-    bound = _stall_bound_s(server, chat_body, ChatCompletionRequest)
-    with HealthProbe(server.url) as probe:
+    answers = []
+
+    def send() -> None:
         chat = http.post("/v1/chat/completions", content=chat_body, headers=headers)
         tokenized = http.post("/v1/tokenize", content=tokenize_body, headers=headers)
-    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
-    assert tokenized.status_code == 200 and tokenized.json()["count"] > 16384
-    print(f"\n10k-message chat and tokenize: {chat.elapsed.total_seconds():.2f} s, "
-          f"{tokenized.elapsed.total_seconds():.2f} s; /health max {probe.max_latency_s() * 1000:.1f} ms "
-          f"over {len(probe.probes)} probes (bound {bound * 1000:.1f} ms)")
-    assert probe.max_latency_s() < bound
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+        assert tokenized.status_code == 200 and tokenized.json()["count"] > 16384
+        answers.append((chat.elapsed.total_seconds(), tokenized.elapsed.total_seconds()))
+
+    seen = _stall_within_bound(server, chat_body, ChatCompletionRequest, send)
+    print(f"\n10k-message chat and tokenize: {answers[-1][0]:.2f} s, {answers[-1][1]:.2f} s; " + "; ".join(seen))
 
 
 def test_monitoring_answers_at_once_during_a_long_prefill(server, http):
