@@ -9,9 +9,12 @@ them is descheduled while its partner spins, and a forward of hundreds of region
 16-29% of one thread's rate). One thread has no team to wait for (benchmarks/RESULTS.md, issue 22).
 
 What the others use is sampled at most every `SAMPLE_S`: the machine's busy time (`/proc/stat`:
-everything but idle and iowait, steal included) less this process's own CPU time, over the wall
-time since the last sample. The tokenizer, detokenizer and HTTP server count as others: when they
-are busy they need the core too. Without `/proc/stat` the count stays at the fewer threads.
+everything but idle and iowait, steal included) less this process's own CPU time and its family's
+(`process_family`: the HTTP server and tokenizer, the detokenizer), over the wall time since the
+last sample. The family's work comes in short bursts that are part of serving (a burst of requests
+is tokenized just before their prefill); counted as a load, it sent the prefills of a served burst
+to one thread, 2x slower. A forward starts at all cores (no history says otherwise); without
+`/proc/stat` the count stays at the fewer threads.
 
 torch's thread count is the process's, not a thread's, and torch.compile guards on it: a graph
 compiled at one count serves forwards at that count only. So a thread of this process that
@@ -31,6 +34,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+
+from rxf.core.runner.process_family import ProcessFamily
 
 logger = logging.getLogger(__name__)
 
@@ -110,23 +115,28 @@ def machine_busy_s() -> float | None:
 
 
 class CpuThreads:
-    """Sets torch's thread count to `most` or `most - 1` before each forward (`before_forward`)."""
+    """Sets torch's thread count to `most` or `most - 1` before each forward (`before_forward`).
+    `family`: the engine's other processes, whose CPU time is not another program's load."""
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, family: ProcessFamily | None = None) -> None:
         self.most = max(1, most)
         self.fewer = max(1, self.most - 1)
-        self.threads = self.fewer
-        torch.set_num_threads(self.threads)
+        self.family = family
         self._last = self._sample()
+        self.threads = self.most if self._last is not None else self.fewer
+        torch.set_num_threads(self.threads)
         self.others_cores = 0.0  # the others' use over the last window, in cores
         self._quiet_since: float | None = None  # start of the current run of quiet windows
         self._quiet_s = QUIET_S  # how long a run of quiet windows must last to take the thread back
         self._raised_at = float("-inf")  # when the count last went up to `most`
 
-    @staticmethod
-    def _sample() -> tuple[float, float, float] | None:
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(wall time, the machine's busy CPU seconds, the part of them this engine's processes used)."""
         busy = machine_busy_s()
-        return None if busy is None else (time.monotonic(), busy, time.process_time())
+        if busy is None:
+            return None
+        own = time.process_time() + (self.family.cpu_s() if self.family is not None else 0.0)
+        return time.monotonic(), busy, own
 
     @property
     def counts(self) -> tuple[int, ...]:
