@@ -1,8 +1,8 @@
 """The CPU attention backend: decode reads the paged pool in place, extend is batched across requests.
 
-- DECODE: one `torch.compile`d kernel per layer for the whole batch (`cpu_decode.py`): K/V are read
-  from the pool by slot inside the generated loops, never copied out, in float32 whatever the
-  model's dtype (SDPA's CPU kernel with a mask is ~4x slower in bf16 than in fp32; this is not).
+- DECODE: one C++ op per layer for the whole batch (`cpu_decode.py`): K/V are read from the pool by
+  slot inside its loops, never copied out, in float32 whatever the model's dtype (SDPA's CPU kernel
+  with a mask is ~4x slower in bf16 than in fp32; this is not).
 - EXTEND: the requests are packed into a few padded groups (requests of similar length together, so
   padding stays under `MAX_PADDING` of the work), and each group is one SDPA call (the CPU flash
   kernel) over K/V gathered from the pool once per group and layer: with SDPA's causal flag where no
@@ -11,9 +11,9 @@
   sinks use torch_native's `explicit_attention` over the same padded group.
 
 Every feature torch_native has (GQA, sliding windows, soft-caps, sinks, an FP8 pool dequantized
-with the layer's scales as `rxf.core.kv_pool` defines) runs in both modes. The
-decode kernels compile in a background thread (`COMPILE_ENV`); until they are ready, and for good
-without a working C++ compiler (Inductor's requirement, with a warning), decode is torch_native's.
+with the layer's scales as `rxf.core.kv_pool` defines) runs in both modes. The decode op is built
+once per machine (~20 s) and loaded (milliseconds) in a background thread (`COMPILE_ENV`); until it
+is ready, and for good without a working C++ compiler (with a warning), decode is torch_native's.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
 from rxf.core.runner.cpu_threads import start_background_compile
-from rxf.plugins.attention.cpu_decode import decode_attention, paged_decode_attention, warm_up
+from rxf.plugins.attention.cpu_decode import decode_attention_op
 from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
 
 if TYPE_CHECKING:
@@ -39,10 +39,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# When the decode kernels compile: "background" (default: start-up does not wait; decode runs
-# torch_native's until they are ready: 5-7 s of one core on the 2-core VM with Inductor's disk cache
-# warm, dynamo's tracing most of it; more the first time on a machine) or
-# "startup" (the backend's constructor waits: what benchmarks and tests want).
+# When the decode op is built or loaded: "background" (default: start-up does not wait; decode runs
+# torch_native's until it is ready: milliseconds once built, ~20 s of one core the first time on a
+# machine) or "startup" (the backend's constructor waits: what benchmarks and tests want).
 COMPILE_ENV = "RXF_CPU_ATTENTION_COMPILE"
 
 # A group's padded work (requests x longest new tokens x longest sequence) may exceed the sum of its
@@ -114,8 +113,8 @@ class CpuBackend(TorchNativeBackend):
         with torch.inference_mode():
             self._no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)  # float32 [heads]: no sink
             self._unit_scale = torch.ones((), dtype=torch.float32, device=ctx.device)  # a model-dtype pool's scale
-        # Until the compiled kernels are ready decode runs torch_native's: the same results up to
-        # rounding (in bf16 its SDPA rounds the softmax weights to bf16, the kernel keeps float32).
+        # Until the op is ready decode runs torch_native's: the same results up to rounding (in bf16
+        # its SDPA rounds the softmax weights to bf16, the op keeps float32).
         self._decode: Callable[..., torch.Tensor] | None = None
         self._step_decode = self._decode
         self.compiled = threading.Event()  # set once compiling is over, done or failed
@@ -133,12 +132,11 @@ class CpuBackend(TorchNativeBackend):
     def _compile(self) -> None:
         start = time.perf_counter()
         try:
-            warm_up(self.ctx)
-        except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
-            logger.warning("cpu attention: no compiled decode (%s: %s); decode stays torch_native's", type(e).__name__, e)
+            self._decode = decode_attention_op()
+        except Exception as e:  # e.g. no C++ compiler
+            logger.warning("cpu attention: no decode op (%s: %s); decode stays torch_native's", type(e).__name__, e)
         else:
-            self._decode = decode_attention
-            logger.info("cpu attention: decode kernels compiled in %.1f s", time.perf_counter() - start)
+            logger.info("cpu attention: decode op ready in %.1f s", time.perf_counter() - start)
         finally:
             self.compiled.set()
 
@@ -205,9 +203,7 @@ class CpuBackend(TorchNativeBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        # Traced into a compiled forward, the kernel's function is inlined (its own compiled wrapper
-        # takes a lock, which dynamo cannot trace).
-        attend = paged_decode_attention if torch.compiler.is_compiling() else self._step_decode
+        attend = self._step_decode
         if attend is None:
             return super().forward_decode(q, k, v, layer, batch)
         self._store_kv(layer, batch, k, v)
