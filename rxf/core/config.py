@@ -172,7 +172,7 @@ class RuntimeConfig(_Section):
         None,
         gt=0,
         description="torch threads in the scheduler process (unset, on the CPU: every core while other processes "
-        "leave them idle, one fewer while they use a quarter core or more; chosen before each forward)",
+        "leave them idle, one fewer while they use about half a core or more, the engine's own processes aside; chosen before each forward)",
     )
     cpu_compile: Literal["background", "startup", "off"] = Field(
         "off",

@@ -59,13 +59,13 @@ def test_threads_follow_what_the_other_processes_use(monkeypatch: pytest.MonkeyP
     assert t.before_forward() == 2
     m.run(0.2, own_cores=2, other_cores=0.6)  # e.g. a busy loop: it gets 0.6 core beside two threads
     assert t.before_forward() == 1 and t.others_cores == pytest.approx(0.6)
-    m.run(0.3, own_cores=1, other_cores=0.15)  # between the bounds: stays
+    m.run(0.3, own_cores=1, other_cores=0.3)  # between the bounds: stays
     assert t.before_forward() == 1
     # The load came back within FLAP_S of the thread's return: the next return waits twice as long.
     assert quiet_for(m, t, 3.0) == 1
     assert quiet_for(m, t, 1.25) == 2
     assert m.set_to == [2, 1, 2, 1, 2]  # set only when the count changes
-    m.run(cpu_threads.FLAP_S, own_cores=2, other_cores=0.15)  # a long while at two threads, then a load
+    m.run(cpu_threads.FLAP_S, own_cores=2, other_cores=0.3)  # a long while at two threads, then a load
     assert t.before_forward() == 2
     m.run(0.25, own_cores=2, other_cores=0.6)
     assert t.before_forward() == 1

@@ -1,7 +1,7 @@
 """The scheduler's torch thread count on the CPU, chosen before each forward from what the rest of
 the machine uses (`runtime.cpu_threads` unset).
 
-All cores while the other processes leave them idle; one fewer once they take part of a core. Two
+All cores while the other processes leave them idle; one fewer once they take half a core. Two
 threads on two cores are 1.3-2x faster than one on a quiet machine (decode 1.3-1.5x, prefill 2x),
 but libgomp's threads spin at the end of each parallel region: beside another busy process one of
 them is descheduled while its partner spins, and a forward of hundreds of regions collapses
@@ -43,9 +43,13 @@ SAMPLE_S = 0.2  # shortest window between two samples of the machine's use
 # Cores the others may use before a forward gives up a thread (at once: one busy window), and the
 # use below which the thread is taken back, once it has stayed that low for `QUIET_S`. The costs are
 # uneven, so the way back is slow: a window of two threads beside a busy process costs several
-# times what a window of one thread on an idle core forgoes.
-BUSY_CORES = 0.25
-IDLE_CORES = 0.1
+# times what a window of one thread on an idle core forgoes. Beside a process busy a fixed share of
+# every 20 ms, two threads still beat one up to half a core (demo model, bf16, 2-core VM: prefill of
+# 4 x 128 tokens 543 vs 743 ms at a quarter, 570 vs 765 at a half; decode of 16 even at a half) and
+# lose only beside a whole one (1077 vs 730 ms; decode 105 vs 251 tok/s): a bench client on the same
+# machine streaming 16 answers uses about a fifth.
+BUSY_CORES = 0.45
+IDLE_CORES = 0.2
 QUIET_S = 2.0
 # A load that returns within `FLAP_S` of taking the thread back doubles the quiet time asked next
 # (up to `MAX_QUIET_S`): a bursty neighbour keeps the fewer threads instead of meeting two threads
