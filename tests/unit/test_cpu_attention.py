@@ -32,6 +32,8 @@ BATCHES = {
     # request 0: a cached prefix past the window; 1: new tokens across the window edge; 2: no prefix
     "extend over prefixes": ([40, 3, 0], [5, 20, 11]),
     "mixed lengths": ([0, 0, 0, 12], [1, 60, 7, 2]),  # several padded groups, one single-token extend
+    # a MIXED forward: decode rows (one new token over a prefix, the decode op's) beside a prompt chunk
+    "decode rows and a chunk": ([30, 0, 17, 9], [1, 9, 1, 4]),
     "decode": ([1, 7, 30, 45], [1, 1, 1, 1]),
     "decode batch 1": ([9], [1]),
 }
@@ -52,7 +54,7 @@ def test_matches_torch_native_fp32(features: str, batch: str) -> None:
     assert torch.equal(k, ref_k), "the pools must hold the same K after the forward"
 
 
-@pytest.mark.parametrize("batch", ["extend over prefixes", "decode"])
+@pytest.mark.parametrize("batch", ["extend over prefixes", "decode rows and a chunk", "decode"])
 @pytest.mark.parametrize("features", ["plain", "all"])
 def test_matches_torch_native_bf16(features: str, batch: str) -> None:
     out, ref, k, ref_k = compare_backends(CpuBackend, *BATCHES[batch], **SHAPE, dtype=torch.bfloat16, **FEATURES[features])
@@ -60,7 +62,7 @@ def test_matches_torch_native_bf16(features: str, batch: str) -> None:
     assert torch.equal(k, ref_k)
 
 
-@pytest.mark.parametrize("batch", ["extend over prefixes", "decode"])
+@pytest.mark.parametrize("batch", ["extend over prefixes", "decode rows and a chunk", "decode"])
 def test_fp8_pool_matches_torch_native(batch: str) -> None:
     """An FP8 pool with non-unit scales: both backends quantize on store and dequantize on read."""
     out, ref, k, ref_k = compare_backends(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from rxf.entrypoints.demo_model import cache_dir
+from rxf.core.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 

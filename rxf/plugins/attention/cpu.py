@@ -7,8 +7,9 @@
   padding stays under `MAX_PADDING` of the work), and each group is one SDPA call (the CPU flash
   kernel) over K/V gathered from the pool once per group and layer: with SDPA's causal flag where no
   member has a cached prefix, else with one mask per group that holds causality, each request's
-  length and the layer's sliding window. Layers with a soft-cap or
-  sinks use torch_native's `explicit_attention` over the same padded group.
+  length and the layer's sliding window. Layers with a soft-cap or sinks use torch_native's
+  `explicit_attention` over the same padded group. Requests of one new token (a MIXED forward's
+  decode rows) go to the decode op instead.
 
 Every feature torch_native has (GQA, sliding windows, soft-caps, sinks, an FP8 pool dequantized
 with the layer's scales as `rxf.core.kv_pool` defines) runs in both modes. The decode op is built
@@ -96,6 +97,16 @@ class _Group:
         return self.masks[window]
 
 
+@dataclass
+class _Rows:
+    """An extend's requests of one new token, attended by the decode op."""
+
+    q_rows: torch.Tensor  # [n] int64: their rows in q (and in the output)
+    slots: torch.Tensor  # [n, max_len] int64: their keys' slots
+    seq_lens: torch.Tensor  # [n] int32
+    from_first: torch.Tensor  # [n] int32 zeros: the first visible key without a window
+
+
 class CpuBackend(TorchNativeBackend):
     auto_priority = 5  # above torch_native (0) on the CPU; GPU backends rank above it on CUDA
     supports_compiled_decode = True
@@ -107,6 +118,7 @@ class CpuBackend(TorchNativeBackend):
     def __init__(self, ctx: AttentionContext) -> None:
         super().__init__(ctx)
         self._groups: list[_Group] = []
+        self._rows: _Rows | None = None
         self._from_first = torch.empty(0, dtype=torch.int32)  # decode: [bs] zeros, first visible key without a window
         # Made once, so that a decode forward creates and caches nothing (a forward compiled whole must
         # not mutate Python state), as inference tensors like the runner's (dynamo guards on the kind).
@@ -142,19 +154,33 @@ class CpuBackend(TorchNativeBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         super().init_forward_metadata(batch)  # the [bs, max_len] slot table; torch_native's decode state
-        self._groups = [] if batch.mode.is_decode() else self._plan_extend(batch)
-        if batch.mode.is_decode():
-            self._from_first = torch.zeros_like(batch.seq_lens)
         self._step_decode = self._decode  # one forward's layers all take the same path
+        self._rows = None
+        if batch.mode.is_decode():
+            self._groups = []
+            self._from_first = torch.zeros_like(batch.seq_lens)
+        else:
+            self._groups = self._plan_extend(batch)
 
     def _plan_extend(self, batch: ForwardBatch) -> list[_Group]:
+        """The padded SDPA groups of the batch's requests; requests of one new token (a MIXED
+        forward's decode rows, a prompt's last token) go to the decode op instead (`self._rows`), as
+        padded groups they ran SDPA's masked kernel at one query row, ~4x slower in bf16."""
         device = batch.seq_lens.device
         starts, start = [], 0  # each request's first row in q
         for n in batch.extend_lens_cpu:
             starts.append(start)
             start += n
+        single = [i for i, n in enumerate(batch.extend_lens_cpu) if n == 1] if self._step_decode is not None else []
+        if single:
+            index = torch.tensor(single, device=device)
+            seq_lens = batch.seq_lens.index_select(0, index)
+            self._rows = _Rows(torch.tensor([starts[i] for i in single], device=device),
+                               self._slots.index_select(0, index), seq_lens, torch.zeros_like(seq_lens))
+        rest = [i for i, n in enumerate(batch.extend_lens_cpu) if n != 1 or not single]
         groups = []
-        for members in pack_groups(batch.extend_lens_cpu, batch.seq_lens_cpu):
+        for packed in pack_groups([batch.extend_lens_cpu[i] for i in rest], [batch.seq_lens_cpu[i] for i in rest]):
+            members = [rest[j] for j in packed]
             longest_new = max(batch.extend_lens_cpu[i] for i in members)
             longest_seq = max(batch.seq_lens_cpu[i] for i in members)
             col = torch.arange(longest_new)
@@ -187,6 +213,10 @@ class CpuBackend(TorchNativeBackend):
         plain = not (layer_features(layer) - {"sliding_window"})  # SDPA takes the window in its mask
         gqa = layer.num_heads != layer.num_kv_heads
         out = torch.empty_like(q)
+        if self._rows is not None:
+            rows = self._rows
+            out.index_copy_(0, rows.q_rows, self._attend_rows(q.index_select(0, rows.q_rows), layer, batch, rows.slots,
+                                                               rows.seq_lens, rows.from_first))
         for g in self._groups:
             qg = q.index_select(0, g.q_rows).view(len(g.slots), -1, *q.shape[1:]).transpose(1, 2)  # [b, H, E, D]
             kg, vg = (x.transpose(1, 2) for x in self._read_kv(layer, batch, g.slots, q.dtype))  # [b, Hkv, S, D]
@@ -203,21 +233,28 @@ class CpuBackend(TorchNativeBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        attend = self._step_decode
-        if attend is None:
+        if self._step_decode is None:
             return super().forward_decode(q, k, v, layer, batch)
         self._store_kv(layer, batch, k, v)
+        return self._attend_rows(q, layer, batch, self._slots, batch.seq_lens, self._from_first)
+
+    def _attend_rows(
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, slots: torch.Tensor, seq_lens: torch.Tensor,
+        from_first: torch.Tensor,
+    ) -> torch.Tensor:
+        """The decode op for rows of one query each: row i at position seq_lens[i] - 1 over its keys
+        `slots[i, :seq_lens[i]]` (stored already). `from_first`: zeros, the first key without a window."""
         pool = batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         # An FP8 pool holds k / k_scale and v / v_scale; a pool of the model dtype holds K/V as they are.
         k_scale, v_scale = (layer.k_scale, layer.v_scale) if pool.is_fp8 else (self._unit_scale, self._unit_scale)
         window = layer.sliding_window
-        first = self._from_first if window is None else (batch.seq_lens - window).clamp_min(0)
+        first = from_first if window is None else (seq_lens - window).clamp_min(0)
         sinks = layer.sinks
         if sinks is None:
             sinks = self._no_sinks
             if layer.num_heads != sinks.numel():  # a layer of its own head count (none of today's models)
                 sinks = torch.full((layer.num_heads,), float("-inf"), device=q.device)
-        return attend(
-            q, k_buf, v_buf, k_scale, v_scale, self._slots, batch.seq_lens, first, sinks, layer.scaling, layer.logit_cap,
+        return self._step_decode(
+            q, k_buf, v_buf, k_scale, v_scale, slots, seq_lens, first, sinks, layer.scaling, layer.logit_cap,
         )
