@@ -69,7 +69,8 @@ class SchedulerConfig(_Section):
     max_prefill_tokens: int = Field(4096, gt=0, description="bound on one EXTEND batch's new tokens")
     chunked_prefill_size: int | Literal["off"] | None = Field(
         None,
-        description="prompt tokens computed per step for a longer prompt; 'off': a prompt in one step; "
+        description="prompt tokens one step computes, all prompts together (a prompt that does not fit what is "
+        "left is cut, its next chunks follow, started prompts first); 'off': a prompt in one step; "
         "unset: 256 on the CPU, max_prefill_tokens on CUDA",
     )
     @field_validator("chunked_prefill_size")
@@ -102,7 +103,9 @@ class SchedulerConfig(_Section):
 def chunk_size(config: SchedulerConfig, device_type: str) -> int | None:
     """Prompt tokens per step for a chunked prefill (None: no chunking). The CPU default is the
     fastest setting measured on the demo model (256: a 4000-token prompt prefills 1.9x faster than in
-    one step, while 8 streams beside it wait at most 1.4 s; benchmarks/RESULTS.md)."""
+    one step, while 8 streams beside it wait at most 1.4 s; and as the step's budget, 16 prompts
+    arriving at once get their first tokens at a median 0.3 s against 0.65 s at 512 and 1.1 s at
+    1024; benchmarks/RESULTS.md)."""
     size = config.chunked_prefill_size
     if size == "off":
         return None
@@ -172,7 +175,7 @@ class RuntimeConfig(_Section):
         None,
         gt=0,
         description="torch threads in the scheduler process (unset, on the CPU: every core while other processes "
-        "leave them idle, one fewer while they use a quarter core or more; chosen before each forward)",
+        "leave them idle, one fewer while they use about half a core or more, the engine's own processes aside; chosen before each forward)",
     )
     cpu_compile: Literal["background", "startup", "off"] = Field(
         "off",

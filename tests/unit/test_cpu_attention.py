@@ -9,7 +9,6 @@ greedy tokens through the scheduler with chunked prefill and the radix cache.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,8 @@ BATCHES = {
     # request 0: a cached prefix past the window; 1: new tokens across the window edge; 2: no prefix
     "extend over prefixes": ([40, 3, 0], [5, 20, 11]),
     "mixed lengths": ([0, 0, 0, 12], [1, 60, 7, 2]),  # several padded groups, one single-token extend
+    # a MIXED forward: decode rows (one new token over a prefix, the decode op's) beside a prompt chunk
+    "decode rows and a chunk": ([30, 0, 17, 9], [1, 9, 1, 4]),
     "decode": ([1, 7, 30, 45], [1, 1, 1, 1]),
     "decode batch 1": ([9], [1]),
 }
@@ -40,8 +41,8 @@ BATCHES = {
 
 @pytest.fixture(autouse=True)
 def compile_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every backend built here (Runtime's scheduler too) waits for its compiled decode, so decode
-    runs the compiled kernel, not the torch_native fallback it uses meanwhile."""
+    """Every backend built here (Runtime's scheduler too) waits for its decode op, so decode runs
+    the op, not the torch_native fallback it uses meanwhile."""
     monkeypatch.setenv(COMPILE_ENV, "startup")
 
 
@@ -53,7 +54,7 @@ def test_matches_torch_native_fp32(features: str, batch: str) -> None:
     assert torch.equal(k, ref_k), "the pools must hold the same K after the forward"
 
 
-@pytest.mark.parametrize("batch", ["extend over prefixes", "decode"])
+@pytest.mark.parametrize("batch", ["extend over prefixes", "decode rows and a chunk", "decode"])
 @pytest.mark.parametrize("features", ["plain", "all"])
 def test_matches_torch_native_bf16(features: str, batch: str) -> None:
     out, ref, k, ref_k = compare_backends(CpuBackend, *BATCHES[batch], **SHAPE, dtype=torch.bfloat16, **FEATURES[features])
@@ -61,7 +62,7 @@ def test_matches_torch_native_bf16(features: str, batch: str) -> None:
     assert torch.equal(k, ref_k)
 
 
-@pytest.mark.parametrize("batch", ["extend over prefixes", "decode"])
+@pytest.mark.parametrize("batch", ["extend over prefixes", "decode rows and a chunk", "decode"])
 def test_fp8_pool_matches_torch_native(batch: str) -> None:
     """An FP8 pool with non-unit scales: both backends quantize on store and dequantize on read."""
     out, ref, k, ref_k = compare_backends(
@@ -84,27 +85,18 @@ def test_background_compile_takes_over_decode(monkeypatch: pytest.MonkeyPatch) -
         CpuBackend(ctx)
 
 
-def test_warm_up_compiles_what_the_runner_decodes() -> None:
-    """The runner decodes under inference mode, batches of any size, at each thread count its
-    `CpuThreads` may choose (torch.compile guards on the count): after the backend's warm-up no
-    such decode compiles a graph of its own (it would stall the first request for seconds)."""
-    from torch._dynamo.utils import counters
-
-    ctx, batch, layer, qkv = make_case([4, 9, 6], [1, 1, 1], heads=6, kv_heads=3, head_dim=16, dtype=torch.float32, device="cpu")
-    saved = torch.get_num_threads()
-    counts = (1, 2) if saved <= 2 else (saved - 1, saved)
-    backend = CpuBackend(dataclasses.replace(ctx, thread_counts=counts))
-    graphs = counters["stats"]["unique_graphs"]
-    try:
-        for threads in counts:
-            torch.set_num_threads(threads)
-            with torch.inference_mode():  # q, k, v and the batch's lengths made there, as the runner makes them
-                b = dataclasses.replace(batch, attn_backend=backend, seq_lens=batch.seq_lens.clone())
-                backend.init_forward_metadata(b)
-                backend.forward(*(x.clone() for x in qkv), layer, b)
-    finally:
-        torch.set_num_threads(saved)
-    assert counters["stats"]["unique_graphs"] == graphs
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("features", ["plain", "all"])
+def test_decode_op_at_the_head_dims_it_unrolls(head_dim: int, features: str) -> None:
+    """The op's compile-time head dims (64, 128; the tests above run its generic loop at 16), with
+    the demo's GQA (9 heads over 3), keys past one block, and a single request whose keys are split
+    into chunks merged at the end."""
+    shape = {"heads": 9, "kv_heads": 3, "head_dim": head_dim, "device": "cpu"}
+    extra = {**FEATURES[features], "sinks": torch.linspace(-1.0, 2.0, 9)} if features == "all" else {}
+    for prefixes in ([600], [1, 70, 33, 250]):
+        out, ref, _, _ = compare_backends(CpuBackend, prefixes, [1] * len(prefixes), **shape, dtype=torch.float32,
+                                          **extra)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_pack_groups_bounds_padding() -> None:

@@ -209,11 +209,11 @@ def test_identical_prompts_prefilled_together_share_the_tree_copy(overlap):
 
 
 def test_a_prefix_shared_by_waiting_requests_is_computed_once(overlap):
-    """Three prompts of one 40-token prefix, queued at once, prefilled in chunks of 40: the first
-    computes the prefix, the others wait for that chunk to reach the tree and compute only their
-    own tails (admitted together, each would compute the prefix too). A request of another cache
-    salt shares nothing and does not wait."""
-    sched, runner = make(overlap, **{"scheduler.chunked_prefill_size": 40})
+    """Three 44-token prompts of one 40-token prefix, queued at once, prefilled in steps of 48 prompt
+    tokens: the first computes the prefix, the others wait for it to reach the tree and compute
+    only their own tails (admitted together, each would compute the prefix too). A request of
+    another cache salt shares nothing and does not wait: it takes what is left of the first step."""
+    sched, runner = make(overlap, **{"scheduler.chunked_prefill_size": 48})
     prefix = [8 + (i * 7) % 40 for i in range(40)]
     ps = {f"g{i}": prefix + [20 + i, 21, 22, 23] for i in range(3)}
     for rid, p in ps.items():

@@ -1,7 +1,7 @@
 """The scheduler's torch thread count on the CPU, chosen before each forward from what the rest of
 the machine uses (`runtime.cpu_threads` unset).
 
-All cores while the other processes leave them idle; one fewer once they take part of a core. Two
+All cores while the other processes leave them idle; one fewer once they take half a core. Two
 threads on two cores are 1.3-2x faster than one on a quiet machine (decode 1.3-1.5x, prefill 2x),
 but libgomp's threads spin at the end of each parallel region: beside another busy process one of
 them is descheduled while its partner spins, and a forward of hundreds of regions collapses
@@ -9,9 +9,12 @@ them is descheduled while its partner spins, and a forward of hundreds of region
 16-29% of one thread's rate). One thread has no team to wait for (benchmarks/RESULTS.md, issue 22).
 
 What the others use is sampled at most every `SAMPLE_S`: the machine's busy time (`/proc/stat`:
-everything but idle and iowait, steal included) less this process's own CPU time, over the wall
-time since the last sample. The tokenizer, detokenizer and HTTP server count as others: when they
-are busy they need the core too. Without `/proc/stat` the count stays at the fewer threads.
+everything but idle and iowait, steal included) less this process's own CPU time and its family's
+(`process_family`: the HTTP server and tokenizer, the detokenizer), over the wall time since the
+last sample. The family's work comes in short bursts that are part of serving (a burst of requests
+is tokenized just before their prefill); counted as a load, it sent the prefills of a served burst
+to one thread, 2x slower. A forward starts at all cores (no history says otherwise); without
+`/proc/stat` the count stays at the fewer threads.
 
 torch's thread count is the process's, not a thread's, and torch.compile guards on it: a graph
 compiled at one count serves forwards at that count only. So a thread of this process that
@@ -32,15 +35,21 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from rxf.core.runner.process_family import ProcessFamily
+
 logger = logging.getLogger(__name__)
 
 SAMPLE_S = 0.2  # shortest window between two samples of the machine's use
 # Cores the others may use before a forward gives up a thread (at once: one busy window), and the
 # use below which the thread is taken back, once it has stayed that low for `QUIET_S`. The costs are
 # uneven, so the way back is slow: a window of two threads beside a busy process costs several
-# times what a window of one thread on an idle core forgoes.
-BUSY_CORES = 0.25
-IDLE_CORES = 0.1
+# times what a window of one thread on an idle core forgoes. Beside a process busy a fixed share of
+# every 20 ms, two threads still beat one up to half a core (demo model, bf16, 2-core VM: prefill of
+# 4 x 128 tokens 543 vs 743 ms at a quarter, 570 vs 765 at a half; decode of 16 even at a half) and
+# lose only beside a whole one (1077 vs 730 ms; decode 105 vs 251 tok/s): a bench client on the same
+# machine streaming 16 answers uses about a fifth.
+BUSY_CORES = 0.45
+IDLE_CORES = 0.2
 QUIET_S = 2.0
 # A load that returns within `FLAP_S` of taking the thread back doubles the quiet time asked next
 # (up to `MAX_QUIET_S`): a bursty neighbour keeps the fewer threads instead of meeting two threads
@@ -110,23 +119,28 @@ def machine_busy_s() -> float | None:
 
 
 class CpuThreads:
-    """Sets torch's thread count to `most` or `most - 1` before each forward (`before_forward`)."""
+    """Sets torch's thread count to `most` or `most - 1` before each forward (`before_forward`).
+    `family`: the engine's other processes, whose CPU time is not another program's load."""
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, family: ProcessFamily | None = None) -> None:
         self.most = max(1, most)
         self.fewer = max(1, self.most - 1)
-        self.threads = self.fewer
-        torch.set_num_threads(self.threads)
+        self.family = family
         self._last = self._sample()
+        self.threads = self.most if self._last is not None else self.fewer
+        torch.set_num_threads(self.threads)
         self.others_cores = 0.0  # the others' use over the last window, in cores
         self._quiet_since: float | None = None  # start of the current run of quiet windows
         self._quiet_s = QUIET_S  # how long a run of quiet windows must last to take the thread back
         self._raised_at = float("-inf")  # when the count last went up to `most`
 
-    @staticmethod
-    def _sample() -> tuple[float, float, float] | None:
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(wall time, the machine's busy CPU seconds, the part of them this engine's processes used)."""
         busy = machine_busy_s()
-        return None if busy is None else (time.monotonic(), busy, time.process_time())
+        if busy is None:
+            return None
+        own = time.process_time() + (self.family.cpu_s() if self.family is not None else 0.0)
+        return time.monotonic(), busy, own
 
     @property
     def counts(self) -> tuple[int, ...]:

@@ -90,8 +90,10 @@ def admit(
     """Reserve and return the requests to prefill now (`Req.kv` set: prefix locked, row and their
     first `extend_lens[i]` slots taken).
 
-    A request longer than the chunk size is admitted with only its first chunk; a prompt longer
-    than `max_prefill_tokens` is still admitted when it is the batch's first, so it cannot starve.
+    `max_prefill_tokens`: the prompt tokens the step may still take. With chunking, a request is
+    admitted with what fits of its prompt (at most `chunk_size`), its next chunks following in later
+    steps; without, a prompt longer than what is left is still admitted when it is the batch's
+    first, so it cannot starve.
     """
 
     def available() -> float:
@@ -101,7 +103,8 @@ def admit(
     computing = [r for r in running if _computing_prompt(r)]  # prompts a request may share a prefix with
     futures = 0.0  # tokens owed to the requests admitted so far: later chunks, future tokens
     for req in ordered:
-        if kv.free_rows() == 0:
+        room = max_prefill_tokens - out.new_tokens
+        if kv.free_rows() == 0 or (room <= 0 and (out.reqs or batch_nonempty)):
             break
         limit = req.prompt_logits_from() if req.wants_prompt_logprobs() else None
         res = kv.reserve(req, limit)
@@ -110,7 +113,7 @@ def admit(
             continue
         extend_len = req.seq_len - res.prefix_len
         if chunk_size is not None and not req.wants_prompt_logprobs():
-            extend_len = req.chunk_len(res.prefix_len, min(extend_len, chunk_size))
+            extend_len = req.chunk_len(res.prefix_len, min(extend_len, chunk_size, max(room, 1)))
         rest = req.seq_len - res.prefix_len - extend_len  # its later chunks
         future = _future_tokens(req)
         # With nothing else running, the first request only needs room for its prompt: waiting

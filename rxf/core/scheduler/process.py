@@ -77,6 +77,7 @@ def run_scheduler_process(
         from rxf.core.runner.cpu_threads import CpuThreads, usable_cores
         from rxf.core.runner.distributed import init_tensor_parallel
         from rxf.core.runner.model_runner import ModelRunner
+        from rxf.core.runner.process_family import ProcessFamily
         from rxf.core.scheduler.scheduler import Scheduler
         from rxf.core.speculative.draft import load_draft_model
         from rxf.core.speculative.eagle import load_eagle3, target_aux_layers
@@ -89,7 +90,8 @@ def run_scheduler_process(
             init_tensor_parallel(placement, timeout_s=config.runtime.startup_timeout_s + 1800)
         threads = None
         if placement is None and config.runtime.cpu_threads is None and _on_cpu(config):
-            threads = CpuThreads(usable_cores())  # all cores while nothing else runs, else one fewer
+            # All cores while no other program runs (the engine's own processes aside), else one fewer.
+            threads = CpuThreads(usable_cores(), ProcessFamily())
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
         runner = ModelRunner(config, registry, model_path, aux_hidden_layers=target_aux_layers(config, model_path),
                              threads=threads)

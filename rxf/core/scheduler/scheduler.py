@@ -310,13 +310,24 @@ class Scheduler:
         plan.prev_rows.append(prev_row)
         plan.row_writes.append(self.kv.row_writes(req, prefix_len))
 
+    def _prefill_budget(self, plan: _Planned) -> int:
+        """Prompt tokens this step may still compute: the chunk size is the budget of one step, all
+        prompts together (SGLang's chunked prefill), within max_prefill_tokens."""
+        budget = min(self.chunk_size or self.sc.max_prefill_tokens, self.sc.max_prefill_tokens)
+        return budget - sum(plan.extend_lens[plan.decode_rows :])
+
     def _plan_chunks(self, plan: _Planned) -> None:
-        """The next chunk of each request whose prompt (or jumped-forward text) is only partly
-        computed; they keep their row and lock."""
-        chunk = self.chunk_size or self.sc.max_prefill_tokens
+        """The next chunks of the requests whose prompt (or jumped-forward text) is only partly
+        computed, the nearest to done first, within the step's budget; they keep their row and lock.
+        Finishing started prompts before the rest lets their first tokens out a step or more sooner
+        than giving every prompt a chunk of each step (where none finishes until all do)."""
         # (A prompt whose last chunk is in flight without sampling, max_new_tokens 0, has none left.)
-        for req in [r for r in self.running if not r.decoding and r.kv_len < r.seq_len]:
-            n = req.chunk_len(req.kv_len, min(chunk, req.seq_len - req.kv_len))
+        started = [r for r in self.running if not r.decoding and r.kv_len < r.seq_len]
+        for req in sorted(started, key=lambda r: r.seq_len - r.kv_len):
+            left = self._prefill_budget(plan)
+            if left <= 0:
+                break
+            n = req.chunk_len(req.kv_len, min(left, req.seq_len - req.kv_len))
             kv_len = req.kv_len
             slots = self.kv.grow(req, n)
             if slots is None:
@@ -332,7 +343,7 @@ class Scheduler:
             self.running,
             self.kv,
             new_token_ratio=self.new_token_ratio,
-            max_prefill_tokens=self.sc.max_prefill_tokens - sum(plan.extend_lens[plan.decode_rows :]),
+            max_prefill_tokens=self._prefill_budget(plan),
             chunk_size=self.chunk_size,
             batch_nonempty=bool(plan.extend_rows),
         )

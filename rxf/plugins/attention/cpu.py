@@ -1,19 +1,20 @@
 """The CPU attention backend: decode reads the paged pool in place, extend is batched across requests.
 
-- DECODE: one `torch.compile`d kernel per layer for the whole batch (`cpu_decode.py`): K/V are read
-  from the pool by slot inside the generated loops, never copied out, in float32 whatever the
-  model's dtype (SDPA's CPU kernel with a mask is ~4x slower in bf16 than in fp32; this is not).
+- DECODE: one C++ op per layer for the whole batch (`cpu_decode.py`): K/V are read from the pool by
+  slot inside its loops, never copied out, in float32 whatever the model's dtype (SDPA's CPU kernel
+  with a mask is ~4x slower in bf16 than in fp32; this is not).
 - EXTEND: the requests are packed into a few padded groups (requests of similar length together, so
   padding stays under `MAX_PADDING` of the work), and each group is one SDPA call (the CPU flash
   kernel) over K/V gathered from the pool once per group and layer: with SDPA's causal flag where no
   member has a cached prefix, else with one mask per group that holds causality, each request's
-  length and the layer's sliding window. Layers with a soft-cap or
-  sinks use torch_native's `explicit_attention` over the same padded group.
+  length and the layer's sliding window. Layers with a soft-cap or sinks use torch_native's
+  `explicit_attention` over the same padded group. Requests of one new token (a MIXED forward's
+  decode rows) go to the decode op instead.
 
 Every feature torch_native has (GQA, sliding windows, soft-caps, sinks, an FP8 pool dequantized
-with the layer's scales as `rxf.core.kv_pool` defines) runs in both modes. The
-decode kernels compile in a background thread (`COMPILE_ENV`); until they are ready, and for good
-without a working C++ compiler (Inductor's requirement, with a warning), decode is torch_native's.
+with the layer's scales as `rxf.core.kv_pool` defines) runs in both modes. The decode op is built
+once per machine (~20 s) and loaded (milliseconds) in a background thread (`COMPILE_ENV`); until it
+is ready, and for good without a working C++ compiler (with a warning), decode is torch_native's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from rxf.core.attention import AttentionContext, AttentionLayer, layer_features
 from rxf.core.runner.cpu_threads import start_background_compile
-from rxf.plugins.attention.cpu_decode import decode_attention, paged_decode_attention, warm_up
+from rxf.plugins.attention.cpu_decode import decode_attention_op
 from rxf.plugins.attention.torch_native import TorchNativeBackend, explicit_attention
 
 if TYPE_CHECKING:
@@ -39,10 +40,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# When the decode kernels compile: "background" (default: start-up does not wait; decode runs
-# torch_native's until they are ready: 5-7 s of one core on the 2-core VM with Inductor's disk cache
-# warm, dynamo's tracing most of it; more the first time on a machine) or
-# "startup" (the backend's constructor waits: what benchmarks and tests want).
+# When the decode op is built or loaded: "background" (default: start-up does not wait; decode runs
+# torch_native's until it is ready: milliseconds once built, ~20 s of one core the first time on a
+# machine) or "startup" (the backend's constructor waits: what benchmarks and tests want).
 COMPILE_ENV = "RXF_CPU_ATTENTION_COMPILE"
 
 # A group's padded work (requests x longest new tokens x longest sequence) may exceed the sum of its
@@ -97,6 +97,16 @@ class _Group:
         return self.masks[window]
 
 
+@dataclass
+class _Rows:
+    """An extend's requests of one new token, attended by the decode op."""
+
+    q_rows: torch.Tensor  # [n] int64: their rows in q (and in the output)
+    slots: torch.Tensor  # [n, max_len] int64: their keys' slots
+    seq_lens: torch.Tensor  # [n] int32
+    from_first: torch.Tensor  # [n] int32 zeros: the first visible key without a window
+
+
 class CpuBackend(TorchNativeBackend):
     auto_priority = 5  # above torch_native (0) on the CPU; GPU backends rank above it on CUDA
     supports_compiled_decode = True
@@ -108,14 +118,15 @@ class CpuBackend(TorchNativeBackend):
     def __init__(self, ctx: AttentionContext) -> None:
         super().__init__(ctx)
         self._groups: list[_Group] = []
+        self._rows: _Rows | None = None
         self._from_first = torch.empty(0, dtype=torch.int32)  # decode: [bs] zeros, first visible key without a window
         # Made once, so that a decode forward creates and caches nothing (a forward compiled whole must
         # not mutate Python state), as inference tensors like the runner's (dynamo guards on the kind).
         with torch.inference_mode():
             self._no_sinks = torch.full((ctx.num_heads,), float("-inf"), device=ctx.device)  # float32 [heads]: no sink
             self._unit_scale = torch.ones((), dtype=torch.float32, device=ctx.device)  # a model-dtype pool's scale
-        # Until the compiled kernels are ready decode runs torch_native's: the same results up to
-        # rounding (in bf16 its SDPA rounds the softmax weights to bf16, the kernel keeps float32).
+        # Until the op is ready decode runs torch_native's: the same results up to rounding (in bf16
+        # its SDPA rounds the softmax weights to bf16, the op keeps float32).
         self._decode: Callable[..., torch.Tensor] | None = None
         self._step_decode = self._decode
         self.compiled = threading.Event()  # set once compiling is over, done or failed
@@ -133,30 +144,43 @@ class CpuBackend(TorchNativeBackend):
     def _compile(self) -> None:
         start = time.perf_counter()
         try:
-            warm_up(self.ctx)
-        except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
-            logger.warning("cpu attention: no compiled decode (%s: %s); decode stays torch_native's", type(e).__name__, e)
+            self._decode = decode_attention_op()
+        except Exception as e:  # e.g. no C++ compiler
+            logger.warning("cpu attention: no decode op (%s: %s); decode stays torch_native's", type(e).__name__, e)
         else:
-            self._decode = decode_attention
-            logger.info("cpu attention: decode kernels compiled in %.1f s", time.perf_counter() - start)
+            logger.info("cpu attention: decode op ready in %.1f s", time.perf_counter() - start)
         finally:
             self.compiled.set()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         super().init_forward_metadata(batch)  # the [bs, max_len] slot table; torch_native's decode state
-        self._groups = [] if batch.mode.is_decode() else self._plan_extend(batch)
-        if batch.mode.is_decode():
-            self._from_first = torch.zeros_like(batch.seq_lens)
         self._step_decode = self._decode  # one forward's layers all take the same path
+        self._rows = None
+        if batch.mode.is_decode():
+            self._groups = []
+            self._from_first = torch.zeros_like(batch.seq_lens)
+        else:
+            self._groups = self._plan_extend(batch)
 
     def _plan_extend(self, batch: ForwardBatch) -> list[_Group]:
+        """The padded SDPA groups of the batch's requests; requests of one new token (a MIXED
+        forward's decode rows, a prompt's last token) go to the decode op instead (`self._rows`), as
+        padded groups they ran SDPA's masked kernel at one query row, ~4x slower in bf16."""
         device = batch.seq_lens.device
         starts, start = [], 0  # each request's first row in q
         for n in batch.extend_lens_cpu:
             starts.append(start)
             start += n
+        single = [i for i, n in enumerate(batch.extend_lens_cpu) if n == 1] if self._step_decode is not None else []
+        if single:
+            index = torch.tensor(single, device=device)
+            seq_lens = batch.seq_lens.index_select(0, index)
+            self._rows = _Rows(torch.tensor([starts[i] for i in single], device=device),
+                               self._slots.index_select(0, index), seq_lens, torch.zeros_like(seq_lens))
+        rest = [i for i, n in enumerate(batch.extend_lens_cpu) if n != 1 or not single]
         groups = []
-        for members in pack_groups(batch.extend_lens_cpu, batch.seq_lens_cpu):
+        for packed in pack_groups([batch.extend_lens_cpu[i] for i in rest], [batch.seq_lens_cpu[i] for i in rest]):
+            members = [rest[j] for j in packed]
             longest_new = max(batch.extend_lens_cpu[i] for i in members)
             longest_seq = max(batch.seq_lens_cpu[i] for i in members)
             col = torch.arange(longest_new)
@@ -189,6 +213,10 @@ class CpuBackend(TorchNativeBackend):
         plain = not (layer_features(layer) - {"sliding_window"})  # SDPA takes the window in its mask
         gqa = layer.num_heads != layer.num_kv_heads
         out = torch.empty_like(q)
+        if self._rows is not None:
+            rows = self._rows
+            out.index_copy_(0, rows.q_rows, self._attend_rows(q.index_select(0, rows.q_rows), layer, batch, rows.slots,
+                                                               rows.seq_lens, rows.from_first))
         for g in self._groups:
             qg = q.index_select(0, g.q_rows).view(len(g.slots), -1, *q.shape[1:]).transpose(1, 2)  # [b, H, E, D]
             kg, vg = (x.transpose(1, 2) for x in self._read_kv(layer, batch, g.slots, q.dtype))  # [b, Hkv, S, D]
@@ -205,23 +233,28 @@ class CpuBackend(TorchNativeBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
-        # Traced into a compiled forward, the kernel's function is inlined (its own compiled wrapper
-        # takes a lock, which dynamo cannot trace).
-        attend = paged_decode_attention if torch.compiler.is_compiling() else self._step_decode
-        if attend is None:
+        if self._step_decode is None:
             return super().forward_decode(q, k, v, layer, batch)
         self._store_kv(layer, batch, k, v)
+        return self._attend_rows(q, layer, batch, self._slots, batch.seq_lens, self._from_first)
+
+    def _attend_rows(
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, slots: torch.Tensor, seq_lens: torch.Tensor,
+        from_first: torch.Tensor,
+    ) -> torch.Tensor:
+        """The decode op for rows of one query each: row i at position seq_lens[i] - 1 over its keys
+        `slots[i, :seq_lens[i]]` (stored already). `from_first`: zeros, the first key without a window."""
         pool = batch.token_to_kv_pool
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         # An FP8 pool holds k / k_scale and v / v_scale; a pool of the model dtype holds K/V as they are.
         k_scale, v_scale = (layer.k_scale, layer.v_scale) if pool.is_fp8 else (self._unit_scale, self._unit_scale)
         window = layer.sliding_window
-        first = self._from_first if window is None else (batch.seq_lens - window).clamp_min(0)
+        first = from_first if window is None else (seq_lens - window).clamp_min(0)
         sinks = layer.sinks
         if sinks is None:
             sinks = self._no_sinks
             if layer.num_heads != sinks.numel():  # a layer of its own head count (none of today's models)
                 sinks = torch.full((layer.num_heads,), float("-inf"), device=q.device)
-        return attend(
-            q, k_buf, v_buf, k_scale, v_scale, self._slots, batch.seq_lens, first, sinks, layer.scaling, layer.logit_cap,
+        return self._step_decode(
+            q, k_buf, v_buf, k_scale, v_scale, slots, seq_lens, first, sinks, layer.scaling, layer.logit_cap,
         )
