@@ -235,7 +235,7 @@ def run_server_peer(name: str, factory: Callable[[argparse.Namespace, Path, bool
     """Random workload at each concurrency with the peer's cache on, then shared-prefix with it
     on and (where the peer can turn it off) off."""
     results: dict[str, Any] = {}
-    for cache_on in (True, False):
+    for cache_on in (True, False) if args.shared_prefix else (True,):
         if not cache_on and name == "llamacpp":
             break  # its prompt cache is per slot, not a switch comparable to a prefix cache
         server = factory(args, work, cache_on)
@@ -249,10 +249,11 @@ def run_server_peer(name: str, factory: Callable[[argparse.Namespace, Path, bool
                 for c in args.concurrency:
                     log(f"{server.name}: random, concurrency {c}")
                     results[f"random-c{c}"] = bench_client(server, datasets[f"random-c{c}"], args, c, work / f"{name}-c{c}.json", extra)
-            c = max(args.concurrency)
-            key = f"shared-prefix-{'cache' if cache_on else 'nocache'}"
-            log(f"{server.name}: {key}, concurrency {c}")
-            results[key] = bench_client(server, datasets["shared-prefix"], args, c, work / f"{name}-{key}.json", extra)
+            if args.shared_prefix:
+                c = max(args.concurrency)
+                key = f"shared-prefix-{'cache' if cache_on else 'nocache'}"
+                log(f"{server.name}: {key}, concurrency {c}")
+                results[key] = bench_client(server, datasets["shared-prefix"], args, c, work / f"{name}-{key}.json", extra)
         finally:
             server.stop()
     return results
@@ -307,7 +308,8 @@ def hf_worker(spec_path: str) -> None:
 
 def run_hf(args: argparse.Namespace, work: Path, datasets: dict[str, Path]) -> dict[str, Any]:
     runs = [[f"random-c{c}", str(datasets[f"random-c{c}"]), c] for c in args.concurrency]
-    runs.append(["shared-prefix-nocache", str(datasets["shared-prefix"]), max(args.concurrency)])
+    if args.shared_prefix:
+        runs.append(["shared-prefix-nocache", str(datasets["shared-prefix"]), max(args.concurrency)])
     spec = work / "hf-spec.json"
     spec.write_text(json.dumps({"model_dir": str(args.model_dir), "dtype": args.dtype, "output_len": args.output_len, "runs": runs}))
     log("hf: transformers generate")
@@ -363,6 +365,8 @@ def main() -> int:
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="all summaries as JSON")
+    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="the shared-prefix workload after the random ones (--no-shared-prefix: random only)")
     p.add_argument("--background-load", choices=["none", *BACKGROUND_LOADS], default="none",
                    help="a load started before the first peer and stopped after the last")
     args = p.parse_args()
@@ -414,7 +418,8 @@ def main() -> int:
         if background is not None:
             background.kill()
             background.wait()
-    workloads = [f"random-c{c}" for c in args.concurrency] + ["shared-prefix-cache", "shared-prefix-nocache"]
+    workloads = [f"random-c{c}" for c in args.concurrency]
+    workloads += ["shared-prefix-cache", "shared-prefix-nocache"] if args.shared_prefix else []
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     header = (f"date {started:%Y-%m-%d %H:%M} UTC; machine {platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores; commit {commit} (+ uncommitted bench files); background load "

@@ -80,7 +80,9 @@ def test_every_tree_node_has_the_reference_heads_top_children(target, head, back
 
 
 def test_tree_drafts_under_retraction_stops_and_n(target, head):
-    scheduler = {"init_new_token_ratio": 0.01, "min_new_token_ratio": 0.01, "chunked_prefill_size": 8}
+    # Steps of 40 prompt tokens: the five 16-token prompts prefill in three steps (two of them cut),
+    # so their decodes grow together past the 140-token cache (with 8, one prompt a step, they did not).
+    scheduler = {"init_new_token_ratio": 0.01, "min_new_token_ratio": 0.01, "chunked_prefill_size": 40}
     sched, _ = recording_scheduler(_config(target, head, cache={"max_total_tokens": 140}, scheduler=scheduler))
     prompts = [list(range(10 * i + 3, 10 * i + 19)) for i in range(5)]
     hf = HFReference(target)
