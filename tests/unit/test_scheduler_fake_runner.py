@@ -134,6 +134,28 @@ def test_chunked_prompts_never_outgrow_the_pool_together(overlap):
     assert {rid: r["ids"] for rid, r in got.items()} == {rid: want(p, 2) for rid, p in ps.items()}
 
 
+def test_the_chunk_size_is_one_steps_budget_and_started_prompts_finish_first(overlap):
+    """Four 20-token prompts queued at once, chunk size 16: no step computes more than 16 prompt
+    tokens of all of them together, and each prompt is finished before the next one starts (its
+    first token comes a step or more before the next one's), where a chunk per prompt per step
+    would give every prompt its first token at the same, last, step."""
+    sched, runner = make(overlap, **{"scheduler.chunked_prefill_size": 16, "scheduler.mixed_chunked_prefill": False})
+    ps = {rid: [8 + i] + p[1:] for i, (rid, p) in enumerate(prompts(4, seed=11, lo=20, hi=20).items())}  # no shared prefix
+    for rid, p in ps.items():
+        sched.add_request(request(rid, p, 3))
+    got = drain(sched)
+    assert {rid: r["ids"] for rid, r in got.items()} == {rid: want(p, 3) for rid, p in ps.items()}
+    prefills = [b for b in runner.batches if b.mode != ForwardMode.DECODE]
+    assert all(sum(b.extend_lens) <= 16 for b in prefills)
+    assert sum(sum(b.extend_lens) for b in prefills) == 80  # no prompt token computed twice
+    last_chunk = {rid: max(i for i, b in enumerate(prefills) if rid in [r.rid for r in b.reqs]) for rid in ps}
+    first_chunk = {rid: min(i for i, b in enumerate(prefills) if rid in [r.rid for r in b.reqs]) for rid in ps}
+    order = sorted(ps, key=first_chunk.get)
+    assert order == sorted(ps, key=last_chunk.get)
+    # A prompt started in a step ends before any prompt started later does (started prompts first).
+    assert all(last_chunk[a] <= first_chunk[b] for a, b in zip(order, order[1:], strict=False))
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["separate", "mixed"])
 def test_chunked_prefill_and_decodes_share_steps_when_mixed(overlap, mixed):
     sched, runner = make(overlap, **{"scheduler.chunked_prefill_size": 8, "scheduler.mixed_chunked_prefill": mixed})
