@@ -23,12 +23,8 @@ import logging
 import signal
 import socket
 import sys
-import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from types import FrameType
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -38,6 +34,7 @@ from rxf.core.frontend.requests import RequestLimits, load_multimodal_processor
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.grammar import make_grammar_backend
 from rxf.entrypoints.anthropic import router as anthropic_router
+from rxf.entrypoints.engine_loader import EngineLoader
 from rxf.entrypoints.http_errors import APIKeyMiddleware, BodyLimitMiddleware, install_error_handlers
 from rxf.entrypoints.http_transport import DrainMiddleware, GuardedH11Protocol, ensure_open_files
 from rxf.entrypoints.metrics import ServerMetrics
@@ -48,125 +45,18 @@ from rxf.entrypoints.server_state import ServerState
 
 logger = logging.getLogger(__name__)
 
-# How long shutdown waits for an interrupted model load to give up (children killed) before exiting.
-_ABANDON_TIMEOUT_S = 10.0
 # On SIGTERM / Ctrl-C, how long requests in flight may run on before they are aborted.
 DRAIN_S = 3.0
 
 
-@dataclass
-class _Loaded:
-    engine: Any  # EngineProcesses
-    tokenizer: Any
-    chat_template: Any
+async def _start_engine(app: FastAPI, state: ServerState, loader: EngineLoader) -> None:
+    try:
+        await _take_engine(app, state, loader)
+    finally:
+        gc.enable()  # `rxf launch` starts with the collector off (its imports), see cmd_launch
 
 
-def _load(config: EngineConfig, cancel: threading.Event) -> _Loaded:
-    """Blocking: start the child processes (model load) and, meanwhile, load the tokenizer and the
-    chat template in this process."""
-    from rxf.core.launch.processes import EngineProcesses
-    from rxf.entrypoints.demo_model import resolve_model_path
-
-    # Resolved first (it prepares the demo model once) so that the tokenizer can load while the
-    # children load the model.
-    model_path = resolve_model_path(config.model.path)
-    tokenizer_path = config.model.tokenizer_path or model_path
-    with ThreadPoolExecutor(1, thread_name_prefix="rxf-tokenizer-load") as pool:
-        frontend = pool.submit(_load_frontend, config, tokenizer_path)
-        engine = EngineProcesses(config, model_path, cancel=cancel)
-        try:
-            tokenizer, template = frontend.result()
-        except BaseException:
-            engine.shutdown()
-            raise
-    return _Loaded(engine, tokenizer, template)
-
-
-def _load_frontend(config: EngineConfig, tokenizer_path: str) -> tuple[Any, Any]:
-    from transformers import AutoTokenizer
-
-    from rxf.core.registry import PluginRegistry
-    from rxf.plugins.chat_templates.base import resolve_chat_template
-
-    registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    template = resolve_chat_template(config.model.chat_template, tokenizer, registry.chat_template)
-    # A bad format name fails the launch, not the first chat.
-    from rxf.entrypoints.chat.reasoning import make_reasoning_parser
-    from rxf.entrypoints.chat.tool_parsers import make_parser
-
-    make_parser(config.model.tool_call_parser, template, tokenizer, registry)
-    make_reasoning_parser(config.model.reasoning_parser, template, registry)
-    return tokenizer, template
-
-
-class _EngineLoader:
-    """Runs `_load` in a daemon thread; `abandon()` stops a load that is still in progress.
-
-    A daemon thread (not the loop's executor, whose threads the interpreter joins at exit), so a
-    shutdown during a long load is never stuck behind it. The outcome is handed over under a lock
-    through `take()`: whoever takes a loaded engine owns it and must shut it down.
-    """
-
-    def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
-        self.config = config
-        self.loop = loop
-        self.done = threading.Event()
-        self.cancel = threading.Event()
-        self._lock = threading.Lock()
-        self._outcome: _Loaded | BaseException | None = None
-        self._abandoned = False
-        self._wakeup = asyncio.Event()
-        threading.Thread(target=self._run, name="rxf-engine-loader", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            outcome: _Loaded | BaseException = _load(self.config, self.cancel)
-        except BaseException as e:
-            outcome = e
-        with self._lock:
-            self._outcome = outcome
-            abandoned = self._abandoned
-        self.done.set()
-        if abandoned:
-            self._discard()
-            return
-        try:
-            self.loop.call_soon_threadsafe(self._wakeup.set)
-        except RuntimeError:  # the loop is closed: nobody will take the engine
-            self._discard()
-
-    async def wait(self) -> _Loaded:
-        await self._wakeup.wait()
-        outcome = self.take()
-        if isinstance(outcome, BaseException):
-            raise outcome
-        if outcome is None:
-            raise RuntimeError("the engine load was abandoned")
-        return outcome
-
-    def take(self) -> _Loaded | BaseException | None:
-        with self._lock:
-            outcome, self._outcome = self._outcome, None
-        return outcome
-
-    def _discard(self) -> None:
-        outcome = self.take()
-        if isinstance(outcome, _Loaded):
-            outcome.engine.shutdown()
-
-    def abandon(self) -> None:
-        """Blocking. Make a load in progress fail fast: the engine notices the cancel within a
-        poll interval, stops its children and removes its IPC directory. An engine loaded but not
-        yet taken is shut down."""
-        with self._lock:
-            self._abandoned = True
-        self.cancel.set()
-        self.done.wait(_ABANDON_TIMEOUT_S)
-        self._discard()
-
-
-async def _start_engine(app: FastAPI, state: ServerState, loader: _EngineLoader) -> None:
+async def _take_engine(app: FastAPI, state: ServerState, loader: EngineLoader) -> None:
     try:
         loaded = await loader.wait()
     except Exception as e:
@@ -211,7 +101,7 @@ def _on_engine_death(app: FastAPI, reason: str) -> None:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: ServerState = app.state.server
     loop = asyncio.get_running_loop()
-    loader = _EngineLoader(state.config, loop)
+    loader = app.state.engine_loader or EngineLoader(state.config)
     starter = loop.create_task(_start_engine(app, state, loader))
     try:
         yield
@@ -240,9 +130,10 @@ def create_app(
     on_ready: Callable[[], None] = _noop,
     on_startup_failure: Callable[[], None] = _noop,
     on_engine_death: Callable[[], None] = _noop,
+    engine_loader: EngineLoader | None = None,
 ) -> FastAPI:
-    """The server's app. The engine starts with the app's lifespan; `on_ready` is called on the
-    loop once it serves, `on_startup_failure` if it could not start (`state.startup_error` says why),
+    """The server's app. The engine starts with the app's lifespan (or was started already by
+    `engine_loader`, which the app then owns); `on_ready` is called on the loop once it serves, `on_startup_failure` if it could not start (`state.startup_error` says why),
     `on_engine_death` when a child died and `server.exit_on_engine_death` asks to stop."""
     app = FastAPI(title="rxf", version=_version(), lifespan=_lifespan)
     state = ServerState(config=config, served_model_name=config.model.served_model_name or config.model.path)
@@ -251,6 +142,7 @@ def create_app(
     app.state.on_ready = on_ready
     app.state.on_startup_failure = on_startup_failure
     app.state.on_engine_death = on_engine_death
+    app.state.engine_loader = engine_loader
     install_error_handlers(app)
     install_openapi(app, with_key=bool(config.server.api_key))
     app.include_router(native_router)
@@ -307,9 +199,11 @@ class _Server(uvicorn.Server):
                 await tm.abort(rid)
 
 
-def serve(config: EngineConfig) -> int:
+def serve(config: EngineConfig, engine_loader: EngineLoader | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the engine failed to start
-    or died (and `server.exit_on_engine_death` is on)."""
+    or died (and `server.exit_on_engine_death` is on). `engine_loader`: the engine's load, already
+    started by the caller (`rxf launch`), who abandons it after serve returns or raises (a server
+    that never ran its lifespan, e.g. its port in use, still stops the children)."""
 
     def ready() -> None:
         port = config.server.port
@@ -321,7 +215,8 @@ def serve(config: EngineConfig) -> int:
     def failed() -> None:
         server.should_exit = True
 
-    app = create_app(config, on_ready=ready, on_startup_failure=failed, on_engine_death=failed)
+    app = create_app(config, on_ready=ready, on_startup_failure=failed, on_engine_death=failed,
+                     engine_loader=engine_loader)
     ensure_open_files(config.server.max_connections)
     # Threads of this process (chat rendering, tokenizing, grammar compiling) run Python code that
     # holds the GIL; the event loop waits up to this long for it each time it wakes (5 ms by default).

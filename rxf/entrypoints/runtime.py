@@ -28,12 +28,11 @@ from rxf.core.frontend.requests import GenerateRequest, RequestLimits, load_mult
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.grammar import make_grammar_backend
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
-from rxf.core.launch.processes import EngineProcesses
 from rxf.core.registry import PluginRegistry
 from rxf.entrypoints.chat.reasoning import make_reasoning_parser
 from rxf.entrypoints.chat.tool_parsers import make_parser
 from rxf.entrypoints.choices import check_n, choice_requests, interleave, warm_prefixes
-from rxf.entrypoints.demo_model import resolve_model_path
+from rxf.entrypoints.engine_loader import load_engine
 from rxf.entrypoints.runtime_chat import ChatCall, prepare_chat
 
 logger = logging.getLogger(__name__)
@@ -45,18 +44,11 @@ Params = dict[str, Any] | list[dict[str, Any]] | None
 
 class Runtime:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
-        from rxf.plugins.chat_templates.base import resolve_chat_template
-
         self.config = config
         self.registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
-        self.engine = EngineProcesses(config, resolve_model_path(config.model.path))
+        loaded = load_engine(config, threading.Event())  # the tokenizer loads while the children start
+        self.engine, self.tokenizer, self.chat_template = loaded.engine, loaded.tokenizer, loaded.chat_template
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.engine.tokenizer_path)
-            self.chat_template = resolve_chat_template(
-                config.model.chat_template, self.tokenizer, self.registry.chat_template
-            )
             self.tool_parser = make_parser(
                 config.model.tool_call_parser, self.chat_template, self.tokenizer, self.registry
             )

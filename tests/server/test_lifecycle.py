@@ -86,6 +86,20 @@ def test_sigterm_during_model_load(server_factory):
     assert "shutdown during model load" in srv.log()
 
 
+def test_sigterm_while_the_server_imports(server_factory):
+    # `rxf launch` starts the engine's children before it imports the server (start-up time); a
+    # SIGTERM in that window stops them too and exits 0.
+    srv = server_factory(wait=False)
+    deadline = time.monotonic() + 60
+    while not psutil.Process(srv.proc.pid).children():
+        assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log_tail()
+        time.sleep(0.01)
+    with pytest.raises(httpx.TransportError):  # not listening yet: the window this test is about
+        httpx.get(f"{srv.url}/health", timeout=2)
+    srv.children = psutil.Process(srv.proc.pid).children(recursive=True)
+    assert server_factory.stop(srv) < 15  # exit 0 and no surviving child
+
+
 def test_api_key(server_factory):
     # RXF_API_KEY (the short alias of RXF_SERVER__API_KEY) and a CLI-style override, end to end.
     srv = server_factory(

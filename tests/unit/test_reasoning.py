@@ -246,11 +246,11 @@ def test_runtime_chat_results_carry_the_reasoning():
 def test_a_bad_format_name_fails_the_launch_front_end(tmp_path):
     """The server's front end loads both parsers at start-up, so a typo fails the launch."""
     from rxf.core.config import load_config
-    from rxf.entrypoints.http_server import _load_frontend
+    from rxf.entrypoints.engine_loader import load_frontend
     from rxf.testing import make_tiny_tokenizer
 
     make_tiny_tokenizer().save_pretrained(tmp_path)
-    _load_frontend(load_config({"model.reasoning_parser": "qwen3", "model.tool_call_parser": "pythonic"}), str(tmp_path))
+    load_frontend(load_config({"model.reasoning_parser": "qwen3", "model.tool_call_parser": "pythonic"}), str(tmp_path))
     for setting in ("model.reasoning_parser", "model.tool_call_parser"):
         with pytest.raises(ValueError, match=f"{setting} takes one of"):
-            _load_frontend(load_config({setting: "no-such-format"}), str(tmp_path))
+            load_frontend(load_config({setting: "no-such-format"}), str(tmp_path))

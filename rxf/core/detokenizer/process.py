@@ -56,9 +56,9 @@ def _serve(tokenizer_path: str, recv_addr: str, send_addr: str, ready_conn: Conn
     ctx = zmq.Context()
     try:
         try:
-            from transformers import AutoTokenizer
+            from rxf.core.load_tokenizer import load_tokenizer
 
-            detokenizer = Detokenizer(AutoTokenizer.from_pretrained(tokenizer_path))
+            detokenizer = Detokenizer(load_tokenizer(tokenizer_path))
             recv = ctx.socket(zmq.PULL)
             send = ctx.socket(zmq.PUSH)
             recv.bind(recv_addr)

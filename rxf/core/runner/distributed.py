@@ -12,12 +12,12 @@ gloo on CPU) plus a second gloo group over the same ranks for the scheduler's co
 
 from __future__ import annotations
 
-import socket
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from rxf.core.launch.placement import RankPlacement
 
 _group: dist.ProcessGroup | None = None
 _cpu_group: dist.ProcessGroup | None = None
@@ -82,13 +82,6 @@ def broadcast_from_rank0(payload: bytes) -> bytes | memoryview:
     return payload if leader else memoryview(buf.numpy())
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now, for a local rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def tp_min(value: int) -> int:
     """The smallest of every rank's `value` (over the gloo group): for sizes the ranks must agree on."""
     if _cpu_group is None or tp_size() == 1:
@@ -96,37 +89,6 @@ def tp_min(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_cpu_group)
     return int(t.item())
-
-
-@dataclass(frozen=True)
-class RankPlacement:
-    """Where one scheduler process sits: its rank in its replica's group and its device.
-
-    Ranks of a replica are spread evenly over the nodes: node n holds ranks
-    [n * local_size, (n + 1) * local_size). On GPU, a node's devices are handed out replica after
-    replica: replica d's local rank l uses cuda:(d * local_size + l).
-    """
-
-    dp_rank: int
-    tp_size: int
-    nnodes: int
-    node_rank: int
-    local_rank: int
-    init_method: str  # tcp://host:port of this replica's rendezvous
-    backend: str  # "nccl" or "gloo"
-    cuda: bool = False  # the rank runs on cuda:<device_index>
-
-    @property
-    def local_size(self) -> int:
-        return self.tp_size // self.nnodes
-
-    @property
-    def rank(self) -> int:
-        return self.node_rank * self.local_size + self.local_rank
-
-    @property
-    def device_index(self) -> int:
-        return self.dp_rank * self.local_size + self.local_rank
 
 
 def init_tensor_parallel(placement: RankPlacement, timeout_s: float = 1800) -> None:

@@ -42,7 +42,7 @@ from rxf.core.ipc.messages import (
     ToScheduler,
 )
 from rxf.core.launch.heap import IdleHeapTrimmer
-from rxf.core.runner.distributed import RankPlacement
+from rxf.core.launch.placement import RankPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ def run_scheduler_process(
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     try:
         import torch
-        from transformers import AutoTokenizer
 
+        from rxf.core.load_tokenizer import load_tokenizer
         from rxf.core.registry import PluginRegistry
         from rxf.core.runner.cpu_threads import CpuThreads, usable_cores
         from rxf.core.runner.distributed import init_tensor_parallel
@@ -95,7 +95,7 @@ def run_scheduler_process(
         registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
         runner = ModelRunner(config, registry, model_path, aux_hidden_layers=target_aux_layers(config, model_path),
                              threads=threads)
-        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path or model_path)
+        tokenizer = load_tokenizer(config.model.tokenizer_path or model_path)
         draft = load_draft_model(config, registry, runner) or load_eagle3(config, registry, runner)
         scheduler = Scheduler(
             config, runner, tokenizer, check_memory=os.environ.get("RXF_CHECK_MEMORY") == "1", draft=draft
