@@ -28,9 +28,6 @@ class FakeMachine:
         monkeypatch.setattr(cpu_threads.torch, "set_num_threads", self.set_to.append)
         monkeypatch.setattr(cpu_threads.torch, "get_num_threads", lambda: self.set_to[-1] if self.set_to else 0)
         monkeypatch.setattr(cpu_threads, "_background", 0)  # no compile of another test's engine counts
-        self.affinity: list[set[int]] = []  # what the forward thread was pinned to, in turn
-        monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1})
-        monkeypatch.setattr(cpu_threads.os, "sched_setaffinity", lambda pid, cores: self.affinity.append(set(cores)))
 
     def run(self, seconds: float, own_cores: float, other_cores: float, family_cores: float = 0.0) -> None:
         self.now += seconds
@@ -73,21 +70,6 @@ def test_threads_follow_what_the_other_processes_use(monkeypatch: pytest.MonkeyP
     m.run(0.25, own_cores=2, other_cores=0.6)
     assert t.before_forward() == 1
     assert quiet_for(m, t, 2.25) == 2  # it did not come back soon: the wait is QUIET_S again
-
-
-def test_a_lone_forward_thread_beside_a_load_is_pinned_to_its_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    m = FakeMachine(monkeypatch)
-    t = cpu_threads.CpuThreads(2)
-    assert quiet_for(m, t, 1.0) == 2 and m.affinity == []  # two threads: never pinned
-    m.run(0.3, own_cores=2, other_cores=1.0)
-    assert t.before_forward() == 1
-    assert len(m.affinity) == 1 and len(m.affinity[0]) == 1  # one core: the one it last ran on
-    m.run(0.3, own_cores=1, other_cores=1.0)
-    assert t.before_forward() == 1 and len(m.affinity) == 1  # set once
-    assert quiet_for(m, t, 2.25) == 2 and m.affinity[-1] == {0, 1}  # the process's cores again
-    with cpu_threads.compiling(2):  # a compile holds two threads: a team is never started pinned
-        m.run(0.3, own_cores=2, other_cores=1.0)
-        assert t.before_forward() == 1 and m.affinity[-1] == {0, 1}
 
 
 def test_the_engines_own_processes_are_no_load(monkeypatch: pytest.MonkeyPatch) -> None:

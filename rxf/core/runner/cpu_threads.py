@@ -97,17 +97,13 @@ def start_background_compile(compile_: Callable[[], None], name: str) -> None:
     atexit.register(thread.join)
 
 
-def _affinity() -> set[int]:
-    try:
-        return os.sched_getaffinity(0)
-    except (AttributeError, OSError):  # (no affinity on this OS)
-        return set(range(os.cpu_count() or 1))
-
-
 def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity (a container pinned to 2 CPUs of a
     larger host sees the host's count in `os.cpu_count()`, and torch's default follows the affinity)."""
-    return max(1, len(_affinity()))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # (no affinity on this OS)
+        return os.cpu_count() or 1
 
 
 def machine_busy_s() -> float | None:
@@ -137,8 +133,6 @@ class CpuThreads:
         self._quiet_since: float | None = None  # start of the current run of quiet windows
         self._quiet_s = QUIET_S  # how long a run of quiet windows must last to take the thread back
         self._raised_at = float("-inf")  # when the count last went up to `most`
-        self._cores = _affinity()  # the process's cores, given back to a pinned thread
-        self._pinned: int | None = None  # the core the forward thread is pinned to
 
     def _sample(self) -> tuple[float, float, float] | None:
         """(wall time, the machine's busy CPU seconds, the part of them this engine's processes used)."""
@@ -160,29 +154,7 @@ class CpuThreads:
         with _count_lock:
             if not _background and torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-            self._pin(torch.get_num_threads() == 1 and threads < self.most)
         return threads
-
-    def _pin(self, on: bool) -> None:
-        """A lone forward thread beside a busy process is pinned to the core it runs on, as vLLM-CPU
-        pins its thread: the kernel then moves the other runnable tasks (the load, the server, the
-        client) to the other cores instead of time-slicing them with the forward (demo, c=1,
-        beside a spun core: 25.0 -> 30.7 tok/s, benchmarks/RESULTS.md). Only at one thread: OpenMP
-        workers inherit the mask of the thread that creates them, so a team started while pinned
-        would share one core for good."""
-        if on == (self._pinned is not None):
-            return
-        try:
-            if on:
-                with open("/proc/thread-self/stat") as f:  # field 39: the CPU it last ran on
-                    cpu = int(f.read().rpartition(")")[2].split()[36])
-                os.sched_setaffinity(0, {cpu})  # 0: the calling thread
-                self._pinned = cpu
-            else:
-                os.sched_setaffinity(0, self._cores)
-                self._pinned = None
-        except (OSError, ValueError, IndexError):  # no /proc or affinity here: stay as it is
-            pass
 
     def _choose(self) -> int:
         if self._last is None or self.most == self.fewer:
