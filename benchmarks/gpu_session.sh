@@ -59,7 +59,8 @@ elif [ "$stage" = suite ]; then
   # "suite [pytest args]": every GPU test (GPU_TESTS, default tests/gpu) in one pytest run over
   # SUITE_WORKERS (default 8) xdist workers on the one GPU, work-stealing, so FlashInfer's JIT compiles
   # (CPU) run beside other workers' tests; bounded by SUITE_LIMIT_S (default 470: SIGINT, so pytest
-  # still prints its summary); every test's line is in suite.log as it ends; the JIT cache comes back.
+  # still prints its summary); every test's line is in suite.log as it ends; the JIT cache comes back
+  # (SUITE_CACHE=0: not).
   # Each engine of a test that leaves cache.max_total_tokens unset would size its pool from the GPU
   # memory left (cache.mem_fraction_static), so the first worker's would starve the others: here
   # such pools get a fixed size (a test's own value still wins).
@@ -71,7 +72,7 @@ elif [ "$stage" = suite ]; then
     > "$out/suite.log" 2>&1
   echo "suite: rc $? at $(( $(date +%s) - start )) s"
   grep -E "^(FAILED|ERROR)|Error:|^E  " "$out/suite.log" | head -n 60; tail -n 8 "$out/suite.log"
-  tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
+  [ "${SUITE_CACHE:-1}" = 0 ] || { tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"; }
 elif [ "$stage" = profile ]; then
   python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
   python3 benchmarks/gpu_profile.py --phases gemv 2>&1 | tee "$out/profile-gemv.log"
