@@ -58,8 +58,8 @@ elif [ "$stage" = split ]; then
 elif [ "$stage" = suite ]; then
   # "suite [pytest args]": every GPU test (GPU_TESTS, default tests/gpu) in one pytest run over
   # SUITE_WORKERS (default 8) xdist workers on the one GPU, work-stealing, so FlashInfer's JIT compiles
-  # (CPU) run beside other workers' tests; bounded by SUITE_LIMIT_S (default 470: SIGINT, so pytest
-  # still prints its summary); every test's line is in suite.log as it ends; the JIT cache comes back
+  # (CPU) run beside other workers' tests; bounded by SUITE_LIMIT_S (default 470; SIGINT at the bound
+  # as a last resort); every test's line is in suite.log as it ends; the JIT cache comes back
   # (SUITE_CACHE=0: not).
   # Each engine of a test that leaves cache.max_total_tokens unset would size its pool from the GPU
   # memory left (cache.mem_fraction_static), so the first worker's would starve the others: here
@@ -67,7 +67,11 @@ elif [ "$stage" = suite ]; then
   export RXF_CACHE__MAX_TOTAL_TOKENS=${RXF_CACHE__MAX_TOTAL_TOKENS:-65536}
   start=$(date +%s); dist=worksteal
   python3 -c "from xdist.scheduler import WorkStealingScheduling" 2> /dev/null || dist=load
-  timeout -s INT -k 30 "${SUITE_LIMIT_S:-470}" python3 -m pytest -p no:cacheprovider -v -ra --durations=40 \
+  # Each worker stops starting tests 45 s before the bound (--session-timeout), so that pytest ends
+  # by itself and prints the failures' tracebacks (a SIGINT at the bound cut them off on 2026-12-03).
+  limit=${SUITE_LIMIT_S:-470}
+  timeout -s INT -k 30 "$limit" python3 -m pytest -p no:cacheprovider -v -ra --durations=40 \
+    --session-timeout "$(( limit > 90 ? limit - 45 : limit * 2 / 3 ))" \
     -n "${SUITE_WORKERS:-8}" --dist "$dist" --timeout "${SUITE_TEST_LIMIT_S:-400}" ${GPU_TESTS:-tests/gpu} "$@" \
     > "$out/suite.log" 2>&1
   echo "suite: rc $? at $(( $(date +%s) - start )) s"

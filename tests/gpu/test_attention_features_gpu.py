@@ -81,8 +81,10 @@ def backend_cls(name: str, jit: bool = True) -> type[AttentionBackend]:
 
 
 def layer_features(shape: str, features: dict) -> dict:
+    """The features as a layer holds them: sinks on the GPU (a kernel cannot read a CPU tensor; the
+    CUDA-graph test puts these on its layers directly, make_case would have moved them)."""
     heads = SHAPES[shape][0][0]
-    return {k: sinks(heads) if v == SINKS else v for k, v in features.items()}
+    return {k: sinks(heads).cuda() if v == SINKS else v for k, v in features.items()}
 
 
 def case(shape: str, prefix: list[int], extend: list[int], features: dict, seed: int = 0):
