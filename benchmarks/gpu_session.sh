@@ -5,7 +5,7 @@
 #   ../shared/device/wheels.sh xgrammar==0.2.9 jsonschema==4.26.0 referencing jsonschema-specifications rpds-py msgspec==0.23.0
 # The JIT cache comes back in parts under 15 MB (the limit on returned files); put them in .fi-parts/
 # (git-ignored, carried) and the next call restores them.
-#   bash benchmarks/gpu_session.sh tests|split|bench|profile|gemv|compare|ab|offline-profile|pytest|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|offline-profile|pytest|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -55,6 +55,28 @@ elif [ "$stage" = split ]; then
   [ $# -gt 0 ] && bash benchmarks/gpu_session.sh others "$@"
   wait $bg; echo "background tests: rc $? at $(( $(date +%s) - start )) s"; tail -n 30 "$out/gpu-tests-bg.log"
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
+elif [ "$stage" = suite ]; then
+  # "suite [pytest args]": every GPU test (GPU_TESTS, default tests/gpu) in one pytest run over
+  # SUITE_WORKERS (default 8) xdist workers on the one GPU, work-stealing, so FlashInfer's JIT compiles
+  # (CPU) run beside other workers' tests; bounded by SUITE_LIMIT_S (default 470; SIGINT at the bound
+  # as a last resort); every test's line is in suite.log as it ends; the JIT cache comes back
+  # (SUITE_CACHE=0: not).
+  # Each engine of a test that leaves cache.max_total_tokens unset would size its pool from the GPU
+  # memory left (cache.mem_fraction_static), so the first worker's would starve the others: here
+  # such pools get a fixed size (a test's own value still wins).
+  export RXF_CACHE__MAX_TOTAL_TOKENS=${RXF_CACHE__MAX_TOTAL_TOKENS:-65536}
+  start=$(date +%s); dist=worksteal
+  python3 -c "from xdist.scheduler import WorkStealingScheduling" 2> /dev/null || dist=load
+  # Each worker stops starting tests 45 s before the bound (--session-timeout), so that pytest ends
+  # by itself and prints the failures' tracebacks (a SIGINT at the bound cut them off on 2026-12-03).
+  limit=${SUITE_LIMIT_S:-470}
+  timeout -s INT -k 30 "$limit" python3 -m pytest -p no:cacheprovider -v -ra --durations=40 \
+    --session-timeout "$(( limit > 90 ? limit - 45 : limit * 2 / 3 ))" \
+    -n "${SUITE_WORKERS:-8}" --dist "$dist" --timeout "${SUITE_TEST_LIMIT_S:-400}" ${GPU_TESTS:-tests/gpu} "$@" \
+    > "$out/suite.log" 2>&1
+  echo "suite: rc $? at $(( $(date +%s) - start )) s"
+  grep -E "^(FAILED|ERROR)|Error:|^E  " "$out/suite.log" | head -n 60; tail -n 8 "$out/suite.log"
+  [ "${SUITE_CACHE:-1}" = 0 ] || { tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"; }
 elif [ "$stage" = profile ]; then
   python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
   python3 benchmarks/gpu_profile.py --phases gemv 2>&1 | tee "$out/profile-gemv.log"

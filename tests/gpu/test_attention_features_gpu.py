@@ -6,13 +6,15 @@ across the window edge, ragged prefill, decode, a mixed batch of decode rows and
 decode replayed from a CUDA graph with two variants (a local and a global layer) in one capture.
 
 FlashInfer compiles a kernel per (head_dim, window on/off, cap on/off, sinks) on first use; the
-module fixture compiles them all concurrently first, so the tests do not wait on nvcc one by one.
+first flashinfer case compiles them all concurrently, so the tests do not wait on nvcc one by one
+(the triton cases never wait on it).
 Skipped without CUDA (the kernel modules import only after that check).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from dataclasses import replace
@@ -69,16 +71,20 @@ CASES = {
 }
 
 
-def backend_cls(name: str) -> type[AttentionBackend]:
+def backend_cls(name: str, jit: bool = True) -> type[AttentionBackend]:
     cls = PluginRegistry.load().attention_backend(name)
     if not cls.is_available(torch.device("cuda")):
         pytest.skip(f"{name} is not available here")
+    if name == "flashinfer" and jit:
+        flashinfer_jit(cls)
     return cls
 
 
 def layer_features(shape: str, features: dict) -> dict:
+    """The features as a layer holds them: sinks on the GPU (a kernel cannot read a CPU tensor; the
+    CUDA-graph test puts these on its layers directly, make_case would have moved them)."""
     heads = SHAPES[shape][0][0]
-    return {k: sinks(heads) if v == SINKS else v for k, v in features.items()}
+    return {k: sinks(heads).cuda() if v == SINKS else v for k, v in features.items()}
 
 
 def case(shape: str, prefix: list[int], extend: list[int], features: dict, seed: int = 0):
@@ -100,12 +106,10 @@ def compare(name: str, shape: str, case_name: str, features: dict) -> None:
     assert torch.equal(k, ref_k), "the new K landed in the same slots"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def flashinfer_jit() -> None:
-    """Compile every FlashInfer variant these tests use, concurrently (tiny batches, one per mode)."""
-    if not PluginRegistry.load().attention_backend("flashinfer").is_available(torch.device("cuda")):
-        return
-    cls = backend_cls("flashinfer")
+@functools.cache
+def flashinfer_jit(cls: type[AttentionBackend]) -> None:
+    """Compile every FlashInfer variant these tests use, concurrently (tiny batches, one per mode);
+    once per process, at the first flashinfer case."""
     jobs = [(shape, features, mode) for shape, (_, sets) in SHAPES.items() for features in sets.values()
             for mode in (([0], [16]), ([8], [8]), ([15], [1]))]  # ragged, paged, decode
     failures: list[str] = []
@@ -144,7 +148,7 @@ def test_triton_all_features_at_once(shape: str, case_name: str) -> None:
 
 def test_flashinfer_refuses_cap_with_sinks() -> None:
     layer = Layer(3, 64, 8, 64, 0.125, sliding_window=128, logit_cap=50.0, sinks=sinks(64))
-    assert backend_cls("flashinfer").missing_features([layer]) == {"logit_cap together with sinks": [3]}
+    assert backend_cls("flashinfer", jit=False).missing_features([layer]) == {"logit_cap together with sinks": [3]}
 
 
 GRAPH_PAIRS = {  # (local layer, global layer) of one model, captured in one graph
