@@ -63,7 +63,8 @@ elif [ "$stage" = suite ]; then
   # (SUITE_CACHE=0: not).
   # Each engine of a test that leaves cache.max_total_tokens unset would size its pool from the GPU
   # memory left (cache.mem_fraction_static), so the first worker's would starve the others: here
-  # such pools get a fixed size (a test's own value still wins).
+  # such pools get a fixed size. The variable outranks a test's config dict (only keyword overrides
+  # outrank the environment): a test that needs its own size passes it as one (test_overlap_gpu.py).
   export RXF_CACHE__MAX_TOTAL_TOKENS=${RXF_CACHE__MAX_TOTAL_TOKENS:-65536}
   start=$(date +%s); dist=worksteal
   python3 -c "from xdist.scheduler import WorkStealingScheduling" 2> /dev/null || dist=load

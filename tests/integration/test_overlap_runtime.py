@@ -19,15 +19,17 @@ from grammar_cases import LONG_KEYS_SCHEMA
 from rxf import Runtime
 from rxf.testing.step_workload import run_step_workload, stop_points
 
+# ~14 requests of up to ~200 tokens each in 240 slots, with an optimistic estimate of their future
+# tokens: decode runs out of slots and retracts. A keyword override, since it outranks the RXF_*
+# environment (RXF_CACHE__MAX_TOTAL_TOKENS would otherwise give a pool that never runs out).
+POOL = {"cache.max_total_tokens": 240}
+
 
 def _config(path, overlap: bool, tp: int = 1) -> dict:
     return {
         "model": {"path": str(path)},
         "runtime": {"device": "cpu", "cpu_threads": 1},
         "attention": {"backend": "torch_native"},
-        # ~14 requests of up to ~200 tokens each in 240 slots, with an optimistic estimate of their
-        # future tokens: decode runs out of slots and retracts.
-        "cache": {"max_total_tokens": 240},
         "scheduler": {"overlap": overlap, "chunked_prefill_size": 16, "max_running_requests": 8,
                       "init_new_token_ratio": 0.05, "min_new_token_ratio": 0.05},
         "parallel": {"tp_size": tp},
@@ -37,10 +39,10 @@ def _config(path, overlap: bool, tp: int = 1) -> dict:
 @pytest.fixture(scope="module")
 def workloads(tiny_llama):
     # The stop text and token come from an unstopped greedy run, so both stops really trigger.
-    with Runtime.from_config(_config(tiny_llama, overlap=False)) as rt:
+    with Runtime.from_config(_config(tiny_llama, overlap=False), **POOL) as rt:
         stop_text, stop_token = stop_points(rt)
         runs = {False: run_step_workload(rt, stop_text, stop_token, LONG_KEYS_SCHEMA)}
-    with Runtime.from_config(_config(tiny_llama, overlap=True)) as rt:
+    with Runtime.from_config(_config(tiny_llama, overlap=True), **POOL) as rt:
         runs[True] = run_step_workload(rt, stop_text, stop_token, LONG_KEYS_SCHEMA)
     return runs, stop_text, stop_token
 
@@ -63,7 +65,7 @@ def test_overlap_changes_no_output(workloads, hf_reference, tiny_llama):
 
 def test_tensor_parallel_overlap_matches(tiny_llama, workloads):
     runs, stop_text, stop_token = workloads
-    with Runtime.from_config(_config(tiny_llama, overlap=True, tp=2)) as rt:
+    with Runtime.from_config(_config(tiny_llama, overlap=True, tp=2), **POOL) as rt:
         tp = run_step_workload(rt, stop_text, stop_token, LONG_KEYS_SCHEMA)
     for key in [k for k in runs[False] if k not in ("stats", "aborted")]:
         assert tp[key] == runs[False][key], key
