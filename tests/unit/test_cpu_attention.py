@@ -130,3 +130,68 @@ def test_logits_match_transformers(model: str, request: pytest.FixtureRequest) -
 
 def test_runtime_greedy_matches_transformers(tiny_mistral: Path) -> None:
     check_runtime_greedy(tiny_mistral, prompts(), chunk=8, new_tokens=16, attention={"backend": "cpu"})
+
+
+def _reference_decode(q, k_buf, v_buf, slots, seq_lens, first_key, sinks, scale, cap):
+    """Decode attention per request in float32 torch ops (keys first_key[i] <= j < seq_lens[i])."""
+    heads, group = q.shape[1], q.shape[1] // k_buf.shape[1]
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        rows = slots[i, int(first_key[i]):int(seq_lens[i])]
+        k = k_buf[rows].float().repeat_interleave(group, dim=1)  # [n, H, D]
+        v = v_buf[rows].float().repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
+        w = torch.softmax(torch.cat([s, sinks.view(heads, 1)], dim=1), dim=1)[:, :-1]
+        out[i] = torch.einsum("hn,nhd->hd", w, v).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("features", ["plain", "all"])
+def test_decode_op_over_shared_prefixes(head_dim: int, features: str) -> None:
+    """Requests whose leading slots are the same (a prompt prefix shared through the radix cache)
+    are scored together over those keys: their outputs are each request's own attention. Covers
+    groups of several requests in batch order apart, a request that is all prefix, one whose
+    prefix with the group ends early (a divergent slot), a window (first_key) that starts inside
+    the shared run, and a lone request."""
+    from rxf.plugins.attention.cpu_decode import decode_attention_op
+
+    torch.manual_seed(0)
+    heads, kv_heads = 9, 3
+    pool = torch.randn(2, 4096, kv_heads, head_dim)
+    k_buf, v_buf = pool[0], pool[1]
+    prefix_a, prefix_b = list(range(100, 400)), list(range(1000, 1130))
+    fresh = iter(range(2000, 4096))
+    rows = [
+        prefix_a + [next(fresh) for _ in range(40)],
+        prefix_b + [next(fresh) for _ in range(7)],
+        prefix_a + [next(fresh) for _ in range(3)],
+        prefix_a[:250] + [next(fresh) for _ in range(60)],  # parts from the group after 250 keys
+        prefix_b,  # all prefix
+        [next(fresh) for _ in range(90)],
+        prefix_a + [next(fresh) for _ in range(12)],
+    ]
+    bs, width = len(rows), max(map(len, rows))
+    slots = torch.zeros(bs, width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        slots[i, : len(row)] = torch.tensor(row)
+    seq_lens = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+    first_key = torch.zeros(bs, dtype=torch.int32)
+    sinks, cap = torch.full((heads,), float("-inf")), None
+    if features == "all":
+        first_key[[0, 2, 6]] = torch.tensor([30, 30, 30], dtype=torch.int32)  # a window: the group still shares
+        sinks, cap = torch.linspace(-1.0, 2.0, heads), 0.9
+    q = torch.randn(bs, heads, head_dim)
+    one = torch.tensor(1.0)
+    op = decode_attention_op()
+    ref = _reference_decode(q, k_buf, v_buf, slots, seq_lens, first_key, sinks, head_dim**-0.5, cap)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):  # one thread's run of tasks, and two threads' split of them
+            torch.set_num_threads(threads)
+            out = op(q, k_buf, v_buf, one, one, slots, seq_lens, first_key, sinks, head_dim**-0.5, cap)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(saved)

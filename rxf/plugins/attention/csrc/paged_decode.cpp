@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -84,32 +86,106 @@ struct Shape {
   int64_t bs, heads, kv_heads, group, dim, slot_stride;
 };
 
-// One task: request b's keys [lo, hi), every head. Writes, per query head i,
-// part[i] = {max score, sum of exp(score - max), sum of exp(score - max) * value[0, dim)}.
-// A block of keys is read as whole pool rows (every KV head of a slot, contiguous), converted to
-// float; per KV head its keys are transposed ([dim, kBlock]) so that the scores of the block for
-// one query are kBlock-wide vector FMAs (no horizontal sum per score); the value rows are
-// converted once and added into each query's accumulator. The next block's rows are prefetched.
-// kD: the head dim when it is known at compile time (its loops then unroll), else 0.
+// Scores of kRows query rows (qf rows qrow[0, kRows)) against a block of keys (keys_t [D, kBlock]),
+// into their rows of `score`: the block's key vectors are loaded once per dim for all kRows rows.
+template <int64_t kRows, int64_t kD>
+inline void score_rows(const float* qf, const int64_t* qrow, const float* keys_t, int64_t dim, float* score) {
+  constexpr int64_t V = kBlock / Vec::size();
+  const int64_t D = kD ? kD : dim;
+  Vec acc[kRows][V];
+  for (auto& row : acc)
+    for (auto& x : row) x = Vec(0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    Vec k[V];
+    for (int64_t v = 0; v < V; ++v) k[v] = Vec::loadu(keys_t + d * kBlock + v * Vec::size());
+    for (int64_t r = 0; r < kRows; ++r) {
+      const Vec qd(qf[qrow[r] * D + d]);
+      for (int64_t v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(qd, k[v], acc[r][v]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t v = 0; v < V; ++v) acc[r][v].store(score + qrow[r] * kBlock + v * Vec::size());
+}
+
+template <int64_t kD>
+void score_all(const float* qf, const int64_t* qrow, int64_t rows, const float* keys_t, int64_t dim, float* score) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) score_rows<4, kD>(qf, qrow + r, keys_t, dim, score);
+  switch (rows - r) {
+    case 3: score_rows<3, kD>(qf, qrow + r, keys_t, dim, score); break;
+    case 2: score_rows<2, kD>(qf, qrow + r, keys_t, dim, score); break;
+    case 1: score_rows<1, kD>(qf, qrow + r, keys_t, dim, score); break;
+    default: break;
+  }
+}
+
+// outs[r][0, kD) += sum_j ps[r][j] * values[j * W, + kD) for kRows rows that read the same values:
+// each value row is loaded once for all of them; the accumulators stay in registers.
+template <int64_t kRows, int64_t kD>
+inline void accumulate_rows(float* const* outs, const float* const* ps, const float* values, int64_t W, int64_t n) {
+  constexpr int64_t V = kD / Vec::size();
+  Vec a[kRows][V];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t v = 0; v < V; ++v) a[r][v] = Vec::loadu(outs[r] + v * Vec::size());
+  for (int64_t j = 0; j < n; ++j) {
+    Vec x[V];
+    for (int64_t v = 0; v < V; ++v) x[v] = Vec::loadu(values + j * W + v * Vec::size());
+    for (int64_t r = 0; r < kRows; ++r) {
+      const Vec pj(ps[r][j]);
+      for (int64_t v = 0; v < V; ++v) a[r][v] = at::vec::fmadd(pj, x[v], a[r][v]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t v = 0; v < V; ++v) a[r][v].store(outs[r] + v * Vec::size());
+}
+
+template <int64_t kD>
+void accumulate_all(float* const* outs, const float* const* ps, int64_t rows, const float* values, int64_t W,
+                    int64_t n) {
+  // At most ~24 accumulator registers: 4 rows of 64 floats, 2 of 128.
+  constexpr int64_t kRows = kD <= 64 ? 4 : 2;
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) accumulate_rows<kRows, kD>(outs + r, ps + r, values, W, n);
+  for (; r < rows; ++r) accumulate_rows<1, kD>(outs + r, ps + r, values, W, n);
+}
+
+// One task: keys [lo, hi) of the R requests reqs[0, R), whose slots are the same over that range
+// (R > 1: a prompt prefix they share through the radix cache), every head. Writes, per request r
+// and query head i, parts[r][i] = {max score, sum of exp(score - max), sum of exp(score - max) *
+// value[0, dim)}. A block of keys is read as whole pool rows (every KV head of a slot, contiguous),
+// converted to float once for all R requests; per KV head its keys are transposed ([dim, kBlock]) so
+// that the scores of the block for one query are kBlock-wide vector FMAs (no horizontal sum per
+// score); the value rows are converted once and added into each query's accumulator. The next
+// block's rows are prefetched. kD: the head dim when it is known at compile time (its loops then
+// unroll), else 0.
 template <typename Q, typename KV, int64_t kD>
 void attend_chunk(const Shape& s, const Q* q, const KV* k_buf, const KV* v_buf, float k_scale, float v_scale,
-                  const int64_t* slots, int64_t b, int64_t lo, int64_t hi, float scale, float cap, float* part,
-                  std::vector<float>& scratch) {
+                  const int64_t* slots, const int64_t* reqs, int64_t R, int64_t lo, int64_t hi, float scale,
+                  float cap, float* const* parts, std::vector<float>& scratch) {
   const int64_t G = s.group, D = kD ? kD : s.dim, H = s.heads, W = s.kv_heads * D;  // W: a slot's row
-  scratch.resize(H * D + kBlock * W + kBlock * D + H * kBlock + 2 * H);
-  float* qf = scratch.data();          // [H, D], pre-scaled
-  float* rows = qf + H * D;            // [kBlock, W]: the block's key rows, then its value rows
-  float* keys_t = rows + kBlock * W;   // [D, kBlock]: one KV head's keys
-  float* score = keys_t + kBlock * D;  // [H, kBlock]
-  float* mx = score + H * kBlock;      // [H]
-  float* sum = mx + H;                 // [H]
-  to_float(q + b * H * D, qf, H * D, scale);
-  for (int64_t i = 0; i < H; ++i) {
-    mx[i] = -std::numeric_limits<float>::infinity();
-    sum[i] = 0.f;
-    std::fill_n(part + i * (D + 2) + 2, D, 0.f);
+  const int64_t RH = R * H;  // query rows: request r's head i is row r * H + i
+  scratch.resize(RH * D + kBlock * W + kBlock * D + RH * kBlock + 2 * RH);
+  float* qf = scratch.data();           // [RH, D], pre-scaled
+  float* rows = qf + RH * D;            // [kBlock, W]: the block's key rows, then its value rows
+  float* keys_t = rows + kBlock * W;    // [D, kBlock]: one KV head's keys
+  float* score = keys_t + kBlock * D;   // [RH, kBlock]
+  float* mx = score + RH * kBlock;      // [RH]
+  float* sum = mx + RH;                 // [RH]
+  for (int64_t r = 0; r < R; ++r) {
+    to_float(q + reqs[r] * H * D, qf + r * H * D, H * D, scale);
+    for (int64_t i = 0; i < H; ++i) std::fill_n(parts[r] + i * (D + 2) + 2, D, 0.f);
   }
-  const int64_t* row_slots = slots + b * s.slot_stride;
+  std::fill_n(mx, RH, -std::numeric_limits<float>::infinity());
+  std::fill_n(sum, RH, 0.f);
+  const int64_t* row_slots = slots + reqs[0] * s.slot_stride;
+  // Per KV head, the query rows that read it (request r's heads h * G .. (h + 1) * G), in order.
+  std::vector<int64_t> head_rows(RH);
+  for (int64_t h = 0, k = 0; h < s.kv_heads; ++h)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < G; ++g) head_rows[k++] = r * H + h * G + g;
+  std::vector<float*> out_row(RH), outs(R * G);  // a query row's accumulator (its partial's values)
+  std::vector<const float*> ps(R * G);
+  for (int64_t i = 0; i < RH; ++i) out_row[i] = parts[i / H] + (i % H) * (D + 2) + 2;
   for (int64_t l0 = lo; l0 < hi; l0 += kBlock) {
     const int64_t n = std::min(kBlock, hi - l0);
     for (int64_t j = l0 + kBlock; j < std::min(hi, l0 + 2 * kBlock); ++j) {
@@ -122,53 +198,108 @@ void attend_chunk(const Shape& s, const Q* q, const KV* k_buf, const KV* v_buf, 
     std::fill_n(rows + n * W, (kBlock - n) * W, 0.f);  // a short block's last keys score 0, then drop out
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       at::vec::transpose_mxn<float>(rows + h * D, W, keys_t, kBlock, kBlock, D);
-      for (int64_t i = h * G; i < (h + 1) * G; ++i) {
-        Vec acc[kBlock / Vec::size()];
-        for (auto& x : acc) x = Vec(0.f);
-        for (int64_t d = 0; d < D; ++d) {
-          const Vec qd(qf[i * D + d]);
-          for (int64_t v = 0; v < kBlock / Vec::size(); ++v)
-            acc[v] = at::vec::fmadd(qd, Vec::loadu(keys_t + d * kBlock + v * Vec::size()), acc[v]);
-        }
+      const int64_t* hr = head_rows.data() + h * R * G;
+      score_all<kD>(qf, hr, R * G, keys_t, D, score);
+      for (int64_t k = 0; k < R * G; ++k) {
+        const int64_t i = hr[k];
         float* si = score + i * kBlock;
-        for (int64_t v = 0; v < kBlock / Vec::size(); ++v) {
-          Vec x = acc[v];
-          if (cap > 0.f) x = Vec(cap) * (x / Vec(cap)).tanh();
-          x.store(si + v * Vec::size());
+        if (cap > 0.f) {
+          for (int64_t v = 0; v < kBlock / Vec::size(); ++v) {
+            const Vec x = Vec::loadu(si + v * Vec::size());
+            (Vec(cap) * (x / Vec(cap)).tanh()).store(si + v * Vec::size());
+          }
         }
         const float m = std::max(mx[i], *std::max_element(si, si + n));
         if (m > mx[i] && l0 > lo) {  // the weights so far were relative to a smaller max
           const float corr = std::exp(mx[i] - m);
           sum[i] *= corr;
-          rescale(part + i * (D + 2) + 2, corr, D);
+          rescale(out_row[i], corr, D);
         }
         mx[i] = m;
         sum[i] += exp_sum(si, m, n);
       }
     }
     for (int64_t j = 0; j < n; ++j) to_float(v_buf + row_slots[l0 + j] * W, rows + j * W, W, v_scale);
-    for (int64_t i = 0; i < H; ++i) {
-      float* out = part + i * (D + 2) + 2;
-      const float* p = score + i * kBlock;
-      const float* values = rows + (i / G) * D;
-      if constexpr (kD > 0 && kD % Vec::size() == 0) {  // the accumulator in registers across the block
-        Vec a[kD / Vec::size()];
-        for (int64_t v = 0; v < kD / Vec::size(); ++v) a[v] = Vec::loadu(out + v * Vec::size());
-        for (int64_t j = 0; j < n; ++j) {
-          const Vec pj(p[j]);
-          for (int64_t v = 0; v < kD / Vec::size(); ++v)
-            a[v] = at::vec::fmadd(pj, Vec::loadu(values + j * W + v * Vec::size()), a[v]);
-        }
-        for (int64_t v = 0; v < kD / Vec::size(); ++v) a[v].store(out + v * Vec::size());
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t* hr = head_rows.data() + h * R * G;
+      const float* values = rows + h * D;
+      for (int64_t k = 0; k < R * G; ++k) {
+        outs[k] = out_row[hr[k]];
+        ps[k] = score + hr[k] * kBlock;
+      }
+      if constexpr (kD > 0 && kD % Vec::size() == 0) {
+        accumulate_all<kD>(outs.data(), ps.data(), R * G, values, W, n);
       } else {
-        for (int64_t j = 0; j < n; ++j) add_scaled(out, p[j], values + j * W, D);
+        for (int64_t k = 0; k < R * G; ++k)
+          for (int64_t j = 0; j < n; ++j) add_scaled(outs[k], ps[k][j], values + j * W, D);
       }
     }
   }
-  for (int64_t i = 0; i < H; ++i) {
-    part[i * (D + 2)] = mx[i];
-    part[i * (D + 2) + 1] = sum[i];
+  for (int64_t i = 0; i < RH; ++i) {
+    parts[i / H][(i % H) * (D + 2)] = mx[i];
+    parts[i / H][(i % H) * (D + 2) + 1] = sum[i];
   }
+}
+
+// Keys [lo, hi) of requests order[first, first + count), whose slots are the same there; their
+// partial results go to partials [part, part + count).
+struct Task {
+  int64_t lo, hi, first, count, part;
+};
+
+// The tasks of a batch. Requests are ordered by their first visible key's slot; consecutive ones
+// with the same first key and slot form a group, whose common run of slots (a prompt prefix shared
+// through the radix cache) is one range of keys read once for the whole group; each request's keys
+// after it are its own range. A range is cut into tasks of about `cost` key-queries (keys x the
+// requests reading them), none shorter than kMinChunk keys.
+std::vector<Task> plan_tasks(const Shape& s, const int64_t* slots, const int32_t* seq_lens, const int32_t* first_key,
+                             int64_t threads, std::vector<int64_t>& order, int64_t& cost_per_task) {
+  order.resize(s.bs);
+  std::iota(order.begin(), order.end(), 0);
+  const auto keys = [&](int64_t b) { return std::max<int64_t>(0, seq_lens[b] - first_key[b]); };
+  const auto lead = [&](int64_t b) { return keys(b) > 0 ? slots[b * s.slot_stride + first_key[b]] : -1; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::make_pair(first_key[a], lead(a)) < std::make_pair(first_key[b], lead(b));
+  });
+  struct Range {
+    int64_t lo, hi, first, count;
+  };
+  std::vector<Range> ranges;
+  int64_t total = 0;
+  for (int64_t g = 0; g < s.bs;) {
+    const int64_t a = order[g];
+    int64_t end = g + 1, shared = keys(a);
+    while (end < s.bs && keys(a) > 0 && first_key[order[end]] == first_key[a] && lead(order[end]) == lead(a)) {
+      const int64_t b = order[end];
+      const int64_t* sa = slots + a * s.slot_stride + first_key[a];
+      const int64_t* sb = slots + b * s.slot_stride + first_key[b];
+      const int64_t most = std::min(shared, keys(b));
+      shared = std::mismatch(sa, sa + most, sb).first - sa;
+      ++end;
+    }
+    const int64_t count = end - g;
+    if (count > 1) ranges.push_back({first_key[a], first_key[a] + shared, g, count});
+    for (int64_t m = g; m < end; ++m) {
+      const int64_t b = order[m], lo = first_key[b] + (count > 1 ? shared : 0);
+      if (lo < seq_lens[b] || (count == 1)) ranges.push_back({lo, std::max<int64_t>(lo, seq_lens[b]), m, 1});
+    }
+    for (int64_t m = g; m < end; ++m) total += keys(order[m]);
+    g = end;
+  }
+  cost_per_task = std::max(kMinChunk, (total + kTasksPerThread * threads - 1) / (kTasksPerThread * threads));
+  std::vector<Task> tasks;
+  int64_t part = 0;
+  for (const Range& r : ranges) {
+    const int64_t len = r.hi - r.lo;
+    const int64_t pieces = std::max<int64_t>(1, std::min((len * r.count) / cost_per_task, len / kMinChunk));
+    const int64_t per = (len + pieces - 1) / pieces;
+    for (int64_t lo = r.lo; lo < r.hi || lo == r.lo; lo += per) {
+      tasks.push_back({lo, std::min(r.hi, lo + per), r.first, r.count, part});
+      part += r.count;
+      if (per == 0) break;
+    }
+  }
+  return tasks;
 }
 
 template <typename Q, typename KV, int64_t kD>
@@ -176,36 +307,44 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k_buf, const at:
          float v_scale, const at::Tensor& slots, const int32_t* seq_lens, const int32_t* first_key,
          const float* sinks, float scale, float cap, at::Tensor& out) {
   const int64_t D = s.dim, H = s.heads;
-  // Chunks: enough (request, chunk) tasks for every thread, none shorter than kMinChunk keys.
-  int64_t total_keys = 0;
-  for (int64_t b = 0; b < s.bs; ++b) total_keys += std::max<int64_t>(0, seq_lens[b] - first_key[b]);
-  const int64_t wanted = kTasksPerThread * at::get_num_threads();
-  const int64_t chunk = std::max(kMinChunk, (total_keys + wanted - 1) / wanted);
-  std::vector<int64_t> first_chunk(s.bs + 1, 0);  // request b's chunks: [first_chunk[b], first_chunk[b + 1])
-  std::vector<int64_t> chunk_request;
-  for (int64_t b = 0; b < s.bs; ++b) {
-    const int64_t keys = std::max<int64_t>(0, seq_lens[b] - first_key[b]);
-    const int64_t n = std::max<int64_t>(1, (keys + chunk - 1) / chunk);
-    first_chunk[b + 1] = first_chunk[b] + n;
-    chunk_request.insert(chunk_request.end(), n, b);
-  }
-  const int64_t chunks = first_chunk[s.bs];
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> order;
+  int64_t cost_per_task = 0;
+  const std::vector<Task> tasks = plan_tasks(s, sp, seq_lens, first_key, threads, order, cost_per_task);
   const int64_t part_size = H * (D + 2);
-  std::vector<float> parts(chunks * part_size);
+  const int64_t num_parts = tasks.empty() ? 0 : tasks.back().part + tasks.back().count;
+  std::vector<float> parts(num_parts * part_size);
+  std::vector<std::vector<int64_t>> req_parts(s.bs);  // request b's partial results
+  for (const Task& t : tasks)
+    for (int64_t r = 0; r < t.count; ++r) req_parts[order[t.first + r]].push_back(t.part + r);
+  // Threads take contiguous runs of tasks of about equal cost (a group's task costs its requests'
+  // count times a single one's): at::parallel_for over the threads, each its own run.
+  std::vector<int64_t> bound(threads + 1, int64_t(tasks.size()));
+  {
+    int64_t total = 0, acc = 0;
+    for (const Task& t : tasks) total += (t.hi - t.lo + 1) * t.count;
+    int64_t th = 1;
+    bound[0] = 0;
+    for (int64_t i = 0; i < int64_t(tasks.size()) && th < threads; ++i) {
+      acc += (tasks[i].hi - tasks[i].lo + 1) * tasks[i].count;
+      while (th < threads && acc * threads >= th * total) bound[th++] = i + 1;
+    }
+  }
   const Q* qp = q.const_data_ptr<Q>();
   const KV* kp = k_buf.const_data_ptr<KV>();
   const KV* vp = v_buf.const_data_ptr<KV>();
-  const int64_t* sp = slots.const_data_ptr<int64_t>();
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t b = chunk_request[c], n = first_chunk[b + 1] - first_chunk[b];
-      const int64_t keys = std::max<int64_t>(0, seq_lens[b] - first_key[b]);
-      const int64_t per = (keys + n - 1) / n;
-      const int64_t lo = first_key[b] + (c - first_chunk[b]) * per;
-      const int64_t hi = std::min<int64_t>(seq_lens[b], lo + per);
-      attend_chunk<Q, KV, kD>(s, qp, kp, vp, k_scale, v_scale, sp, b, lo, std::max(lo, hi), scale, cap,
-                              parts.data() + c * part_size, scratch);
+    std::vector<float*> out_parts;
+    for (int64_t th = begin; th < end; ++th) {
+      for (int64_t i = bound[th]; i < bound[th + 1]; ++i) {
+        const Task& t = tasks[i];
+        out_parts.resize(t.count);
+        for (int64_t r = 0; r < t.count; ++r) out_parts[r] = parts.data() + (t.part + r) * part_size;
+        attend_chunk<Q, KV, kD>(s, qp, kp, vp, k_scale, v_scale, sp, order.data() + t.first, t.count, t.lo, t.hi,
+                                scale, cap, out_parts.data(), scratch);
+      }
     }
   });
   Q* op = out.data_ptr<Q>();
@@ -214,10 +353,10 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k_buf, const at:
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / H, head = i % H;
       float m = sinks[head];
-      for (int64_t c = first_chunk[b]; c < first_chunk[b + 1]; ++c) m = std::max(m, parts[c * part_size + head * (D + 2)]);
+      for (const int64_t c : req_parts[b]) m = std::max(m, parts[c * part_size + head * (D + 2)]);
       float total = std::isinf(sinks[head]) ? 0.f : std::exp(sinks[head] - m);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t c = first_chunk[b]; c < first_chunk[b + 1]; ++c) {
+      for (const int64_t c : req_parts[b]) {
         const float* p = parts.data() + c * part_size + head * (D + 2);
         if (std::isinf(p[0])) continue;  // an empty chunk
         const float w = std::exp(p[0] - m);
