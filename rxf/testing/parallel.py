@@ -16,12 +16,8 @@ import torch
 import torch.multiprocessing as mp
 
 from rxf.core.forward import ForwardMode
-from rxf.core.runner.distributed import (
-    RankPlacement,
-    destroy_tensor_parallel,
-    free_port,
-    init_tensor_parallel,
-)
+from rxf.core.launch.placement import RankPlacement, free_port
+from rxf.core.runner.distributed import destroy_tensor_parallel, init_tensor_parallel
 from rxf.core.runner.model_runner import ModelInput, ModelRunner
 
 

@@ -9,7 +9,9 @@ FP8 pool); slots int64 [bs, L], request i's keys in columns [0, seq_lens[i]); ->
 dtype. The query of request i sees keys first_key[i] <= j < seq_lens[i] (first_key: 0, or with a
 sliding window W, seq_lens[i] - W); `cap`: scores become cap * tanh(s / cap); `sinks` float32 [H]:
 one more logit per head in the softmax's denominator, -inf for none (see rxf.core.attention).
-Scores, softmax and sums are float32 whatever the dtypes.
+Scores, softmax and sums are float32 whatever the dtypes. Requests whose visible keys start with the
+same run of slots (a prompt prefix shared through the radix cache) are scored together over that run:
+its keys are read, converted and transposed once for all of them.
 
 Why C++: `torch.compile` of the same computation written as gathers and reductions (this module's
 previous form) generated one horizontal sum per score, several passes and per-element bounds
