@@ -16,9 +16,9 @@ import torch
 import torch.multiprocessing as mp
 
 from rxf.core.forward import ForwardMode
-from rxf.core.launch.placement import RankPlacement, free_port
 from rxf.core.runner.distributed import destroy_tensor_parallel, init_tensor_parallel
 from rxf.core.runner.model_runner import ModelInput, ModelRunner
+from rxf.core.runner.placement import RankPlacement, free_port
 
 
 def _worker(rank: int, tp_size: int, port: int, device: str, threads: int, fn: Any, args: tuple, results: Any) -> None:

@@ -17,8 +17,8 @@ import pytest
 
 from rxf import Runtime
 from rxf.core.frontend.tokenizer_manager import EngineDeadError
-from rxf.core.launch.placement import free_port
 from rxf.core.launch.processes import EngineStartError
+from rxf.core.runner.placement import free_port
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPTS = ["the cat", "a much longer prompt about the dog and the cat", "你好", "numbers 1 2 3"]

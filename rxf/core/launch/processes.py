@@ -22,7 +22,7 @@ from typing import Any
 from rxf.core.config import EngineConfig
 from rxf.core.ipc.addresses import engine_addrs, replica_addr_key
 from rxf.core.launch.child import ChildProcess
-from rxf.core.launch.placement import RankPlacement, free_port
+from rxf.core.runner.placement import RankPlacement, free_port
 
 logger = logging.getLogger(__name__)
 

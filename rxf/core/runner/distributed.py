@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rxf.core.launch.placement import RankPlacement
+from rxf.core.runner.placement import RankPlacement
 
 _group: dist.ProcessGroup | None = None
 _cpu_group: dist.ProcessGroup | None = None

@@ -42,7 +42,7 @@ from rxf.core.ipc.messages import (
     ToScheduler,
 )
 from rxf.core.launch.heap import IdleHeapTrimmer
-from rxf.core.launch.placement import RankPlacement
+from rxf.core.runner.placement import RankPlacement
 
 logger = logging.getLogger(__name__)
 
