@@ -22,10 +22,20 @@ ABANDON_TIMEOUT_S = 10.0
 
 
 @dataclass
-class LoadedEngine:
-    engine: Any  # EngineProcesses
+class Frontend:
+    """What the main process loads beside the children."""
+
+    registry: Any  # PluginRegistry
     tokenizer: Any
     chat_template: Any
+    tool_parser: Any
+    reasoning_parser: Any
+
+
+@dataclass
+class LoadedEngine:
+    engine: Any  # EngineProcesses
+    frontend: Frontend
 
 
 def load_engine(config: EngineConfig, cancel: threading.Event) -> LoadedEngine:
@@ -42,14 +52,16 @@ def load_engine(config: EngineConfig, cancel: threading.Event) -> LoadedEngine:
         frontend = pool.submit(load_frontend, config, tokenizer_path)
         engine = EngineProcesses(config, model_path, cancel=cancel)
         try:
-            tokenizer, template = frontend.result()
+            loaded = LoadedEngine(engine, frontend.result())
         except BaseException:
             engine.shutdown()
             raise
-    return LoadedEngine(engine, tokenizer, template)
+    return loaded
 
 
-def load_frontend(config: EngineConfig, tokenizer_path: str) -> tuple[Any, Any]:
+def load_frontend(config: EngineConfig, tokenizer_path: str) -> Frontend:
+    """The plugin registry, tokenizer, chat template and the chat output parsers (a bad format name
+    fails the launch, not the first chat)."""
     from rxf.core.load_tokenizer import load_tokenizer
     from rxf.core.registry import PluginRegistry
     from rxf.plugins.chat_templates.base import resolve_chat_template
@@ -57,13 +69,14 @@ def load_frontend(config: EngineConfig, tokenizer_path: str) -> tuple[Any, Any]:
     registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
     tokenizer = load_tokenizer(tokenizer_path)
     template = resolve_chat_template(config.model.chat_template, tokenizer, registry.chat_template)
-    # A bad format name fails the launch, not the first chat.
     from rxf.entrypoints.chat.reasoning import make_reasoning_parser
     from rxf.entrypoints.chat.tool_parsers import make_parser
 
-    make_parser(config.model.tool_call_parser, template, tokenizer, registry)
-    make_reasoning_parser(config.model.reasoning_parser, template, registry)
-    return tokenizer, template
+    return Frontend(
+        registry, tokenizer, template,
+        make_parser(config.model.tool_call_parser, template, tokenizer, registry),
+        make_reasoning_parser(config.model.reasoning_parser, template, registry),
+    )
 
 
 class EngineLoader:

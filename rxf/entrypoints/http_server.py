@@ -64,10 +64,11 @@ async def _take_engine(app: FastAPI, state: ServerState, loader: EngineLoader) -
         logger.error("the engine failed to start: %s", state.startup_error)
         app.state.on_startup_failure()
         return
-    state.engine, state.tokenizer, state.chat_template = loaded.engine, loaded.tokenizer, loaded.chat_template
-    grammar = make_grammar_backend(state.config, loaded.tokenizer, loaded.engine.info["vocab_size"])
+    state.engine, state.tokenizer = loaded.engine, loaded.frontend.tokenizer
+    state.chat_template = loaded.frontend.chat_template
+    grammar = make_grammar_backend(state.config, state.tokenizer, loaded.engine.info["vocab_size"])
     tm = TokenizerManager(
-        loaded.tokenizer, loaded.engine.addrs, loaded.engine.info, RequestLimits.from_config(state.config),
+        state.tokenizer, loaded.engine.addrs, loaded.engine.info, RequestLimits.from_config(state.config),
         mm_processor=load_multimodal_processor(state.config, loaded.engine.info), grammar=grammar,
     )
     await tm.start()
@@ -133,8 +134,9 @@ def create_app(
     engine_loader: EngineLoader | None = None,
 ) -> FastAPI:
     """The server's app. The engine starts with the app's lifespan (or was started already by
-    `engine_loader`, which the app then owns); `on_ready` is called on the loop once it serves, `on_startup_failure` if it could not start (`state.startup_error` says why),
-    `on_engine_death` when a child died and `server.exit_on_engine_death` asks to stop."""
+    `engine_loader`, which the app then owns); `on_ready` is called on the loop once it serves,
+    `on_startup_failure` if it could not start (`state.startup_error` says why), `on_engine_death`
+    when a child died and `server.exit_on_engine_death` asks to stop."""
     app = FastAPI(title="rxf", version=_version(), lifespan=_lifespan)
     state = ServerState(config=config, served_model_name=config.model.served_model_name or config.model.path)
     state.metrics = ServerMetrics(state.served_model_name)

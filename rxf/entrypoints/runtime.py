@@ -28,9 +28,6 @@ from rxf.core.frontend.requests import GenerateRequest, RequestLimits, load_mult
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.grammar import make_grammar_backend
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
-from rxf.core.registry import PluginRegistry
-from rxf.entrypoints.chat.reasoning import make_reasoning_parser
-from rxf.entrypoints.chat.tool_parsers import make_parser
 from rxf.entrypoints.choices import check_n, choice_requests, interleave, warm_prefixes
 from rxf.entrypoints.engine_loader import load_engine
 from rxf.entrypoints.runtime_chat import ChatCall, prepare_chat
@@ -45,16 +42,11 @@ Params = dict[str, Any] | list[dict[str, Any]] | None
 class Runtime:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.registry = PluginRegistry.load(config.plugins.allow, config.plugins.deny)
         loaded = load_engine(config, threading.Event())  # the tokenizer loads while the children start
-        self.engine, self.tokenizer, self.chat_template = loaded.engine, loaded.tokenizer, loaded.chat_template
+        self.engine, front = loaded.engine, loaded.frontend
+        self.registry, self.tokenizer, self.chat_template = front.registry, front.tokenizer, front.chat_template
+        self.tool_parser, self.reasoning_parser = front.tool_parser, front.reasoning_parser
         try:
-            self.tool_parser = make_parser(
-                config.model.tool_call_parser, self.chat_template, self.tokenizer, self.registry
-            )
-            self.reasoning_parser = make_reasoning_parser(
-                config.model.reasoning_parser, self.chat_template, self.registry
-            )
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="rxf-runtime-loop", daemon=True)
             self._thread.start()

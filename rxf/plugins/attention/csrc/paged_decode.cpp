@@ -250,10 +250,10 @@ struct Task {
 // The tasks of a batch. Requests are ordered by their first visible key's slot; consecutive ones
 // with the same first key and slot form a group, whose common run of slots (a prompt prefix shared
 // through the radix cache) is one range of keys read once for the whole group; each request's keys
-// after it are its own range. A range is cut into tasks of about `cost` key-queries (keys x the
-// requests reading them), none shorter than kMinChunk keys.
+// after it are its own range. A range is cut into tasks of about `cost_per_task` key-queries (keys x
+// the requests reading them), none shorter than kMinChunk keys.
 std::vector<Task> plan_tasks(const Shape& s, const int64_t* slots, const int32_t* seq_lens, const int32_t* first_key,
-                             int64_t threads, std::vector<int64_t>& order, int64_t& cost_per_task) {
+                             int64_t threads, std::vector<int64_t>& order) {
   order.resize(s.bs);
   std::iota(order.begin(), order.end(), 0);
   const auto keys = [&](int64_t b) { return std::max<int64_t>(0, seq_lens[b] - first_key[b]); };
@@ -279,24 +279,24 @@ std::vector<Task> plan_tasks(const Shape& s, const int64_t* slots, const int32_t
     }
     const int64_t count = end - g;
     if (count > 1) ranges.push_back({first_key[a], first_key[a] + shared, g, count});
-    for (int64_t m = g; m < end; ++m) {
+    for (int64_t m = g; m < end; ++m) {  // each request's keys after the shared run (all of a lone one's)
       const int64_t b = order[m], lo = first_key[b] + (count > 1 ? shared : 0);
-      if (lo < seq_lens[b] || (count == 1)) ranges.push_back({lo, std::max<int64_t>(lo, seq_lens[b]), m, 1});
+      if (lo < seq_lens[b] || count == 1) ranges.push_back({lo, std::max<int64_t>(lo, seq_lens[b]), m, 1});
+      total += keys(b);
     }
-    for (int64_t m = g; m < end; ++m) total += keys(order[m]);
     g = end;
   }
-  cost_per_task = std::max(kMinChunk, (total + kTasksPerThread * threads - 1) / (kTasksPerThread * threads));
+  const int64_t cost_per_task = std::max(kMinChunk, (total + kTasksPerThread * threads - 1) / (kTasksPerThread * threads));
   std::vector<Task> tasks;
   int64_t part = 0;
   for (const Range& r : ranges) {
     const int64_t len = r.hi - r.lo;
     const int64_t pieces = std::max<int64_t>(1, std::min((len * r.count) / cost_per_task, len / kMinChunk));
     const int64_t per = (len + pieces - 1) / pieces;
-    for (int64_t lo = r.lo; lo < r.hi || lo == r.lo; lo += per) {
+    for (int64_t p = 0; p < pieces; ++p) {  // (an empty range: one empty task, its partial skipped)
+      const int64_t lo = std::min(r.hi, r.lo + p * per);
       tasks.push_back({lo, std::min(r.hi, lo + per), r.first, r.count, part});
       part += r.count;
-      if (per == 0) break;
     }
   }
   return tasks;
@@ -310,8 +310,7 @@ void run(const Shape& s, const at::Tensor& q, const at::Tensor& k_buf, const at:
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
   std::vector<int64_t> order;
-  int64_t cost_per_task = 0;
-  const std::vector<Task> tasks = plan_tasks(s, sp, seq_lens, first_key, threads, order, cost_per_task);
+  const std::vector<Task> tasks = plan_tasks(s, sp, seq_lens, first_key, threads, order);
   const int64_t part_size = H * (D + 2);
   const int64_t num_parts = tasks.empty() ? 0 : tasks.back().part + tasks.back().count;
   std::vector<float> parts(num_parts * part_size);
