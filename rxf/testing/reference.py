@@ -18,11 +18,12 @@ import torch
 class HFReference:
     """transformers' own modeling code for `path`, in eval mode on the CPU (float32 by default)."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, **load_options: Any) -> None:
+        """`load_options` go to `from_pretrained` (e.g. a `quantization_config` override)."""
         from transformers import AutoModelForCausalLM
 
         self.path = Path(path)
-        self.model: Any = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype).eval()
+        self.model: Any = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, **load_options).eval()
 
     @torch.inference_mode()
     def logits(self, tokens: list[int]) -> torch.Tensor:
