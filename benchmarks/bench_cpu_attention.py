@@ -71,7 +71,7 @@ def decode_case(dtype: torch.dtype, bs: int, length: int) -> None:
         return (probs @ v.transpose(1, 2).float()).view(bs, heads, head_dim).to(dtype)
 
     def cpu_op() -> torch.Tensor:
-        return op(q, k_buf, v_buf, one, one, slots, seq_lens, seq_lens * 0, no_sinks, scale, None)
+        return op(q, k_buf, v_buf, one, one, slots, torch.arange(bs), seq_lens, seq_lens * 0, no_sinks, scale, None)
 
     ref = sdpa().float()
     for name, fn in (("gather + SDPA with mask", sdpa), ("gather + fp32 matmuls", matmuls), ("C++ op (cpu)", cpu_op)):

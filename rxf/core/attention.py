@@ -162,7 +162,7 @@ class AttentionBackend(ABC):
     # req_to_token[req_pool_indices[r], :seq_lens[r]] alone, whatever the other rows (they need not
     # be distinct requests). Then a speculative verify, a request's newest token and its drafts, runs
     # as decode rows of one request at consecutive positions, causal through seq_lens, and so from
-    # the decode CUDA graphs (`ModelRunner._short_extend_rows`).
+    # the decode CUDA graphs (`ModelRunner._extend_rows`).
     verifies_as_decode: bool = False
 
     # Whether `forward_decode` can be traced whole into a model's compiled CPU decode forward

@@ -1,5 +1,5 @@
 """Speculative decoding under CUDA graphs (skipped without CUDA): a verify (and a draft's catch-up
-extend) replays a decode graph (`ModelRunner._short_extend_rows`) and gives the eager extend's logits; n-gram and draft-model speculation
+extend) replays a decode graph (`ModelRunner._extend_rows`) and gives the eager extend's logits; n-gram and draft-model speculation
 (the draft's decode steps replayed from its own graphs) keep greedy tokens those of transformers.
 
 float32 for triton, so that the two paths agree to rounding; FlashInfer runs bf16 (its kernels take

@@ -1,9 +1,9 @@
 """The cpu attention backend against torch_native (one layer, scattered pool slots, stale
 req_to_token entries) and against transformers (tiny checkpoints through ModelRunner and Runtime).
 
-Covers: extend over cached prefixes, mixed batches (requests of very different lengths, so extend
-packs several padded groups), decode, GQA, sliding windows, soft-caps and sinks, fp32 and bf16, an
-FP8 pool with scales, and
+Covers: extend over cached prefixes, mixed batches (requests of very different lengths, a MIXED
+forward's one-token rows beside prompt chunks), decode, GQA, sliding windows, soft-caps and sinks,
+fp32 and bf16, an FP8 pool with scales, the op's planning of rows that share or nest their keys, and
 greedy tokens through the scheduler with chunked prefill and the radix cache.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rxf.plugins.attention.cpu import COMPILE_ENV, CpuBackend, pack_groups
+from rxf.plugins.attention.cpu import COMPILE_ENV, CpuBackend
 from rxf.testing import make_tiny_checkpoint
 from rxf.testing.attention import assert_bf16_close, compare_backends, make_case
 from rxf.testing.model_parity import check_logits, check_runtime_greedy
@@ -31,7 +31,7 @@ SHAPE = {"heads": 4, "kv_heads": 2, "head_dim": 16, "device": "cpu"}  # GQA 2
 BATCHES = {
     # request 0: a cached prefix past the window; 1: new tokens across the window edge; 2: no prefix
     "extend over prefixes": ([40, 3, 0], [5, 20, 11]),
-    "mixed lengths": ([0, 0, 0, 12], [1, 60, 7, 2]),  # several padded groups, one single-token extend
+    "mixed lengths": ([0, 0, 0, 12], [1, 60, 7, 2]),  # a one-token prompt, a long one, and short ones
     # a MIXED forward: decode rows (one new token over a prefix, the decode op's) beside a prompt chunk
     "decode rows and a chunk": ([30, 0, 17, 9], [1, 9, 1, 4]),
     "decode": ([1, 7, 30, 45], [1, 1, 1, 1]),
@@ -79,7 +79,7 @@ def test_background_compile_takes_over_decode(monkeypatch: pytest.MonkeyPatch) -
     ctx = make_case([4], [1], **SHAPE, dtype=torch.float32)[0]
     backend = CpuBackend(ctx)
     assert backend.compiled.wait(120), "the background compile did not finish"
-    assert backend._decode is not None
+    assert backend._op is not None
     monkeypatch.setenv(COMPILE_ENV, "soon")
     with pytest.raises(ValueError, match=COMPILE_ENV):
         CpuBackend(ctx)
@@ -97,15 +97,6 @@ def test_decode_op_at_the_head_dims_it_unrolls(head_dim: int, features: str) -> 
         out, ref, _, _ = compare_backends(CpuBackend, prefixes, [1] * len(prefixes), **shape, dtype=torch.float32,
                                           **extra)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_pack_groups_bounds_padding() -> None:
-    # A long prompt does not pad the short ones up to its length; equal lengths share one group.
-    assert pack_groups([100, 5, 5, 5], [100, 5, 5, 5]) == [[0], [1, 2, 3]]
-    assert pack_groups([5, 4, 4], [5, 4, 4]) == [[0, 1], [2]]  # a third would pad 75 for 57
-    assert pack_groups([8, 8, 8], [8, 8, 8]) == [[0, 1, 2]]
-    groups = pack_groups([1, 60, 7, 2], [1, 60, 7, 14])
-    assert sorted(i for g in groups for i in g) == [0, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +182,61 @@ def test_decode_op_over_shared_prefixes(head_dim: int, features: str) -> None:
     try:
         for threads in (1, 2):  # one thread's run of tasks, and two threads' split of them
             torch.set_num_threads(threads)
-            out = op(q, k_buf, v_buf, one, one, slots, seq_lens, first_key, sinks, head_dim**-0.5, cap)
+            out = op(q, k_buf, v_buf, one, one, slots, torch.arange(bs), seq_lens, first_key, sinks, head_dim**-0.5,
+                     cap)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("features", ["plain", "all"])
+def test_decode_op_over_nested_rows(features: str) -> None:
+    """Rows of extends (one per new token, over its request's keys up to itself, in a shuffled batch):
+    a fresh 300-token prompt (its rows split into runs over the threads), a chunk over a 200-key
+    prefix (read once for all its rows, then causally), two requests' chunks past a prefix they share
+    with a decode row, a verify's five rows over 400 keys, a lone decode row, and a row whose slots
+    match another's only in part. Each row's output is its own attention."""
+    from rxf.plugins.attention.cpu_decode import decode_attention_op
+
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim = 9, 3, 64
+    pool = torch.randn(2, 8192, kv_heads, head_dim)
+    fresh = iter(torch.randperm(8191)[:4000].add(1).tolist())
+
+    def take(n: int) -> list[int]:
+        return [next(fresh) for _ in range(n)]
+
+    shared = take(150)
+    requests = [(take(300), 0), (take(240), 200), (shared + take(20), 150), (shared + take(20), 150),
+                (take(400), 395), (take(90), 89)]
+    rows: list[tuple[list[int], int]] = [(slots, n) for slots, prefix in requests for n in range(prefix + 1, len(slots) + 1)]
+    rows.append((shared + take(5), 155))  # a decode row in the shared prefix's group
+    rows.append((requests[0][0][:100] + take(30), 130))  # nests with the prompt's rows only up to key 100
+    order = torch.randperm(len(rows)).tolist()
+    rows = [rows[i] for i in order]
+    # The op's table holds each request's slots once; slot_rows says which one a row reads.
+    requests = list(dict.fromkeys(tuple(s) for s, _ in rows))
+    table = torch.zeros(len(requests), max(map(len, requests)), dtype=torch.long)
+    for i, request in enumerate(requests):
+        table[i, : len(request)] = torch.tensor(request)
+    slot_rows = torch.tensor([requests.index(tuple(s)) for s, _ in rows])
+    slots = table[slot_rows]
+    seq_lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    first_key = torch.zeros(len(rows), dtype=torch.int32)
+    sinks, cap = torch.full((heads,), float("-inf")), None
+    if features == "all":  # a window of 100 keys on the 240-key request's rows (their first keys differ)
+        windowed = torch.tensor([len(s) == 240 for s, _ in rows])
+        first_key = torch.where(windowed, (seq_lens - 100).clamp_min(0), first_key).to(torch.int32)
+        sinks, cap = torch.linspace(-1.0, 2.0, heads), 0.9
+    q = torch.randn(len(rows), heads, head_dim)
+    one = torch.tensor(1.0)
+    ref = _reference_decode(q, pool[0], pool[1], slots, seq_lens, first_key, sinks, head_dim**-0.5, cap)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = decode_attention_op()(q, pool[0], pool[1], one, one, table, slot_rows, seq_lens, first_key, sinks,
+                                        head_dim**-0.5, cap)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(saved)

@@ -1,5 +1,5 @@
 """A short extend (a speculative verify, a draft's catch-up) runs as DECODE rows where a CUDA graph
-holds them (`ModelRunner._short_extend_rows`): the logits the extend asks for, as the extend gives
+holds them (`ModelRunner._extend_rows`): the logits the extend asks for, as the extend gives
 them, for every backend that says `verifies_as_decode`, windowed layers included. On the CPU there
 are no graphs: the tests let the rows run eagerly (`_replays`), the computation a replay does on the
 GPU (tests/gpu/test_spec_graphs_gpu.py replays it)."""
@@ -78,11 +78,27 @@ def test_a_short_extend_as_decode_rows_gives_the_extends_logits(
     assert table[rows[0], 7:11].tolist() == slots[:4].tolist() and table[rows[1], 12].item() == slots[4].item()
 
 
-def test_only_a_short_extend_that_a_graph_holds_becomes_decode_rows(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_which_extends_become_decode_rows(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short extend that a CUDA graph holds; any extend once the CPU's decode forward is compiled
+    for the thread count (`tests/unit/test_compiled_decode.py` runs them)."""
     runner = ModelHarness(ckpt, **{"speculative.num_draft_tokens": 3}).runner
     inp = ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 5, [7, 12], [4, 1], torch.arange(5))
-    assert runner._short_extend_rows(inp) is None  # no graph holds them
+    assert runner._extend_rows(inp) is None  # no graph holds them
     monkeypatch.setattr(runner, "_replays", lambda rows: True)
-    assert runner._short_extend_rows(inp) is not None
+    assert runner._extend_rows(inp) is not None
     longer = ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 6, [7, 12], [5, 1], torch.arange(6))  # 5 > 3 drafts + 1
-    assert runner._short_extend_rows(longer) is None
+    assert runner._extend_rows(longer) is None
+
+    class Compiled:
+        def ready_for(self, threads: int) -> bool:
+            return threads == 1
+
+    monkeypatch.setattr(runner, "compiled_decode", Compiled())
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert runner._extend_rows(longer) is not None
+        torch.set_num_threads(2)
+        assert runner._extend_rows(longer) is None  # no graphs for this count yet
+    finally:
+        torch.set_num_threads(saved)

@@ -14,14 +14,21 @@ and decode stays eager until a count's graphs are done, or for good if it fails 
 start-up does not wait, but the forwards meanwhile run 10-20x slower (`cpu_threads.start_background_compile`).
 "startup" waits (benchmarks, tests), "off" (the default) never compiles.
 
-Per thread count two graphs are traced: batch 1 (dynamo specializes size 1) and one dynamic in the batch size and
-the key count, at 5 rows of 13 keys (sizes equal to another dimension would be guarded equal by
-dynamo's duck sizing). The warm-up runs on an attention backend instance of its own, because the
-runner's serves the eager forwards meanwhile (dynamo guards on the backend's type and tensors, not
-its identity: a graph traced on one instance serves another), with padding rows as CUDA graphs use
-them: token 0, req_to_token row 0 read (any slot there is a valid index) and never written, K/V
-written to the reserved slot 0, outputs dropped. A decode whose guards would need a new graph runs
-eagerly rather than stall the engine on a compile.
+Extends run through the same graphs, as a row per new token (`ModelRunner._extend_rows`), with
+the logits of the rows asked for only: the LM head of a 256-token chunk's every row would cost more
+than the rest of its forward.
+
+Per thread count two graphs are traced: batch 1 (dynamo specializes size 1) and one dynamic in the
+row count, the requests the rows belong to (the backend's table of slots), the key count and the
+logits rows, at 7 rows of 5 requests, 13 keys and 3 logits rows (sizes equal to another dimension
+would be guarded equal by dynamo's duck sizing; a size of 1 is specialized, so the runner asks for
+no fewer than 2 logits rows, and the backend's table holds no fewer than 2 requests, of several
+rows). The warm-up runs on an attention backend instance of its own, because the runner's serves
+the eager forwards meanwhile (dynamo guards on the backend's type and tensors, not its identity: a
+graph traced on one instance serves another), with padding rows as CUDA graphs use them: token 0,
+req_to_token rows 0-4 read (any slot there is a valid index) and never written, K/V written to the
+reserved slot 0, outputs dropped. A forward whose guards would need a new graph runs eagerly rather
+than stall the engine on a compile.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-WARM_UP = ((1, 13), (5, 13))  # (rows, keys) of the warm-up forwards: the batch-1 and the dynamic graph
+# (rows, keys, requests, logits rows) of the warm-up forwards: the batch-1 and the dynamic graph
+WARM_UP = ((1, 13, 1, 1), (7, 13, 5, 3))
 # Intermediate bf16 roundings as eager code makes them: greedy tokens then equal eager decode's
 # (without it, one of 6 demo prompts parted from eager within 32 tokens, measured).
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
@@ -100,8 +108,8 @@ class CompiledDecode:
             for n in self.counts:
                 start = time.perf_counter()
                 with compiling(n), torch.inference_mode():
-                    for rows, keys in WARM_UP:
-                        self._compiled[n](self.model, self._padding_batch(own, rows, keys))
+                    for shape in WARM_UP:
+                        self._compiled[n](self.model, self._padding_batch(own, *shape))
                 self._ready.add(n)
                 logger.info("cpu decode: forward compiled for %d threads in %.1f s", n, time.perf_counter() - start)
         except Exception as e:  # e.g. no C++ compiler: Inductor cannot build its kernels
@@ -109,13 +117,17 @@ class CompiledDecode:
         finally:
             self.done.set()
 
-    def _padding_batch(self, backend: AttentionBackend, rows: int, keys: int) -> ForwardBatch:
-        host = DecodeInputs.pack([0] * rows, [keys - 1] * rows, [0] * rows, [0] * rows, padded_bs=rows)
-        dev = DecodeBuffers.upload(host, self.ctx.device)
+    def _padding_batch(self, backend: AttentionBackend, rows: int, keys: int, requests: int, logits: int) -> ForwardBatch:
+        req_rows = [i % requests for i in range(rows)]
+        host = DecodeInputs.pack([0] * rows, [keys - 1] * rows, req_rows, [0] * rows, padded_bs=rows)
+        dev = DecodeBuffers.upload(host, self.ctx.device, list(range(logits)))
         batch = dev.forward_batch(host, self.ctx.req_to_token_pool, self.ctx.token_to_kv_pool, backend)
         backend.init_forward_metadata(batch)
         return batch
 
+    # A forward whose guards fail runs eagerly ("fail_on_recompile": raise, for tests).
+    on_guard_failure = "eager_on_recompile"
+
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        with torch.compiler.set_stance("eager_on_recompile"):
+        with torch.compiler.set_stance(self.on_guard_failure):
             return self._compiled[torch.get_num_threads()](self.model, batch)

@@ -110,7 +110,7 @@ class DecodeBuffers:
     ints: torch.Tensor  # int64 [4, width]
     lens: torch.Tensor  # int32 [2, width]
     extend_lens: torch.Tensor  # int32 [width], all ones
-    logits_indices: torch.Tensor  # int64 [width], 0..width-1: decode returns every row's logits
+    logits_indices: torch.Tensor  # int64 [width], 0..width-1: decode returns every row's logits (or the rows asked)
 
     @classmethod
     def allocate(cls, width: int, device: torch.device) -> DecodeBuffers:
@@ -122,15 +122,19 @@ class DecodeBuffers:
         )
 
     @classmethod
-    def upload(cls, host: DecodeInputs, device: torch.device) -> DecodeBuffers:
-        """Fresh tensors for an eager forward. Copies from pageable memory with non_blocking=True are
-        staged before the call returns, so the host tensors may be dropped at once, and the host does
-        not wait for the device."""
+    def upload(cls, host: DecodeInputs, device: torch.device, logits_rows: list[int] | None = None) -> DecodeBuffers:
+        """Fresh tensors for an eager or compiled forward, with the logits of `logits_rows` (default:
+        every row's). Copies from pageable memory with non_blocking=True are staged before the call
+        returns, so the host tensors may be dropped at once, and the host does not wait for the device."""
+        if logits_rows is None:
+            logits_indices = torch.arange(host.padded_bs, dtype=torch.int64, device=device)
+        else:
+            logits_indices = torch.tensor(logits_rows, dtype=torch.int64).to(device, non_blocking=True)
         return cls(
             host.ints.to(device, non_blocking=True),
             host.lens.to(device, non_blocking=True),
             torch.ones(host.padded_bs, dtype=torch.int32, device=device),
-            torch.arange(host.padded_bs, dtype=torch.int64, device=device),
+            logits_indices,
         )
 
     def fill(self, host: DecodeInputs) -> None:

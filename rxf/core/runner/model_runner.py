@@ -406,7 +406,7 @@ class ModelRunner:
             return None
         # The most rows a decode forward has: every running request, or, when speculating, a short
         # extend's tokens (a verify: each speculating request's newest token and drafts;
-        # `_short_extend_rows`).
+        # `_extend_rows`).
         spec = self.config.speculative
         rows = self.config.scheduler.max_running_requests
         if spec.method != "none":
@@ -532,15 +532,11 @@ class ModelRunner:
             with torch.inference_mode():
                 self._write_req_to_token(inp)  # first: the scratch rows copy the requests' rows
                 return self._forward_decode(self._tree_rows(inp))
-        rows = self._short_extend_rows(inp)
+        rows = self._extend_rows(inp)
         if rows is not None:
             with torch.inference_mode():
                 self._write_req_to_token(inp)  # the requests' row writes; the rows' slots go with the packed inputs
-                logits, aux = self._forward_decode(rows)
-                wanted = self._logits_rows(inp)
-                if wanted is not None:  # (every row's, for a verify)
-                    logits = logits.index_select(0, torch.tensor(wanted).to(logits.device, non_blocking=True))
-                return logits, aux
+                return self._forward_decode(rows, self._logits_rows(inp))
         bs = len(inp.req_pool_indices)
         extend_lens = torch.tensor(inp.extend_lens)
         prefix_lens = torch.tensor(inp.prefix_lens)
@@ -591,27 +587,32 @@ class ModelRunner:
             out = self.model.hidden_states(batch) if self.pooling is not None else self.model(batch)
             return out, batch.aux_hidden
 
-    def _short_extend_rows(self, inp: ModelInput) -> ModelInput | None:
-        """A short extend as DECODE rows replayed from a captured graph, or None (it runs as the
-        extend it is). Short: at most `speculative.num_draft_tokens` + 1 new tokens per request, no
-        images: a speculative verify (each request's newest token and its drafts), a draft model's
-        catch-up over the tokens a verify accepted, a prompt's last few uncached tokens. Token t of
-        request i becomes a row of request i's req_to_token row at position prefix_lens[i] + t, which
-        attends up to itself (seq_len prefix_lens[i] + t + 1): exact where the backend says
-        `verifies_as_decode`; the rows' logits are then cut to those the extend asks for
-        (`_logits_rows`), auxiliary states stay per token as an extend gives them. Only where a graph
-        holds the rows: on the H200 a 9-token verify replayed costs 1.07x a decode step against 3.7x
-        as an eager extend (benchmarks/RESULTS.md), while on the CPU the rows cost more than the
-        extend at 9 tokens (each re-reads its prefix; `bench_spec_cpu.py --verify-cost`). The caller
-        writes `inp`'s row writes."""
+    def _extend_rows(self, inp: ModelInput) -> ModelInput | None:
+        """An extend as DECODE rows through a captured or compiled decode forward, or None (it runs as
+        the extend it is). Token t of request i becomes a row of request i's req_to_token row at
+        position prefix_lens[i] + t, which attends up to itself (seq_len prefix_lens[i] + t + 1): exact
+        where the backend says `verifies_as_decode`; only the rows whose logits the extend asks for
+        get them (`_logits_rows`), auxiliary states stay per token as an extend gives them. No
+        images, no pooling, not a draft head's forward (its graphs take its own rows' states). The
+        caller writes `inp`'s row writes.
+        - CUDA: short extends (at most `speculative.num_draft_tokens` + 1 new tokens per request: a
+          speculative verify, a draft model's catch-up over the tokens a verify accepted, a prompt's
+          last few uncached tokens) that a graph holds: on the H200 a 9-token verify replayed costs
+          1.07x a decode step against 3.7x as an eager extend (benchmarks/RESULTS.md).
+        - CPU: every extend once the decode forward is compiled for this thread count: the backend's
+          op reads an extend's tokens as such rows anyway (`plugins/attention/cpu.py`), and compiled,
+          the forward's norms, rope and activations fuse as decode's do (issue 22)."""
         if (
             not self.attn_backend.verifies_as_decode
             or self.pooling is not None
             or inp.mm_items is not None
-            or inp.hidden is not None  # a draft head's forward (its graphs take its own rows' states)
-            or max(inp.extend_lens) > self.config.speculative.num_draft_tokens + 1
-            or not self._replays(len(inp.input_ids))
+            or inp.hidden is not None
         ):
+            return None
+        compiled = self.compiled_decode
+        compiled_rows = compiled is not None and compiled.ready_for(torch.get_num_threads())
+        short = max(inp.extend_lens) <= self.config.speculative.num_draft_tokens + 1
+        if not compiled_rows and not (short and self._replays(len(inp.input_ids))):
             return None
         rows: list[int] = []
         positions: list[int] = []
@@ -625,7 +626,7 @@ class ModelRunner:
         each request's newest token on its own row at position prefix_lens[i], draft j on a scratch
         row (`path_rows`) holding the request's prefix and the slots of the newest token and of j's
         ancestors, at position prefix_lens[i] + depth(j). A chain in the batch (parents None) stays
-        on its own row, as `_short_extend_rows` puts it: its row then holds every verified slot at
+        on its own row, as `_extend_rows` puts it: its row then holds every verified slot at
         its position, as the scheduler's bookkeeping of a chain expects. Its logits are every row's."""
         assert inp.tree_parents is not None
         if not self.attn_backend.verifies_as_decode:
@@ -698,10 +699,12 @@ class ModelRunner:
         """Whether a decode forward of this many rows replays a captured graph."""
         return self.cuda_graphs is not None and self.cuda_graphs.can_run(ForwardMode.DECODE, rows)
 
-    def _forward_decode(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_decode(
+        self, inp: ModelInput, logits_rows: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replayed from a CUDA graph when a captured bucket holds the batch, else compiled (CPU, once
         ready) or eager; either way the inputs reach the device in two non-blocking copies and only
-        real rows write req_to_token."""
+        real rows write req_to_token. Logits of the rows `logits_rows` (default: every row's)."""
         self._write_req_to_token(inp)  # row writes only: new tokens' slots go with the packed inputs
         ids = [0 if t < 0 else t for t in inp.input_ids]  # placeholders of pending tokens, patched below
         args = (ids, inp.prefix_lens, inp.req_pool_indices, inp.out_cache_loc.tolist())
@@ -709,11 +712,18 @@ class ModelRunner:
         graphs = self.cuda_graphs
         if graphs is not None and graphs.can_run(inp.mode, len(inp.input_ids)):
             logits, aux = graphs.replay(graphs.pack(*args), patch, inp.hidden)
+            if logits_rows is not None:
+                logits = logits.index_select(0, torch.tensor(logits_rows).to(logits.device, non_blocking=True))
             # The next replay overwrites graph memory, and the auxiliary states are read after the
             # step (when the next one may already have run, with overlap): copied out.
             return logits, None if aux is None else aux.clone()
         host = DecodeInputs.pack(*args, padded_bs=len(inp.input_ids))
-        dev = DecodeBuffers.upload(host, self.device)
+        wanted = logits_rows
+        if wanted is not None and len(wanted) == 1 < host.bs:
+            # Two logits rows, the second dropped: the compiled graph of several rows was traced with
+            # several (a dynamic size of 1 would be specialized, and the forward run eagerly).
+            wanted = wanted * 2
+        dev = DecodeBuffers.upload(host, self.device, wanted)
         if patch is not None:
             patch(dev.ints[INPUT_IDS])
         dev.write_req_to_token(self.req_to_token_pool.req_to_token, host.bs)
@@ -723,4 +733,9 @@ class ModelRunner:
         compiled = self.compiled_decode
         ready = compiled is not None and compiled.ready_for(torch.get_num_threads())
         logits = compiled(batch) if ready else self.model(batch)
+        if len(logits) != len(batch.logits_indices):
+            raise RuntimeError(f"{type(self.model).__name__} returned {len(logits)} rows of logits for "
+                               f"{len(batch.logits_indices)} logits_indices (a model returns those rows only)")
+        if wanted is not logits_rows:
+            logits = logits[:1]
         return logits, batch.aux_hidden

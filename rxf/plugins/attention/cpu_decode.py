@@ -1,17 +1,20 @@
-"""Decode attention that reads the paged KV pool in place: a C++ op (`csrc/paged_decode.cpp`), built on
-first use (`cpp_build`) and registered as `torch.ops.rxf_cpu.paged_decode_attention`.
+"""Attention over the paged KV pool, read in place: a C++ op (`csrc/paged_decode.cpp`), built on first
+use (`cpp_build`) and registered as `torch.ops.rxf_cpu.paged_decode_attention`.
 
-    paged_decode_attention(q, k_buf, v_buf, k_scale, v_scale, slots, seq_lens, first_key, sinks, scale, cap)
+    paged_decode_attention(q, k_buf, v_buf, k_scale, v_scale, slots, slot_rows, seq_lens, first_key, sinks, scale, cap)
 
-q [bs, H, D] (the model's dtype); k_buf / v_buf [num_slots, Hkv, D], a layer's pool buffers (the
-model's dtype, or FP8 read as k_buf * k_scale, v_buf * v_scale: 0-d float32 scales, 1.0 but for an
-FP8 pool); slots int64 [bs, L], request i's keys in columns [0, seq_lens[i]); -> [bs, H, D] in q's
-dtype. The query of request i sees keys first_key[i] <= j < seq_lens[i] (first_key: 0, or with a
-sliding window W, seq_lens[i] - W); `cap`: scores become cap * tanh(s / cap); `sinks` float32 [H]:
-one more logit per head in the softmax's denominator, -inf for none (see rxf.core.attention).
-Scores, softmax and sums are float32 whatever the dtypes. Requests whose visible keys start with the
-same run of slots (a prompt prefix shared through the radix cache) are scored together over that run:
-its keys are read, converted and transposed once for all of them.
+One query per row: q [bs, H, D] (the model's dtype); k_buf / v_buf [num_slots, Hkv, D], a layer's
+pool buffers (the model's dtype, or FP8 read as k_buf * k_scale, v_buf * v_scale: 0-d float32
+scales, 1.0 but for an FP8 pool); slots int64 [n, L], a table of key slots, and slot_rows int64
+[bs]: row i's keys are slots[slot_rows[i], j] for first_key[i] <= j < seq_lens[i] (first_key: 0,
+or with a sliding window W, seq_lens[i] - W) -> [bs, H, D] in q's dtype. A decoding request is a
+row; so is each new token of an extend, over its request's table row up to itself. `cap`: scores
+become cap * tanh(s / cap); `sinks` float32 [H]: one more logit per head in the softmax's
+denominator, -inf for none (see rxf.core.attention). Scores, softmax and sums are float32 whatever
+the dtypes. Rows whose visible keys start with the same run of slots (a prompt prefix shared
+through the radix cache) are scored together over that run, and rows whose keys nest (an extend's
+tokens) together causally: each block of keys is read, converted and transposed once for all the
+rows that read it.
 
 Why C++: `torch.compile` of the same computation written as gathers and reductions (this module's
 previous form) generated one horizontal sum per score, several passes and per-element bounds

@@ -189,9 +189,8 @@ def final_hidden_states(decoder: nn.Module, batch: ForwardBatch, input_embeds: t
     `[n, hidden]` in the model's dtype, from a decoder stack that returns (output, residual) before
     its final fused add-norm `decoder.norm`."""
     x, residual = decoder(batch, input_embeds)
-    if not batch.mode.is_decode():  # decode returns every row, in order: no gather
-        idx = batch.logits_indices
-        x, residual = x[idx], residual[idx]
+    # (Decode rows too: an extend run as decode rows asks for some rows' logits only.)
+    x, residual = x[batch.logits_indices], residual[batch.logits_indices]
     x, _ = decoder.norm(x, residual)
     return x
 

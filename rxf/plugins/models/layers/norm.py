@@ -78,7 +78,10 @@ class RMSNorm(nn.Module):
 
     @staticmethod
     def _decode_kernel_applies(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        return (x.dim() == 2 and x.shape[0] <= PDL_ROWS and x.shape[1] <= PDL_MAX_HIDDEN and x.is_contiguous()
+        # The device first: a size test is a guard in a CPU forward compiled whole (a row bound there
+        # would send larger batches to eager).
+        return (x.is_cuda and x.dim() == 2 and x.shape[0] <= PDL_ROWS and x.shape[1] <= PDL_MAX_HIDDEN
+                and x.is_contiguous()
                 and x.dtype in (torch.float16, torch.bfloat16) and use_pdl(x)
                 and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)))
 
