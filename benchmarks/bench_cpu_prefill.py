@@ -21,7 +21,8 @@ PYTHONPATH set to it (so old and new code alternate within one run), and prints 
 --forward: PREFILL and EXTEND forwards of the shapes these workloads make (the best of 3), in ms
 per token, through `ModelHarness` (cpu backend, bf16); --profile adds torch.profiler's top ops of
 a 4 x 256 prefill. --attention: one layer's attention of the demo's shapes (9 / 3 heads, head_dim
-64) as SDPA with the causal flag, with a mask, in float32, and as matmuls with the softmax in float32.
+64) as SDPA with the causal flag, with a mask, in float32, as matmuls with the softmax in float32,
+and as the cpu backend's op over a row per query (what its extends run).
 """
 
 from __future__ import annotations
@@ -222,6 +223,18 @@ def attention_case(dtype: torch.dtype, b: int, new: int, keys: int) -> dict[str,
     out["SDPA float32"] = _median_ms(
         lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True))
     out["matmuls"] = _median_ms(matmuls)
+    # The cpu backend's op: a row per query over its request's row of a slot table, K/V in a pool.
+    from rxf.plugins.attention.cpu_decode import decode_attention_op
+
+    op = decode_attention_op()
+    k_pool, v_pool = (x.transpose(1, 2).reshape(b * keys, kv_heads, dim).contiguous() for x in (k, v))
+    slots = torch.arange(b * keys).view(b, keys)
+    slot_rows = torch.arange(b).repeat_interleave(new)
+    seq_lens = (keys - new + 1 + torch.arange(new)).repeat(b).to(torch.int32)
+    q_rows = q.transpose(1, 2).reshape(b * new, heads, dim).contiguous()
+    no_sinks, one = torch.full((heads,), float("-inf")), torch.ones(())
+    out["op rows"] = _median_ms(lambda: op(q_rows, k_pool, v_pool, one, one, slots, slot_rows, seq_lens,
+                                           seq_lens * 0, no_sinks, dim**-0.5, None))
     return out
 
 

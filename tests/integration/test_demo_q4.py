@@ -77,6 +77,10 @@ def test_packed_q4_follows_the_float32_demo(demo_dir, reference):
 
 @pytest.mark.slow
 def test_demo_q4_config_answers_paris():
+    # Not "What is the capital of France?": its first token is a near tie ("The" over "L" by 0.08
+    # logits in float32, by 0.006-0.015 either way in Q4_1, where the attention's rounding decides);
+    # this one's "The" leads by 1.36-1.45 in both (measured, cpu and torch_native backends).
     with Runtime.from_config(EXAMPLES / "demo-q4.toml") as rt:
-        out = rt.chat(CHAT, {"max_new_tokens": 16, "temperature": 0})
+        out = rt.chat([{"role": "user", "content": "Name the capital of France."}],
+                      {"max_new_tokens": 16, "temperature": 0})
     assert "Paris" in out["text"]
