@@ -63,7 +63,7 @@ def test_a_short_extend_as_decode_rows_gives_the_extends_logits(
     slots = runner.token_to_kv_pool.alloc(sum(map(len, NEW)))
     decodes = []
     real = runner._forward_decode
-    monkeypatch.setattr(runner, "_forward_decode", lambda inp: decodes.append(inp) or real(inp))
+    monkeypatch.setattr(runner, "_forward_decode", lambda inp, logits_rows=None: decodes.append(inp) or real(inp, logits_rows))
     with torch.inference_mode():
         as_rows = _verify(runner, rows, prefix, slots, logits_start)
         assert len(decodes) == 1 and decodes[0].req_pool_indices == [rows[0]] * 4 + [rows[1]]
