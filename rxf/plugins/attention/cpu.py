@@ -5,7 +5,7 @@ from the paged pool in place by slot (never copied out), in float32 whatever the
 - EXTEND / MIXED: a row per new token, over its request's keys up to itself. The op scores rows
   whose keys nest (one request's new tokens) together, causally: each block of keys is read and
   converted once for all the rows that see it, so a prompt chunk costs what a flash kernel's causal
-  pass does (at the demo's shapes 1.6-1.8x faster than SDPA's CPU flash kernel over gathered K/V,
+  pass does (at the demo's shapes 1.35-1.8x faster than SDPA's CPU flash kernel over gathered K/V,
   bf16; benchmarks/RESULTS.md, issue 22), and rows past a prefix shared through the radix cache read
   that prefix once for all of them.
 
