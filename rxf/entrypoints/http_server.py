@@ -112,8 +112,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             logger.info("shutdown during model load: stopping the engine's processes")
         await asyncio.to_thread(loader.abandon)
         starter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        try:
             await starter
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # the engine's processes are stopped below all the same
+            logger.exception("the engine's start raised")
         if state.tokenizer_manager is not None:
             await state.tokenizer_manager.close()
         if state.engine is not None:
@@ -174,6 +178,25 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        self.on_serving: Callable[[int], None] = lambda port: None
+        self._engine_ready = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self._announce()
+
+    def engine_ready(self) -> None:
+        self._engine_ready = True
+        self._announce()
+
+    def _announce(self) -> None:
+        """Once both the engine is ready and the sockets are bound, in either order (an engine that
+        `rxf launch` loaded ahead is ready before uvicorn binds): `on_serving(port)`, the bound port,
+        which differs from the config's when that is 0."""
+        if not (self._engine_ready and self.started):
+            return
+        ports = [sock.getsockname()[1] for srv in self.servers for sock in srv.sockets]
+        self.on_serving(ports[0] if ports else self.config.port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # At the signal, not when uvicorn's main loop next looks at `should_exit` (within 0.1 s).
@@ -207,17 +230,13 @@ def serve(config: EngineConfig, engine_loader: EngineLoader | None = None) -> in
     started by the caller (`rxf launch`), who abandons it after serve returns or raises (a server
     that never ran its lifespan, e.g. its port in use, still stops the children)."""
 
-    def ready() -> None:
-        port = config.server.port
-        for srv in server.servers:  # the bound port, which differs from the config's when it is 0
-            for sock in srv.sockets:
-                port = sock.getsockname()[1]
+    def serving(port: int) -> None:
         logger.info("rxf serving %s at %s", app.state.server.served_model_name, _url_of(config.server.host, port))
 
     def failed() -> None:
         server.should_exit = True
 
-    app = create_app(config, on_ready=ready, on_startup_failure=failed, on_engine_death=failed,
+    app = create_app(config, on_ready=lambda: server.engine_ready(), on_startup_failure=failed, on_engine_death=failed,
                      engine_loader=engine_loader)
     ensure_open_files(config.server.max_connections)
     # Threads of this process (chat rendering, tokenizing, grammar compiling) run Python code that
@@ -234,6 +253,7 @@ def serve(config: EngineConfig, engine_loader: EngineLoader | None = None) -> in
         timeout_graceful_shutdown=5,  # a backstop after the drain, which normally ends every request
     )
     server = _Server(uv_config, app.state.server)
+    server.on_serving = serving
     # uvicorn re-raises the signal that stopped it once it is done, to run the previous handler;
     # these no-op handlers make a requested, completed shutdown a normal exit.
     for sig in (signal.SIGINT, signal.SIGTERM):

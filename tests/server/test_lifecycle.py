@@ -189,3 +189,39 @@ def test_launch_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--api-key", "--set"):
         assert flag in out
+
+
+@pytest.mark.parametrize("engine_first", [True, False])
+def test_serving_is_announced_once_both_the_engine_and_the_socket_are_up(engine_first):
+    """`rxf launch` loads the engine ahead, so it can be ready before uvicorn binds; the line that
+    names the URL waits for both, in either order, and carries the bound port (config port 0)."""
+    import asyncio
+
+    import uvicorn
+
+    from rxf.core.config import EngineConfig
+    from rxf.entrypoints.http_server import _Server
+    from rxf.entrypoints.server_state import ServerState
+
+    async def app(scope, receive, send):
+        raise AssertionError("no request is sent")
+
+    async def run() -> None:
+        server = _Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off"), ServerState(EngineConfig(), "m"))
+        announced: list[int] = []
+        server.on_serving = announced.append
+        if engine_first:
+            server.engine_ready()
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            assert not serving.done()
+            await asyncio.sleep(0.01)
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        if not engine_first:
+            assert announced == []
+            server.engine_ready()
+        server.should_exit = True
+        await serving
+        assert announced == [bound] and bound != 0
+
+    asyncio.run(run())
