@@ -204,21 +204,52 @@ def test_dense_bf16_matmul_on_the_packed_weight_is_f_linear_bit_for_bit():
         for x in (torch.randn(1, k, generator=gen), torch.randn(33, k, generator=gen),
                   torch.randn(2, 7, k, generator=gen), torch.randn(5, 2 * k, generator=gen)[:, ::2]):
             x = x.bfloat16()
-            assert torch.equal(cpu_packing.dense_linear(x, packed, bias), torch.nn.functional.linear(x, w, bias))
-            assert torch.equal(cpu_packing.dense_linear(x, packed, None), torch.nn.functional.linear(x, w))
+            assert torch.equal(cpu_packing.dense_linear(x, packed, None, bias), torch.nn.functional.linear(x, w, bias))
+            assert torch.equal(cpu_packing.dense_linear(x, packed, None, None), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.skipif(not (cpu_packing.dense_packable(torch.empty(1, 1, dtype=torch.bfloat16))
+                         and cpu_packing.keeps_plain_weight()), reason="no AVX512-BF16 (or the op cannot be built)")
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (577, 1536), (130, 70), (49152, 576)])
+def test_few_rows_read_the_plain_weight_within_one_rounding_of_the_exact_product(n, k):
+    """Up to 4 rows: the dot kernel over `plain`, within one bf16 rounding of the float32 product
+    (K off the kernel's 32-input chunks, N off its 64-row blocks, bias, 3-D and strided x); 5 rows
+    and more: oneDNN on the packed copy. `plain` is given as 2 W here, so each path shows which
+    weight it read."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    packed = cpu_packing.pack_dense(w)
+    for x in (torch.randn(1, k, generator=gen), torch.randn(3, k, generator=gen), torch.randn(2, 2, k, generator=gen),
+              torch.randn(4, 2 * k, generator=gen)[:, ::2], torch.randn(5, k, generator=gen)):
+        x = x.bfloat16()
+        out = cpu_packing.dense_linear(x, packed, 2 * w, bias)
+        if x.numel() // k <= 4:
+            exact = x.float() @ (2 * w).float().t() + bias.float()
+            torch.testing.assert_close(out.float(), exact, rtol=2**-8, atol=2**-8 * exact.abs().max().item())
+        else:
+            assert torch.equal(out, torch.nn.functional.linear(x, w, bias))
+    x = torch.randn(2, k, generator=gen).bfloat16()
+    ref = torch.nn.functional.linear(x, w).float()  # one rounding apart at most: the sums' order differs
+    torch.testing.assert_close(cpu_packing.dense_linear(x, packed, w, None).float(), ref, rtol=2**-7,
+                               atol=2**-8 * ref.abs().max().item())
 
 
 @pytest.mark.skipif(not cpu_packing.dense_packable(torch.empty(1, 1, dtype=torch.bfloat16)),
                     reason="no oneDNN bf16 kernels (or packing off)")
 def test_a_bf16_model_runs_its_dense_layers_on_packed_weights(dense, monkeypatch):
     """Every projection and the head of a bf16 model compute from oneDNN's packed copy (the dense
-    Parameter keeps only its shape and dtype); logits and greedy tokens are F.linear's, exactly.
-    float32 stays on F.linear (the tests' exactness reference)."""
+    Parameter keeps only its shape and dtype, unless the few-row kernel reads it); logits (a
+    prefill: oneDNN) are F.linear's exactly, and greedy tokens (decode steps of 2 rows, through the
+    few-row kernel where it runs) are F.linear's. float32 stays on F.linear (the tests' exactness
+    reference)."""
     bf16 = {"model.dtype": "bfloat16"}
     packed = ModelHarness(dense, **bf16)
     model = packed.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert qkv.packed_weight is not None and qkv.weight.is_meta and qkv.weight.dtype == torch.bfloat16
+    assert qkv.packed_weight is not None and qkv.weight.dtype == torch.bfloat16
+    assert qkv.weight.is_meta != cpu_packing.keeps_plain_weight()
+    assert (qkv.plain_weight is not None) == (model.lm_head.plain_weight is not None) == cpu_packing.keeps_plain_weight()
     assert model.lm_head.packed_weight is not None and not model.lm_head.weight.is_meta  # the embedding may share it
     assert ModelHarness(dense).runner.model.lm_head.packed_weight is None
     monkeypatch.setenv(cpu_packing.ENV, "0")

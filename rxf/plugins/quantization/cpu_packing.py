@@ -25,6 +25,15 @@ for 1-16 rows and 3-5% for 256 on the 2-core AMD VM (AVX512-BF16), one thread, t
 float32 would gain too (1.1-2.8x), but its sums then round differently from F.linear's (2.7e-5
 at 576 inputs), and float32 is the exactness reference of the tests, so it stays on F.linear.
 
+A few rows (up to 4: a decode step of a few requests) read the plain weight instead, through the C++
+op `rxf_dense::linear` (`csrc/dense_bf16.cpp`, built on first use like the attention op): one
+sequential pass over each weight row with AVX512-BF16 dot products runs at 15-19 GB/s on one core
+against oneDNN's 9-11 (a decode step of the demo's weights: 14-18 ms against 21-29 at one thread,
+benchmarks/RESULTS.md). So on a CPU with AVX512-BF16 a packed layer keeps its plain weight too: the
+dense weights' memory twice (the demo: 212 MB more). The op calls oneDNN on the packed copy for
+larger batches, and being C++, it spares the compiled forward the Python dispatch of a custom op
+(~12 us a matmul). The two paths round alike but for the order of their float32 sums.
+
 `RXF_CPU_WEIGHT_PACKING=0` turns the packed paths off: every int4 / int8 method then dequantizes at
 load and computes in the model's dtype with exactly the weights its format encodes (the parity
 reference, and the path where the ops are missing or a layer's shape does not fit them), and dense
@@ -33,8 +42,11 @@ layers keep F.linear.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
+from pathlib import Path
 
 import torch
 
@@ -67,16 +79,57 @@ def dense_packable(weight: torch.Tensor) -> bool:
 
 def pack_dense(weight: torch.Tensor) -> torch.Tensor:
     """`weight` `[N, K]` in oneDNN's packed layout (an opaque tensor only `dense_linear` reads)."""
+    _dense_op()  # loaded before any forward that reads the packed weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
-def dense_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` for `packed` = pack_dense(W); x `[..., K]` in W's dtype. Traced by
-    torch.compile, it is one opaque op (`rxf::packed_dense_linear`): Inductor lowers the mkldnn op
-    only for weights it packed itself (frozen graph constants)."""
+_DENSE_SOURCE = Path(__file__).parent / "csrc" / "dense_bf16.cpp"
+_build_lock = threading.Lock()
+# `torch.ops.rxf_dense.linear` once `pack_dense` has loaded it (a plain global: the compiled forward
+# reads it, and dynamo cannot trace the build's lock and file work).
+_dense_linear_op = None
+
+
+@functools.cache
+def _dense_op():
+    """`torch.ops.rxf_dense.linear`, built and loaded on the first call; None where it cannot be built
+    (no compiler: the matmuls then stay on oneDNN's packed weight alone)."""
+    from rxf.plugins.attention.cpp_build import load_ops
+
+    global _dense_linear_op
+    with _build_lock:
+        try:
+            load_ops(_DENSE_SOURCE)
+        except (RuntimeError, OSError) as e:
+            logger.warning("dense bf16 op unavailable, matmuls stay on oneDNN: %s", e)
+            return None
+        torch.library.register_fake("rxf_dense::linear")(_linear_fake)
+    _dense_linear_op = torch.ops.rxf_dense.linear
+    return _dense_linear_op
+
+
+def keeps_plain_weight() -> bool:
+    """Whether a packed layer keeps its plain weight too, for `dense_linear`'s few-row kernel (a
+    CPU with AVX512-BF16 and the op built)."""
+    return _dense_op() is not None and torch.ops.rxf_dense.dot_kernel_available()
+
+
+def dense_linear(x: torch.Tensor, packed: torch.Tensor, plain: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` for `packed` = pack_dense(W) and `plain` = W or None (`keeps_plain_weight`);
+    x `[..., K]` in W's dtype. Traced by torch.compile, it is one opaque op (`rxf_dense::linear`, or
+    where that cannot be built `rxf::packed_dense_linear`): Inductor lowers the mkldnn op only for
+    weights it packed itself (frozen graph constants)."""
+    if _dense_linear_op is not None:
+        return _dense_linear_op(x, packed, plain, bias)
     if torch.compiler.is_compiling():
         return packed_dense_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _linear_fake(x: torch.Tensor, packed: torch.Tensor, plain: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 @torch.library.custom_op("rxf::packed_dense_linear", mutates_args=())

@@ -71,6 +71,7 @@ class LogitsHead(VocabEmbedding):
     quantize_after_load = True
     quant: QuantizationMethod | None = None
     packed_weight: torch.Tensor | None = None  # oneDNN's copy of the weight (`pack_for_device`)
+    plain_weight: torch.Tensor | None = None  # the weight, for the few-row kernel (`cpu_packing`)
 
     def use_decode_gemv(self) -> None:
         self.gemv = decode_gemv("lm_head", self.weight, out_dtype=torch.float32 if self.tp_size == 1 else None)
@@ -81,12 +82,13 @@ class LogitsHead(VocabEmbedding):
         weight itself may be the embedding's, which looks rows up."""
         if cpu_packing.dense_packable(self.weight):
             self.packed_weight = cpu_packing.pack_dense(self.weight.data)
+            self.plain_weight = self.weight.data if cpu_packing.keeps_plain_weight() else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             logits = self.quant.apply(self, hidden, None)
         elif self.packed_weight is not None:
-            logits = cpu_packing.dense_linear(hidden, self.packed_weight, None)
+            logits = cpu_packing.dense_linear(hidden, self.packed_weight, self.plain_weight, None)
         elif self.gemv is not None and self.gemv.applies(hidden):
             logits = self.gemv(hidden, self.weight, None)
         else:

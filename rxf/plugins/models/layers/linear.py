@@ -104,6 +104,7 @@ class _TPLinear(nn.Module):
             self.add_param("bias", torch.empty(out_per_rank, dtype=dtype), BIAS)
         self.gemv: DecodeGemv | None = None
         self.packed_weight: torch.Tensor | None = None  # the dense weight in oneDNN's layout (`pack_for_device`)
+        self.plain_weight: torch.Tensor | None = None  # and as it is, for the few-row kernel (`cpu_packing`)
 
     def create_dense_weight(self) -> None:
         # torch.empty: every value is overwritten by the checkpoint, so skip the random init.
@@ -132,10 +133,14 @@ class _TPLinear(nn.Module):
     def pack_for_device(self) -> None:
         """After loading (`rxf.core.quantization.finish_loading`): a dense bf16 CPU weight moves into
         oneDNN's packed layout, which the matmul reads from then on (`cpu_packing`); the `weight`
-        Parameter stays as a meta tensor, its shape and dtype without the memory."""
+        Parameter stays as a meta tensor, its shape and dtype without the memory, unless the few-row
+        kernel reads it (`cpu_packing.keeps_plain_weight`)."""
         if self.quant is None and not self.quant_pending and cpu_packing.dense_packable(self.weight):
             self.packed_weight = cpu_packing.pack_dense(self.weight.data)
-            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+            if cpu_packing.keeps_plain_weight():
+                self.plain_weight = self.weight.data
+            else:
+                self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
 
     def out_slice(self, shard_id: str | int | None) -> tuple[int, int, int] | None:
         """(first checkpoint feature, first feature of this rank's parameter, count) along the
@@ -177,7 +182,7 @@ class _TPLinear(nn.Module):
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
         if self.packed_weight is not None:
-            return cpu_packing.dense_linear(x, self.packed_weight, bias)
+            return cpu_packing.dense_linear(x, self.packed_weight, self.plain_weight, bias)
         if self.gemv is not None and self.gemv.applies(x):
             return self.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
