@@ -6,12 +6,16 @@
 Variants (each a `ModelHarness` of the cpu backend on the same checkpoint, built in turn):
   plain     dense matmuls through F.linear (RXF_CPU_WEIGHT_PACKING=0), eager decode
   packed    bf16 weights packed for oneDNN at load (`cpu_packing.pack_dense`), eager decode
-  compiled  packed, and the decode forward compiled whole (`runtime.cpu_compile = "startup"`)
+  compiled  packed, and the decode forward compiled whole (`runtime.cpu_compile = "startup"`); up to
+            4 rows read the plain weights (`cpu_packing.keeps_plain_weight`, AVX512-BF16 CPUs)
+  compiled-onednn  compiled, every batch on oneDNN's packed weights (the plain ones not kept)
 
     python benchmarks/bench_cpu_step.py --matmuls [--threads 1]   # the demo's matmuls alone
 
---matmuls: F.linear against the oneDNN-packed weight (`cpu_packing`) for the demo's projection
-shapes and its logits head, 1 / 16 / 256 rows, bf16, median of 50 calls.
+--matmuls: F.linear against the oneDNN-packed weight (`cpu_packing`) and, on an AVX512-BF16 CPU, the
+few-row dot kernel over the plain weight, for the demo's projection shapes and its logits head, 1 /
+4 / 16 / 256 rows, bf16, median of 50 calls; then the model's 121 matmuls in order at one row
+(weights streaming from memory, as in a decode step), packed against dot, alternated.
 
 Per batch size: a PREFILL of `--context`-token prompts, then blocks of DECODE steps, variant after
 variant at each thread count in turn (a block of 6 steps, the first dropped), so a
@@ -38,6 +42,7 @@ VARIANTS = {
     "plain": ({"runtime.cpu_compile": "off"}, "0"),
     "packed": ({"runtime.cpu_compile": "off"}, "1"),
     "compiled": ({"runtime.cpu_compile": "startup"}, "1"),
+    "compiled-onednn": ({"runtime.cpu_compile": "startup"}, "1"),
 }
 
 
@@ -79,30 +84,46 @@ def decode_block(h, state: dict, name: str, bs: int, threads: int, times: list[f
         state[name] = (rows, [n + 1 for n in lens])
 
 
-MATMULS = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576), "head": (49152, 576)}  # (out, in)
+MATMULS = {"gate_up": (3072, 576), "down": (576, 1536), "qkv": (960, 576), "o": (576, 576), "head": (49152, 576)}  # (out, in)
 
 
 def matmuls(threads: int) -> None:
     from rxf.plugins.quantization import cpu_packing
 
     torch.set_num_threads(threads)
+    dot = cpu_packing.keeps_plain_weight()  # the few-row kernel over the plain weight runs here
     for name, (n, k) in MATMULS.items():
         w = torch.randn(n, k, dtype=torch.bfloat16)
         packed = cpu_packing.pack_dense(w)
-        for rows in (1, 16, 256):
+        for rows in (1, 4, 16, 256):
             x = torch.randn(rows, k, dtype=torch.bfloat16)
-            times = {}
-            for way, fn in (("F.linear", lambda: torch.nn.functional.linear(x, w)),  # noqa: B023 - run at once
-                            ("packed", lambda: cpu_packing.dense_linear(x, packed, None))):  # noqa: B023
-                for _ in range(5):
-                    fn()
-                start = time.perf_counter()
-                for _ in range(50):
-                    fn()
-                times[way] = (time.perf_counter() - start) / 50 * 1e6
-            print(f"{name} {n} x {k}, {rows:3d} rows, {threads} threads: F.linear {times['F.linear']:.0f} us, packed "
-                  f"{times['packed']:.0f} us ({times['F.linear'] / times['packed']:.2f}x; F.linear reads the weight at "
-                  f"{n * k * 2 / times['F.linear'] / 1e3:.1f} GB/s)", flush=True)
+            ways = {"F.linear": lambda: torch.nn.functional.linear(x, w),  # noqa: B023 - run at once
+                    "packed": lambda: cpu_packing.dense_linear(x, packed, None, None)}  # noqa: B023
+            if dot:
+                ways["dot"] = lambda: cpu_packing.dense_linear(x, packed, w, None)  # noqa: B023
+            us = {way: _median_us(fn, 50) for way, fn in ways.items()}
+            print(f"{name} {n} x {k}, {rows:3d} rows, {threads} threads: "
+                  + ", ".join(f"{way} {t:.0f} us" for way, t in us.items()), flush=True)
+    # The whole model's matmuls in order, one row: the weights stream from memory, as in a decode step.
+    shapes = [MATMULS[m] for m in ("qkv", "o", "gate_up", "down")] * 30 + [MATMULS["head"]]
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
+    packs = [cpu_packing.pack_dense(w) for w in weights]
+    xs = {k: torch.randn(1, k, dtype=torch.bfloat16) for _, k in shapes}
+    nbytes = sum(w.numel() * 2 for w in weights)
+    ways = {"packed": lambda: [cpu_packing.dense_linear(xs[w.shape[1]], p, None, None) for w, p in zip(weights, packs, strict=True)]}
+    if dot:
+        ways["dot"] = lambda: [cpu_packing.dense_linear(xs[w.shape[1]], p, w, None) for w, p in zip(weights, packs, strict=True)]
+    for _ in range(2):  # alternated
+        for way, fn in ways.items():
+            us = _median_us(fn, 9)
+            print(f"the demo's {len(shapes)} matmuls, 1 row, {threads} threads, {way}: {us / 1e3:.2f} ms "
+                  f"({nbytes / us / 1e3:.1f} GB/s)", flush=True)
+
+
+def _median_us(fn: Callable[[], object], repeats: int) -> float:
+    from bench_cpu_attention import timed  # (benchmarks/ is the script's directory: on sys.path)
+
+    return timed(fn, repeats) * 1e6
 
 
 def main() -> None:
@@ -122,6 +143,7 @@ def main() -> None:
         return
 
     from rxf.entrypoints.demo_model import resolve_model_path
+    from rxf.plugins.quantization import cpu_packing
     from rxf.testing.model_harness import ModelHarness
 
     os.environ.setdefault("RXF_CPU_ATTENTION_COMPILE", "startup")
@@ -130,9 +152,13 @@ def main() -> None:
         overrides, packing = VARIANTS[name]
         os.environ["RXF_CPU_WEIGHT_PACKING"] = packing  # read at load
         start = time.perf_counter()
+        keeps_plain = cpu_packing.keeps_plain_weight
+        if name == "compiled-onednn":
+            cpu_packing.keeps_plain_weight = lambda: False
         harnesses[name] = ModelHarness(resolve_model_path("demo"), "cpu", thread_counts=tuple(args.threads), **{
             "model.dtype": args.dtype, "cache.max_total_tokens": max(args.batch) * (args.context + 40 * args.blocks * len(args.threads)) + 2048,
             "scheduler.max_running_requests": max(args.batch) + 8, **overrides})
+        cpu_packing.keeps_plain_weight = keeps_plain
         print(f"{name}: engine built in {time.perf_counter() - start:.1f} s", flush=True)
     prompts = [CHAT] + [[(11 + 7 * i + 3 * j) % 49000 for j in range(30 + 9 * i)] for i in range(5)]
     greedy = {name: h.greedy(prompts, 32) for name, h in harnesses.items()}

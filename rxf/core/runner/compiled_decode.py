@@ -5,8 +5,10 @@ A batch-1 step of the demo model is ~10 ms of matmuls and ~8 ms of Python and sm
 of norms, rope, SiLU·mul, residual adds, the attention call); compiled, the small ops fuse into a
 few loop nests and the step dispatches once: on the quiet 2-core VM, bf16, 128 keys, packed eager ->
 compiled 30.5 -> 20.4 ms at batch 1 and one thread, 24.5 -> 17.7 at two; 61.6 -> 44.1 and 50.6 ->
-35.8 at batch 16 (`benchmarks/bench_cpu_step.py`; benchmarks/RESULTS.md, issue 22). The matmuls stay oneDNN's
-(`cpu_packing.dense_linear`, an opaque op inside the graph).
+35.8 at batch 16 (`benchmarks/bench_cpu_step.py`; benchmarks/RESULTS.md, issue 22). The matmuls are
+`cpu_packing.dense_linear`, an opaque C++ op inside the graph (oneDNN's, or for up to 4 rows rxf's
+dot kernel over the plain weight, which took a compiled batch-1 step from 37.9 to 27.0 ms at one
+thread and 25.3 to 19.7 at two, measured side by side by the same script).
 
 Compiling takes dynamo ~8 s of tracing per graph and thread count on the 2-core VM with Inductor's
 disk cache warm, a minute or more cold, so it runs in a background thread (`runtime.cpu_compile = "background"`)

@@ -121,7 +121,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& packed, const std
   const int64_t K = x.size(-1);
   const int64_t M = K ? x.numel() / K : 0;
   if (plain && M > 0 && M <= kMaxDotRows && cpu_has_dot_bf16() && x.scalar_type() == at::kBFloat16 &&
-      plain->scalar_type() == at::kBFloat16 && plain->is_contiguous() && plain->size(1) == K) {
+      plain->scalar_type() == at::kBFloat16 && plain->dim() == 2 && plain->is_contiguous() && plain->size(1) == K) {
     auto sizes = x.sizes().vec();
     sizes.back() = plain->size(0);
     return dot_linear(x.reshape({M, K}).contiguous(), *plain, bias).view(sizes);
