@@ -28,8 +28,8 @@ at 576 inputs), and float32 is the exactness reference of the tests, so it stays
 A few rows (up to 4: a decode step of a few requests) read the plain weight instead, through the C++
 op `rxf_dense::linear` (`csrc/dense_bf16.cpp`, built on first use like the attention op): one
 sequential pass over each weight row with AVX512-BF16 dot products runs at 15-19 GB/s on one core
-against oneDNN's 9-11 (a decode step of the demo's weights: 14-18 ms against 21-29 at one thread,
-benchmarks/RESULTS.md). So on a CPU with AVX512-BF16 a packed layer keeps its plain weight too: the
+against oneDNN's 9-11 (the demo's 121 matmuls at one row: `bench_cpu_step.py --matmuls`; a compiled
+batch-1 step 37.9 -> 27.0 ms at one thread, 25.3 -> 19.7 at two, benchmarks/RESULTS.md). So on a CPU with AVX512-BF16 a packed layer keeps its plain weight too: the
 dense weights' memory twice (the demo: 212 MB more). The op calls oneDNN on the packed copy for
 larger batches, and being C++, it spares the compiled forward the Python dispatch of a custom op
 (~12 us a matmul). The two paths round alike but for the order of their float32 sums.
