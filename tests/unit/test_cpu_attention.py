@@ -9,6 +9,9 @@ greedy tokens through the scheduler with chunked prefill and the radix cache.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +86,40 @@ def test_background_compile_takes_over_decode(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(COMPILE_ENV, "soon")
     with pytest.raises(ValueError, match=COMPILE_ENV):
         CpuBackend(ctx)
+
+
+# Run in a fresh interpreter with an empty cache (a build is due) and a compiler that fails at once:
+# prints the torch._dynamo / torch._inductor modules the build thread imported itself.
+BUILD_THREAD_IMPORTS = """
+import threading
+import sys
+import torch
+from rxf.plugins.attention.cpu import CpuBackend
+from rxf.testing.attention import make_case
+
+class Recorder:
+    seen = set()
+    def find_spec(self, name, path, target=None):
+        if name.startswith(("torch._dynamo", "torch._inductor")) and threading.current_thread().name != "MainThread":
+            self.seen.add(name)
+
+sys.meta_path.insert(0, Recorder())
+backend = CpuBackend(make_case([4], [1], heads=4, kv_heads=2, head_dim=16, device="cpu", dtype=torch.float32)[0])
+backend.compiled.wait()
+print(sorted(Recorder.seen))
+"""
+
+
+def test_a_background_build_leaves_torchs_compiler_imports_to_the_starting_thread(tmp_path: Path) -> None:
+    """torch._dynamo and torch._inductor import each other: imported by two threads at once, one
+    gets a _DeadlockError and the other a half-initialized module (a fresh machine's first start:
+    the build thread's ISA probe beside the compiled forward's torch.compile crashed the engine, 3
+    of 4 times). The build thread must find them imported."""
+    env = dict(os.environ, RXF_CACHE_DIR=str(tmp_path), CXX="/bin/false", **{COMPILE_ENV: "background"})
+    out = subprocess.run([sys.executable, "-c", BUILD_THREAD_IMPORTS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no working c++ compiler" in out.stderr.lower(), out.stderr[-2000:]  # the build did run, and failed
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -11,6 +11,7 @@ on the 2-core VM. Concurrent builds (tests, engines starting together) wait on a
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -42,18 +43,34 @@ def library_path(source: Path) -> Path:
     return cache_dir() / "kernels" / f"{source.stem}-{key}.so"
 
 
-def _compile_command(source: Path, out: Path) -> list[str]:
+@functools.cache
+def _compile_command(source: Path) -> tuple[str, ...]:
+    """The compiler's arguments, less the output's `-o PATH`."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch.utils.cpp_extension import include_paths, library_paths
 
     isa = pick_vec_isa()
-    cmd = [os.environ.get("CXX") or shutil.which("g++") or "c++", str(source), "-o", str(out), "-shared", "-fPIC",
+    cmd = [os.environ.get("CXX") or shutil.which("g++") or "c++", str(source), "-shared", "-fPIC",
            "-O3", "-std=c++20", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     cmd += [f"-D{macro}" for macro in isa.build_macro()] + isa.build_arch_flags().split()
     cmd += [f"-I{p}" for p in include_paths()]
     for lib in library_paths():
         cmd += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
-    return cmd + ["-lc10", "-ltorch_cpu"]
+    return (*cmd, "-lc10", "-ltorch_cpu")
+
+
+def prepare_build(source: Path) -> None:
+    """Work out the build command of `source` now, unless its library is cached. A thread that
+    starts a build in the background calls this first: Inductor's ISA probe and torch's
+    cpp_extension import torch._dynamo and torch._inductor, whose circular imports fail (a
+    _DeadlockError in one thread, an ImportError of a half-initialized module in the other) when
+    two threads run them at once, as a build thread did beside the compiled forward's torch.compile
+    on a machine's first start (3 of 4 fresh starts)."""
+    if not library_path(source).exists():
+        try:
+            _compile_command(source)
+        except Exception:  # (e.g. no working compiler: the build raises it again, and its caller reports it)
+            pass
 
 
 def load_ops(source: Path) -> None:
@@ -67,7 +84,7 @@ def load_ops(source: Path) -> None:
             if not lib.exists():  # (another process may have built it meanwhile)
                 with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                     built = Path(tmp) / lib.name
-                    done = subprocess.run(_compile_command(source, built), capture_output=True, text=True)
+                    done = subprocess.run([*_compile_command(source), "-o", str(built)], capture_output=True, text=True)
                     if done.returncode != 0:
                         raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
                     os.replace(built, lib)

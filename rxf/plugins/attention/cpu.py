@@ -28,7 +28,8 @@ import torch
 
 from rxf.core.attention import AttentionContext, AttentionLayer
 from rxf.core.runner.cpu_threads import start_background_compile
-from rxf.plugins.attention.cpu_decode import decode_attention_op
+from rxf.plugins.attention.cpp_build import prepare_build
+from rxf.plugins.attention.cpu_decode import SOURCE, decode_attention_op
 from rxf.plugins.attention.torch_native import TorchNativeBackend
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class CpuBackend(TorchNativeBackend):
         if when == "startup":
             self._compile()
         else:
+            prepare_build(SOURCE)
             start_background_compile(self._compile, "rxf-cpu-attention-compile")
 
     def wait_compiled(self) -> None:
