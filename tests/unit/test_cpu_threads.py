@@ -72,6 +72,33 @@ def test_threads_follow_what_the_other_processes_use(monkeypatch: pytest.MonkeyP
     assert quiet_for(m, t, 2.25) == 2  # it did not come back soon: the wait is QUIET_S again
 
 
+def test_a_load_while_the_engine_idles_is_not_what_its_forwards_meet(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = FakeMachine(monkeypatch)
+    t = cpu_threads.CpuThreads(2)
+
+    def forward(seconds: float, other_cores: float) -> None:
+        t.before_forward()
+        m.run(seconds, own_cores=t.threads, other_cores=other_cores)
+        t.after_forward()
+
+    forward(0.3, other_cores=0.02)
+    m.run(2.0, own_cores=0, other_cores=1.0)  # a bench client starts while the engine waits
+    forward(0.3, other_cores=0.2)  # then streams the answers of the burst it sent
+    assert t.before_forward() == 2 and m.set_to == [2]
+    forward(0.3, other_cores=0.2)
+    # A pause shorter than IDLE_S keeps the window: a load in it counts.
+    m.run(cpu_threads.IDLE_S / 2, own_cores=0, other_cores=1.0)
+    assert t.before_forward() == 1
+    t.after_forward()
+    quiet_for(m, t, cpu_threads.QUIET_S + 0.25)
+    # A steady load through an idle stretch shows in the first window of forwards after it.
+    t.after_forward()
+    m.run(1.0, own_cores=0, other_cores=1.0)
+    assert t.before_forward() == 2
+    m.run(0.25, own_cores=2, other_cores=1.0)
+    assert t.before_forward() == 1
+
+
 def test_the_engines_own_processes_are_no_load(monkeypatch: pytest.MonkeyPatch) -> None:
     m = FakeMachine(monkeypatch)
     t = cpu_threads.CpuThreads(2, family=m)

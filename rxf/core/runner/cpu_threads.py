@@ -14,7 +14,8 @@ everything but idle and iowait, steal included) less this process's own CPU time
 last sample. The family's work comes in short bursts that are part of serving (a burst of requests
 is tokenized just before their prefill); counted as a load, it sent the prefills of a served burst
 to one thread, 2x slower. A forward starts at all cores (no history says otherwise); without
-`/proc/stat` the count stays at the fewer threads.
+`/proc/stat` the count stays at the fewer threads. A window that spans an idle stretch of the engine
+(`IDLE_S`) is dropped: the load it saw met no forward.
 
 torch's thread count is the process's, not a thread's, and torch.compile guards on it: a graph
 compiled at one count serves forwards at that count only. So a thread of this process that
@@ -56,6 +57,12 @@ QUIET_S = 2.0
 # at every burst. `FLAP_S` at all cores without a load resets it.
 FLAP_S = 10.0
 MAX_QUIET_S = 60.0
+# An idle stretch this long (from a forward's end to the next one's start) ends the window: what the
+# others did while the engine waited is not what its forwards will meet. A bench client starting on
+# the machine (~1 core for a second or two, then a fifth while it streams) sent the first forwards
+# of each of its runs, the prefills of the burst it then sent, to one thread for QUIET_S. A steady
+# load shows again in the first window of forwards.
+IDLE_S = 0.5
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 _background = 0  # threads of this process compiling now (`compiling`)
 _count_lock = threading.Lock()  # held to read `_background` and set torch's count as one step
@@ -133,6 +140,7 @@ class CpuThreads:
         self._quiet_since: float | None = None  # start of the current run of quiet windows
         self._quiet_s = QUIET_S  # how long a run of quiet windows must last to take the thread back
         self._raised_at = float("-inf")  # when the count last went up to `most`
+        self._idle_from: float | None = None  # the end of the last forward, until the next starts
 
     def _sample(self) -> tuple[float, float, float] | None:
         """(wall time, the machine's busy CPU seconds, the part of them this engine's processes used)."""
@@ -151,15 +159,22 @@ class CpuThreads:
         """Re-sample when the window is over and set torch's thread count, unless a compile holds it
         (`compiling`); returns the count chosen."""
         threads = self._choose()
+        self._idle_from = None
         with _count_lock:
             if not _background and torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         return threads
 
+    def after_forward(self) -> None:
+        self._idle_from = time.monotonic()
+
     def _choose(self) -> int:
         if self._last is None or self.most == self.fewer:
             return self.threads
         now = time.monotonic()
+        if self._idle_from is not None and now - self._idle_from >= IDLE_S:
+            self._last = self._sample() or self._last  # a new window, no decision
+            return self.threads
         if now - self._last[0] < SAMPLE_S:
             return self.threads
         sample = self._sample()

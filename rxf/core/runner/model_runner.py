@@ -523,8 +523,15 @@ class ModelRunner:
         """`forward`'s result and what the model put in `ForwardBatch.aux_hidden` (None unless the model
         captures auxiliary hidden states or is a draft head), on the device."""
         self._validate(inp)
-        if self.threads is not None:
-            self.threads.before_forward()
+        if self.threads is None:
+            return self._forward_with_aux(inp)
+        self.threads.before_forward()
+        try:
+            return self._forward_with_aux(inp)
+        finally:
+            self.threads.after_forward()
+
+    def _forward_with_aux(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         if inp.mode.is_decode():
             with torch.inference_mode():
                 return self._forward_decode(inp)
