@@ -421,8 +421,13 @@ def main() -> int:
     workloads = [f"random-c{c}" for c in args.concurrency]
     workloads += ["shared-prefix-cache", "shared-prefix-nocache"] if args.shared_prefix else []
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True).stdout.split("\n")
+    changed = [line[3:] for line in changed if line.strip()]
+    if changed:
+        commit += f" (+ uncommitted changes to {', '.join(changed)})"
     header = (f"date {started:%Y-%m-%d %H:%M} UTC; machine {platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores; commit {commit} (+ uncommitted bench files); background load "
+              f"{os.cpu_count()} cores; commit {commit}; background load "
               f"{args.background_load}; load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
               f"(the background load counts 1-2 of it); command: {' '.join(sys.argv)}")
     print(header)
