@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -61,20 +62,27 @@ def cmd_launch(args: argparse.Namespace) -> int:
     # `_start_engine` turns it back on and freezes the heap): the imports' millions of long-lived
     # objects made its passes ~15% of start-up CPU.
     gc.disable()
-    signal.signal(signal.SIGTERM, _interrupt)
-    loader = EngineLoader(config)
+    stop = threading.Event()
+    loaders: list[EngineLoader] = []
+
+    def stop_requested(signum: int, frame: Any) -> None:
+        # Runs between two bytecodes of the main thread, maybe inside importlib's machinery: it must
+        # not raise. A KeyboardInterrupt raised from here inside a module lock's callback was
+        # swallowed ("Exception ignored"): the signal was lost and the lock left held, and the
+        # tokenizer thread's next import of that module blocked for good (1 start in 8).
+        stop.set()
+        for loader in loaders:
+            loader.cancel.set()  # the children stop within a poll interval
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop_requested)
+    loaders.append(loader := EngineLoader(config))
     try:
         from rxf.entrypoints.http_server import serve
 
-        return serve(config, engine_loader=loader)
-    except KeyboardInterrupt:  # a SIGTERM or Ctrl-C before uvicorn took the signals over
-        return 0
+        return serve(config, engine_loader=loader, stop=stop)
     finally:
         loader.abandon()  # idempotent; an engine the server took was stopped by its shutdown
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
 
 
 def _architectures(registry: Any) -> list[dict[str, str]]:

@@ -23,6 +23,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
 
@@ -224,11 +225,12 @@ class _Server(uvicorn.Server):
                 await tm.abort(rid)
 
 
-def serve(config: EngineConfig, engine_loader: EngineLoader | None = None) -> int:
+def serve(config: EngineConfig, engine_loader: EngineLoader | None = None, stop: threading.Event | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if the engine failed to start
     or died (and `server.exit_on_engine_death` is on). `engine_loader`: the engine's load, already
     started by the caller (`rxf launch`), who abandons it after serve returns or raises (a server
-    that never ran its lifespan, e.g. its port in use, still stops the children)."""
+    that never ran its lifespan, e.g. its port in use, still stops the children). `stop`: set by the
+    caller's signal handlers until these take over (0 at once if it is set by then)."""
 
     def serving(port: int) -> None:
         logger.info("rxf serving %s at %s", app.state.server.served_model_name, _url_of(config.server.host, port))
@@ -254,10 +256,13 @@ def serve(config: EngineConfig, engine_loader: EngineLoader | None = None) -> in
     )
     server = _Server(uv_config, app.state.server)
     server.on_serving = serving
-    # uvicorn re-raises the signal that stopped it once it is done, to run the previous handler;
-    # these no-op handlers make a requested, completed shutdown a normal exit.
+    # Until `server.run` installs uvicorn's handlers, a signal makes the server exit as soon as it
+    # has started. uvicorn re-raises the signal that stopped it once it is done, to run the previous
+    # handler: this one then, harmless, so that a requested, completed shutdown is a normal exit.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    if stop is not None and stop.is_set():  # asked before these handlers were in place
+        return 0
     server.run()
     state = app.state.server
     return 1 if state.startup_error or (state.engine_dead and config.server.exit_on_engine_death) else 0

@@ -111,7 +111,7 @@ class EngineProcesses:
         def accept() -> None:
             try:
                 result.append(proc.accept_ready())
-            except OSError:  # the channel was closed by a shutdown during start-up
+            except (OSError, EOFError):  # closed by a shutdown during start-up, or the child died connecting
                 pass
 
         thread = threading.Thread(target=accept, name=f"{name}-ready", daemon=True)
