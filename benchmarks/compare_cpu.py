@@ -421,9 +421,9 @@ def main() -> int:
     workloads = [f"random-c{c}" for c in args.concurrency]
     workloads += ["shared-prefix-cache", "shared-prefix-nocache"] if args.shared_prefix else []
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                             capture_output=True, text=True).stdout.split("\n")
-    changed = [line[3:] for line in changed if line.strip()]
+    status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True).stdout
+    changed = [line[3:] for line in status.splitlines() if line.strip()]
     if changed:
         commit += f" (+ uncommitted changes to {', '.join(changed)})"
     header = (f"date {started:%Y-%m-%d %H:%M} UTC; machine {platform.processor() or platform.machine()}, "

@@ -90,7 +90,7 @@ def test_a_load_while_the_engine_idles_is_not_what_its_forwards_meet(monkeypatch
     m.run(cpu_threads.IDLE_S / 2, own_cores=0, other_cores=1.0)
     assert t.before_forward() == 1
     t.after_forward()
-    quiet_for(m, t, cpu_threads.QUIET_S + 0.25)
+    assert quiet_for(m, t, cpu_threads.QUIET_S + 0.25) == 2
     # A steady load through an idle stretch shows in the first window of forwards after it.
     t.after_forward()
     m.run(1.0, own_cores=0, other_cores=1.0)
