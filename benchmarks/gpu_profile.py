@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import gzip
@@ -256,10 +257,14 @@ def main() -> None:
     ap.add_argument("--phases", default="gemv,step,attn")
     ap.add_argument("--backends", default="triton")
     ap.add_argument("--model-dir", type=Path, default=None)
+    ap.add_argument("--random-weights", action="store_true",
+                    help="step: no checkpoint written, the weights drawn at load (as gpu_decode.py's option)")
     ap.add_argument("--gemv", default=None, help="step phase: also run with RXF_GEMV=this ('suggested': the "
                     "gemv phase's choice)")
     args = ap.parse_args()
     p, phases = gd.PRESETS[args.preset], args.phases.split(",")
+    if args.random_weights:
+        p = dataclasses.replace(p, on_disk=False)
     model_dir = args.model_dir or Path(f"/tmp/rxf-bench-{args.preset}")
     OUT.mkdir(parents=True, exist_ok=True)
     RESULTS.update(command=" ".join(sys.argv), device=torch.cuda.get_device_name(), torch=torch.__version__)

@@ -44,14 +44,17 @@ if [ "$stage" = tests ]; then
   [ $# -gt 0 ] && bash benchmarks/gpu_session.sh others "$@"  # then the named benchmarks, if any
 elif [ "$stage" = split ]; then
   # "split [benchmark specs]": GPU_TESTS_BG (FlashInfer-heavy: their JIT compiles are CPU work) run in
-  # the background, bounded by BG_LIMIT_S (default 450), while GPU_TESTS and then the named benchmarks
-  # run in front (BG_K / FRONT_K: pytest -k expressions for each); the JIT cache comes back last,
+  # the background (niced), bounded by BG_LIMIT_S (default 450), while GPU_TESTS (if any) and then the named benchmarks
+  # run in front (BG_K / FRONT_K: pytest -k expressions for each; BG_ENV: VAR=value ... for the
+  # background run only); the JIT cache comes back last,
   # with whatever the background compiled.
   start=$(date +%s)
-  timeout "${BG_LIMIT_S:-450}" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS_BG} ${BG_K:+-k "$BG_K"} -ra > "$out/gpu-tests-bg.log" 2>&1 &
+  timeout "${BG_LIMIT_S:-450}" nice -n 10 env ${BG_ENV:-} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS_BG} ${BG_K:+-k "$BG_K"} -ra > "$out/gpu-tests-bg.log" 2>&1 &
   bg=$!
-  python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS} ${FRONT_K:+-k "$FRONT_K"} -ra 2>&1 | tee "$out/gpu-tests.log" | tail -30
-  echo "front tests done at $(( $(date +%s) - start )) s"
+  if [ -n "${GPU_TESTS:-}" ]; then  # none: the named benchmarks only, in front
+    python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS} ${FRONT_K:+-k "$FRONT_K"} -ra 2>&1 | tee "$out/gpu-tests.log" | tail -30
+    echo "front tests done at $(( $(date +%s) - start )) s"
+  fi
   [ $# -gt 0 ] && bash benchmarks/gpu_session.sh others "$@"
   wait $bg; echo "background tests: rc $? at $(( $(date +%s) - start )) s"; tail -n 30 "$out/gpu-tests-bg.log"
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
@@ -139,12 +142,15 @@ elif [ "$stage" = offline-profile ]; then
   for f in "$prof"/*/dp0-tp0/summary.txt; do echo "== $f"; head -n 16 "$f"; done
   tar czf "$out/profiles-$tag.tgz" -C /tmp "rxf-profiles-$tag"
 elif [ "$stage" = others ]; then
-  # "others SCRIPT[:ARGS] ...": each benchmark bounded to 400 s, e.g. others gpu_moe gpu_tp:--tp=1
+  # "others SCRIPT[:ARGS] ...": each benchmark bounded to OTHERS_LIMIT_S (default 400), e.g. others
+  # gpu_moe gpu_tp:--tp=1; the n-th runs with OUT=$out/n-SCRIPT (its files apart from another run of
+  # the same script) and logs to $out/n-SCRIPT.log
+  n=0
   for spec in "$@"; do
     script=${spec%%:*}; args=""; [ "$spec" != "$script" ] && args=${spec#*:}
-    start=$(date +%s)
-    timeout 400 python3 benchmarks/$script.py ${args//,/ } > "$out/$script.log" 2>&1
-    echo "$script $args: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$out/$script.log" | tail -30
+    n=$((n + 1)); log="$out/$n-$script.log"; start=$(date +%s)
+    OUT="$out/$n-$script" timeout "${OTHERS_LIMIT_S:-400}" python3 benchmarks/$script.py ${args//,/ } > "$log" 2>&1
+    echo "$script $args: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$log" | tail -"${OTHERS_TAIL:-30}"
   done
 else
   python3 benchmarks/gpu_decode.py --preset llama3-8b "$@" 2>&1 | tee "$out/bench.log"

@@ -281,12 +281,12 @@ def test_pdl_chain_through_quantized_gemv_and_head_norm(fmt: str, monkeypatch: p
 @needs_pdl
 def test_pdl_chain_through_the_moe_decode_path() -> None:
     """4 MoE layers at Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 768, top 8), 3 tokens:
-    norm -> router GEMV (float32 logits) -> routing kernel -> gate/up and down decode kernels, the
-    expert kernels waiting for the ids the routing kernel writes; the down kernel's top-k hand-off
-    leaves its counters zeroed."""
+    norm -> fused router (projection + routing, one launch) -> gate/up and down decode kernels, the
+    expert kernels waiting for the ids the router writes; the router's and the down kernel's
+    hand-offs leave their counters zeroed."""
     from rxf.plugins.models.layers import fused_moe_decode
-    from rxf.plugins.models.layers.moe import select_experts
     from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+    from rxf.plugins.models.layers.routing_kernel import route_cuda
 
     hidden, experts, inter, top_k = 2048, 128, 768, 8
     gen = torch.Generator(device=DEV).manual_seed(13)
@@ -295,19 +295,18 @@ def test_pdl_chain_through_the_moe_decode_path() -> None:
         router = (torch.randn(experts, hidden, device=DEV, generator=gen) / hidden**0.5).to(BF16)
         w13 = (torch.randn(experts, 2 * inter, hidden, device=DEV, generator=gen) / hidden**0.5).to(BF16)
         w2 = (torch.randn(experts, hidden, inter, device=DEV, generator=gen) / inter**0.5).to(BF16)
-        gemv = gemv_mod.DecodeGemv(GemvSettings(), router, out_dtype=torch.float32)
-        layers.append((router, gemv, w13, w2))
+        layers.append((router, w13, w2))
     norm_w = (torch.rand(hidden, device=DEV, generator=gen) + 0.5).to(BF16)
 
     def chain(h: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-        for router, gemv, w13, w2 in layers:
+        for router, w13, w2 in layers:
             h = rmsnorm(h, norm_w, 1e-5, res)
-            weights, ids = select_experts(gemv(h, router, None), top_k, renormalize=True)
+            weights, ids = route_cuda(h, router, None, top_k, renormalize=True)
             h = fused_moe_decode.decode_experts(h, w13, w2, weights, ids)
         return h
 
     _pdl_graph_equals_eager(chain, (3, hidden))
-    assert not fused_moe_decode._counters(norm_w.device, 1).any()  # keyed by the tensors' device (cuda:N)
+    assert not fused_moe_decode.launch_counters(norm_w.device, 1).any()  # keyed by the tensors' device (cuda:N)
 
 
 # ---------------------------------------------------------------- a model on the GEMV

@@ -98,6 +98,33 @@ def test_routing_kernel_matches_torch_code(tokens: int, renormalize: bool, dtype
         assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in want_i.tolist()]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize(("tokens", "experts", "hidden", "top_k", "bias"),
+                         [(1, EXPERTS, HIDDEN, TOP_K, False), (16, EXPERTS, HIDDEN, TOP_K, False),
+                          (3, 32, 2880, 4, True)])  # gpt-oss-20b's router, with its bias
+def test_fused_router_matches_projection_then_routing(tokens, experts, hidden, top_k, bias, dtype) -> None:
+    """`moe.route` on CUDA (router projection + routing in one launch) against `F.linear` then the
+    torch routing on the CPU: logits that round to the same values in x's dtype give the same
+    weights, and the ids are a top k of the reference softmax (float32: the very same experts)."""
+    from rxf.plugins.models.layers.routing_kernel import route_cuda
+
+    gen = torch.Generator(device=DEV).manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, device=DEV, generator=gen).to(dtype)
+    w = (torch.randn(experts, hidden, device=DEV, generator=gen) * hidden**-0.5).to(dtype)
+    b = (torch.randn(experts, device=DEV, generator=gen) * 0.1).to(dtype) if bias else None
+    logits = torch.nn.functional.linear(x.cpu().float(), w.cpu().float(), None if b is None else b.cpu().float())
+    weights, ids = (t.cpu() for t in route_cuda(x, w, b, top_k, True))
+    want_w, want_i = select_experts(logits.to(dtype), top_k, True)
+    torch.testing.assert_close(weights, want_w, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+    probs = torch.softmax(logits, dim=-1)
+    chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, ids, True)
+    assert (chosen.sum(-1) == top_k).all()
+    gap = probs.masked_fill(~chosen, 2.0).min(-1).values - probs.masked_fill(chosen, -1.0).max(-1).values
+    assert (gap >= -1e-2 * probs.max(-1).values).all(), "an expert chosen over a clearly likelier one"
+    if dtype == torch.float32:
+        assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in want_i.tolist()]
+
+
 @pytest.fixture(scope="module")
 def qwen3_moe_layer() -> tuple[torch.Tensor, torch.Tensor]:
     """float32 expert weights (~2.4 GB), scaled so activations stay O(1)."""

@@ -1,5 +1,6 @@
-"""The one-launch MoE routing kernel (softmax over the experts, top-k, optional renormalisation)
-against `moe.select_experts`' torch code, on CPU under the Triton interpreter.
+"""The one-launch MoE routing kernel (softmax over the experts, top-k, optional renormalisation) and the
+fused router (the router projection in the same launch) against `moe.select_experts`' torch code, on
+CPU under the Triton interpreter.
 
 As in test_fused_moe.py, TRITON_INTERPRET is set before the kernel module is imported, and the module
 is skipped where CUDA is present (the GPU tests route through it).
@@ -18,7 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from rxf.plugins.models.layers.moe import select_experts  # noqa: E402
-from rxf.plugins.models.layers.routing_kernel import softmax_topk_cuda  # noqa: E402
+from rxf.plugins.models.layers.routing_kernel import route_cuda, softmax_topk_cuda  # noqa: E402
 
 
 def assert_same_routing(logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, top_k: int,
@@ -61,3 +62,22 @@ def test_ties_take_the_lower_expert_and_strided_logits() -> None:
     with pytest.raises(ValueError, match="top_k 7 must lie in"):
         softmax_topk_cuda(rows, 7, True)
     assert softmax_topk_cuda(rows[:0], 2, False)[1].shape == (0, 2)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "hidden", "top_k", "dtype", "bias"), [
+    (1, 128, 2048, 8, torch.float32, False),  # Qwen3-30B-A3B's router: 8 splits of K
+    (3, 32, 2880, 4, torch.float32, True),  # gpt-oss-20b's, with its bias; K not a multiple of the tile
+    (16, 60, 300, 4, torch.float16, False),  # the most tokens it takes; experts not a power of two
+    (2, 8, 64, 2, torch.float32, True),  # one split: no hand-off
+])
+def test_fused_router_routes_as_the_projection_then_select_experts(tokens, experts, hidden, top_k, dtype, bias) -> None:
+    """The logits are x @ W^T + b rounded to x's dtype, as `F.linear` hands them to `select_experts`
+    (float32 sums in another order: the same value after that rounding here), run twice to check the
+    counters are left at zero."""
+    gen = torch.Generator().manual_seed(hidden + tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).to(dtype)
+    b = (torch.randn(experts, generator=gen) * 0.1).to(dtype) if bias else None
+    logits = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float()).to(dtype)
+    for _ in range(2):
+        assert_same_routing(logits, *route_cuda(x, weight, b, top_k, renormalize=True), top_k, renormalize=True)

@@ -37,7 +37,7 @@ from rxf.core.runner.distributed import tp_all_reduce
 from rxf.core.weight_loader import StackedMapping, load_named_weights
 from rxf.plugins.models.layers import ColumnParallelLinear, RadixAttention, RotaryEmbedding
 from rxf.plugins.models.layers.linear import copy_weight
-from rxf.plugins.models.layers.moe import FusedExperts, GatedActivation, select_experts
+from rxf.plugins.models.layers.moe import FusedExperts, GatedActivation, route
 from rxf.plugins.models.layers.mxfp4 import dequantize_mxfp4
 from rxf.plugins.models.llama import _STACKED, LlamaAttention, LlamaForCausalLM, head_dim_of
 
@@ -90,7 +90,7 @@ class GptOssMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.router(x), self.top_k, renormalize=True)
+        weights, ids = route(x, self.router, self.top_k, renormalize=True)
         return tp_all_reduce(self.experts(x, weights, ids))  # each rank holds a slice of every expert
 
 

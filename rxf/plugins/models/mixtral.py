@@ -22,7 +22,7 @@ from rxf.core import quantization
 from rxf.core.runner.distributed import tp_all_reduce
 from rxf.core.weight_loader import StackedMapping, load_named_weights
 from rxf.plugins.models.layers import ColumnParallelLinear
-from rxf.plugins.models.layers.moe import FusedExperts, select_experts
+from rxf.plugins.models.layers.moe import FusedExperts, route
 from rxf.plugins.models.llama import _STACKED, LlamaForCausalLM
 
 
@@ -49,7 +49,7 @@ class MixtralMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, renormalize=self.renormalize)
+        weights, ids = route(x, self.gate, self.top_k, renormalize=self.renormalize)
         return tp_all_reduce(self.experts(x, weights, ids))  # each rank holds a slice of every expert
 
 

@@ -25,10 +25,11 @@ K tiles to the scale block when it is smaller).
 With programmatic dependent launch (`rxf/core/runner/pdl.py`) both kernels wait first: every weight
 they read is picked by an expert id the routing kernel writes, so nothing is fixed before the wait.
 
-Counters: one int32 buffer per device (`_counters`), shared by every layer. Invariant between
-launches: all zero (each launch resets the counters it used). The layers of a forward run one after
-another on one stream, so no two launches use the buffer at once. It is allocated on the first call,
-eagerly (the CUDA-graph runner warms every batch size up before capturing it), and kept.
+Counters: one int32 buffer per device (`launch_counters`), shared by every layer and by the fused
+router (`routing_kernel.route_cuda`). Invariant between launches: all zero (each launch resets the
+counters it used). The layers of a forward run one after another on one stream, so no two launches
+use the buffer at once. It is allocated on the first call, eagerly (the CUDA-graph runner warms every
+batch size up before capturing it), and kept.
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ from rxf.plugins.models.layers.moe import SILU, ExpertScales, GatedActivation, k
 MAX_TOKENS = 4  # the most tokens routed here; more share experts, which the grouped kernels read once
 ROWS = tl.constexpr(16)  # columns of the padded activation tile: tl.dot's smallest
 
-# Block sizes: (block_n, block_k, num_warps, num_stages) of each kernel.
-GATE_UP_BLOCKS = (16, 256, 4, 4)
-DOWN_BLOCKS = (32, 256, 4, 4)
+Blocks = tuple[int, int, int, int]  # (block_n, block_k, num_warps, num_stages) of one kernel
+GATE_UP_BLOCKS: Blocks = (16, 256, 4, 4)
+DOWN_BLOCKS: Blocks = (32, 256, 4, 4)
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
+def launch_counters(device: torch.device, n: int) -> torch.Tensor:
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
@@ -194,9 +195,11 @@ def decode_experts(
     b2: torch.Tensor | None = None,
     activation: GatedActivation = SILU,
     scales: ExpertScales | None = None,
+    blocks: tuple[Blocks, Blocks] = (GATE_UP_BLOCKS, DOWN_BLOCKS),
 ) -> torch.Tensor:
     """`fused_moe.fused_experts`' contract for 1 .. MAX_TOKENS tokens (its checks already made:
-    contiguous last dimensions, both biases or neither)."""
+    contiguous last dimensions, both biases or neither); `blocks`: the gate/up and down kernels'
+    (`benchmarks/gpu_moe_decode.py` sweeps them)."""
 
     num_tokens, hidden = x.shape
     _, two_inter, _ = w13.shape
@@ -209,7 +212,7 @@ def decode_experts(
     y = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     pdl = use_pdl(x)
-    bn, bk, warps, stages = GATE_UP_BLOCKS
+    bn, bk, warps, stages = blocks[0]
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
         x, w13, b13 if has_bias else w13, s13, act, ids, inter, hidden,
@@ -219,12 +222,12 @@ def decode_experts(
         LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), PDL=pdl, num_warps=warps,
         num_stages=stages, launch_pdl=pdl, **scale_args,
     )
-    bn, bk, warps, stages = DOWN_BLOCKS
+    bn, bk, warps, stages = blocks[1]
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     blocks = num_tokens * triton.cdiv(hidden, bn)
     partials = torch.empty(blocks * top_k * bn, dtype=torch.float32, device=x.device) if top_k > 1 else y
     _down_kernel[(blocks, top_k)](
-        act, w2, b2 if has_bias else w2, s2, y, weights, ids, partials, _counters(x.device, blocks), hidden, inter,
+        act, w2, b2 if has_bias else w2, s2, y, weights, ids, partials, launch_counters(x.device, blocks), hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0, s2.stride(0), s2.stride(1),
         y.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
         HAS_BIAS=has_bias, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,

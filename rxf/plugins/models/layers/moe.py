@@ -51,6 +51,19 @@ def select_experts(
     return weights, ids
 
 
+def route(x: torch.Tensor, router: nn.Module, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts(router(x), top_k, renormalize)` for a dense router layer (`weight` `[E, K]`,
+    optional `bias`); for CUDA decode batches one launch that also computes the router projection
+    (`routing_kernel.route_cuda`)."""
+    weight = router.weight
+    if x.is_cuda and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.is_contiguous():
+        from rxf.plugins.models.layers.routing_kernel import ROUTE_MAX_TOKENS, route_cuda
+
+        if x.shape[0] <= ROUTE_MAX_TOKENS:
+            return route_cuda(x, weight, router.bias, top_k, renormalize)
+    return select_experts(router(x), top_k, renormalize)
+
+
 @dataclass(frozen=True)
 class GatedActivation:
     """`act(gate, up) = (u + up_offset) * g * sigmoid(alpha * g)`, with g = min(gate, limit) and

@@ -4,6 +4,15 @@ the lower expert id first among equal ones) and, with RENORMALIZE, rescales them
 torch code it replaces is five launches (cast, softmax, topk, sum, divide) per MoE layer, which at
 batch-1 decode cost more than the routing itself. Under programmatic dependent launch
 (`rxf/core/runner/pdl.py`) it waits first: it reads nothing but the logits.
+
+`route_cuda` goes one launch further for decode batches (at most `ROUTE_MAX_TOKENS` tokens): the
+router projection itself, x @ W^T (+ bias), is computed by the same kernel, so a MoE layer's routing
+is one launch instead of a GEMV and the kernel above. Grid (tokens, SPLIT_K): program (t, s) takes
+the dot products of token t with every expert's weight row over its K range, in float32, and writes
+them to `partials`; the last of a token's SPLIT_K programs to arrive (`fused_moe_decode`'s counter
+hand-off: stores, a CTA barrier, an acq_rel atomic, `.cg` loads) sums them in split order, adds the
+bias, rounds the logits to x's dtype (the `F.linear` output that `select_experts` would get) and
+routes them as above. Under PDL it waits first (x comes from the norm before it).
 """
 
 from __future__ import annotations
@@ -13,21 +22,21 @@ import triton
 import triton.language as tl
 
 from rxf.core.runner.pdl import use_pdl
+from rxf.plugins.models.layers.fused_moe_decode import launch_counters
+
+ROUTE_MAX_TOKENS = 16  # larger batches: the router GEMM (cuBLAS) and then the routing kernel
+_ROUTE_BLOCK_K = 64  # K per tile of the fused router: [BLOCK_E, 64] float32 products in registers
+_ROUTE_SPLIT_CHUNK = 256  # K per program of the fused router (SPLIT_K = cdiv(K, 256))
 
 
 @triton.jit
-def _softmax_topk_kernel(
-    Logits, Weights, Ids, stride_t, num_experts,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    if PDL:  # the router projection writes the logits (rxf/core/runner/pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    token = tl.program_id(0).to(tl.int64)
+def _route_store(logits, Weights, Ids, token, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Softmax of one token's float32 `logits` [BLOCK_E] over its num_experts lanes, the TOP_K largest
+    (descending, the lower id among equals), optionally renormalised, stored at row `token`."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
-    logits = tl.load(Logits + token * stride_t + experts, mask=valid, other=-float("inf")).to(tl.float32)
+    logits = tl.where(valid, logits, -float("inf"))
     exp = tl.exp(logits - tl.max(logits, axis=0))
     probs = tl.where(valid, exp / tl.sum(exp, axis=0), -1.0)  # padding lanes are never chosen
     slots = tl.arange(0, BLOCK_K)
@@ -46,6 +55,65 @@ def _softmax_topk_kernel(
     tl.store(Ids + token * TOP_K + slots, top_i, mask=keep)
 
 
+@triton.jit
+def _softmax_topk_kernel(
+    Logits, Weights, Ids, stride_t, num_experts,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # the router projection writes the logits (rxf/core/runner/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    logits = tl.load(Logits + token * stride_t + experts, mask=experts < num_experts, other=0.0).to(tl.float32)
+    _route_store(logits, Weights, Ids, token, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
+
+
+@triton.jit
+def _router_topk_kernel(
+    X, W, Bias, Partials, Counters, Weights, Ids, stride_xt, num_experts, K,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TILE_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, CHUNK_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # the norm before the router writes x
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    token = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    ks = tl.arange(0, TILE_K)
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    end = tl.minimum(split * CHUNK_K + CHUNK_K, K)
+    for k0 in range(split * CHUNK_K, end, TILE_K):
+        k_ok = k0 + ks < end
+        x = tl.load(X + token * stride_xt + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(W + experts[:, None].to(tl.int64) * K + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    if SPLIT_K > 1:
+        first = Partials + token * (SPLIT_K * BLOCK_E)
+        tl.store(first + split * BLOCK_E + experts, acc)
+        tl.debug_barrier()  # every thread's partial stores precede the counter update
+        arrived = tl.atomic_add(Counters + token, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last of the token's programs sums them, in split order
+            acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+            for i in tl.static_range(SPLIT_K):
+                acc += tl.load(first + i * BLOCK_E + experts, cache_modifier=".cg")
+            tl.store(Counters + token, 0)
+            if HAS_BIAS:
+                acc += tl.load(Bias + experts, mask=valid, other=0.0).to(tl.float32)
+            logits = acc.to(X.dtype.element_ty).to(tl.float32)
+            _route_store(logits, Weights, Ids, token, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(Bias + experts, mask=valid, other=0.0).to(tl.float32)
+        logits = acc.to(X.dtype.element_ty).to(tl.float32)
+        _route_store(logits, Weights, Ids, token, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
+
+
 def softmax_topk_cuda(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights float32 `[T, top_k]`, expert ids int64 `[T, top_k]`) from logits `[T, E]`."""
     num_tokens, num_experts = router_logits.shape
@@ -60,6 +128,35 @@ def softmax_topk_cuda(router_logits: torch.Tensor, top_k: int, renormalize: bool
     _softmax_topk_kernel[(num_tokens,)](
         logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        PDL=pdl, launch_pdl=pdl,
+    )
+    return weights, ids
+
+
+def route_cuda(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts(F.linear(x, weight, bias), top_k, renormalize)` in one launch for at most
+    `ROUTE_MAX_TOKENS` tokens of x `[T, K]` (last dimension contiguous) and a contiguous router
+    weight `[E, K]` of x's dtype."""
+    num_tokens, k = x.shape
+    num_experts = weight.shape[0]
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must lie in [1, num_experts {num_experts}]")
+    assert num_tokens <= ROUTE_MAX_TOKENS and x.stride(-1) == 1 and weight.is_contiguous(), "see route_cuda's contract"
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    if num_tokens == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(num_experts)
+    split_k = triton.cdiv(k, _ROUTE_SPLIT_CHUNK)
+    partials = torch.empty(num_tokens * split_k * block_e, dtype=torch.float32, device=x.device)
+    pdl = use_pdl(x)
+    _router_topk_kernel[(num_tokens, split_k)](
+        x, weight, bias if bias is not None else weight, partials, launch_counters(x.device, num_tokens),
+        weights, ids, x.stride(0), num_experts, k, TOP_K=top_k, BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k), TILE_K=min(_ROUTE_BLOCK_K, max(16, 8192 // block_e)),
+        SPLIT_K=split_k, CHUNK_K=_ROUTE_SPLIT_CHUNK, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
         PDL=pdl, launch_pdl=pdl,
     )
     return weights, ids
