@@ -78,6 +78,18 @@ class Rotary(Protocol):
 
 
 @dataclass(frozen=True)
+class HeadNorm:
+    """Per-head RMSNorms of q and k before the rotation (Qwen3's `q_norm` / `k_norm`): each head vector
+    of head_dim values is normalised on its own, with `q_weight` [head_dim] for every query head and
+    `k_weight` for every key head. A rotary handed to a backend whose `fuses_head_norm` is True may
+    carry one as its attribute `head_norm`; the backend applies it before rotating."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
 class AttentionContext:
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: TokenToKVPool
@@ -137,6 +149,11 @@ class AttentionBackend(ABC):
         as the keyword argument `rotary`, and must rotate q and k by `batch.positions` before attending
         and storing k (the pool holds rotated keys). Default: no; nothing receives the keyword."""
         return False
+
+    # Whether a rotary that `fuses_rope` accepts may carry a `head_norm` (`HeadNorm`), which the
+    # backend then applies to q and k before rotating them (one launch for both); a model hands one
+    # over only where this is True, and normalises the heads itself elsewhere.
+    fuses_head_norm: bool = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,

@@ -314,6 +314,82 @@ def test_rope_store_kv_matches_rotary_then_set_kv(dtype: torch.dtype, separate_q
     assert torch.equal(v_view, v), "v must not change"
 
 
+@DTYPES
+def test_rope_store_kv_with_head_norms_matches_norms_then_rotary(dtype: torch.dtype) -> None:
+    """Qwen3's per-head q / k norms in the same launch = `norm_heads_`'s torch code, then the torch
+    rotation and set_kv; and `HeadNormedRotary` called (for a backend that does not fuse it) computes
+    the same. A GQA group of 3 and head_dim 24 (masked lanes the norm must not count)."""
+    from rxf.core.attention import HeadNorm
+    from rxf.plugins.attention.triton.store_kv import rope_store_kv
+    from rxf.plugins.models.layers import RMSNorm, RotaryEmbedding
+    from rxf.plugins.models.layers.head_norm import HeadNormedRotary, norm_heads_
+
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, n = 6, 2, 24, 5
+    rope = RotaryEmbedding(head_dim, MAX_CONTEXT, LLAMA3_ROPE, dtype)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6, dtype), RMSNorm(head_dim, 1e-6, dtype)
+    q_norm.weight.data.uniform_(0.5, 1.5)
+    k_norm.weight.data.uniform_(0.5, 1.5)
+    positions = torch.tensor([0, 3, 17, 40, 47])
+    loc = torch.randperm(NUM_SLOTS - 1)[:n].add_(1)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, dtype=dtype) * 3
+    q_cols, kv_cols = heads * head_dim, kv_heads * head_dim
+
+    normed = qkv.clone()
+    norm_heads_(normed, q_norm, k_norm, heads, kv_heads, head_dim)  # CPU: the modules' torch code
+    q_ref, k_ref = rope.forward_native(positions, normed[:, :q_cols], normed[:, q_cols : q_cols + kv_cols])
+    v = qkv[:, -kv_cols:].unflatten(-1, (kv_heads, head_dim))
+    ref = TokenToKVPool(NUM_SLOTS, 1, kv_heads, head_dim, dtype, torch.device("cpu"))
+    ref.set_kv(0, loc, k_ref.unflatten(-1, (kv_heads, head_dim)), v)
+
+    ours = TokenToKVPool(NUM_SLOTS, 1, kv_heads, head_dim, dtype, torch.device("cpu"))
+    views = qkv.clone().unflatten(-1, (heads + 2 * kv_heads, head_dim))
+    q, k, v_view = views[:, :heads], views[:, heads : heads + kv_heads], views[:, heads + kv_heads :]
+    q_rot = rope_store_kv(*ours.get_kv_buffer(0), loc, q, k, v_view, positions, rope.cos_sin_cache,
+                          head_norm=HeadNorm(q_norm.weight, k_norm.weight, 1e-6))
+    tol = TOL[dtype]
+    torch.testing.assert_close(q_rot.flatten(-2), q_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(k.flatten(-2), k_ref, rtol=tol, atol=tol)
+    for a, b in zip(ours.get_kv_buffer(0), ref.get_kv_buffer(0), strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+    wrapped = HeadNormedRotary(rope, q_norm, k_norm, head_dim)
+    assert wrapped.cos_sin_cache is rope.cos_sin_cache and wrapped.head_norm.q_weight is q_norm.weight
+    q_w, k_w = wrapped(positions, qkv[:, :q_cols].clone(), qkv[:, q_cols : q_cols + kv_cols].clone())
+    torch.testing.assert_close(q_w, q_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(k_w, k_ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+def test_qwen3_attention_hands_its_head_norms_to_the_fusing_backend(mode: ForwardMode) -> None:
+    """Qwen3's attention block on torch_native (norms, then rotation, then attention, in torch) and on
+    triton (the norms and the rotation inside the K/V store launch): the same output."""
+    from types import SimpleNamespace
+
+    from rxf.plugins.models.layers import RotaryEmbedding
+    from rxf.plugins.models.qwen3 import Qwen3Attention
+
+    prefix_lens, extend_lens = ([0, 5, 9], [1, 4, 7]) if mode == ForwardMode.EXTEND else ([4, 17, 30], [1, 1, 1])
+    heads, kv_heads, head_dim, hidden = 4, 2, 16, 32
+    case = build(mode, prefix_lens, extend_lens, heads, kv_heads, head_dim, torch.float32)
+    config = SimpleNamespace(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=head_dim, rms_norm_eps=1e-6, attention_bias=False)
+    rope = RotaryEmbedding(head_dim, MAX_CONTEXT, LLAMA3_ROPE, torch.float32)
+    torch.manual_seed(2)
+    block = Qwen3Attention(config, case.layer.layer_id, False, rope, torch.float32)
+    for p in block.parameters():
+        p.data.copy_(torch.randn(p.shape) * (0.2 if p.dim() > 1 else 1.0))
+    positions = torch.cat([p + torch.arange(e) for p, e in zip(prefix_lens, extend_lens, strict=True)])
+    x = torch.randn(len(positions), hidden)
+    outs = []
+    for batch in (case.native, case.triton):
+        batch.positions = positions
+        batch.attn_backend.init_forward_metadata(batch)
+        outs.append(block(x, batch))
+    assert case.triton.attn_backend.fuses_head_norm and not case.native.attn_backend.fuses_head_norm
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
 @DTYPES
 @ROPES

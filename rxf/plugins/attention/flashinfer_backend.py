@@ -28,9 +28,9 @@ graphs keep them as constants. With an FP8 pool a prefill without cached prefix 
 kernel over the pool instead of the ragged one over the new k/v, so every key is attended as
 quantized, as torch_native and triton do.
 
-Rotary embeddings are fused into the K/V store (rxf's Triton kernel, `fuses_rope`), which also writes
-the rotated q into the contiguous buffer FlashInfer's `run` takes (saving the copy `q.contiguous()`
-made of the strided view). FlashInfer's own fused rope + append kernels do not fit this pool:
+Rotary embeddings are fused into the K/V store (rxf's Triton kernel, `fuses_rope`, with Qwen3's
+per-head q / k norms: `fuses_head_norm`), which also writes the rotated q into the contiguous buffer
+FlashInfer's `run` takes (saving the copy `q.contiguous()` made of the strided view). FlashInfer's own fused rope + append kernels do not fit this pool:
 `rope.rope_quantize_fp8_append_paged_kv_cache` writes FP8 caches only, and the `cake_fused_qk_rope_append`
 family (newer releases) takes head_dim 128 with 8/1 or 64/8 query/kv heads only.
 """
@@ -260,6 +260,8 @@ class FlashInferBackend(AttentionBackend):
     def fuses_rope(self, rotary: Rotary) -> bool:
         return rotary.cos_sin_cache is not None
 
+    fuses_head_norm = True  # rxf's rope + K/V store kernel normalises the heads first (triton/store_kv.py)
+
     def _store_kv(
         self, layer: AttentionLayer, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rotary: Rotary | None,
@@ -272,7 +274,8 @@ class FlashInferBackend(AttentionBackend):
             return q.contiguous()
         assert rotary.cos_sin_cache is not None, "fuses_rope said no to this rotary embedding"
         return self._rope_store(*bufs, batch.out_cache_loc, q, k, v, batch.positions, rotary.cos_sin_cache,
-                                q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device), **scales)
+                                q_out=torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                                head_norm=getattr(rotary, "head_norm", None), **scales)
 
     def _host_scales(self, layer: AttentionLayer) -> tuple[float, float]:
         """The layer's (k_scale, v_scale) as floats, read off the device on its first forward (an

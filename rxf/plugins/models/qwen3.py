@@ -17,7 +17,7 @@ import torch
 
 from rxf.core.forward import ForwardBatch
 from rxf.plugins.models.layers import RMSNorm
-from rxf.plugins.models.layers.head_norm import norm_heads_
+from rxf.plugins.models.layers.head_norm import HeadNormedRotary, norm_heads_
 from rxf.plugins.models.llama import LlamaAttention, Qwen2ForCausalLM, head_dim_of
 
 
@@ -28,13 +28,19 @@ class Qwen3Attention(LlamaAttention):
         dtype = self.qkv_proj.weight.dtype
         self.q_norm = RMSNorm(head_dim_of(config), config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(head_dim_of(config), config.rms_norm_eps, dtype)
+        # A plain attribute (not a submodule): the norms and the rotary stay registered where they are.
+        self.normed_rotary = HeadNormedRotary(self.rotary_emb, self.q_norm, self.k_norm, head_dim_of(config))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        attn = self.attn
-        norm_heads_(qkv, self.q_norm, self.k_norm, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        attn, backend = self.attn, batch.attn_backend
+        if backend.fuses_head_norm and backend.fuses_rope(self.rotary_emb):
+            rotary = self.normed_rotary  # the norms run in the backend's rope + K/V store launch
+        else:
+            norm_heads_(qkv, self.q_norm, self.k_norm, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            rotary = self.rotary_emb
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
-        return self.o_proj(self.attn(q, k, v, batch, rotary=self.rotary_emb))
+        return self.o_proj(self.attn(q, k, v, batch, rotary=rotary))
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):

@@ -28,7 +28,8 @@ kernels' registers with the layer's k_scale / v_scale (device tensors, so captur
 where they live).
 
 Rotary embeddings are fused into the K/V store (`fuses_rope`): one launch per layer rotates q and k
-in place and writes the rotated k and v to the pool, for extend and decode alike.
+in place and writes the rotated k and v to the pool, for extend and decode alike; Qwen3's per-head q / k
+norms run in that launch too (`fuses_head_norm`).
 
 Decode split policy: with bs requests and P = num_kv_heads * head_blocks programs per request
 per split, a batch may use up to cap(bs) = clamp(cdiv(target_programs, bs * P), 1, max_kv_splits)
@@ -204,6 +205,8 @@ class TritonAttnBackend(AttentionBackend):
     def fuses_rope(self, rotary: Rotary) -> bool:
         return rotary.cos_sin_cache is not None
 
+    fuses_head_norm = True  # the rope + K/V store kernel normalises the heads first (store_kv.py)
+
     def _store_kv(
         self, layer: AttentionLayer, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rotary: Rotary | None,
@@ -217,7 +220,7 @@ class TritonAttnBackend(AttentionBackend):
         else:
             assert rotary.cos_sin_cache is not None, "fuses_rope said no to this rotary embedding"
             self._rope_store(k_buf, v_buf, batch.out_cache_loc, q, k, v, batch.positions, rotary.cos_sin_cache,
-                             **scales)
+                             head_norm=getattr(rotary, "head_norm", None), **scales)
         return k_buf, v_buf
 
     def forward_extend(
