@@ -46,7 +46,8 @@ elif [ "$stage" = split ]; then
   # "split [benchmark specs]": GPU_TESTS_BG (FlashInfer-heavy: their JIT compiles are CPU work) run in
   # the background (niced), bounded by BG_LIMIT_S (default 450), while GPU_TESTS (if any) and then the named benchmarks
   # run in front (BG_K / FRONT_K: pytest -k expressions for each; BG_ENV: VAR=value ... for the
-  # background run only); the JIT cache comes back last,
+  # background run only; FRONT_STAGE: another stage with its arguments, run after the front tests);
+  # the JIT cache comes back last,
   # with whatever the background compiled.
   start=$(date +%s)
   timeout "${BG_LIMIT_S:-450}" nice -n 10 env ${BG_ENV:-} python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS_BG} ${BG_K:+-k "$BG_K"} -ra > "$out/gpu-tests-bg.log" 2>&1 &
@@ -55,6 +56,7 @@ elif [ "$stage" = split ]; then
     python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS} ${FRONT_K:+-k "$FRONT_K"} -ra 2>&1 | tee "$out/gpu-tests.log" | tail -30
     echo "front tests done at $(( $(date +%s) - start )) s"
   fi
+  [ -n "${FRONT_STAGE:-}" ] && bash benchmarks/gpu_session.sh $FRONT_STAGE  # e.g. "compare bench-base decode"
   [ $# -gt 0 ] && bash benchmarks/gpu_session.sh others "$@"
   wait $bg; echo "background tests: rc $? at $(( $(date +%s) - start )) s"; tail -n 30 "$out/gpu-tests-bg.log"
   tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
@@ -90,15 +92,17 @@ elif [ "$stage" = profile ]; then
 elif [ "$stage" = gemv ]; then
   python3 benchmarks/gpu_profile.py --phases gemv "$@" 2>&1 | tee "$out/gemv.log"
 elif [ "$stage" = compare ]; then
-  base=$1; phases=${2:-bandwidth,decode,offline}
-  python3 benchmarks/gpu_decode.py --preset llama3-8b --phases build --model-dir /tmp/rxf-8b > "$out/build.log" 2>&1 \
-    || { tail -n 20 "$out/build.log"; exit 1; }
+  # COMPARE_PRESET (default llama3-8b) and COMPARE_ARGS (e.g. --random-weights) pick the model.
+  base=$1; phases=${2:-bandwidth,decode,offline}; preset=${COMPARE_PRESET:-llama3-8b}; dir=/tmp/rxf-cmp-$preset
+  python3 benchmarks/gpu_decode.py --preset "$preset" --phases build --model-dir "$dir" ${COMPARE_ARGS:-} \
+    > "$out/build-$preset.log" 2>&1 || { tail -n 20 "$out/build-$preset.log"; exit 1; }
   for tree in "$base" .; do
-    name=new; [ "$tree" = . ] || name=base
+    name=new-$preset; [ "$tree" = . ] || name=base-$preset
     start=$(date +%s)
-    (cd "$tree" && PYTHONPATH=$HOME/site:$PWD timeout 400 python3 benchmarks/gpu_decode.py --preset llama3-8b \
-      --model-dir /tmp/rxf-8b --phases "$phases" --backends triton --output "$out/$name.json") > "$out/$name.log" 2>&1
-    echo "$name: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$out/$name.log" | tail -n 40
+    (cd "$tree" && PYTHONPATH=$HOME/site:$PWD timeout "${COMPARE_LIMIT_S:-400}" python3 benchmarks/gpu_decode.py \
+      --preset "$preset" --model-dir "$dir" --phases "$phases" --backends triton ${COMPARE_ARGS:-} \
+      --output "$out/$name.json") > "$out/$name.log" 2>&1
+    echo "$name: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$out/$name.log" | tail -n "${COMPARE_TAIL:-40}"
   done
 elif [ "$stage" = pytest ]; then
   # "pytest ARGS...": the given pytest arguments as they are (quoting kept), log under $OUT
@@ -144,12 +148,13 @@ elif [ "$stage" = offline-profile ]; then
 elif [ "$stage" = others ]; then
   # "others SCRIPT[:ARGS] ...": each benchmark bounded to OTHERS_LIMIT_S (default 400), e.g. others
   # gpu_moe gpu_tp:--tp=1; the n-th runs with OUT=$out/n-SCRIPT (its files apart from another run of
-  # the same script) and logs to $out/n-SCRIPT.log
+  # the same script) and logs to $out/n-SCRIPT.log; OTHERS_ENV: VAR=value ... for every one of them
   n=0
   for spec in "$@"; do
     script=${spec%%:*}; args=""; [ "$spec" != "$script" ] && args=${spec#*:}
     n=$((n + 1)); log="$out/$n-$script.log"; start=$(date +%s)
-    OUT="$out/$n-$script" timeout "${OTHERS_LIMIT_S:-400}" python3 benchmarks/$script.py ${args//,/ } > "$log" 2>&1
+    OUT="$out/$n-$script" timeout "${OTHERS_LIMIT_S:-400}" env ${OTHERS_ENV:-} python3 benchmarks/$script.py ${args//,/ } \
+      > "$log" 2>&1
     echo "$script $args: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$log" | tail -"${OTHERS_TAIL:-30}"
   done
 else
