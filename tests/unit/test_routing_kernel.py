@@ -65,7 +65,7 @@ def test_ties_take_the_lower_expert_and_strided_logits() -> None:
 
 
 @pytest.mark.parametrize(("tokens", "experts", "hidden", "top_k", "dtype", "bias"), [
-    (1, 128, 2048, 8, torch.float32, False),  # Qwen3-30B-A3B's router: 8 splits of K
+    (1, 128, 2048, 8, torch.float32, False),  # Qwen3-30B-A3B's router: 16 splits of K
     (3, 32, 2880, 4, torch.float32, True),  # gpt-oss-20b's, with its bias; K not a multiple of the tile
     (16, 60, 300, 4, torch.float16, False),  # the most tokens it takes; experts not a power of two
     (2, 8, 64, 2, torch.float32, True),  # one split: no hand-off

@@ -26,7 +26,7 @@ from rxf.plugins.models.layers.fused_moe_decode import launch_counters
 
 ROUTE_MAX_TOKENS = 16  # larger batches: the router GEMM (cuBLAS) and then the routing kernel
 _ROUTE_BLOCK_K = 64  # K per tile of the fused router: [BLOCK_E, 64] float32 products in registers
-_ROUTE_SPLIT_CHUNK = 256  # K per program of the fused router (SPLIT_K = cdiv(K, 256))
+_ROUTE_SPLIT_CHUNK = 128  # K per program of the fused router (SPLIT_K = cdiv(K, 128)): short loads in series
 
 
 @triton.jit
