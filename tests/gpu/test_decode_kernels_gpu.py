@@ -281,12 +281,11 @@ def test_pdl_chain_through_quantized_gemv_and_head_norm(fmt: str, monkeypatch: p
 @needs_pdl
 def test_pdl_chain_through_the_moe_decode_path() -> None:
     """4 MoE layers at Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 768, top 8), 3 tokens:
-    norm -> fused router (projection + routing, one launch) -> gate/up and down decode kernels, the
-    expert kernels waiting for the ids the router writes; the router's and the down kernel's
-    hand-offs leave their counters zeroed."""
+    residual add + norm + router projection + routing in one launch (`norm_route_cuda`) -> gate/up
+    and down decode kernels, the expert kernels waiting for the x and ids it writes; its and the down
+    kernel's hand-offs leave their counters zeroed."""
     from rxf.plugins.models.layers import fused_moe_decode
-    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
-    from rxf.plugins.models.layers.routing_kernel import route_cuda
+    from rxf.plugins.models.layers.routing_kernel import norm_route_cuda
 
     hidden, experts, inter, top_k = 2048, 128, 768, 8
     gen = torch.Generator(device=DEV).manual_seed(13)
@@ -300,9 +299,8 @@ def test_pdl_chain_through_the_moe_decode_path() -> None:
 
     def chain(h: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
         for router, w13, w2 in layers:
-            h = rmsnorm(h, norm_w, 1e-5, res)
-            weights, ids = route_cuda(h, router, None, top_k, renormalize=True)
-            h = fused_moe_decode.decode_experts(h, w13, w2, weights, ids)
+            weights, ids, x, res = norm_route_cuda(h, res, norm_w, 1e-5, router, None, top_k, renormalize=True)
+            h = fused_moe_decode.decode_experts(x, w13, w2, weights, ids)
         return h
 
     _pdl_graph_equals_eager(chain, (3, hidden))

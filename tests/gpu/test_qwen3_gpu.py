@@ -125,6 +125,29 @@ def test_fused_router_matches_projection_then_routing(tokens, experts, hidden, t
         assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in want_i.tolist()]
 
 
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_norm_route_is_the_norm_kernel_then_the_fused_router(tokens: int) -> None:
+    """The residual add and the post-attention norm inside the routing launch (`norm_route_cuda`, what
+    a Qwen3-MoE decode layer runs) against `rmsnorm_kernel` then `route_cuda`, bf16 at Qwen3-30B-A3B's
+    shapes: the same residual, x within one bf16 step, and the same routing where x is the same."""
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+    from rxf.plugins.models.layers.routing_kernel import norm_route_cuda, route_cuda
+
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    h = torch.randn(tokens, HIDDEN, device=DEV, generator=gen).to(torch.bfloat16)
+    res = (torch.randn(tokens, HIDDEN, device=DEV, generator=gen) * 4).to(torch.bfloat16)
+    norm_w = (torch.rand(HIDDEN, device=DEV, generator=gen) + 0.5).to(torch.bfloat16)
+    router = (torch.randn(EXPERTS, HIDDEN, device=DEV, generator=gen) * HIDDEN**-0.5).to(torch.bfloat16)
+    weights, ids, x, new_res = norm_route_cuda(h, res, norm_w, 1e-6, router, None, TOP_K, True)
+    res_ref = res.clone()
+    x_ref = rmsnorm(h.clone(), norm_w, 1e-6, res_ref)
+    assert torch.equal(new_res, res_ref)
+    assert (x.float() - x_ref.float()).abs().max() <= x_ref.float().abs().max() * 2**-7
+    if torch.equal(x, x_ref):
+        want_w, want_i = route_cuda(x_ref, router, None, TOP_K, True)
+        assert torch.equal(ids, want_i) and torch.equal(weights, want_w)
+
+
 @pytest.fixture(scope="module")
 def qwen3_moe_layer() -> tuple[torch.Tensor, torch.Tensor]:
     """float32 expert weights (~2.4 GB), scaled so activations stay O(1)."""

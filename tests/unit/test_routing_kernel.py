@@ -19,7 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from rxf.plugins.models.layers.moe import select_experts  # noqa: E402
-from rxf.plugins.models.layers.routing_kernel import route_cuda, softmax_topk_cuda  # noqa: E402
+from rxf.plugins.models.layers.routing_kernel import norm_route_cuda, route_cuda, softmax_topk_cuda  # noqa: E402
 
 
 def assert_same_routing(logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, top_k: int,
@@ -81,3 +81,30 @@ def test_fused_router_routes_as_the_projection_then_select_experts(tokens, exper
     logits = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float()).to(dtype)
     for _ in range(2):
         assert_same_routing(logits, *route_cuda(x, weight, b, top_k, renormalize=True), top_k, renormalize=True)
+
+
+@pytest.mark.parametrize(("tokens", "experts", "hidden", "top_k", "dtype"), [
+    (1, 128, 2048, 8, torch.float32),  # Qwen3-30B-A3B
+    (4, 8, 320, 2, torch.float16),  # Mixtral-like routing, a hidden size that is not a power of two
+])
+def test_norm_route_takes_the_residual_add_and_the_norm_in(tokens, experts, hidden, top_k, dtype) -> None:
+    """x = RMSNorm(h + r) as `rmsnorm_kernel` rounds it (the norm of the unrounded float32 sum, one
+    rounding at the end) and h + r rounded, against that formula in torch; routed as `route_cuda`
+    routes x itself."""
+    gen = torch.Generator().manual_seed(hidden * tokens)
+    h = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    r = (torch.randn(tokens, hidden, generator=gen) * 4).to(dtype)
+    norm_w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+    weight = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).to(dtype)
+    eps = 1e-6
+    s = h.float() + r.float()
+    x_ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()).to(dtype)
+    h_before, r_before = h.clone(), r.clone()
+    weights, ids, x, res = norm_route_cuda(h, r, norm_w, eps, weight, None, top_k, renormalize=True)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(res, s.to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(x, x_ref, rtol=tol, atol=tol)
+    assert torch.equal(h, h_before) and torch.equal(r, r_before), "the inputs are left as they were"
+    want = route_cuda(x, weight, None, top_k, renormalize=True)
+    torch.testing.assert_close(weights, want[0], rtol=0, atol=0)
+    assert torch.equal(ids, want[1])

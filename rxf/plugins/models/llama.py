@@ -132,6 +132,11 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, batch)
+        # A feed-forward block may take the residual add and its norm into its first launch
+        # (`MixtralMoE.forward_normed`); None: it does not here, and the norm runs as its own launch.
+        forward_normed = getattr(self.mlp, "forward_normed", None)
+        if forward_normed is not None and (out := forward_normed(x, residual, self.post_attention_layernorm)) is not None:
+            return out
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -13,6 +13,13 @@ them to `partials`; the last of a token's SPLIT_K programs to arrive (`fused_moe
 hand-off: stores, a CTA barrier, an acq_rel atomic, `.cg` loads) sums them in split order, adds the
 bias, rounds the logits to x's dtype (the `F.linear` output that `select_experts` would get) and
 routes them as above. Under PDL it waits first (x comes from the norm before it).
+
+`norm_route_cuda` also takes that norm in: given the attention block's output h and the residual
+stream r, every program reads its token's whole rows for the mean square of s = h + r (float32),
+then, over its own K range, writes s rounded (the new residual) and x = s * rsqrt(mean(s^2) + eps) * w
+rounded once (`rmsnorm_kernel`'s rounding: the norm of the unrounded sum) to fresh tensors, and dots
+that rounded x with the router rows. The experts read x after this launch; the residual add and the
+post-attention norm are then no launch of their own.
 """
 
 from __future__ import annotations
@@ -72,12 +79,15 @@ def _softmax_topk_kernel(
 
 @triton.jit
 def _router_topk_kernel(
-    X, W, Bias, Partials, Counters, Weights, Ids, stride_xt, num_experts, K,
+    X, W, Bias, Partials, Counters, Weights, Ids, Res, NormW, XOut, ResOut, stride_xt, stride_rt, num_experts, K,
+    norm_eps,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TILE_K: tl.constexpr,
     SPLIT_K: tl.constexpr, CHUNK_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    PDL: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # the norm before the router writes x
+    """NORM: X is the attention output h and Res the residual; the routed x is norm(h + r) (see the
+    module docstring), written with h + r to XOut / ResOut (rows of K, contiguous)."""
+    if PDL:  # the kernel before writes x (or h)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
@@ -85,11 +95,23 @@ def _router_topk_kernel(
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     ks = tl.arange(0, TILE_K)
+    if NORM:
+        cols = tl.arange(0, BLOCK_H)
+        row = tl.load(X + token * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
+        row += tl.load(Res + token * stride_rt + cols, mask=cols < K, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(row * row, axis=0) / K + norm_eps)
     acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
     end = tl.minimum(split * CHUNK_K + CHUNK_K, K)
     for k0 in range(split * CHUNK_K, end, TILE_K):
         k_ok = k0 + ks < end
         x = tl.load(X + token * stride_xt + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            x += tl.load(Res + token * stride_rt + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            tl.store(ResOut + token * K + k0 + ks, x.to(ResOut.dtype.element_ty), mask=k_ok)
+            w_norm = tl.load(NormW + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = (x * inv_rms * w_norm).to(XOut.dtype.element_ty)
+            tl.store(XOut + token * K + k0 + ks, x, mask=k_ok)
+            x = x.to(tl.float32)
         w = tl.load(W + experts[:, None].to(tl.int64) * K + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
@@ -139,6 +161,24 @@ def route_cuda(
     """`select_experts(F.linear(x, weight, bias), top_k, renormalize)` in one launch for at most
     `ROUTE_MAX_TOKENS` tokens of x `[T, K]` (last dimension contiguous) and a contiguous router
     weight `[E, K]` of x's dtype."""
+    return _route(x, weight, bias, top_k, renormalize, None)[:2]
+
+
+def norm_route_cuda(
+    h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(routing weights, expert ids, x, h + residual) with x = RMSNorm(h + residual) as `rmsnorm_kernel`
+    computes it, routed as `route_cuda` routes it: the residual add, the norm and the routing in one
+    launch. h and residual `[T, K]` (rows contiguous), norm_weight `[K]`; x and the sum are new tensors."""
+    assert residual.shape == h.shape and residual.stride(-1) == 1 and norm_weight.shape == (h.shape[1],)
+    return _route(h, weight, bias, top_k, renormalize, (residual, norm_weight, eps))
+
+
+def _route(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     num_tokens, k = x.shape
     num_experts = weight.shape[0]
     if not 0 < top_k <= num_experts:
@@ -146,17 +186,24 @@ def route_cuda(
     assert num_tokens <= ROUTE_MAX_TOKENS and x.stride(-1) == 1 and weight.is_contiguous(), "see route_cuda's contract"
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
+    if norm is None:
+        res, norm_w, eps, x_out, res_out = x, x, 0.0, x, x  # never read or written
+    else:
+        res, norm_w, eps = norm
+        x_out = torch.empty(num_tokens, k, dtype=x.dtype, device=x.device)
+        res_out = torch.empty(num_tokens, k, dtype=res.dtype, device=x.device)
     if num_tokens == 0:
-        return weights, ids
+        return weights, ids, x_out, res_out
     block_e = triton.next_power_of_2(num_experts)
     split_k = triton.cdiv(k, _ROUTE_SPLIT_CHUNK)
     partials = torch.empty(num_tokens * split_k * block_e, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
     _router_topk_kernel[(num_tokens, split_k)](
         x, weight, bias if bias is not None else weight, partials, launch_counters(x.device, num_tokens),
-        weights, ids, x.stride(0), num_experts, k, TOP_K=top_k, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), TILE_K=min(_ROUTE_BLOCK_K, max(16, 8192 // block_e)),
+        weights, ids, res, norm_w, x_out, res_out, x.stride(0), res.stride(0), num_experts, k, eps, TOP_K=top_k,
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), TILE_K=min(_ROUTE_BLOCK_K, max(16, 8192 // block_e)),
         SPLIT_K=split_k, CHUNK_K=_ROUTE_SPLIT_CHUNK, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
-        PDL=pdl, launch_pdl=pdl,
+        NORM=norm is not None, BLOCK_H=triton.next_power_of_2(k) if norm is not None else 16, PDL=pdl,
+        launch_pdl=pdl,
     )
-    return weights, ids
+    return weights, ids, x_out, res_out
