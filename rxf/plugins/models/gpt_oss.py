@@ -37,7 +37,7 @@ from rxf.core.runner.distributed import tp_all_reduce
 from rxf.core.weight_loader import StackedMapping, load_named_weights
 from rxf.plugins.models.layers import ColumnParallelLinear, RadixAttention, RotaryEmbedding
 from rxf.plugins.models.layers.linear import copy_weight
-from rxf.plugins.models.layers.moe import FusedExperts, GatedActivation, route
+from rxf.plugins.models.layers.moe import FusedExperts, GatedActivation, norm_and_route, route
 from rxf.plugins.models.layers.mxfp4 import dequantize_mxfp4
 from rxf.plugins.models.llama import _STACKED, LlamaAttention, LlamaForCausalLM, head_dim_of
 
@@ -92,6 +92,16 @@ class GptOssMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.router, self.top_k, renormalize=True)
         return tp_all_reduce(self.experts(x, weights, ids))  # each rank holds a slice of every expert
+
+    def forward_normed(
+        self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As `MixtralMoE.forward_normed`: the residual add and the norm inside the routing launch."""
+        routed = norm_and_route(h, residual, norm, self.router, self.top_k, True)
+        if routed is None:
+            return None
+        weights, ids, x, residual = routed
+        return tp_all_reduce(self.experts(x, weights, ids)), residual
 
 
 def expert_mapping(num_experts: int) -> StackedMapping:

@@ -21,8 +21,8 @@ from torch import nn
 from rxf.core import quantization
 from rxf.core.runner.distributed import tp_all_reduce
 from rxf.core.weight_loader import StackedMapping, load_named_weights
-from rxf.plugins.models.layers import ColumnParallelLinear, RMSNorm
-from rxf.plugins.models.layers.moe import FusedExperts, route
+from rxf.plugins.models.layers import ColumnParallelLinear
+from rxf.plugins.models.layers.moe import FusedExperts, norm_and_route, route
 from rxf.plugins.models.llama import _STACKED, LlamaForCausalLM
 
 
@@ -55,20 +55,13 @@ class MixtralMoE(nn.Module):
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(this block's output for norm(h + residual), h + residual) with the residual add and the
-        norm inside the routing launch (`routing_kernel.norm_route_cuda`) for CUDA decode batches and a
-        plain `RMSNorm`; None elsewhere, and the caller runs the norm (`LlamaDecoderLayer`)."""
-        router = self.gate.weight
-        if not (h.is_cuda and type(norm) is RMSNorm and h.dim() == 2 and h.is_contiguous()
-                and residual.is_contiguous() and router.is_contiguous()
-                and h.dtype == residual.dtype == router.dtype == norm.weight.dtype):
+        """(this block's output for norm(h + residual), h + residual), the residual add and the norm
+        inside the routing launch (`moe.norm_and_route`); None where that does not apply, and the
+        caller (`LlamaDecoderLayer`) runs the norm itself."""
+        routed = norm_and_route(h, residual, norm, self.gate, self.top_k, self.renormalize)
+        if routed is None:
             return None
-        from rxf.plugins.models.layers.routing_kernel import ROUTE_MAX_TOKENS, norm_route_cuda
-
-        if h.shape[0] > ROUTE_MAX_TOKENS:
-            return None
-        weights, ids, x, residual = norm_route_cuda(h, residual, norm.weight, norm.eps, router, self.gate.bias,
-                                                    self.top_k, self.renormalize)
+        weights, ids, x, residual = routed
         return tp_all_reduce(self.experts(x, weights, ids)), residual
 
 

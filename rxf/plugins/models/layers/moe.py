@@ -32,6 +32,7 @@ from torch import nn
 from rxf.core import quantization
 from rxf.core.runner import distributed
 from rxf.plugins.models.layers.linear import DENSE, TensorLayout, _narrow, copy_weight
+from rxf.plugins.models.layers.norm import RMSNorm
 
 
 def select_experts(
@@ -62,6 +63,25 @@ def route(x: torch.Tensor, router: nn.Module, top_k: int, renormalize: bool) -> 
         if x.shape[0] <= ROUTE_MAX_TOKENS:
             return route_cuda(x, weight, router.bias, top_k, renormalize)
     return select_experts(router(x), top_k, renormalize)
+
+
+def norm_and_route(
+    h: torch.Tensor, residual: torch.Tensor, norm: nn.Module, router: nn.Module, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(weights, ids, x, h + residual) with x = norm(h + residual) routed as `route` routes it, the
+    residual add, the norm and the routing in one launch (`routing_kernel.norm_route_cuda`), for CUDA
+    decode batches, a plain `RMSNorm` and a dense router of h's dtype; None elsewhere (the caller
+    then runs the norm and `route`)."""
+    weight = router.weight
+    if not (h.is_cuda and type(norm) is RMSNorm and h.dim() == 2 and h.is_contiguous()
+            and residual.is_contiguous() and weight.is_contiguous()
+            and h.dtype == residual.dtype == weight.dtype == norm.weight.dtype):
+        return None
+    from rxf.plugins.models.layers.routing_kernel import ROUTE_MAX_TOKENS, norm_route_cuda
+
+    if h.shape[0] > ROUTE_MAX_TOKENS:
+        return None
+    return norm_route_cuda(h, residual, norm.weight, norm.eps, weight, router.bias, top_k, renormalize)
 
 
 @dataclass(frozen=True)
