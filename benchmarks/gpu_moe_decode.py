@@ -12,8 +12,10 @@ routed differently (so the experts come from HBM, not L2), replayed ~5 ms, media
 `floor_us` is the distinct experts' weight bytes of a call at the copy bandwidth measured here (read +
 write of a 1 GiB copy, as gpu_decode.py's roofline), so `of_floor` is the share of the memory's rate
 a call reaches. Writes $OUT/gpu_moe_decode.json; prints the winners and `blocks=` to paste into
-`fused_moe_decode.py` last. Also times the router: `routing_kernel.route_cuda` (projection and routing
-in one launch) against the projection (`F.linear`) followed by the routing kernel.
+`fused_moe_decode.py` last. Also times what runs between the attention block and the experts: the
+residual add + norm + router projection + routing in one launch (`routing_kernel.norm_route_cuda`),
+the norm then the fused router (`route_cuda`), and the norm, the projection (`F.linear`) and the
+routing kernel apart.
 """
 
 from __future__ import annotations
@@ -165,17 +167,28 @@ def main() -> None:
         results["per_token_count"][m] = {"floor_us": floor, "default_us": d_us, "best_us": b_us,
                                          "distinct_experts": distinct, "best_of_floor": floor / b_us}
         print(f"{m:>6} {floor:>9.1f} {d_us:>11.1f} {b_us:>8.1f} {floor / b_us:>9.2f}", flush=True)
-    # The router: projection + routing fused in one launch vs the projection (cuBLAS) then the routing kernel.
+    # What a decode layer runs between the attention block and the experts: the residual add + norm, the
+    # router projection and the routing, as one launch (norm_route_cuda), as the norm then the fused
+    # router (route_cuda), and as three (the norm, the projection on cuBLAS, the routing kernel).
     from rxf.plugins.models.layers.moe import select_experts
-    from rxf.plugins.models.layers.routing_kernel import route_cuda
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+    from rxf.plugins.models.layers.routing_kernel import norm_route_cuda, route_cuda
 
     router = torch.randn(p.experts, p.hidden, device=p.device, dtype=p.dtype) * p.hidden**-0.5
+    norm_w = torch.ones(p.hidden, device=p.device, dtype=p.dtype)
+    residuals = {m: torch.randn(m, p.hidden, device=p.device, dtype=p.dtype) for m in tokens}
+    variants = {
+        "one_launch": lambda s, r: norm_route_cuda(s[0], r, norm_w, 1e-6, router, None, p.top_k, True),
+        "norm_then_fused_router": lambda s, r: route_cuda(rmsnorm(s[0], norm_w, 1e-6, r, out=torch.empty_like(s[0]),
+                                                                  res_out=torch.empty_like(r)), router, None, p.top_k, True),
+        "three_launches": lambda s, r: select_experts(torch.nn.functional.linear(
+            rmsnorm(s[0], norm_w, 1e-6, r, out=torch.empty_like(s[0]), res_out=torch.empty_like(r)), router), p.top_k, True),
+    }
     for m in tokens:
-        fused = time_per_call(lambda s: route_cuda(s[0], router, None, p.top_k, True), sets[m], cuda) * 1e6
-        apart = time_per_call(lambda s: select_experts(torch.nn.functional.linear(s[0], router), p.top_k, True),
-                              sets[m], cuda) * 1e6
-        results["per_token_count"][m].update(router_fused_us=fused, router_apart_us=apart)
-        print(f"router, {m} token(s): fused {fused:.1f} us, projection then routing {apart:.1f} us", flush=True)
+        times = {name: time_per_call(lambda s, f=f, r=residuals[m]: f(s, r), sets[m], cuda) * 1e6
+                 for name, f in variants.items()}
+        results["per_token_count"][m]["norm_and_routing_us"] = times
+        print(f"norm + routing, {m} token(s): " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
     results["gate_up_sweep_us"] = {str(k): v * 1e6 for k, v in sorted(sweep_g.items(), key=lambda kv: kv[1])}
     results["down_sweep_us"] = {str(k): v * 1e6 for k, v in sorted(sweep_d.items(), key=lambda kv: kv[1])}
     for name, sweep in (("gate_up", sweep_g), ("down", sweep_d)):
