@@ -161,7 +161,8 @@ def _launch(
     pdl = use_pdl(k)
     _store_kv_kernel[(n, kv_heads)](
         q, q_out, k, v, k_buf, v_buf, loc, positions, cos_sin, k_scale, v_scale, *norm_w,
-        head_norm.eps if head_norm is not None else 0.0, q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1),
+        head_norm.eps if head_norm is not None else 0.0,
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         cos_sin.stride(0),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HALF=head_dim // 2,
