@@ -31,8 +31,9 @@ quantized, as torch_native and triton do.
 Rotary embeddings are fused into the K/V store (rxf's Triton kernel, `fuses_rope`, with Qwen3's
 per-head q / k norms: `fuses_head_norm`), which also writes the rotated q into the contiguous buffer
 FlashInfer's `run` takes (saving the copy `q.contiguous()` made of the strided view). FlashInfer's own
-fused rope + append kernels do not fit this pool: `rope.rope_quantize_fp8_append_paged_kv_cache` writes FP8 caches only, and the `cake_fused_qk_rope_append`
-family (newer releases) takes head_dim 128 with 8/1 or 64/8 query/kv heads only.
+fused rope + append kernels do not fit this pool: `rope.rope_quantize_fp8_append_paged_kv_cache`
+writes FP8 caches only, and the `cake_fused_qk_rope_append` family (newer releases) takes head_dim 128
+with 8/1 or 64/8 query/kv heads only.
 """
 
 from __future__ import annotations
