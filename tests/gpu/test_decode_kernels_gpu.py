@@ -230,6 +230,56 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl() -> None:
     assert all(not op.counters.any() for op in ops)
 
 
+@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=needs_pdl)], ids=["plain", "pdl"])
+@pytest.mark.parametrize("role", ["qkv_proj", "gate_up_proj"])
+def test_gemv_with_the_norm_taken_in(role: str, pdl: bool) -> None:
+    """`DecodeGemv.normed` (the residual add and RMSNorm inside the GEMV) against the norm kernel then
+    the GEMV, at the 8B shapes, 1-4 rows: the residual stream bit for bit, the output up to the
+    rounding of a few normed elements (the row's sum of squares runs in another order)."""
+    from rxf.plugins.models.layers.norm import RMSNorm
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm
+
+    norm = RMSNorm(4096, eps=1e-5, dtype=BF16).to(DEV)
+    norm.weight.data = (torch.rand(4096, device=DEV) + 0.5).to(BF16)
+    for m in (1, 2, 4):
+        h, w, _ = _gemv_case(role, m, seed=m)
+        res = torch.randn(h.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(m)).to(BF16)
+        op = gemv_mod.DecodeGemv(GemvSettings(), w, gated=role == "gate_up_proj")
+        with pdl_env(pdl):
+            fused = op.normed(h, w, None, res, norm)
+            res_want = res.clone()
+            want = op(rmsnorm(h, norm.weight, norm.eps, res_want, out=torch.empty_like(h)), w, None)
+        assert fused is not None
+        out, res_out = fused
+        assert torch.equal(res_out, res_want), f"m={m}"
+        assert _rel_err(out, want) < 2e-3, f"m={m}"
+        assert not op.counters.any()
+    assert op.normed(torch.zeros(8, 4096, device=DEV, dtype=BF16), w, None, torch.zeros(8, 4096, device=DEV,
+                     dtype=BF16), norm) is None, "8 rows: above NORM_MAX_ROWS, the norm runs alone"
+
+
+@needs_pdl
+def test_pdl_chain_through_gemvs_that_take_the_norm_in() -> None:
+    """8 GEMVs (split over K, 4096 x 4096), each taking in the residual add and norm before it."""
+    from rxf.plugins.models.layers.norm import RMSNorm
+
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    weights = [(torch.randn(4096, 4096, device=DEV, generator=gen) / 64).to(BF16) for _ in range(8)]
+    ops = [gemv_mod.DecodeGemv(GemvSettings.parse("n64k256s2st4w4"), w) for w in weights]
+    norm = RMSNorm(4096, eps=1e-5, dtype=BF16).to(DEV)
+    norm.weight.data = (torch.rand(4096, device=DEV, generator=gen) + 0.5).to(BF16)
+
+    def chain(h: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        for w, op in zip(weights, ops, strict=True):
+            fused = op.normed(h, w, None, res, norm)
+            assert fused is not None
+            h, res = fused
+        return torch.cat([h, res])
+
+    _pdl_graph_equals_eager(chain, (2, 4096))
+    assert all(not op.counters.any() for op in ops)
+
+
 def _quant_gemv(fmt: str, gen: torch.Generator) -> QuantGemv:
     """A 4096 x 4096 layer's quantized GEMV as the method builds it at load (default tile sizes, split
     over K by the SM count): FP8 with row scales, FP8 with 128 x 128 block scales, int4 in groups of 128."""

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 from rxf.plugins.models.layers import gemv as gemv_mod  # noqa: E402
 from rxf.plugins.models.layers.gemv import GemvSettings  # noqa: E402
 from rxf.plugins.models.layers.gemv_kernel import gemv  # noqa: E402
+from rxf.testing.norm_reference import rmsnorm_reference  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -112,3 +113,47 @@ def test_settings_labels_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
                 gemv_mod.decode_gemv("o_proj", weight)
     finally:
         gemv_mod._from_env.cache_clear()
+
+
+def _norm_case(m: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(7 * m + k)
+    h = torch.randn(m, k, generator=gen).to(dtype)
+    r = (3 * torch.randn(m, k, generator=gen)).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+    return h, r, norm_w
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize(("m", "split_k"), [(1, 1), (1, 3), (3, 2), (8, 1)])
+@DTYPES
+def test_norm_taken_into_the_gemv(dtype: torch.dtype, m: int, split_k: int, gated: bool) -> None:
+    """x = norm(h + r) read inside the GEMV equals the norm kernel's numerics (`rmsnorm_reference`) fed
+    to F.linear, and the residual stream h + r comes out rounded as the norm kernel writes it (K = 160: 5 tiles of 32, so
+    split 3 gives the programs 2, 2 and 1 tiles)."""
+    from rxf.plugins.models.layers.gemv_kernel import GemvNorm
+
+    k, n_out = 160, 40
+    h, r, norm_w = _norm_case(m, k, dtype)
+    _, w, b = _data(m, 2 * n_out if gated else n_out, k, dtype, bias=True)
+    res_out = torch.full_like(r, float("nan"))
+    out, counters = _run(h, w, b, split_k, gated=gated, norm=GemvNorm(r, norm_w, 1e-5, res_out))
+    normed, stream = rmsnorm_reference(h, norm_w, 1e-5, r)
+    expected = F.linear(normed.double(), w.double(), b.double())
+    if gated:
+        gate, up = expected.chunk(2, dim=-1)
+        expected = F.silu(gate) * up
+    torch.testing.assert_close(out, expected.to(dtype), rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(res_out, stream), "the residual stream is h + r rounded once"
+    assert torch.equal(h, _norm_case(m, k, dtype)[0]) and torch.equal(r, _norm_case(m, k, dtype)[1]), "inputs kept"
+    assert not counters.any()
+    plain, _ = _run(normed, w, b, split_k, gated=gated)
+    torch.testing.assert_close(out, plain, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_norm_refuses_to_overwrite_the_residual_it_reads() -> None:
+    from rxf.plugins.models.layers.gemv_kernel import GemvNorm
+
+    h, r, norm_w = _norm_case(1, 64, torch.float32)
+    _, w, _ = _data(1, 32, 64, torch.float32, bias=False)
+    with pytest.raises(AssertionError, match="must not be the residual"):
+        _run(h, w, None, 1, norm=GemvNorm(r, norm_w, 1e-5, r))

@@ -66,6 +66,19 @@ class LlamaMLP(nn.Module):
             return self.down_proj(self.gate_up_act(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
+    def forward_normed(
+        self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside the gate/up
+        GEMV (`DecodeGemv.normed`); None where that does not apply."""
+        if self.gate_up_act is None:
+            return None
+        fused = self.gate_up_act.normed(h, self.gate_up_proj.weight, self.gate_up_proj.bias, residual, norm)
+        if fused is None:
+            return None
+        act, residual = fused
+        return self.down_proj(act), residual
+
 
 class LlamaAttention(nn.Module):
     def __init__(
@@ -98,7 +111,22 @@ class LlamaAttention(nn.Module):
         self.o_proj.use_decode_gemv("o_proj")
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        return self.attend(self.qkv_proj(x), batch)
+
+    def forward_normed(
+        self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside the qkv
+        GEMV (`DecodeGemv.normed`); None where that does not apply."""
+        fused = self.qkv_proj.forward_normed(h, residual, norm)
+        if fused is None:
+            return None
+        qkv, residual = fused
+        return self.attend(qkv, batch), residual
+
+    def attend(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The block's output from its fused q | k | v projection."""
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         # The backend rotates q and k inside its K/V store where it can (one launch per layer).
         return self.o_proj(self.attn(q, k, v, batch, rotary=self.rotary_emb))
 
@@ -126,14 +154,17 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Pre-norm blocks; the residual stream is carried separately so each norm fuses its add.
+        # Each block may take the residual add and its norm into its first launch (`forward_normed`:
+        # the decode GEMV of qkv or gate/up, MixtralMoE's routing); None: it does not here, and the
+        # norm runs as its own launch.
         if residual is None:  # first layer: the residual stream starts as the embeddings
             residual = x
-            x = self.input_layernorm(x)
+            x = self.self_attn(self.input_layernorm(x), batch)
+        elif (out := self.self_attn.forward_normed(x, residual, self.input_layernorm, batch)) is not None:
+            x, residual = out
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, batch)
-        # A feed-forward block may take the residual add and its norm into its first launch
-        # (`MixtralMoE.forward_normed`); None: it does not here, and the norm runs as its own launch.
+            x = self.self_attn(x, batch)
         forward_normed = getattr(self.mlp, "forward_normed", None)
         if forward_normed is not None and (out := forward_normed(x, residual, self.post_attention_layernorm)) is not None:
             return out

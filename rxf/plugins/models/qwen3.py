@@ -31,8 +31,7 @@ class Qwen3Attention(LlamaAttention):
         # A plain attribute (not a submodule): the norms and the rotary stay registered where they are.
         self.normed_rotary = HeadNormedRotary(self.rotary_emb, self.q_norm, self.k_norm, head_dim_of(config))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+    def attend(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         attn, backend = self.attn, batch.attn_backend
         if backend.fuses_head_norm and backend.fuses_rope(self.rotary_emb):
             rotary = self.normed_rotary  # the norms run in the backend's rope + K/V store launch

@@ -12,6 +12,10 @@ every role), `triton` (default tile sizes, split over K to fill the GPU), or a l
 `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as the benchmark prints it. The GEMV runs
 only on CUDA, in bf16 or fp16, for at most `MAX_ROWS` rows (decode at batch 1-8, or an extend of that few tokens);
 larger batches keep cuBLAS.
+
+A GEMV that opens a pre-norm block (qkv_proj, gate_up_proj) also takes in the residual add and the
+RMSNorm before it for up to `NORM_MAX_ROWS` rows (`DecodeGemv.normed`; NORM in `gemv_kernel.py`): one
+launch and one kernel-to-kernel hand-off fewer per norm.
 """
 
 from __future__ import annotations
@@ -20,11 +24,18 @@ import functools
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from rxf.plugins.models.layers.gemv_kernel import GemvNorm
 
 ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 MAX_ROWS = 8  # batch sizes the GEMV serves; the kernel's tile holds up to 16 rows
+# Rows whose norm the GEMV takes in: every program reads its rows' h and r one row after another.
+NORM_MAX_ROWS = 4
 ENV = "RXF_GEMV"
 _HALF = (torch.bfloat16, torch.float16)
 _LABEL = re.compile(r"n(\d+)k(\d+)s(\d+)st(\d+)w(\d+)")
@@ -110,12 +121,29 @@ class DecodeGemv:
         return (x.is_cuda and x.dtype in _HALF and x.dim() == 2 and x.shape[0] <= MAX_ROWS
                 and x.stride(-1) == 1)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: GemvNorm | None = None
+    ) -> torch.Tensor:
         from rxf.plugins.models.layers.gemv_kernel import gemv
 
         s = self.settings
         return gemv(x, weight, bias, self.counters, s.block_n, s.block_k, s.split_k, s.num_stages, s.num_warps,
-                    gated=self.gated, out_dtype=self.out_dtype)
+                    gated=self.gated, out_dtype=self.out_dtype, norm=norm)
+
+    def normed(
+        self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this projection of `norm(h + residual)`, `h + residual`) in one launch, or None where the
+        GEMV does not serve h or cannot take `norm` in (then the caller runs the norm itself)."""
+        from rxf.plugins.models.layers.gemv_kernel import NORM_MAX_K, GemvNorm
+        from rxf.plugins.models.layers.norm import RMSNorm
+
+        if not (self.applies(h) and h.shape[0] <= NORM_MAX_ROWS and h.shape[1] <= NORM_MAX_K
+                and type(norm) is RMSNorm and residual.shape == h.shape and residual.dtype == h.dtype
+                and residual.stride(-1) == 1):
+            return None
+        residual_out = torch.empty_like(residual)
+        return self(h, weight, bias, GemvNorm(residual, norm.weight, norm.eps, residual_out)), residual_out
 
 
 def decode_gemv(

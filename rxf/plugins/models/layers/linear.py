@@ -190,6 +190,15 @@ class _TPLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
+    def forward_normed(
+        self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside the decode
+        GEMV's launch (`DecodeGemv.normed`); None where that does not apply."""
+        if self.gemv is None:
+            return None
+        return self.gemv.normed(h, self.weight, self.bias, residual, norm)
+
 
 class ColumnParallelLinear(_TPLinear):
     """Output features split across ranks; each rank holds rows [rank * n, (rank + 1) * n)."""
