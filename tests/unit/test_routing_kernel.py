@@ -43,7 +43,8 @@ def assert_same_routing(logits: torch.Tensor, weights: torch.Tensor, ids: torch.
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "dtype"),
                          [(5, 128, 8, torch.bfloat16), (9, 60, 4, torch.float32), (1, 8, 2, torch.float16),
-                          (3, 16, 16, torch.float32), (40, 128, 8, torch.float32)])
+                          (3, 16, 16, torch.float32), (40, 128, 8, torch.float32),
+                          (2, 256, 8, torch.float32)])  # above RANK_MAX_EXPERTS: top-k round by round
 def test_matches_select_experts(tokens: int, experts: int, top_k: int, dtype, renormalize: bool) -> None:
     gen = torch.Generator().manual_seed(tokens * experts)
     logits = (torch.randn(tokens, experts, generator=gen) * 3).to(dtype)

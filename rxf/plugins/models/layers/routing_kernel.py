@@ -32,34 +32,51 @@ from rxf.core.runner.pdl import use_pdl
 from rxf.plugins.models.layers.fused_moe_decode import launch_counters
 
 ROUTE_MAX_TOKENS = 16  # larger batches: the router GEMM (cuBLAS) and then the routing kernel
-_ROUTE_BLOCK_K = 64  # K per tile of the fused router: [BLOCK_E, 64] float32 products in registers
+_ROUTE_TILE = 16384  # weights per tile of the fused router (BLOCK_E x TILE_K, in registers)
 _ROUTE_SPLIT_CHUNK = 128  # K per program of the fused router (SPLIT_K = cdiv(K, 128)): short loads in series
+RANK_MAX_EXPERTS = tl.constexpr(128)  # `_route_store` ranks all experts at once up to this many
 
 
 @triton.jit
 def _route_store(logits, Weights, Ids, token, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Softmax of one token's float32 `logits` [BLOCK_E] over its num_experts lanes, the TOP_K largest
-    (descending, the lower id among equals), optionally renormalised, stored at row `token`."""
+    (descending, the lower id among equals), optionally renormalised, stored at row `token`.
+
+    Up to RANK_MAX_EXPERTS experts, each expert's place in that order is counted at once, as the
+    experts before it (a larger probability, or an equal one and a lower id), over a [BLOCK_E, BLOCK_E]
+    comparison: one reduction instead of TOP_K rounds of two (a max and an argmin), each a round of
+    cross-warp exchanges; the last program of `_router_topk_kernel` runs this after its loads, alone."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     logits = tl.where(valid, logits, -float("inf"))
     exp = tl.exp(logits - tl.max(logits, axis=0))
     probs = tl.where(valid, exp / tl.sum(exp, axis=0), -1.0)  # padding lanes are never chosen
-    slots = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    top_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=0)
-        chosen = tl.min(tl.where(probs == best, experts, BLOCK_E), axis=0)
-        top_w = tl.where(slots == j, best, top_w)
-        top_i = tl.where(slots == j, chosen.to(tl.int64), top_i)
-        probs = tl.where(experts == chosen, -1.0, probs)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=0)  # lanes past TOP_K hold 0
-    keep = slots < TOP_K
-    tl.store(Weights + token * TOP_K + slots, top_w, mask=keep)
-    tl.store(Ids + token * TOP_K + slots, top_i, mask=keep)
+    if BLOCK_E <= RANK_MAX_EXPERTS:
+        p_i, p_j = probs[:, None], probs[None, :]
+        before = (p_j > p_i) | ((p_j == p_i) & (experts[None, :] < experts[:, None]))
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        chosen = rank < TOP_K
+        w = probs
+        if RENORMALIZE:
+            w = probs / tl.sum(tl.where(chosen, probs, 0.0), axis=0)
+        tl.store(Weights + token * TOP_K + rank, w, mask=chosen)
+        tl.store(Ids + token * TOP_K + rank, experts.to(tl.int64), mask=chosen)
+    else:
+        slots = tl.arange(0, BLOCK_K)
+        top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        top_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(probs, axis=0)
+            pick = tl.min(tl.where(probs == best, experts, BLOCK_E), axis=0)
+            top_w = tl.where(slots == j, best, top_w)
+            top_i = tl.where(slots == j, pick.to(tl.int64), top_i)
+            probs = tl.where(experts == pick, -1.0, probs)
+        if RENORMALIZE:
+            top_w = top_w / tl.sum(top_w, axis=0)  # lanes past TOP_K hold 0
+        keep = slots < TOP_K
+        tl.store(Weights + token * TOP_K + slots, top_w, mask=keep)
+        tl.store(Ids + token * TOP_K + slots, top_i, mask=keep)
 
 
 @triton.jit
@@ -78,6 +95,20 @@ def _softmax_topk_kernel(
 
 
 @triton.jit
+def _routed_x(X, Res, NormW, XOut, ResOut, token, stride_xt, stride_rt, K, cols, ok, inv_rms, NORM: tl.constexpr):
+    """Token `token`'s x at `cols` (masked by `ok`) in float32; NORM: s = h + r there, s rounded stored
+    to ResOut, and x = s * inv_rms * w rounded once, stored to XOut, is what it returns."""
+    x = tl.load(X + token * stride_xt + cols, mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        x += tl.load(Res + token * stride_rt + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(ResOut + token * K + cols, x.to(ResOut.dtype.element_ty), mask=ok)
+        x = (x * inv_rms * tl.load(NormW + cols, mask=ok, other=0.0).to(tl.float32)).to(XOut.dtype.element_ty)
+        tl.store(XOut + token * K + cols, x, mask=ok)
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _router_topk_kernel(
     X, W, Bias, Partials, Counters, Weights, Ids, Res, NormW, XOut, ResOut, stride_xt, stride_rt, num_experts, K,
     norm_eps,
@@ -86,35 +117,34 @@ def _router_topk_kernel(
     NORM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     """NORM: X is the attention output h and Res the residual; the routed x is norm(h + r) (see the
-    module docstring), written with h + r to XOut / ResOut (rows of K, contiguous)."""
-    if PDL:  # the kernel before writes x (or h)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    module docstring), written with h + r to XOut / ResOut (rows of K, contiguous). The first weight
+    tile (at Qwen3-30B-A3B's 128 experts the program's whole K range) is read before the PDL wait."""
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     ks = tl.arange(0, TILE_K)
+    k_lo = split * CHUNK_K
+    end = tl.minimum(k_lo + CHUNK_K, K)
+    w_rows = W + experts[:, None].to(tl.int64) * K + ks[None, :]
+    w = tl.load(w_rows + k_lo, mask=valid[:, None] & (k_lo + ks < end)[None, :], other=0.0)
+    if PDL:  # the kernel before writes x (or h)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    inv_rms = 0.0
     if NORM:
         cols = tl.arange(0, BLOCK_H)
         row = tl.load(X + token * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
         row += tl.load(Res + token * stride_rt + cols, mask=cols < K, other=0.0).to(tl.float32)
         inv_rms = tl.math.rsqrt(tl.sum(row * row, axis=0) / K + norm_eps)
-    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    end = tl.minimum(split * CHUNK_K + CHUNK_K, K)
-    for k0 in range(split * CHUNK_K, end, TILE_K):
+    x = _routed_x(X, Res, NormW, XOut, ResOut, token, stride_xt, stride_rt, K, k_lo + ks, k_lo + ks < end, inv_rms,
+                  NORM)
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    for k0 in range(k_lo + TILE_K, end, TILE_K):
         k_ok = k0 + ks < end
-        x = tl.load(X + token * stride_xt + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        if NORM:
-            x += tl.load(Res + token * stride_rt + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            tl.store(ResOut + token * K + k0 + ks, x.to(ResOut.dtype.element_ty), mask=k_ok)
-            w_norm = tl.load(NormW + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x * inv_rms * w_norm).to(XOut.dtype.element_ty)
-            tl.store(XOut + token * K + k0 + ks, x, mask=k_ok)
-            x = x.to(tl.float32)
-        w = tl.load(W + experts[:, None].to(tl.int64) * K + k0 + ks[None, :], mask=valid[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
+        x = _routed_x(X, Res, NormW, XOut, ResOut, token, stride_xt, stride_rt, K, k0 + ks, k_ok, inv_rms, NORM)
+        w = tl.load(w_rows + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if SPLIT_K > 1:
         first = Partials + token * (SPLIT_K * BLOCK_E)
         tl.store(first + split * BLOCK_E + experts, acc)
@@ -201,7 +231,7 @@ def _route(
     _router_topk_kernel[(num_tokens, split_k)](
         x, weight, bias if bias is not None else weight, partials, launch_counters(x.device, num_tokens),
         weights, ids, res, norm_w, x_out, res_out, x.stride(0), res.stride(0), num_experts, k, eps, TOP_K=top_k,
-        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), TILE_K=min(_ROUTE_BLOCK_K, max(16, 8192 // block_e)),
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), TILE_K=min(_ROUTE_SPLIT_CHUNK, max(16, _ROUTE_TILE // block_e)),
         SPLIT_K=split_k, CHUNK_K=_ROUTE_SPLIT_CHUNK, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
         NORM=norm is not None, BLOCK_H=triton.next_power_of_2(k) if norm is not None else 16, PDL=pdl,
         launch_pdl=pdl,
