@@ -37,7 +37,13 @@ def _sweep(role: str) -> list[Any]:
         grid = itertools.product((64, 128), (256,), (1,), (4,))
     else:
         grid = itertools.product((16, 32, 64), (256,), (2, 4, 8), (4,))
-    return [GemvSettings(n, k, s, st, 4) for n, k, s, st in grid]
+    tiles = [GemvSettings(n, k, s, st, 4) for n, k, s, st in grid]
+    # The row kernel (batch 1; larger batches fall back to the tile kernel with the same blocks): two
+    # weight tiles and a float32 product tile per thread in registers, so small tiles and more warps.
+    shapes_ = ((16, 256, 4), (16, 512, 8), (32, 256, 8), (32, 512, 8))
+    splits = (1,) if role == "lm_head" else (1, 2) if role == "gate_up_proj" else (1, 2, 4)
+    rows = [GemvSettings(n, k, s, 2, w, row=True) for (n, k, w), s in itertools.product(shapes_, splits)]
+    return tiles + rows
 
 
 def shapes(p: gd.Preset) -> dict[str, tuple[int, int]]:
@@ -145,6 +151,13 @@ def _role(role: str, n: int, k: int) -> dict[str, Any]:
         line = "  ".join(f"{name} {v:.1f}" for name, v in rows[m].items() if name not in sweep and isinstance(v, float))
         print(f"{role:12s} m={m}: {line}  best triton {best} {triton.get(best, float('nan')):.1f} us "
               f"({n * k * 2 / triton[best] / 1e3:.0f} GB/s)" if best else f"{role} m={m}: {line}", flush=True)
+        if m == 1:
+            for kind, keep in (("tile", lambda label: not sweep[label].row), ("row", lambda label: sweep[label].row)):
+                some = {k_: v for k_, v in triton.items() if keep(k_)}
+                if some:
+                    top = sorted(some, key=some.get)[:3]
+                    print(f"{role:12s} m=1 best {kind} kernels: " + ", ".join(
+                        f"{t} {some[t]:.1f} us ({n * k * 2 / some[t] / 1e3:.0f} GB/s)" for t in top), flush=True)
         if best is not None and m == 1:
             rows[m]["profiler_best_us"], kernels = gd.kernel_time_us(lambda f=fns[best], w=ws[0]: f(w))
             rows[m]["profiler_best_kernels"] = list(kernels)

@@ -116,7 +116,7 @@ def _gemv_case(role: str, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     return x, w, ref
 
 
-@pytest.mark.parametrize("label", ["triton", "n32k256s1st4w4", "n64k128s4st4w4"])
+@pytest.mark.parametrize("label", ["triton", "n32k256s1st4w4", "n64k128s4st4w4", "rn16k512s2st2w8", "rn32k256s1st2w8"])
 @pytest.mark.parametrize("role", SHAPES)
 def test_gemv_matches_linear_at_8b_shapes(role: str, label: str) -> None:
     settings = GemvSettings() if label == "triton" else GemvSettings.parse(label)
@@ -231,8 +231,9 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl() -> None:
 
 
 @pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=needs_pdl)], ids=["plain", "pdl"])
+@pytest.mark.parametrize("label", ["triton", "rn16k512s2st2w8"])
 @pytest.mark.parametrize("role", ["qkv_proj", "gate_up_proj"])
-def test_gemv_with_the_norm_taken_in(role: str, pdl: bool) -> None:
+def test_gemv_with_the_norm_taken_in(role: str, label: str, pdl: bool) -> None:
     """`DecodeGemv.normed` (the residual add and RMSNorm inside the GEMV) against the norm kernel then
     the GEMV, at the 8B shapes, 1-4 rows: the residual stream bit for bit, the output up to the
     rounding of a few normed elements (the row's sum of squares runs in another order)."""
@@ -244,7 +245,8 @@ def test_gemv_with_the_norm_taken_in(role: str, pdl: bool) -> None:
     for m in (1, 2, 4):
         h, w, _ = _gemv_case(role, m, seed=m)
         res = torch.randn(h.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(m)).to(BF16)
-        op = gemv_mod.DecodeGemv(GemvSettings(), w, gated=role == "gate_up_proj")
+        settings = GemvSettings() if label == "triton" else GemvSettings.parse(label)
+        op = gemv_mod.DecodeGemv(settings, w, gated=role == "gate_up_proj")
         with pdl_env(pdl):
             fused = op.normed(h, w, None, res, norm)
             res_want = res.clone()
@@ -259,13 +261,15 @@ def test_gemv_with_the_norm_taken_in(role: str, pdl: bool) -> None:
 
 
 @needs_pdl
-def test_pdl_chain_through_gemvs_that_take_the_norm_in() -> None:
-    """8 GEMVs (split over K, 4096 x 4096), each taking in the residual add and norm before it."""
+@pytest.mark.parametrize(("label", "rows"), [("n64k256s2st4w4", 2), ("rn16k512s2st2w8", 1)])
+def test_pdl_chain_through_gemvs_that_take_the_norm_in(label: str, rows: int) -> None:
+    """8 GEMVs (split over K, 4096 x 4096), each taking in the residual add and norm before it; the
+    tile kernel at 2 rows, the row kernel at 1."""
     from rxf.plugins.models.layers.norm import RMSNorm
 
     gen = torch.Generator(device=DEV).manual_seed(12)
     weights = [(torch.randn(4096, 4096, device=DEV, generator=gen) / 64).to(BF16) for _ in range(8)]
-    ops = [gemv_mod.DecodeGemv(GemvSettings.parse("n64k256s2st4w4"), w) for w in weights]
+    ops = [gemv_mod.DecodeGemv(GemvSettings.parse(label), w) for w in weights]
     norm = RMSNorm(4096, eps=1e-5, dtype=BF16).to(DEV)
     norm.weight.data = (torch.rand(4096, device=DEV, generator=gen) + 0.5).to(BF16)
 
@@ -276,7 +280,7 @@ def test_pdl_chain_through_gemvs_that_take_the_norm_in() -> None:
             h, res = fused
         return torch.cat([h, res])
 
-    _pdl_graph_equals_eager(chain, (2, 4096))
+    _pdl_graph_equals_eager(chain, (rows, 4096))
     assert all(not op.counters.any() for op in ops)
 
 

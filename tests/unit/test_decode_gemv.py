@@ -157,3 +157,38 @@ def test_norm_refuses_to_overwrite_the_residual_it_reads() -> None:
     _, w, _ = _data(1, 32, 64, torch.float32, bias=False)
     with pytest.raises(AssertionError, match="must not be the residual"):
         _run(h, w, None, 1, norm=GemvNorm(r, norm_w, 1e-5, r))
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
+@pytest.mark.parametrize("split_k", [1, 3], ids=lambda s: f"split{s}")
+@DTYPES
+def test_row_kernel_matches_the_tile_kernel(dtype: torch.dtype, split_k: int, gated: bool, norm: bool) -> None:
+    """Batch 1 through `gemv_row_kernel` (`row=True`) against F.linear (and the norm's numerics), with
+    a K split over uneven spans (K = 160: 5 tiles of 32, split 3 gives 2, 2, 1), the partial column
+    block of N = 40, SiLU·mul, the residual add + norm, and float32 output."""
+    from rxf.plugins.models.layers.gemv_kernel import GemvNorm
+
+    n_out, k = 40, 160
+    h, r, norm_w = _norm_case(1, k, dtype)
+    _, w, b = _data(1, 2 * n_out if gated else n_out, k, dtype, bias=True)
+    res_out = torch.full_like(r, float("nan"))
+    fused = GemvNorm(r, norm_w, 1e-5, res_out) if norm else None
+    out, counters = _run(h, w, b, split_k, gated=gated, norm=fused, row=True)
+    x, stream = rmsnorm_reference(h, norm_w, 1e-5, r) if norm else (h, None)
+    expected = F.linear(x.double(), w.double(), b.double())
+    if gated:
+        gate, up = expected.chunk(2, dim=-1)
+        expected = F.silu(gate) * up
+    torch.testing.assert_close(out, expected.to(dtype), rtol=TOL[dtype], atol=TOL[dtype])
+    if norm:
+        assert torch.equal(res_out, stream)
+    assert not counters.any()
+    wide, _ = _run(h, w, None, 2, out_dtype=torch.float32, row=True)
+    torch.testing.assert_close(wide, F.linear(h.double(), w.double()).float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_row_setting_label() -> None:
+    s = GemvSettings.parse("rn16k512s2st1w8")
+    assert s.row and (s.block_n, s.block_k, s.split_k, s.num_warps) == (16, 512, 2, 8) and s.label == "rn16k512s2st1w8"
+    assert not GemvSettings.parse("n16k512s2st1w8").row

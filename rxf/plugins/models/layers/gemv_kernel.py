@@ -86,7 +86,7 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_wait()
     if NORM:
         r_ptrs = Res + rows[:, None] * stride_rm + (k_lo + offs_k)[None, :]
-        rstd = _row_rstd(X, Res, ResOut, M, K, stride_xm, stride_rm, stride_rom, eps, rows,
+        rstd = row_rstd(X, Res, ResOut, M, K, stride_xm, stride_rm, stride_rom, eps, rows,
                          (tl.program_id(0) == 0) & (pid_k == 0), ROW_BLOCK)
         first_k = (rows < M)[:, None] & (tl.zeros_like(offs_k) + k_lo < k_hi)[None, :]
         h_next = tl.load(x_ptrs, mask=first_k, other=0.0)
@@ -129,7 +129,7 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _row_rstd(X, Res, ResOut, M, K, stride_xm, stride_rm, stride_rom, eps, rows, WRITES, ROW_BLOCK: tl.constexpr):
+def row_rstd(X, Res, ResOut, M, K, stride_xm, stride_rm, stride_rom, eps, rows, WRITES, ROW_BLOCK: tl.constexpr):
     """[BLOCK_M] rsqrt(mean(s^2) + eps) of each row's s = h + r in float32 (0 past M); WRITES: this
     program also stores s, rounded, to ResOut."""
     cols = tl.arange(0, ROW_BLOCK)
@@ -242,11 +242,12 @@ NORM_MAX_K = 16384  # a program holds one row of h + r in registers for the norm
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
-    gated: bool = False, out_dtype: torch.dtype | None = None, norm: GemvNorm | None = None,
+    gated: bool = False, out_dtype: torch.dtype | None = None, norm: GemvNorm | None = None, row: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for x [m <= 16, K] (contiguous rows), weight [N, K] (K contiguous), in
     out_dtype (default x's); gated: weight is `[gate | up]` and the result silu(gate) * up, [m, N / 2];
-    norm: the input is `norm.weight * rmsnorm(x + norm.residual)` instead of x (see GemvNorm).
+    norm: the input is `norm.weight * rmsnorm(x + norm.residual)` instead of x (see GemvNorm); row: one
+    row of x goes through `gemv_row_kernel` (num_stages unused), more rows through this module's kernel.
     `counters`: int32, at least cdiv(N_out, block_n) zeros, left zeroed (see the module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
@@ -268,6 +269,17 @@ def gemv(
     partials = (torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=x.device)
                 if split_k > 1 else out)  # unused without a split
     res, norm_w, res_out = (norm.residual, norm.weight, norm.residual_out) if norm is not None else (x, x, x)
+    if row and m == 1:
+        from rxf.plugins.models.layers.gemv_row_kernel import _gemv_row_kernel
+
+        _gemv_row_kernel[(n_blocks, split_k)](
+            x, weight, bias if bias is not None else out, out, partials, counters, res, norm_w, res_out, n_out, k,
+            weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None, PDL=pdl,
+            NORM=norm is not None, ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16,
+            num_warps=num_warps, launch_pdl=pdl,
+        )
+        return out
     _gemv_kernel[(n_blocks, split_k)](
         x, weight, bias if bias is not None else out, out, partials, counters, res, norm_w, res_out, m, n_out, k,
         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0),

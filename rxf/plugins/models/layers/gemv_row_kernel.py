@@ -1,0 +1,82 @@
+"""The decode GEMV for one row of x (batch 1) without `tl.dot`: each program multiplies its weight tile by
+x's row element by element in float32 registers and sums the products over K once, at the end.
+
+`gemv_kernel._gemv_kernel` pads x to a 16-row tile for `tl.dot` so that Triton's software pipeline
+streams the weights through shared memory, `num_stages` tiles deep; at batch 1 its projections read
+at 3.0-3.6 TB/s where a 1 GiB copy reads and writes at ~4.2 (benchmarks/RESULTS.md, issue 17). This
+kernel needs no shared memory: each program holds two weight tiles in registers (the one it
+multiplies and the next one, whose load it issues first), so many programs fit on an SM and the
+memory system sees their loads in flight together. Which kernel serves a projection is a setting
+(`GemvSettings.row`), chosen by measurement (`benchmarks/gpu_profile.py --phases gemv`).
+
+Grid, K split, split-K hand-off and epilogue are `gemv_kernel`'s (`program_span`, `finish`), as are
+GATED and NORM; only M == 1.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, program_span, row_rstd
+
+
+@triton.jit
+def _tile(W, w_ptrs, up_offset, k0, k_hi, mask_n, GATED: tl.constexpr):
+    """The weight tile at K offset k0 (and its up rows), zeros past k_hi."""
+    ok = mask_n & (tl.zeros_like(mask_n.to(tl.int32)) + k0 < k_hi)
+    w = tl.load(w_ptrs + k0, mask=ok[:, None], other=0.0)
+    u = w
+    if GATED:
+        u = tl.load(w_ptrs + k0 + up_offset, mask=ok[:, None], other=0.0)
+    return w, u
+
+
+@triton.jit
+def _x_chunk(X, Res, NormW, offs, ok, rstd, NORM: tl.constexpr):
+    """x's row at `offs` in float32; NORM: (h + r) * rstd * w rounded to x's dtype, as the norm writes it."""
+    x = tl.load(X + offs, mask=ok, other=0.0)
+    if NORM:
+        s = x.to(tl.float32) + tl.load(Res + offs, mask=ok, other=0.0).to(tl.float32)
+        x = (s * rstd * tl.load(NormW + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_row_kernel(
+    X, W, Bias, Out, Partials, Counters, Res, NormW, ResOut, N_OUT, K,
+    stride_wn, stride_om, eps,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, ROW_BLOCK: tl.constexpr,
+):
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N_OUT, K, BLOCK_N, BLOCK_K, SPLIT_K)
+    rows = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    up_offset = N_OUT.to(tl.int64) * stride_wn
+    # Weights are fixed at load: the first tile is read before waiting for the kernel that writes x.
+    w, u = _tile(W, w_ptrs, up_offset, k_lo, k_hi, mask_n, GATED)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    rstd = 1.0
+    if NORM:  # [BLOCK_M] with row 0's in lane 0; program (0, 0) writes the residual stream
+        rstd = tl.sum(row_rstd(X, Res, ResOut, 1, K, 0, 0, 0, eps, rows, (pid_n == 0) & (pid_k == 0), ROW_BLOCK),
+                      axis=0)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
+        w_next, u_next = _tile(W, w_ptrs, up_offset, k0 + BLOCK_K, k_hi, mask_n, GATED)  # issued before the math
+        x = _x_chunk(X, Res, NormW, k0 + offs_k, offs_k < BLOCK_K, rstd, NORM)
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            acc_up += u.to(tl.float32) * x[None, :]
+        w, u = w_next, u_next
+    # Column 0 of a [BLOCK_N, BLOCK_M] tile: the shape `finish` takes (its row 0 is x's only row).
+    first = (rows == 0)[None, :]
+    acc_t = tl.where(first, tl.sum(acc, axis=1)[:, None], 0.0)
+    acc_up_t = acc_t
+    if GATED:
+        acc_up_t = tl.where(first, tl.sum(acc_up, axis=1)[:, None], 0.0)
+    finish(acc_t, acc_up_t, Bias, Out, Partials, Counters, Out, cols, rows, mask_n, 1, N_OUT, stride_om, pid_n, pid_k,
+           BLOCK_N, SPLIT_K, GATED, HAS_BIAS, False)
