@@ -45,15 +45,21 @@ TINY = Problem(8, 64, 32, 2, torch.float32, "cpu")
 SMEM = 227 * 1024  # H100/H200 per-block limit
 
 
-def candidates(kernel: str, item: int, tiny: bool) -> list[tuple[int, int, int, int]]:
+def candidates(kernel: str, item: int, tiny: bool) -> list[tuple[int, int, int, int, bool]]:
+    """(block_n, block_k, num_warps, num_stages, ROW): the tile form within shared memory, then the
+    ROW form (registers only: two weight tiles per projection and a float32 product tile per thread)."""
     if tiny:
-        return [(16, 32, 4, 2), (32, 16, 4, 2)]
+        return [(16, 32, 4, 2, False), (32, 16, 4, 2, False), (16, 32, 4, 1, True)]
     out = []
     widths = (16, 32, 64) if kernel == "gate_up" else (16, 32, 64, 128)
     for bn, bk, warps, stages in itertools.product(widths, (64, 128, 256, 512), (4, 8), (2, 3, 4, 6)):
         tiles = (2 if kernel == "gate_up" else 1) * bn * bk + bk * 16  # weight tiles + the padded activation
         if tiles * item * stages <= SMEM:
-            out.append((bn, bk, warps, stages))
+            out.append((bn, bk, warps, stages, False))
+    projections = 2 if kernel == "gate_up" else 1
+    for bn, bk, warps in itertools.product((8, 16, 32), (128, 256, 512), (4, 8)):
+        if projections * bn * bk <= 64 * 32 * warps * 2 and bn * bk >= 32 * warps * 8:  # <= 128 regs of tiles
+            out.append((bn, bk, warps, 1, True))
     return out
 
 

@@ -332,9 +332,13 @@ def test_pdl_chain_through_quantized_gemv_and_head_norm(fmt: str, monkeypatch: p
     assert all(not op.counters.any() for op in ops)
 
 
+ROW_MOE_BLOCKS = ((16, 256, 4, 1, True), (16, 512, 8, 1, True))
+
+
 @needs_pdl
-def test_pdl_chain_through_the_moe_decode_path() -> None:
-    """4 MoE layers at Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 768, top 8), 3 tokens:
+@pytest.mark.parametrize(("form", "tokens"), [("tile", 3), ("row", 1), ("row", 3)])
+def test_pdl_chain_through_the_moe_decode_path(form: str, tokens: int) -> None:
+    """4 MoE layers at Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 768, top 8), 1-3 tokens:
     residual add + norm + router projection + routing in one launch (`norm_route_cuda`) -> gate/up
     and down decode kernels, the expert kernels waiting for the x and ids it writes; its and the down
     kernel's hand-offs leave their counters zeroed."""
@@ -354,10 +358,19 @@ def test_pdl_chain_through_the_moe_decode_path() -> None:
     def chain(h: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
         for router, w13, w2 in layers:
             weights, ids, x, res = norm_route_cuda(h, res, norm_w, 1e-5, router, None, top_k, renormalize=True)
-            h = fused_moe_decode.decode_experts(x, w13, w2, weights, ids)
+            h = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, blocks=blocks)
         return h
 
-    _pdl_graph_equals_eager(chain, (3, hidden))
+    blocks = ROW_MOE_BLOCKS if form == "row" else (fused_moe_decode.GATE_UP_BLOCKS, fused_moe_decode.DOWN_BLOCKS)
+    _pdl_graph_equals_eager(chain, (tokens, hidden))
+    if form == "row":  # and the ROW form computes what the tile form does
+        x = torch.randn(tokens, hidden, device=DEV, generator=gen).to(BF16)
+        weights, ids = torch.full((tokens, top_k), 1 / top_k, device=DEV), torch.stack(
+            [torch.randperm(experts, device=DEV, generator=gen)[:top_k] for _ in range(tokens)])
+        _, w13, w2 = layers[0]
+        got = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, blocks=ROW_MOE_BLOCKS)
+        want = fused_moe_decode.decode_experts(x, w13, w2, weights, ids)
+        assert _rel_err(got, want) < 1e-2
     assert not fused_moe_decode.launch_counters(norm_w.device, 1).any()  # keyed by the tensors' device (cuda:N)
 
 

@@ -103,6 +103,36 @@ def test_decode_kernels_match_torch_path(tokens, experts, top_k, hidden, inter, 
     assert not fused_moe_decode.launch_counters(x.device, 1).any(), "a counter was left set"
 
 
+ROW_BLOCKS = ((16, 32, 4, 1, True), (16, 32, 4, 1, True))  # both decode kernels in their ROW form
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("weights_as", ["half", "biased", "fp8-blocks", "fp8-rows"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_kernels_row_form_matches_torch_path(tokens: int, weights_as: str, dtype) -> None:
+    """The decode kernels' ROW form (no tl.dot) against the torch path: K tails past one tile (hidden
+    80, inter 40 over 32-input tiles), gpt-oss's biases and clamp, FP8 weights with block or row scales."""
+    x, w13, w2, weights, ids = problem(tokens, 6, 3, 80, 40, dtype, seed=tokens + 30)
+    kw: dict = {}
+    ref_w13, ref_w2 = w13.float(), w2.float()
+    if weights_as == "biased":
+        gen = torch.Generator().manual_seed(4)
+        w13 = w13 * 6
+        ref_w13 = w13.float()
+        kw = {"b13": torch.randn(6, 80, generator=gen).to(dtype), "b2": torch.randn(6, 80, generator=gen).to(dtype),
+              "activation": GPT_OSS}
+    elif weights_as.startswith("fp8"):
+        block_k = 16 if weights_as == "fp8-blocks" else None
+        w13, s13, ref_w13 = fp8_experts(w13 * 4, block_k)
+        w2, s2, ref_w2 = fp8_experts(w2, block_k)
+        kw = {"scales": ExpertScales(s13, s2, block_k)}
+    ref = experts_native(x.float(), ref_w13, ref_w2, weights, ids,
+                         **{k: v.float() if torch.is_tensor(v) else v for k, v in kw.items() if k != "scales"})
+    out = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, blocks=ROW_BLOCKS, **kw)
+    assert_matches(out, ref, dtype)
+    assert not fused_moe_decode.launch_counters(x.device, 1).any(), "a counter was left set"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "hidden", "inter", "config"),

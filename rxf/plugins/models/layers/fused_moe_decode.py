@@ -22,6 +22,11 @@ Both stream weight tiles through `tl.dot` against the activation row padded to a
 FP8 weights are upcast in registers and scaled as `fused_moe` describes (block scales shrink the
 K tiles to the scale block when it is smaller).
 
+ROW (the fifth element of a kernel's blocks): the weight tiles are multiplied by the activation row
+element by element in float32 registers and summed over K once at the end, with no tl.dot and no
+shared memory, the next tile's loads issued before the current tile's math (`gemv_row_kernel.py`
+explains why: at one token the padded tiles cost shared memory that limits the programs in flight).
+
 With programmatic dependent launch (`rxf/core/runner/pdl.py`) both kernels wait first: every weight
 they read is picked by an expert id the routing kernel writes, so nothing is fixed before the wait.
 
@@ -44,9 +49,9 @@ from rxf.plugins.models.layers.moe import SILU, ExpertScales, GatedActivation, k
 MAX_TOKENS = 4  # the most tokens routed here; more share experts, which the grouped kernels read once
 ROWS = tl.constexpr(16)  # columns of the padded activation tile: tl.dot's smallest
 
-Blocks = tuple[int, int, int, int]  # (block_n, block_k, num_warps, num_stages) of one kernel
-GATE_UP_BLOCKS: Blocks = (16, 256, 4, 4)
-DOWN_BLOCKS: Blocks = (32, 256, 4, 4)
+Blocks = tuple[int, int, int, int, bool]  # (block_n, block_k, num_warps, num_stages, ROW) of one kernel
+GATE_UP_BLOCKS: Blocks = (16, 256, 4, 4, False)
+DOWN_BLOCKS: Blocks = (32, 256, 4, 4, False)
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -83,13 +88,45 @@ def _first_column(acc):
 
 
 @triton.jit
+def _row_stream(W, a_rows, b_rows, x_row, K, n_ok, s_a, s_b, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr):
+    """ROW: ([BLOCK_N] float32 dots of the weight rows at offsets `a_rows` (and `b_rows` when TWO) with
+    the activation row at `x_row`, over K; BLOCK_SCALED: each K tile's products times its scale block's
+    scales (`s_a`, `s_b`: the rows' first scales)."""
+    ks = tl.arange(0, BLOCK_K)
+    acc_a = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    wa = tl.load(W + a_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+    wb = wa
+    if TWO:
+        wb = tl.load(W + b_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        ahead = n_ok[:, None] & (k0 + BLOCK_K + ks < K)[None, :]
+        wa_next = tl.load(W + a_rows + (k0 + BLOCK_K) + ks[None, :], mask=ahead, other=0.0)  # before the math
+        wb_next = wa_next
+        if TWO:
+            wb_next = tl.load(W + b_rows + (k0 + BLOCK_K) + ks[None, :], mask=ahead, other=0.0)
+        x = tl.load(x_row + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_SCALED:
+            acc_a += wa.to(tl.float32) * x * tl.load(s_a + k0 // SCALE_BK, mask=n_ok, other=0.0)[:, None]
+            if TWO:
+                acc_b += wb.to(tl.float32) * x * tl.load(s_b + k0 // SCALE_BK, mask=n_ok, other=0.0)[:, None]
+        else:
+            acc_a += wa.to(tl.float32) * x
+            if TWO:
+                acc_b += wb.to(tl.float32) * x
+        wa, wb = wa_next, wb_next
+    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
+
+
+@triton.jit
 def _gate_up_kernel(
     X, W13, B13, S13, Act, TopkIds, N, K,
     stride_xt, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_ap,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     UP_OFFSET: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ROW: tl.constexpr,
 ):
     if PDL:  # the routing kernel writes the expert ids that pick every weight read (rxf/core/runner/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
@@ -106,18 +143,24 @@ def _gate_up_kernel(
     # FP8 weights: the scales of these rows (gate, then up N rows further), per K block or row.
     s_gate = S13 + expert * stride_se + cols.to(tl.int64) * stride_sn
     s_up = s_gate + N * stride_sn
-    acc_gate = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        # [BLOCK_K, ROWS]: x's row in column 0, zeros elsewhere
-        x_t = tl.load(X + token * stride_xt + k0 + ks[:, None] + lanes[None, :] * 0,
-                      mask=k_ok[:, None] & (lanes == 0)[None, :], other=0.0)
-        acc_gate = _row_dot(W13, gate_rows + k0, x_t, col_ok, k_ok, acc_gate, s_gate + k0 // SCALE_BK, IEEE,
-                            BLOCK_SCALED)
-        acc_up = _row_dot(W13, up_rows + k0, x_t, col_ok, k_ok, acc_up, s_up + k0 // SCALE_BK, IEEE, BLOCK_SCALED)
-    gate = _first_column(acc_gate)
-    up = _first_column(acc_up)
+    if ROW:
+        rows = expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        gate, up = _row_stream(W13, rows, rows + N * stride_wn, X + token * stride_xt, K, col_ok, s_gate, s_up, True,
+                               BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK)
+    else:
+        acc_gate = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            # [BLOCK_K, ROWS]: x's row in column 0, zeros elsewhere
+            x_t = tl.load(X + token * stride_xt + k0 + ks[:, None] + lanes[None, :] * 0,
+                          mask=k_ok[:, None] & (lanes == 0)[None, :], other=0.0)
+            acc_gate = _row_dot(W13, gate_rows + k0, x_t, col_ok, k_ok, acc_gate, s_gate + k0 // SCALE_BK, IEEE,
+                                BLOCK_SCALED)
+            acc_up = _row_dot(W13, up_rows + k0, x_t, col_ok, k_ok, acc_up, s_up + k0 // SCALE_BK, IEEE,
+                              BLOCK_SCALED)
+        gate = _first_column(acc_gate)
+        up = _first_column(acc_up)
     if ROW_SCALED:
         gate *= tl.load(s_gate, mask=col_ok, other=0.0)
         up *= tl.load(s_up, mask=col_ok, other=0.0)
@@ -138,7 +181,7 @@ def _down_kernel(
     stride_ap, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_yt,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ROW: tl.constexpr,
 ):
     if PDL:  # the gate/up kernel writes act; the expert ids pick every weight read
         tl.extra.cuda.gdc_launch_dependents()
@@ -155,13 +198,18 @@ def _down_kernel(
     lanes = tl.arange(0, ROWS)
     w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     s_ptrs = S2 + expert * stride_se + cols.to(tl.int64) * stride_sn
-    acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = ks < K - k0
-        a_t = tl.load(Act + pair.to(tl.int64) * stride_ap + k0 + ks[:, None] + lanes[None, :] * 0,
-                      mask=k_ok[:, None] & (lanes == 0)[None, :], other=0.0)
-        acc = _row_dot(W2, w_rows + k0, a_t, col_ok, k_ok, acc, s_ptrs + k0 // SCALE_BK, IEEE, BLOCK_SCALED)
-    part = _first_column(acc)
+    if ROW:
+        rows = expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        part, _ = _row_stream(W2, rows, rows, Act + pair.to(tl.int64) * stride_ap, K, col_ok, s_ptrs, s_ptrs, False,
+                              BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK)
+    else:
+        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a_t = tl.load(Act + pair.to(tl.int64) * stride_ap + k0 + ks[:, None] + lanes[None, :] * 0,
+                          mask=k_ok[:, None] & (lanes == 0)[None, :], other=0.0)
+            acc = _row_dot(W2, w_rows + k0, a_t, col_ok, k_ok, acc, s_ptrs + k0 // SCALE_BK, IEEE, BLOCK_SCALED)
+        part = _first_column(acc)
     if ROW_SCALED:
         part *= tl.load(s_ptrs, mask=col_ok, other=0.0)
     if HAS_BIAS:
@@ -212,17 +260,17 @@ def decode_experts(
     y = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     pdl = use_pdl(x)
-    bn, bk, warps, stages = blocks[0]
+    bn, bk, warps, stages, row = blocks[0]
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
         x, w13, b13 if has_bias else w13, s13, act, ids, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), b13.stride(0) if has_bias else 0, s13.stride(0), s13.stride(1),
         act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
         HAS_BIAS=has_bias, ALPHA=float(activation.alpha), HAS_LIMIT=activation.limit is not None,
-        LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), PDL=pdl, num_warps=warps,
-        num_stages=stages, launch_pdl=pdl, **scale_args,
+        LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), PDL=pdl, ROW=row,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,
     )
-    bn, bk, warps, stages = blocks[1]
+    bn, bk, warps, stages, row = blocks[1]
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     blocks = num_tokens * triton.cdiv(hidden, bn)
     partials = torch.empty(blocks * top_k * bn, dtype=torch.float32, device=x.device) if top_k > 1 else y
@@ -230,6 +278,6 @@ def decode_experts(
         act, w2, b2 if has_bias else w2, s2, y, weights, ids, partials, launch_counters(x.device, blocks), hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0, s2.stride(0), s2.stride(1),
         y.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
-        HAS_BIAS=has_bias, PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,
+        HAS_BIAS=has_bias, PDL=pdl, ROW=row, num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,
     )
     return y
