@@ -92,14 +92,16 @@ elif [ "$stage" = profile ]; then
 elif [ "$stage" = gemv ]; then
   python3 benchmarks/gpu_profile.py --phases gemv "$@" 2>&1 | tee "$out/gemv.log"
 elif [ "$stage" = compare ]; then
-  # COMPARE_PRESET (default llama3-8b) and COMPARE_ARGS (e.g. --random-weights) pick the model.
+  # COMPARE_PRESET (default llama3-8b) and COMPARE_ARGS (e.g. --random-weights) pick the model;
+  # BASE_ENV / NEW_ENV (VAR=value ...) apply to the base tree's run / this tree's run only.
   base=$1; phases=${2:-bandwidth,decode,offline}; preset=${COMPARE_PRESET:-llama3-8b}; dir=/tmp/rxf-cmp-$preset
   python3 benchmarks/gpu_decode.py --preset "$preset" --phases build --model-dir "$dir" ${COMPARE_ARGS:-} \
     > "$out/build-$preset.log" 2>&1 || { tail -n 20 "$out/build-$preset.log"; exit 1; }
   for tree in "$base" .; do
     name=new-$preset; [ "$tree" = . ] || name=base-$preset
     start=$(date +%s)
-    (cd "$tree" && PYTHONPATH=$HOME/site:$PWD timeout "${COMPARE_LIMIT_S:-400}" python3 benchmarks/gpu_decode.py \
+    tree_env=${NEW_ENV:-}; [ "$tree" = . ] || tree_env=${BASE_ENV:-}  # e.g. each tree's best RXF_GEMV
+    (cd "$tree" && PYTHONPATH=$HOME/site:$PWD timeout "${COMPARE_LIMIT_S:-400}" env $tree_env python3 benchmarks/gpu_decode.py \
       --preset "$preset" --model-dir "$dir" --phases "$phases" --backends triton ${COMPARE_ARGS:-} \
       --output "$out/$name.json") > "$out/$name.log" 2>&1
     echo "$name: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$out/$name.log" | tail -n "${COMPARE_TAIL:-40}"
