@@ -45,7 +45,13 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
     tiles = {"fp8": [(32, 256, 4, 4)], "fp8-block": [(32, 128, 6, 4)],
              "int4": [(64, 128, 4, 4), (256, 128, 3, 8)]}[fmt]
     others = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w) for n, k, st, w in tiles]
-    return [(base, 1), *((s, 1) for s in others), (base, 2)]
+    # The row kernel (batch 1; `qgemv_row_kernel`): small tiles in registers, more warps.
+    rows = {"fp8": [(16, 512, 8), (32, 256, 8)], "fp8-block": [(16, 128, 4), (32, 128, 8)],
+            "int4": [(32, 128, 4), (64, 128, 8)]}[fmt]
+    row_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=1, num_warps=w, row=True)
+                    for n, k, w in rows]
+    return [(base, 1), *((s, 1) for s in others), (base, 2), *((s, 1) for s in row_settings),
+            *((s, 2) for s in row_settings)]
 
 
 def _copy(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[SimpleNamespace, torch.Tensor]:

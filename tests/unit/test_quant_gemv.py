@@ -26,6 +26,8 @@ from rxf.plugins.quantization.int4 import Int4Weights, pack_int32  # noqa: E402
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 SPLITS = pytest.mark.parametrize("split", [1, 3], ids=lambda s: f"split{s}")
+# The tile kernel (`qgemv_kernel`) and, for one row of x, the row kernel (`qgemv_row_kernel`; label prefix r).
+FORMS = pytest.mark.parametrize("form", ["", "r"], ids=["tile", "row"])
 
 
 @pytest.fixture
@@ -55,14 +57,15 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+@FORMS
 @SPLITS
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("scales", ["per-channel", "per-tensor"])
 @DTYPES
-def test_fp8_row_scales(qgemv_env, dtype, scales, m, split):
+def test_fp8_row_scales(qgemv_env, dtype, scales, m, split, form):
     """N = 40 (a partial column block of 16), K = 256 = 4 tiles of 64: split 3 gives spans of 2,
     2 and an empty one. Per tensor: one scale spread over the rows, as compressed-tensors loads it."""
-    qgemv_env(f"fp8=n16k64s{split}st2w4")
+    qgemv_env(f"fp8={form}n16k64s{split}st2w4")
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(40, 256, generator=gen) * 0.05
     q, scale = fp8_ops.quantize_rows(w)
@@ -70,20 +73,21 @@ def test_fp8_row_scales(qgemv_env, dtype, scales, m, split):
         scale = scale.max().expand(40).contiguous()
         q = (w / scale[:, None]).to(fp8_ops.FP8)
     op = qgemv.fp8_rows(SimpleNamespace(weight=q, weight_scale=scale, gemv_role="o_proj"))
-    assert op is not None and op.settings.label == f"n16k64s{split}st2w4"
+    assert op is not None and op.settings.label == f"{form}n16k64s{split}st2w4"
     bias = torch.randn(40, generator=gen).to(dtype)
     _check(op, _x(m, 256, dtype, m), bias, fp8_ops.dequantize_rows(q, scale, torch.float64))
 
 
+@FORMS
 @pytest.mark.parametrize("split", [1, 3, 4], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("n", [96, 72], ids=["block-table", "row-table"])
 @DTYPES
-def test_fp8_block_scales(qgemv_env, dtype, n, split):
+def test_fp8_block_scales(qgemv_env, dtype, n, split, form):
     """Blocks of 32 x 64 over K = 192. N = 96: each run of 32 rows shares its scales, so the kernel
     reads the checkpoint's one scale per block; N = 72 (not a multiple of 32): one row of scales per
     output row. The label's k128 shrinks to the 64-input scale block. Split 4: spans of one tile and
     an empty one, whose block scales (past the table's end) must not be read."""
-    qgemv_env(f"fp8-block:qkv_proj=n16k128s{split}st2w4")
+    qgemv_env(f"fp8-block:qkv_proj={form}n16k128s{split}st2w4")
     gen = torch.Generator().manual_seed(n)
     q, _ = fp8_ops.quantize_rows(torch.randn(n, 192, generator=gen) * 0.05)
     blocks = torch.rand(-(-n // 32), 3, generator=gen) * 1e-3 + 1e-4  # one scale per 32 x 64 block
@@ -91,17 +95,18 @@ def test_fp8_block_scales(qgemv_env, dtype, n, split):
     op = qgemv.fp8_blocks(SimpleNamespace(weight=q, weight_scale_inv=scale_inv, gemv_role="qkv_proj"), 32, 64)
     assert op is not None and op.settings.block_k == 64
     assert (op.scale_rows, tuple(op.scales.shape)) == ((32, (3, 3)) if n == 96 else (1, (72, 3)))
-    _check(op, _x(5, 192, dtype, n), None, fp8_ops.dequantize_blocks(q, scale_inv, 64, torch.float64))
+    _check(op, _x(1 if form else 5, 192, dtype, n), None, fp8_ops.dequantize_blocks(q, scale_inv, 64, torch.float64))
 
 
+@FORMS
 @SPLITS
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("m", [1, 8])
 @DTYPES
-def test_int4(qgemv_env, dtype, m, group, split):
+def test_int4(qgemv_env, dtype, m, group, split, form):
     """Codes in rxf's CUDA layout (int32 [K / 8, N], input 8r + j in nibble j), zero points 0..15
     and scales per group; N = 48 (a partial column block of 32), K = 256."""
-    qgemv_env(f"int4=n32k128s{split}st2w4")
+    qgemv_env(f"int4={form}n32k128s{split}st2w4")
     k, n = 256, 48
     gen = torch.Generator().manual_seed(m + group)
     codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)

@@ -117,7 +117,7 @@ class QuantGemv:
         s = self.settings
         out = qgemv(x2, self.kind, self.weight, self.scales, self.zeros, bias, self.counters,
                     scale_rows=self.scale_rows, scale_k=self.scale_k, block_n=s.block_n, block_k=s.block_k,
-                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps)
+                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row)
         return out.reshape(*x.shape[:-1], self.n)
 
 

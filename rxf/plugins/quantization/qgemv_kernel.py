@@ -153,11 +153,12 @@ def _qgemv_kernel(
 def qgemv(
     x: torch.Tensor, fmt: int, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     bias: torch.Tensor | None, counters: torch.Tensor, *, scale_rows: int, scale_k: int,
-    block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
+    block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int, row: bool = False,
 ) -> torch.Tensor:
     """`x @ dequant(weight).T + bias` in x's dtype for x `[m <= 16, K]` (contiguous rows), `weight`
     and `scales` (and int4's `zeros`) as `fmt`'s entry of the module docstring says. `counters`:
-    int32, at least cdiv(N, block_n) zeros, left zeroed."""
+    int32, at least cdiv(N, block_n) zeros, left zeroed. row: one row of x goes through
+    `qgemv_row_kernel` (num_stages unused)."""
     m, k = x.shape
     n = weight.shape[1] if fmt == INT4 else weight.shape[0]
     assert m <= ROWS, f"{m} rows: the GEMV takes at most {ROWS}"
@@ -172,6 +173,17 @@ def qgemv(
                 if split_k > 1 else out)  # unused without a split
     magic, offset = _MAGIC[x.dtype]
     pdl = use_pdl(x)
+    if row and m == 1:
+        from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
+
+        _qgemv_row_kernel[(n_blocks, split_k)](
+            x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,
+            partials, counters, n, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
+            FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k, MAGIC=magic, OFFSET=offset,
+            PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        )
+        return out
     _qgemv_kernel[(n_blocks, split_k)](
         x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out, partials,
         counters, m, n, k, x.stride(0), weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),

@@ -1,0 +1,83 @@
+"""The quantized decode GEMV for one row of x (batch 1) without `tl.dot`: `qgemv_kernel`'s formats,
+grid, K split and epilogue, in the form of `rxf.plugins.models.layers.gemv_row_kernel` (read its
+docstring: the weight tile is dequantized and multiplied by x's row element by element in float32
+registers, the products summed over K once at the end, the next tile's loads issued before the
+current tile's math; no shared memory).
+
+Dequantization is `qgemv_kernel._tile_dot`'s, per element: an int4 code becomes `code - zero` exactly
+(the MAGIC bits in x's half precision, then float32), an FP8 value is exact in float32; an int4
+group's or FP8 block's scale multiplies its products, FP8 row scales join in the epilogue.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, program_span
+from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile
+
+
+@triton.jit
+def _tile_fma(w, scale, zero, x_h, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr):
+    """acc + dequant(w) * x_h (x's row chunk, [BLOCK_K] in x's dtype) as float32 [BLOCK_N, BLOCK_K]."""
+    x = x_h.to(tl.float32)[None, :]
+    if FORMAT == _INT4:
+        shifts = tl.arange(0, 8) * 4
+        codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+        if IEEE:
+            dq = codes.to(tl.float32) - zero[:, None]
+        else:
+            dq = ((codes | MAGIC).to(tl.int16).to(x_h.dtype, bitcast=True) - (zero + OFFSET)[:, None]).to(tl.float32)
+        out = acc + dq * x * scale.to(tl.float32)[:, None]
+    elif FORMAT == _FP8_BLOCKS:
+        out = acc + w.to(tl.float32) * x * scale[:, None]
+    else:
+        out = acc + w.to(tl.float32) * x
+    return out
+
+
+@triton.jit
+def _tile_at(W, Scales, Zeros, w_ptrs, s_ptrs, k0, cols, n_ok, stride_w, stride_s,
+             FORMAT: tl.constexpr, SCALE_K: tl.constexpr):
+    """`_weight_tile` at K offset k0 (every row masked by n_ok)."""
+    if FORMAT == _INT4:
+        ptrs = w_ptrs + (k0 // 8) * stride_w  # < 2^31: K / 8 words of N columns
+    else:
+        ptrs = w_ptrs + k0
+    return _weight_tile(ptrs, Scales, Zeros, s_ptrs, k0, cols, n_ok, stride_s, FORMAT, SCALE_K, False)
+
+
+@triton.jit
+def _qgemv_row_kernel(
+    X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om,
+    FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr,
+    MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
+):
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
+    rows = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    if FORMAT == _INT4:  # words [K / 8, N]: the tile's rows are output columns, loaded along N
+        w_ptrs = W + tl.arange(0, BLOCK_K // 8).to(tl.int64)[None, :] * stride_w + cols[:, None]
+    else:
+        w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    s_ptrs = Scales + (cols // SCALE_ROWS).to(tl.int64) * stride_s  # FP8 block scales of these rows
+    # Weights and scales are fixed at load: the first tile is read before waiting for x's kernel.
+    ok = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
+    w, scale, zero = _tile_at(W, Scales, Zeros, w_ptrs, s_ptrs, k_lo, cols, ok, stride_w, stride_s, FORMAT, SCALE_K)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
+        ahead = mask_n & (tl.zeros_like(cols) + k0 + BLOCK_K < k_hi)  # issued before the math
+        w_next, scale_next, zero_next = _tile_at(W, Scales, Zeros, w_ptrs, s_ptrs, k0 + BLOCK_K, cols, ahead,
+                                                 stride_w, stride_s, FORMAT, SCALE_K)
+        acc = _tile_fma(w, scale, zero, tl.load(X + k0 + offs_k), acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET)
+        w, scale, zero = w_next, scale_next, zero_next
+    # Column 0 of a [BLOCK_N, BLOCK_M] tile: the shape `finish` takes (its row 0 is x's only row).
+    acc_t = tl.where((rows == 0)[None, :], tl.sum(acc, axis=1)[:, None], 0.0)
+    finish(acc_t, acc_t, Bias, Out, Partials, Counters, Scales, cols, rows, mask_n, 1, N, stride_om, pid_n, pid_k,
+           BLOCK_N, SPLIT_K, False, HAS_BIAS, FORMAT == _FP8_ROWS)
