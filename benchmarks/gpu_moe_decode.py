@@ -141,7 +141,7 @@ def main() -> None:
     cuda = p.device == "cuda"
     item = torch.finfo(p.dtype).bits // 8
     tokens = [int(t) for t in args.tokens.split(",")]
-    default = (fmd.GATE_UP_BLOCKS, fmd.DOWN_BLOCKS)
+    default = fmd.default_blocks()
     gate_up, down = candidates("gate_up", item, args.tiny), candidates("down", item, args.tiny)
     pairs = [(g, default[1]) for g in gate_up] + [(g, d) for g in gate_up[:1] for d in down]
     if cuda and args.workers:
@@ -201,6 +201,7 @@ def main() -> None:
         top = sorted(sweep.items(), key=lambda kv: kv[1])[:5]
         print(f"{name} top 5 at {m0} token(s): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in top))
     print(f"blocks={best}")
+    print(f"{fmd.ENV}={fmd.label(best[0])},{fmd.label(best[1])}")
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_moe_decode.json").write_text(json.dumps(results, indent=1, default=str))

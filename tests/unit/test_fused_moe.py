@@ -251,3 +251,17 @@ def test_align_pairs_region_map() -> None:
     assert sorted_pairs[:20].tolist() == [1, 4, 9, pad, 3, pad, pad, pad, 7, pad, pad, pad,
                                           0, 2, 5, 6, 8, pad, pad, pad]
     assert (sorted_pairs[20:] == pad).all()
+
+
+def test_decode_blocks_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fused_moe_decode.ENV, "n16k256w4st4,n32k512w8st1r")
+    fused_moe_decode.default_blocks.cache_clear()
+    try:
+        assert fused_moe_decode.default_blocks() == ((16, 256, 4, 4, False), (32, 512, 8, 1, True))
+        assert fused_moe_decode.label((32, 512, 8, 1, True)) == "n32k512w8st1r"
+        monkeypatch.setenv(fused_moe_decode.ENV, "n16k256w4st4")
+        fused_moe_decode.default_blocks.cache_clear()
+        with pytest.raises(ValueError, match="GATE_UP,DOWN"):
+            fused_moe_decode.default_blocks()
+    finally:
+        fused_moe_decode.default_blocks.cache_clear()

@@ -39,6 +39,10 @@ batch size up before capturing it), and kept.
 
 from __future__ import annotations
 
+import functools
+import os
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +56,28 @@ ROWS = tl.constexpr(16)  # columns of the padded activation tile: tl.dot's small
 Blocks = tuple[int, int, int, int, bool]  # (block_n, block_k, num_warps, num_stages, ROW) of one kernel
 GATE_UP_BLOCKS: Blocks = (16, 256, 4, 4, False)
 DOWN_BLOCKS: Blocks = (32, 256, 4, 4, False)
+# `RXF_MOE_DECODE="GATE_UP,DOWN"` (read once per process) replaces both, each as `label` writes it,
+# e.g. "n16k256w4st4,n16k512w8st1r" (a trailing r: the ROW form); `benchmarks/gpu_moe_decode.py`
+# prints the value its sweep favours.
+ENV = "RXF_MOE_DECODE"
+_LABEL = re.compile(r"n(\d+)k(\d+)w(\d+)st(\d+)(r?)")
+
+
+def label(blocks: Blocks) -> str:
+    bn, bk, warps, stages, row = blocks
+    return f"n{bn}k{bk}w{warps}st{stages}{'r' if row else ''}"
+
+
+@functools.cache
+def default_blocks() -> tuple[Blocks, Blocks]:
+    """(gate/up, down) blocks: `RXF_MOE_DECODE`'s, else GATE_UP_BLOCKS and DOWN_BLOCKS."""
+    value = os.environ.get(ENV, "")
+    if not value:
+        return GATE_UP_BLOCKS, DOWN_BLOCKS
+    parts = [_LABEL.fullmatch(part.strip()) for part in value.split(",")]
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"{ENV}={value!r}: expected GATE_UP,DOWN labels like n16k256w4st4,n16k512w8st1r")
+    return tuple((int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5] == "r") for m in parts)  # type: ignore[return-value]
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -243,11 +269,12 @@ def decode_experts(
     b2: torch.Tensor | None = None,
     activation: GatedActivation = SILU,
     scales: ExpertScales | None = None,
-    blocks: tuple[Blocks, Blocks] = (GATE_UP_BLOCKS, DOWN_BLOCKS),
+    blocks: tuple[Blocks, Blocks] | None = None,
 ) -> torch.Tensor:
     """`fused_moe.fused_experts`' contract for 1 .. MAX_TOKENS tokens (its checks already made:
     contiguous last dimensions, both biases or neither); `blocks`: the gate/up and down kernels'
-    (`benchmarks/gpu_moe_decode.py` sweeps them)."""
+    (default `default_blocks()`; `benchmarks/gpu_moe_decode.py` sweeps them)."""
+    blocks = blocks or default_blocks()
 
     num_tokens, hidden = x.shape
     _, two_inter, _ = w13.shape
