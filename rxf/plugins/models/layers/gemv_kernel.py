@@ -87,7 +87,7 @@ def _gemv_kernel(
     if NORM:
         r_ptrs = Res + rows[:, None] * stride_rm + (k_lo + offs_k)[None, :]
         rstd = row_rstd(X, Res, ResOut, M, K, stride_xm, stride_rm, stride_rom, eps, rows,
-                         (tl.program_id(0) == 0) & (pid_k == 0), ROW_BLOCK)
+                         (pid_n == 0) & (pid_k == 0), ROW_BLOCK)
         first_k = (rows < M)[:, None] & (tl.zeros_like(offs_k) + k_lo < k_hi)[None, :]
         h_next = tl.load(x_ptrs, mask=first_k, other=0.0)
         r_next = tl.load(r_ptrs, mask=first_k, other=0.0)
