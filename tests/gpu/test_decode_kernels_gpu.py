@@ -398,16 +398,18 @@ def _runner(ckpt: Path, monkeypatch: pytest.MonkeyPatch, gemv_env: str) -> Model
         gemv_mod._from_env.cache_clear()
 
 
+@pytest.mark.parametrize("setting", ["triton", "rn16k256s2st2w4"], ids=["tile", "row"])
 @pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=needs_pdl)], ids=["plain", "pdl"])
-def test_model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch, pdl: bool) -> None:
-    """Every role on the GEMV against cuBLAS; with PDL the GEMVs, norms, K/V store, attention and
-    argmax of the step all launch early (a race would show as graph != eager or a logits error)."""
+def test_model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch, pdl: bool, setting: str) -> None:
+    """Every role on the GEMV (the row kernel at batch 1 for `row`; qkv and gate/up taking the norm
+    before them in at 1 and 3 rows) against cuBLAS; with PDL the GEMVs, norms, K/V store, attention
+    and argmax of the step all launch early (a race would show as graph != eager or a logits error)."""
     with pdl_env(pdl):
-        _model_on_gemv_matches_cublas(ckpt, monkeypatch)
+        _model_on_gemv_matches_cublas(ckpt, monkeypatch, setting)
 
 
-def _model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    all_roles = ",".join(f"{role}=triton" for role in gemv_mod.ROLES)
+def _model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch, setting: str = "triton") -> None:
+    all_roles = ",".join(f"{role}={setting}" for role in gemv_mod.ROLES)
     ours, theirs = _runner(ckpt, monkeypatch, all_roles), _runner(ckpt, monkeypatch, "")
     layer = ours.model.model.layers[0]
     assert layer.self_attn.qkv_proj.gemv is not None and layer.mlp.gate_up_act is not None
