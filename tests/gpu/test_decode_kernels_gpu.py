@@ -408,7 +408,7 @@ def test_model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatc
         _model_on_gemv_matches_cublas(ckpt, monkeypatch, setting)
 
 
-def _model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch, setting: str = "triton") -> None:
+def _model_on_gemv_matches_cublas(ckpt: Path, monkeypatch: pytest.MonkeyPatch, setting: str) -> None:
     all_roles = ",".join(f"{role}={setting}" for role in gemv_mod.ROLES)
     ours, theirs = _runner(ckpt, monkeypatch, all_roles), _runner(ckpt, monkeypatch, "")
     layer = ours.model.model.layers[0]
