@@ -39,17 +39,6 @@ def _tile_fma(w, scale, zero, x_h, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr
 
 
 @triton.jit
-def _tile_at(W, Scales, Zeros, w_ptrs, s_ptrs, k0, cols, n_ok, stride_w, stride_s,
-             FORMAT: tl.constexpr, SCALE_K: tl.constexpr):
-    """`_weight_tile` at K offset k0 (every row masked by n_ok)."""
-    if FORMAT == _INT4:
-        ptrs = w_ptrs + (k0 // 8) * stride_w  # < 2^31: K / 8 words of N columns
-    else:
-        ptrs = w_ptrs + k0
-    return _weight_tile(ptrs, Scales, Zeros, s_ptrs, k0, cols, n_ok, stride_s, FORMAT, SCALE_K, False)
-
-
-@triton.jit
 def _qgemv_row_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -59,23 +48,29 @@ def _qgemv_row_kernel(
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
+    # Pointers advance by a tile's step (not rebuilt from k0): their alignment stays visible to Triton.
     if FORMAT == _INT4:  # words [K / 8, N]: the tile's rows are output columns, loaded along N
-        w_ptrs = W + tl.arange(0, BLOCK_K // 8).to(tl.int64)[None, :] * stride_w + cols[:, None]
+        w_ptrs = W + (k_lo // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.int64)[None, :] * stride_w + cols[:, None]
+        w_step = (BLOCK_K // 8) * stride_w
     else:
-        w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+        w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
+        w_step = BLOCK_K
     s_ptrs = Scales + (cols // SCALE_ROWS).to(tl.int64) * stride_s  # FP8 block scales of these rows
     # Weights and scales are fixed at load: the first tile is read before waiting for x's kernel.
     ok = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
-    w, scale, zero = _tile_at(W, Scales, Zeros, w_ptrs, s_ptrs, k_lo, cols, ok, stride_w, stride_s, FORMAT, SCALE_K)
+    w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, ok, stride_s, FORMAT, SCALE_K, False)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    x_ptrs = X + k_lo + offs_k
     for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
         ahead = mask_n & (tl.zeros_like(cols) + k0 + BLOCK_K < k_hi)  # issued before the math
-        w_next, scale_next, zero_next = _tile_at(W, Scales, Zeros, w_ptrs, s_ptrs, k0 + BLOCK_K, cols, ahead,
-                                                 stride_w, stride_s, FORMAT, SCALE_K)
-        acc = _tile_fma(w, scale, zero, tl.load(X + k0 + offs_k), acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET)
+        w_ptrs += w_step
+        w_next, scale_next, zero_next = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0 + BLOCK_K, cols, ahead,
+                                                     stride_s, FORMAT, SCALE_K, False)
+        acc = _tile_fma(w, scale, zero, tl.load(x_ptrs), acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET)
+        x_ptrs += BLOCK_K
         w, scale, zero = w_next, scale_next, zero_next
     # Column 0 of a [BLOCK_N, BLOCK_M] tile: the shape `finish` takes (its row 0 is x's only row).
     acc_t = tl.where((rows == 0)[None, :], tl.sum(acc, axis=1)[:, None], 0.0)

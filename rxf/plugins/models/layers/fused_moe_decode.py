@@ -122,16 +122,21 @@ def _row_stream(W, a_rows, b_rows, x_row, K, n_ok, s_a, s_b, TWO: tl.constexpr, 
     ks = tl.arange(0, BLOCK_K)
     acc_a = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    wa = tl.load(W + a_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+    # Pointers advance by BLOCK_K per tile (not rebuilt from k0): their alignment stays visible to Triton.
+    a_ptrs = W + a_rows + ks[None, :]
+    b_ptrs = W + b_rows + ks[None, :]
+    wa = tl.load(a_ptrs, mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
     wb = wa
     if TWO:
-        wb = tl.load(W + b_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+        wb = tl.load(b_ptrs, mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         ahead = n_ok[:, None] & (k0 + BLOCK_K + ks < K)[None, :]
-        wa_next = tl.load(W + a_rows + (k0 + BLOCK_K) + ks[None, :], mask=ahead, other=0.0)  # before the math
+        a_ptrs += BLOCK_K
+        wa_next = tl.load(a_ptrs, mask=ahead, other=0.0)  # issued before the math
         wb_next = wa_next
         if TWO:
-            wb_next = tl.load(W + b_rows + (k0 + BLOCK_K) + ks[None, :], mask=ahead, other=0.0)
+            b_ptrs += BLOCK_K
+            wb_next = tl.load(b_ptrs, mask=ahead, other=0.0)
         x = tl.load(x_row + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)[None, :]
         if BLOCK_SCALED:
             acc_a += wa.to(tl.float32) * x * tl.load(s_a + k0 // SCALE_BK, mask=n_ok, other=0.0)[:, None]

@@ -22,13 +22,15 @@ from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, program_span,
 
 
 @triton.jit
-def _tile(W, w_ptrs, up_offset, k0, k_hi, mask_n, GATED: tl.constexpr):
-    """The weight tile at K offset k0 (and its up rows), zeros past k_hi."""
+def _tile(w_ptrs, up_offset, k0, k_hi, mask_n, GATED: tl.constexpr):
+    """The weight tile at `w_ptrs` (K offset k0; and its up rows), zeros past k_hi. The pointers advance
+    by BLOCK_K per tile rather than being rebuilt from k0, which keeps their 16-byte alignment
+    visible to Triton (vector loads)."""
     ok = mask_n & (tl.zeros_like(mask_n.to(tl.int32)) + k0 < k_hi)
-    w = tl.load(w_ptrs + k0, mask=ok[:, None], other=0.0)
+    w = tl.load(w_ptrs, mask=ok[:, None], other=0.0)
     u = w
     if GATED:
-        u = tl.load(w_ptrs + k0 + up_offset, mask=ok[:, None], other=0.0)
+        u = tl.load(w_ptrs + up_offset, mask=ok[:, None], other=0.0)
     return w, u
 
 
@@ -52,10 +54,10 @@ def _gemv_row_kernel(
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N_OUT, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     up_offset = N_OUT.to(tl.int64) * stride_wn
     # Weights are fixed at load: the first tile is read before waiting for the kernel that writes x.
-    w, u = _tile(W, w_ptrs, up_offset, k_lo, k_hi, mask_n, GATED)
+    w, u = _tile(w_ptrs, up_offset, k_lo, k_hi, mask_n, GATED)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -65,9 +67,12 @@ def _gemv_row_kernel(
                       axis=0)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    x_offs = k_lo + offs_k
     for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
-        w_next, u_next = _tile(W, w_ptrs, up_offset, k0 + BLOCK_K, k_hi, mask_n, GATED)  # issued before the math
-        x = _x_chunk(X, Res, NormW, k0 + offs_k, offs_k < BLOCK_K, rstd, NORM)
+        w_ptrs += BLOCK_K
+        w_next, u_next = _tile(w_ptrs, up_offset, k0 + BLOCK_K, k_hi, mask_n, GATED)  # issued before the math
+        x = _x_chunk(X, Res, NormW, x_offs, offs_k < BLOCK_K, rstd, NORM)
+        x_offs += BLOCK_K
         acc += w.to(tl.float32) * x[None, :]
         if GATED:
             acc_up += u.to(tl.float32) * x[None, :]
