@@ -11,7 +11,8 @@ processes (Triton's disk cache), then timed as `gpu_moe_tune.py` times: a CUDA g
 routed differently (so the experts come from HBM, not L2), replayed ~5 ms, median of 3, per call.
 `floor_us` is the distinct experts' weight bytes of a call at the copy bandwidth measured here (read +
 write of a 1 GiB copy, as gpu_decode.py's roofline), so `of_floor` is the share of the memory's rate
-a call reaches. Writes $OUT/gpu_moe_decode.json; prints the winners and `blocks=` to paste into
+a call reaches. (Before 2026-12-05 the floor counted experts over all 8 routings and halved the
+bandwidth: floors of that day's first run are off by both.) Writes $OUT/gpu_moe_decode.json; prints the winners and `blocks=` to paste into
 `fused_moe_decode.py` last. Also times what runs between the attention block and the experts: the
 residual add + norm + router projection + routing in one launch (`routing_kernel.norm_route_cuda`),
 the norm then the fused router (`route_cuda`), and the norm, the projection (`F.linear`) and the
@@ -167,8 +168,10 @@ def main() -> None:
                                "default": default, "best": best, "per_token_count": {}}
     print(f"{'tokens':>6} {'floor_us':>9} {'default_us':>11} {'best_us':>8} {'of_floor':>9}")
     for m in tokens:
-        distinct = len({e for s in sets[m] for e in s[2].flatten().tolist()}) / len(sets[m])
-        floor = distinct * per_expert / (bandwidth / 2) * 1e6 if cuda else math.nan
+        # distinct experts a call reads (mean over the routings); their bytes at the copy's rate (the
+        # bytes read + written per second, as gpu_decode.py's roofline counts a read-only stream)
+        distinct = sum(len(set(s[2].flatten().tolist())) for s in sets[m]) / len(sets[m])
+        floor = distinct * per_expert / bandwidth * 1e6 if cuda else math.nan
         d_us, b_us = timed(default, m) * 1e6, timed(best, m) * 1e6
         results["per_token_count"][m] = {"floor_us": floor, "default_us": d_us, "best_us": b_us,
                                          "distinct_experts": distinct, "best_of_floor": floor / b_us}

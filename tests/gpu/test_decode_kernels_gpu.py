@@ -333,6 +333,7 @@ def test_pdl_chain_through_quantized_gemv_and_head_norm(fmt: str, monkeypatch: p
 
 
 ROW_MOE_BLOCKS = ((16, 256, 4, 1, True), (16, 512, 8, 1, True))
+TILE_MOE_BLOCKS = ((16, 256, 4, 4, False), (32, 256, 4, 4, False))  # the tile form (tl.dot)
 
 
 @needs_pdl
@@ -361,7 +362,7 @@ def test_pdl_chain_through_the_moe_decode_path(form: str, tokens: int) -> None:
             h = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, blocks=blocks)
         return h
 
-    blocks = ROW_MOE_BLOCKS if form == "row" else (fused_moe_decode.GATE_UP_BLOCKS, fused_moe_decode.DOWN_BLOCKS)
+    blocks = ROW_MOE_BLOCKS if form == "row" else TILE_MOE_BLOCKS
     _pdl_graph_equals_eager(chain, (tokens, hidden))
     if form == "row":  # and the ROW form computes what the tile form does
         x = torch.randn(tokens, hidden, device=DEV, generator=gen).to(BF16)
@@ -369,7 +370,7 @@ def test_pdl_chain_through_the_moe_decode_path(form: str, tokens: int) -> None:
             [torch.randperm(experts, device=DEV, generator=gen)[:top_k] for _ in range(tokens)])
         _, w13, w2 = layers[0]
         got = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, blocks=ROW_MOE_BLOCKS)
-        want = fused_moe_decode.decode_experts(x, w13, w2, weights, ids)
+        want = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, blocks=TILE_MOE_BLOCKS)
         assert _rel_err(got, want) < 1e-2
     assert not fused_moe_decode.launch_counters(norm_w.device, 1).any()  # keyed by the tensors' device (cuda:N)
 

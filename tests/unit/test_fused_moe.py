@@ -103,15 +103,17 @@ def test_decode_kernels_match_torch_path(tokens, experts, top_k, hidden, inter, 
     assert not fused_moe_decode.launch_counters(x.device, 1).any(), "a counter was left set"
 
 
-ROW_BLOCKS = ((16, 32, 4, 1, True), (16, 32, 4, 1, True))  # both decode kernels in their ROW form
+SMALL_BLOCKS = {"row": ((16, 32, 4, 1, True), (16, 32, 4, 1, True)),  # the default form
+                "tile": ((16, 32, 4, 2, False), (16, 32, 4, 2, False))}  # tl.dot over padded tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("weights_as", ["half", "biased", "fp8-blocks", "fp8-rows"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_decode_kernels_row_form_matches_torch_path(tokens: int, weights_as: str, dtype) -> None:
-    """The decode kernels' ROW form (no tl.dot) against the torch path: K tails past one tile (hidden
-    80, inter 40 over 32-input tiles), gpt-oss's biases and clamp, FP8 weights with block or row scales."""
+@pytest.mark.parametrize("form", SMALL_BLOCKS)
+def test_decode_kernels_both_forms_match_torch_path(form: str, tokens: int, weights_as: str, dtype) -> None:
+    """Each form of the decode kernels at 32-input tiles against the torch path: K tails past one tile
+    (hidden 80, inter 40), gpt-oss's biases and clamp, FP8 weights with block or row scales."""
     x, w13, w2, weights, ids = problem(tokens, 6, 3, 80, 40, dtype, seed=tokens + 30)
     kw: dict = {}
     ref_w13, ref_w2 = w13.float(), w2.float()
@@ -128,7 +130,7 @@ def test_decode_kernels_row_form_matches_torch_path(tokens: int, weights_as: str
         kw = {"scales": ExpertScales(s13, s2, block_k)}
     ref = experts_native(x.float(), ref_w13, ref_w2, weights, ids,
                          **{k: v.float() if torch.is_tensor(v) else v for k, v in kw.items() if k != "scales"})
-    out = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, blocks=ROW_BLOCKS, **kw)
+    out = fused_moe_decode.decode_experts(x, w13, w2, weights, ids, blocks=SMALL_BLOCKS[form], **kw)
     assert_matches(out, ref, dtype)
     assert not fused_moe_decode.launch_counters(x.device, 1).any(), "a counter was left set"
 

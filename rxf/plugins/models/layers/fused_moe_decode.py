@@ -17,15 +17,15 @@ choice p % k (as in `fused_moe`). Weights as `FusedExperts` holds them: w13 `[E,
    The hand-off is `gemv_kernel`'s: partial stores, a CTA barrier, an acq_rel atomic on the
    counter, `.cg` loads of the partials by the last program.
 
-Both stream weight tiles through `tl.dot` against the activation row padded to a 16-column tile (as
-`gemv_kernel` does), so Triton's software pipeline keeps `num_stages` tiles in flight per program.
+Each kernel has two forms, chosen by the fifth element of its blocks (ROW):
+- ROW (the default, faster on the H200 at 1, 2 and 4 tokens): the weight tiles are multiplied by the
+  activation row element by element in float32 registers and summed over K once at the end, with no
+  tl.dot and no shared memory, the next tile's loads issued before the current tile's math
+  (`gemv_row_kernel.py`: without shared memory more programs fit on an SM, their loads in flight).
+- tile: weight tiles stream through `tl.dot` against the activation row padded to a 16-column tile
+  (as `gemv_kernel` does), so Triton's software pipeline keeps `num_stages` tiles in flight.
 FP8 weights are upcast in registers and scaled as `fused_moe` describes (block scales shrink the
 K tiles to the scale block when it is smaller).
-
-ROW (the fifth element of a kernel's blocks): the weight tiles are multiplied by the activation row
-element by element in float32 registers and summed over K once at the end, with no tl.dot and no
-shared memory, the next tile's loads issued before the current tile's math (`gemv_row_kernel.py`
-explains why: at one token the padded tiles cost shared memory that limits the programs in flight).
 
 With programmatic dependent launch (`rxf/core/runner/pdl.py`) both kernels wait first: every weight
 they read is picked by an expert id the routing kernel writes, so nothing is fixed before the wait.
@@ -54,10 +54,13 @@ MAX_TOKENS = 4  # the most tokens routed here; more share experts, which the gro
 ROWS = tl.constexpr(16)  # columns of the padded activation tile: tl.dot's smallest
 
 Blocks = tuple[int, int, int, int, bool]  # (block_n, block_k, num_warps, num_stages, ROW) of one kernel
-GATE_UP_BLOCKS: Blocks = (16, 256, 4, 4, False)
-DOWN_BLOCKS: Blocks = (32, 256, 4, 4, False)
+# The ROW form at both: on the H200 at Qwen3-30B-A3B's shapes (benchmarks/gpu_moe_decode.py, 2026-12-05)
+# 23.2 us a 1-token layer against 28.8 for the tile form's (16, 256, 4, 4) and (32, 256, 4, 4), and
+# 41.5 / 74.8 against 48.5 / 86.0 at 2 / 4 tokens; a batch-1 decode step 273.6 -> 294.7 tok/s.
+GATE_UP_BLOCKS: Blocks = (16, 256, 4, 1, True)
+DOWN_BLOCKS: Blocks = (32, 128, 8, 1, True)
 # `RXF_MOE_DECODE="GATE_UP,DOWN"` (read once per process) replaces both, each as `label` writes it,
-# e.g. "n16k256w4st4,n16k512w8st1r" (a trailing r: the ROW form); `benchmarks/gpu_moe_decode.py`
+# e.g. "n16k256w4st4,n32k256w4st4" (the tile form; a trailing r: the ROW form); `benchmarks/gpu_moe_decode.py`
 # prints the value its sweep favours.
 ENV = "RXF_MOE_DECODE"
 _LABEL = re.compile(r"n(\d+)k(\d+)w(\d+)st(\d+)(r?)")
