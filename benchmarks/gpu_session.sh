@@ -149,13 +149,15 @@ elif [ "$stage" = offline-profile ]; then
   tar czf "$out/profiles-$tag.tgz" -C /tmp "rxf-profiles-$tag"
 elif [ "$stage" = others ]; then
   # "others SCRIPT[:ARGS] ...": each benchmark bounded to OTHERS_LIMIT_S (default 400), e.g. others
-  # gpu_moe gpu_tp:--tp=1; the n-th runs with OUT=$out/n-SCRIPT (its files apart from another run of
+  # gpu_moe gpu_tp:--tp=1 (commas separate ARGS, unless ARGS has a space: "gpu_profile:--phases gemv,qgemv"
+  # keeps its comma); the n-th runs with OUT=$out/n-SCRIPT (its files apart from another run of
   # the same script) and logs to $out/n-SCRIPT.log; OTHERS_ENV: VAR=value ... for every one of them
   n=0
   for spec in "$@"; do
     script=${spec%%:*}; args=""; [ "$spec" != "$script" ] && args=${spec#*:}
     n=$((n + 1)); log="$out/$n-$script.log"; start=$(date +%s)
-    OUT="$out/$n-$script" timeout "${OTHERS_LIMIT_S:-400}" env ${OTHERS_ENV:-} python3 benchmarks/$script.py ${args//,/ } \
+    argv=${args//,/ }; [[ "$args" == *" "* ]] && argv=$args  # spaces given: commas stay (--phases gemv,qgemv)
+    OUT="$out/$n-$script" timeout "${OTHERS_LIMIT_S:-400}" env ${OTHERS_ENV:-} python3 benchmarks/$script.py $argv \
       > "$log" 2>&1
     echo "$script $args: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$log" | tail -"${OTHERS_TAIL:-30}"
   done
