@@ -7,7 +7,10 @@ at 3.0-3.6 TB/s where a 1 GiB copy reads and writes at ~4.2 (benchmarks/RESULTS.
 kernel needs no shared memory: each program holds two weight tiles in registers (the one it
 multiplies and the next one, whose load it issues first), so many programs fit on an SM and the
 memory system sees their loads in flight together. Which kernel serves a projection is a setting
-(`GemvSettings.row`), chosen by measurement (`benchmarks/gpu_profile.py --phases gemv`).
+(`GemvSettings.row`), chosen by measurement (`benchmarks/gpu_profile.py --phases gemv`). On the H200
+(2026-12-05, benchmarks/RESULTS.md) its best settings beat the tile kernel's default alone (Llama-3-8B
+qkv 15.8 -> 15.1 us, gate_up 65.0 -> 61.7, down 32.5 -> 29.1), yet not in a whole batch-1 step under
+PDL (218.0 vs 218.1 tok/s), so no default uses it.
 
 Grid, K split, split-K hand-off and epilogue are `gemv_kernel`'s (`program_span`, `finish`), as are
 GATED and NORM; only M == 1.
