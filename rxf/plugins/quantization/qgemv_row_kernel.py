@@ -7,6 +7,9 @@ current tile's math; no shared memory).
 Dequantization is `qgemv_kernel._tile_dot`'s, per element: an int4 code becomes `code - zero` exactly
 (the MAGIC bits in x's half precision, then float32), an FP8 value is exact in float32; an int4
 group's or FP8 block's scale multiplies its products, FP8 row scales join in the epilogue.
+
+Tested under the Triton interpreter (tests/unit/test_quant_gemv.py); not yet compiled or timed on
+the GPU (`benchmarks/gpu_profile.py --phases qgemv` sweeps it): no default uses it.
 """
 
 from __future__ import annotations
