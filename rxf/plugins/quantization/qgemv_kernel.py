@@ -107,6 +107,20 @@ def _tile_dot(w, scale, zero, x_t, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr
 
 
 @triton.jit
+def tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SCALE_ROWS: tl.constexpr):
+    """(pointers of the weight tile at K offset k_lo, their step per tile, the FP8 block scales of the
+    tile's rows). Int4 words are `[K / 8, N]`: the tile's rows are output columns, loaded along N."""
+    if FORMAT == _INT4:
+        w_ptrs = W + (k_lo // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.int64)[None, :] * stride_w + cols[:, None]
+        w_step = (BLOCK_K // 8) * stride_w
+    else:
+        w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + (k_lo + tl.arange(0, BLOCK_K))[None, :]
+        w_step = BLOCK_K
+    return w_ptrs, w_step, Scales + (cols // SCALE_ROWS).to(tl.int64) * stride_s
+
+
+@triton.jit
 def _qgemv_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, M, N, K,
     stride_xm, stride_w, stride_s, stride_om,
@@ -118,13 +132,7 @@ def _qgemv_kernel(
     rows = tl.arange(0, BLOCK_M)  # rows of x
     x_ptrs = X + rows[:, None] * stride_xm + (k_lo + tl.arange(0, BLOCK_K))[None, :]
     x_mask = (rows < M)[:, None]
-    if FORMAT == _INT4:
-        w_ptrs = W + (k_lo // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.int64)[None, :] * stride_w + cols[:, None]
-        w_step = (BLOCK_K // 8) * stride_w
-    else:
-        w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + (k_lo + tl.arange(0, BLOCK_K))[None, :]
-        w_step = BLOCK_K
-    s_ptrs = Scales + (cols // SCALE_ROWS).to(tl.int64) * stride_s  # FP8 block scales of these rows
+    w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS)
     # The first K tile is peeled off the loop, as in gemv_kernel: its weights and scales (fixed at
     # load) are read before waiting for the kernel that writes x. An empty K range (the last split
     # may be) reads zeros, scales included (its group or block would lie past the tables' end).

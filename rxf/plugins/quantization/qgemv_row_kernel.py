@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, program_span
-from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile
+from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, tile_pointers
 
 
 @triton.jit
@@ -52,13 +52,7 @@ def _qgemv_row_kernel(
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     # Pointers advance by a tile's step (not rebuilt from k0): their alignment stays visible to Triton.
-    if FORMAT == _INT4:  # words [K / 8, N]: the tile's rows are output columns, loaded along N
-        w_ptrs = W + (k_lo // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.int64)[None, :] * stride_w + cols[:, None]
-        w_step = (BLOCK_K // 8) * stride_w
-    else:
-        w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + (k_lo + offs_k)[None, :]
-        w_step = BLOCK_K
-    s_ptrs = Scales + (cols // SCALE_ROWS).to(tl.int64) * stride_s  # FP8 block scales of these rows
+    w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS)
     # Weights and scales are fixed at load: the first tile is read before waiting for x's kernel.
     ok = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
     w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, ok, stride_s, FORMAT, SCALE_K, False)

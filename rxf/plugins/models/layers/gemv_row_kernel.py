@@ -38,12 +38,13 @@ def _tile(w_ptrs, up_offset, k0, k_hi, mask_n, GATED: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk(X, Res, NormW, offs, ok, rstd, NORM: tl.constexpr):
-    """x's row at `offs` in float32; NORM: (h + r) * rstd * w rounded to x's dtype, as the norm writes it."""
-    x = tl.load(X + offs, mask=ok, other=0.0)
+def _x_chunk(X, Res, NormW, offs, rstd, NORM: tl.constexpr):
+    """x's row at `offs` (inside K) in float32; NORM: (h + r) * rstd * w rounded to x's dtype, as the
+    norm writes it."""
+    x = tl.load(X + offs)
     if NORM:
-        s = x.to(tl.float32) + tl.load(Res + offs, mask=ok, other=0.0).to(tl.float32)
-        x = (s * rstd * tl.load(NormW + offs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        s = x.to(tl.float32) + tl.load(Res + offs).to(tl.float32)
+        x = (s * rstd * tl.load(NormW + offs).to(tl.float32)).to(x.dtype)
     return x.to(tl.float32)
 
 
@@ -74,7 +75,7 @@ def _gemv_row_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
         w_ptrs += BLOCK_K
         w_next, u_next = _tile(w_ptrs, up_offset, k0 + BLOCK_K, k_hi, mask_n, GATED)  # issued before the math
-        x = _x_chunk(X, Res, NormW, x_offs, offs_k < BLOCK_K, rstd, NORM)
+        x = _x_chunk(X, Res, NormW, x_offs, rstd, NORM)
         x_offs += BLOCK_K
         acc += w.to(tl.float32) * x[None, :]
         if GATED:
