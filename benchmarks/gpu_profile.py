@@ -95,11 +95,28 @@ def summarise_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
             if hi > lo and e.get("cat") in ("cuda_runtime", "python_function", "user_annotation"):
                 gap_hosts[e["name"][:80]] += (hi - lo) / steps
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
+    # Under programmatic dependent launch a kernel starts while the one before it runs, so durations
+    # overlap and their sum overstates the step. What a kernel adds to the step is how far it moves the
+    # latest end seen so far: end - max(latest end before it, its start), the idle before it apart.
+    added_cat: dict[str, float] = defaultdict(float)
+    added_name: dict[str, float] = defaultdict(float)
+    latest = kernels[0]["ts"] if kernels else 0.0
+    for e in sorted(kernels, key=lambda e: e["ts"] + e["dur"]):
+        end = e["ts"] + e["dur"]
+        if end <= latest:
+            continue
+        added_cat["idle"] += max(0.0, e["ts"] - latest) / steps
+        added = (end - max(latest, e["ts"])) / steps
+        added_cat[_category(e["name"])] += added
+        added_name[e["name"]] += added
+        latest = end
     return {
         "kernels_per_step": len(kernels) / steps, "gpu_busy_us_per_step": busy / steps,
         "span_us_per_step": span / steps, "idle_us_per_step": (span - busy) / steps,
         "by_category_us": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         "top_kernels": [{"name": n[:120], "us_per_step": v[0], "calls_per_step": v[1]} for n, v in top],
+        "added_by_category_us": dict(sorted(added_cat.items(), key=lambda kv: -kv[1])),
+        "added_top_kernels_us": {n[:120]: v for n, v in sorted(added_name.items(), key=lambda kv: -kv[1])[:25]},
         "gaps_over_3us_per_step": len(gaps) / steps, "gap_us_per_step": sum(g[0] for g in gaps) / steps,
         "largest_gaps": [{"us": g[0], "after": g[1], "before": g[2]} for g in sorted(gaps, reverse=True)[:12]],
         "host_during_gaps_us_per_step": dict(sorted(gap_hosts.items(), key=lambda kv: -kv[1])[:25]),

@@ -5,7 +5,7 @@
 #   ../shared/device/wheels.sh xgrammar==0.2.9 jsonschema==4.26.0 referencing jsonschema-specifications rpds-py msgspec==0.23.0
 # The JIT cache comes back in parts under 15 MB (the limit on returned files); put them in .fi-parts/
 # (git-ignored, carried) and the next call restores them.
-#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|offline-profile|pytest|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|offline-profile|pytest|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -133,6 +133,22 @@ elif [ "$stage" = ab ]; then
         --phases decode1 --backends triton --output "$out/ab-$i-pdl$pdl.json" > "$out/ab-$i-pdl$pdl.log" 2>&1
       echo "RXF_GEMV=$gemv RXF_PDL=$pdl: rc $? $(grep '^decode1' "$out/ab-$i-pdl$pdl.log" | tail -n 1)"
     done
+    i=$((i + 1))
+  done
+elif [ "$stage" = variants ]; then
+  # "variants PRESET 'VAR=value ...' ...": batch-1 decode (gpu_decode.py's decode1 phase, triton backend)
+  # of one checkpoint once per environment given, each in its own process (a variable read once per
+  # process, RXF_GEMV say, takes its value), after one bandwidth phase; VARIANT_ARGS (default
+  # --random-weights) go to every run, VARIANT_LIMIT_S (default 240) bounds each.
+  preset=$1; shift; dir=/tmp/rxf-var-$preset; vargs=${VARIANT_ARGS---random-weights}
+  python3 benchmarks/gpu_decode.py --preset "$preset" --phases build,bandwidth --model-dir "$dir" $vargs \
+    --output "$out/var-$preset-bandwidth.json" > "$out/var-$preset-build.log" 2>&1 || { tail -n 20 "$out/var-$preset-build.log"; exit 1; }
+  grep -i "roofline\|bandwidth" "$out/var-$preset-build.log" | tail -n 3
+  i=0
+  for envs in "$@"; do
+    timeout "${VARIANT_LIMIT_S:-240}" env $envs python3 benchmarks/gpu_decode.py --preset "$preset" --model-dir "$dir" \
+      --phases decode1 --backends triton $vargs --output "$out/var-$preset-$i.json" > "$out/var-$preset-$i.log" 2>&1
+    echo "$preset $envs: rc $? $(grep '^decode1' "$out/var-$preset-$i.log" | tail -n 1)"
     i=$((i + 1))
   done
 elif [ "$stage" = offline-profile ]; then

@@ -24,7 +24,8 @@ Formats: `fp8` (per-row scales: online FP8, compressed-tensors per channel or pe
 (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`); other layers take their format's entry. A
 setting is `off` (the method's GEMM at every batch size), `auto` (the format's default) or a label
 `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as `benchmarks/gpu_profile.py --phases
-qgemv` prints it. block_k shrinks to fit the format: to a divisor of K, of the FP8 scale block and of
+qgemv` prints it (prefix `r`, suffix `p` and split 0 as in `RXF_GEMV`: the row kernel at batch 1, the
+weights asked of L2 before the PDL wait, the split chosen from the shape). block_k shrinks to fit the format: to a divisor of K, of the FP8 scale block and of
 the int4 group.
 """
 
@@ -117,7 +118,8 @@ class QuantGemv:
         s = self.settings
         out = qgemv(x2, self.kind, self.weight, self.scales, self.zeros, bias, self.counters,
                     scale_rows=self.scale_rows, scale_k=self.scale_k, block_n=s.block_n, block_k=s.block_k,
-                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row)
+                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row,
+                    prefetch=s.prefetch)
         return out.reshape(*x.shape[:-1], self.n)
 
 
