@@ -256,13 +256,11 @@ def test_align_pairs_region_map() -> None:
 
 
 def test_decode_blocks_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fused_moe_decode.ENV, "n16k256w4st4,n32k512w8st1rp")
+    monkeypatch.setenv(fused_moe_decode.ENV, "n16k256w4st4,n32k512w8st1r")
     fused_moe_decode.default_blocks.cache_clear()
     try:
-        Blocks = fused_moe_decode.Blocks
-        assert fused_moe_decode.default_blocks() == (Blocks(16, 256, 4, 4, False), Blocks(32, 512, 8, 1, True, True))
+        assert fused_moe_decode.default_blocks() == ((16, 256, 4, 4, False), (32, 512, 8, 1, True))
         assert fused_moe_decode.label((32, 512, 8, 1, True)) == "n32k512w8st1r"
-        assert fused_moe_decode.label(Blocks(32, 512, 8, 1, True, True)) == "n32k512w8st1rp"
         monkeypatch.setenv(fused_moe_decode.ENV, "n16k256w4st4")
         fused_moe_decode.default_blocks.cache_clear()
         with pytest.raises(ValueError, match="GATE_UP,DOWN"):

@@ -30,13 +30,6 @@ K tiles to the scale block when it is smaller).
 With programmatic dependent launch (`rxf/core/runner/pdl.py`) both kernels wait first: every weight
 they read is picked by an expert id the routing kernel writes, so nothing is fixed before the wait.
 
-PREFETCH (a kernel's `Blocks.prefetch`, label suffix `p`): once a program knows its expert it asks L2
-for the rest of its weight rows at once (`gemv_kernel.prefetch_rows`: `prefetch.global.L2`, nothing
-waited for), so the memory system holds all of them in flight rather than the two tiles the loop
-keeps. With the down kernel's PREFETCH under PDL, the gate/up kernel lets the down kernel launch only
-after its own wait (the routing is then complete and visible), and the down kernel reads its expert
-id (`.cg`, from L2) and asks for its weights before its wait, while the gate/up kernel runs.
-
 Counters: one int32 buffer per device (`launch_counters`), shared by every layer and by the fused
 router (`routing_kernel.route_cuda`). Invariant between launches: all zero (each launch resets the
 counters it used). The layers of a forward run one after another on one stream, so no two launches
@@ -49,47 +42,33 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from rxf.core.runner.pdl import use_pdl
-from rxf.plugins.models.layers.gemv_kernel import prefetch_rows
 from rxf.plugins.models.layers.moe import SILU, ExpertScales, GatedActivation, kernel_scale_args
 
 MAX_TOKENS = 4  # the most tokens routed here; more share experts, which the grouped kernels read once
 ROWS = tl.constexpr(16)  # columns of the padded activation tile: tl.dot's smallest
 
-
-
-class Blocks(NamedTuple):
-    """One kernel's launch settings."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    row: bool  # the ROW form (else the tile form)
-    prefetch: bool = False  # PREFETCH of the module docstring
-
-
+Blocks = tuple[int, int, int, int, bool]  # (block_n, block_k, num_warps, num_stages, ROW) of one kernel
 # The ROW form at both: on the H200 at Qwen3-30B-A3B's shapes (benchmarks/gpu_moe_decode.py, 2026-12-05)
 # 23.2 us a 1-token layer against 28.8 for the tile form's (16, 256, 4, 4) and (32, 256, 4, 4), and
 # 41.5 / 74.8 against 48.5 / 86.0 at 2 / 4 tokens; a batch-1 decode step 273.6 -> 294.7 tok/s.
-GATE_UP_BLOCKS = Blocks(16, 256, 4, 1, True)
-DOWN_BLOCKS = Blocks(32, 128, 8, 1, True)
+GATE_UP_BLOCKS: Blocks = (16, 256, 4, 1, True)
+DOWN_BLOCKS: Blocks = (32, 128, 8, 1, True)
 # `RXF_MOE_DECODE="GATE_UP,DOWN"` (read once per process) replaces both, each as `label` writes it,
-# e.g. "n16k256w4st4,n32k256w4st4" (the tile form; a trailing r: the ROW form, then p: PREFETCH);
-# `benchmarks/gpu_moe_decode.py` prints the value its sweep favours.
+# e.g. "n16k256w4st4,n32k256w4st4" (the tile form; a trailing r: the ROW form); `benchmarks/gpu_moe_decode.py`
+# prints the value its sweep favours.
 ENV = "RXF_MOE_DECODE"
-_LABEL = re.compile(r"n(\d+)k(\d+)w(\d+)st(\d+)(r?)(p?)")
+_LABEL = re.compile(r"n(\d+)k(\d+)w(\d+)st(\d+)(r?)")
 
 
-def label(blocks: Blocks | tuple) -> str:
-    b = Blocks(*blocks)
-    return f"n{b.block_n}k{b.block_k}w{b.num_warps}st{b.num_stages}{'r' if b.row else ''}{'p' if b.prefetch else ''}"
+def label(blocks: Blocks) -> str:
+    bn, bk, warps, stages, row = blocks
+    return f"n{bn}k{bk}w{warps}st{stages}{'r' if row else ''}"
 
 
 @functools.cache
@@ -100,9 +79,8 @@ def default_blocks() -> tuple[Blocks, Blocks]:
         return GATE_UP_BLOCKS, DOWN_BLOCKS
     parts = [_LABEL.fullmatch(part.strip()) for part in value.split(",")]
     if len(parts) != 2 or not all(parts):
-        raise ValueError(f"{ENV}={value!r}: expected GATE_UP,DOWN labels like n16k256w4st4,n16k512w8st1rp")
-    return tuple(Blocks(int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5] == "r", m[6] == "p")  # type: ignore[return-value]
-                 for m in parts)
+        raise ValueError(f"{ENV}={value!r}: expected GATE_UP,DOWN labels like n16k256w4st4,n16k512w8st1r")
+    return tuple((int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5] == "r") for m in parts)  # type: ignore[return-value]
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -182,22 +160,16 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     UP_OFFSET: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
-    PDL: tl.constexpr, ROW: tl.constexpr, PREFETCH: tl.constexpr, LATE_TRIGGER: tl.constexpr,
+    PDL: tl.constexpr, ROW: tl.constexpr,
 ):
     if PDL:  # the routing kernel writes the expert ids that pick every weight read (rxf/core/runner/pdl.py)
-        if not LATE_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if LATE_TRIGGER:  # the down kernel reads the expert ids before its wait: they are written now
-            tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
     expert = tl.load(TopkIds + pair).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if PREFETCH:  # elements per 128-byte line
-        prefetch_rows(W13 + expert * stride_we, cols, col_ok, stride_wn, N * stride_wn, BLOCK_K, K, True, PREFETCH,
-                      BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     lanes = tl.arange(0, ROWS)
     gate_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -243,24 +215,19 @@ def _down_kernel(
     stride_ap, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_yt,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
-    PDL: tl.constexpr, ROW: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr, ROW: tl.constexpr,
 ):
+    if PDL:  # the gate/up kernel writes act; the expert ids pick every weight read
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     block = tl.program_id(0)  # token * n_blocks + column block
     j = tl.program_id(1)
     n_blocks = tl.cdiv(N, BLOCK_N)
     token = block // n_blocks
     pair = token * TOP_K + j
+    expert = tl.load(TopkIds + pair).to(tl.int64)
     cols = (block % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if PDL:  # the gate/up kernel writes act; the expert ids pick every weight read
-        tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH:  # launched after the gate/up kernel's wait (LATE_TRIGGER): the ids are in L2
-            expert = tl.load(TopkIds + pair, cache_modifier=".cg").to(tl.int64)
-            prefetch_rows(W2 + expert * stride_we, cols, col_ok, stride_wn, 0, 0, K, False, PREFETCH, BLOCK_N)
-        tl.extra.cuda.gdc_wait()
-    expert = tl.load(TopkIds + pair).to(tl.int64)
-    if PREFETCH and not PDL:
-        prefetch_rows(W2 + expert * stride_we, cols, col_ok, stride_wn, 0, BLOCK_K, K, False, PREFETCH, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     lanes = tl.arange(0, ROWS)
     w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
@@ -315,7 +282,7 @@ def decode_experts(
     """`fused_moe.fused_experts`' contract for 1 .. MAX_TOKENS tokens (its checks already made:
     contiguous last dimensions, both biases or neither); `blocks`: the gate/up and down kernels'
     (default `default_blocks()`; `benchmarks/gpu_moe_decode.py` sweeps them)."""
-    gate_up_blocks, down_blocks = (Blocks(*b) for b in blocks or default_blocks())
+    blocks = blocks or default_blocks()
 
     num_tokens, hidden = x.shape
     _, two_inter, _ = w13.shape
@@ -328,9 +295,7 @@ def decode_experts(
     y = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     pdl = use_pdl(x)
-    line = 128 // w13.element_size() if x.is_cuda else 0  # PREFETCH: elements per 128-byte line (0: off)
-    down_prefetch = line if down_blocks.prefetch else 0
-    bn, bk, warps, stages, row, prefetch = gate_up_blocks
+    bn, bk, warps, stages, row = blocks[0]
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
         x, w13, b13 if has_bias else w13, s13, act, ids, inter, hidden,
@@ -338,19 +303,16 @@ def decode_experts(
         act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
         HAS_BIAS=has_bias, ALPHA=float(activation.alpha), HAS_LIMIT=activation.limit is not None,
         LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), PDL=pdl, ROW=row,
-        PREFETCH=line if prefetch else 0, LATE_TRIGGER=bool(down_prefetch),
         num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,
     )
-    bn, bk, warps, stages, row, _ = down_blocks
+    bn, bk, warps, stages, row = blocks[1]
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
-    col_blocks = num_tokens * triton.cdiv(hidden, bn)
-    partials = torch.empty(col_blocks * top_k * bn, dtype=torch.float32, device=x.device) if top_k > 1 else y
-    _down_kernel[(col_blocks, top_k)](
-        act, w2, b2 if has_bias else w2, s2, y, weights, ids, partials, launch_counters(x.device, col_blocks), hidden,
-        inter,
+    blocks = num_tokens * triton.cdiv(hidden, bn)
+    partials = torch.empty(blocks * top_k * bn, dtype=torch.float32, device=x.device) if top_k > 1 else y
+    _down_kernel[(blocks, top_k)](
+        act, w2, b2 if has_bias else w2, s2, y, weights, ids, partials, launch_counters(x.device, blocks), hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0, s2.stride(0), s2.stride(1),
         y.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
-        HAS_BIAS=has_bias, PDL=pdl, ROW=row, PREFETCH=down_prefetch, num_warps=warps, num_stages=stages,
-        launch_pdl=pdl, **scale_args,
+        HAS_BIAS=has_bias, PDL=pdl, ROW=row, num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,
     )
     return y
