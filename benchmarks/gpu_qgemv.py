@@ -46,7 +46,7 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
              "int4": [(64, 128, 4, 4), (256, 128, 3, 8)]}[fmt]
     others = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w) for n, k, st, w in tiles]
     # The row kernel (batch 1; `qgemv_row_kernel`): small tiles in registers, more warps.
-    rows = {"fp8": [(16, 512, 8), (32, 256, 8)], "fp8-block": [(16, 128, 4), (32, 128, 8)],
+    rows = {"fp8": [(16, 256, 8), (16, 256, 4), (16, 512, 8)], "fp8-block": [(16, 128, 4), (32, 128, 8)],
             "int4": [(32, 128, 4), (64, 128, 8)]}[fmt]
     row_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=1, num_warps=w, row=True)
                     for n, k, w in rows]

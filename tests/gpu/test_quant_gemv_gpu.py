@@ -101,14 +101,14 @@ def test_gemv_matches_the_dequantized_matmul_and_replays(fmt: str, role: str) ->
         assert not op.counters.any()
 
 
-@pytest.mark.parametrize("label", ["n32k128s4st3w4", "n64k128s0st4w4p", "rn32k128s2st1w4p"])
+@pytest.mark.parametrize("label", ["n32k128s4st3w4", "n64k128s0st4w4", "rn32k128s2st1w4"])
 @pytest.mark.parametrize("fmt", qgemv.FORMATS)
 def test_gemv_with_a_label_from_the_environment(fmt: str, label: str, default_settings: pytest.MonkeyPatch) -> None:
-    """A label as the benchmark prints it (explicit split; the L2 prefetch, the row kernel), with a bias."""
+    """A label as the benchmark prints it (explicit split or split 0; the row kernel), with a bias."""
     default_settings.setenv(qgemv.ENV, f"{ALL_AUTO},{fmt}:down_proj={label}")
     qgemv._plan.cache_clear()
     op, dense = _layer(fmt, "down_proj", torch.Generator(device=DEV).manual_seed(2))
-    assert op.settings.label == label or label.endswith("s0st4w4p")
+    assert op.settings.label == label or "s0" in label
     bias = torch.randn(4096, device=DEV).to(BF16)
     for m in (1, 3, 8):
         x = _x(m, 14336, m)

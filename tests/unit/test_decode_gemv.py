@@ -87,7 +87,7 @@ def test_settings_labels_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     s = GemvSettings.parse("n64k128s4st3w8")
     assert (s.block_n, s.block_k, s.split_k, s.num_stages, s.num_warps) == (64, 128, 4, 3, 8)
     assert s.label == "n64k128s4st3w8"
-    for bad in ("n48k128s4st3w8", "n64k128s1st0w8", "n64k128s1st3w8q", "fast"):
+    for bad in ("n48k128s4st3w8", "n64k128s1st0w8", "n64k128s1st3w8p", "fast"):
         with pytest.raises(ValueError):
             GemvSettings.parse(bad)
     # split_k 0: about 2 programs per SM (CPU counts as one SM), at most one K tile each; block_k
@@ -194,8 +194,7 @@ def test_row_setting_label() -> None:
     assert not GemvSettings.parse("n16k512s2st1w8").row
 
 
-def test_prefetch_setting_label() -> None:
-    s = GemvSettings.parse("n32k256s0st4w4p")
-    assert s.prefetch and not s.row and s.split_k == 0 and s.label == "n32k256s0st4w4p"
-    assert s.resolve(4096, 4096, torch.device("cpu")).prefetch  # kept when the split is chosen
-    assert not GemvSettings.parse("rn16k512s2st1w8").prefetch
+def test_split_zero_in_a_label_is_chosen_from_the_shape() -> None:
+    s = GemvSettings.parse("rn16k256s0st1w8")
+    assert s.row and s.split_k == 0 and s.label == "rn16k256s0st1w8"
+    assert s.resolve(16, 1024, torch.device("cpu")).split_k == 2  # as `triton` picks it (CPU: one SM)

@@ -131,16 +131,24 @@ def test_int4_needs_integer_zero_points(qgemv_env):
 def test_settings_from_the_environment(qgemv_env):
     weight, scale = torch.zeros(64, 512, dtype=fp8_ops.FP8), torch.ones(64)
     qgemv_env("fp8=n32k128s2st3w4, fp8:down_proj=off,int4:o_proj=auto")
-    assert qgemv.settings_for("fp8", "qkv_proj").label == "n32k128s2st3w4"
+    assert qgemv.settings_for("fp8", "qkv_proj")[0].label == "n32k128s2st3w4"
     assert qgemv.settings_for("fp8", "down_proj") is None
-    assert qgemv.settings_for("int4", "o_proj") == qgemv.DEFAULTS["int4"]
-    assert qgemv.settings_for("fp8-block", None) is None, "a format the variable does not name stays off"
+    assert qgemv.settings_for("int4", "o_proj") == (qgemv.DEFAULTS["int4"], qgemv.MAX_ROWS)
+    assert qgemv.settings_for("fp8-block", None) is None, "a format neither the variable nor BY_DEFAULT names is off"
     assert qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="down_proj")) is None
     op = qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="gate_up_proj"))
     assert op is not None and op.counters.tolist() == [0, 0]
     assert not op.takes(torch.zeros(1, 512, dtype=torch.bfloat16)), "CPU inputs keep the method's path"
     # K = 8 * 3 has no power-of-two tile of 16 inputs or more: the method's GEMM serves the layer.
     assert qgemv.fp8_rows(SimpleNamespace(weight=weight[:, :24], weight_scale=scale)) is None
+    qgemv_env("int4=auto")
+    settings, rows = qgemv.settings_for("fp8", "qkv_proj")
+    assert settings.row and rows == 1, "FP8 row scales: the row kernel at batch 1 unless the variable says otherwise"
+    op = qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="o_proj"))
+    assert op.max_rows == 1 and op.settings.row and not op.tile.row and op.tile.block_n == qgemv.DEFAULTS["fp8"].block_n
+    assert op.counters.numel() == 64 // 16, "counters for the smaller block_n of the two settings"
+    qgemv_env("fp8=off")
+    assert qgemv.settings_for("fp8", None) is None
     for bad in ("fp8", "fp4=auto", "fp8:lm_head=auto", "int4=n48k128s1st4w4", "int4=fast"):
         qgemv_env(bad)
         with pytest.raises(ValueError, match=qgemv.ENV):

@@ -7,13 +7,14 @@ quantized, even where the checkpoint asks for FP8 activations (the GEMV computes
 with the stored weight, which quantized activations only approximate). Larger batches and float32
 models keep the method's GEMM.
 
-Off unless `RXF_QGEMV` (read once per process) names the format. On the H200 the kernel passes
-tests/gpu/test_quant_gemv_gpu.py and beats the methods' GEMMs on most projections at 1-8 rows
-(`benchmarks/gpu_profile.py --phases qgemv`: one batch-1 step's projections of the Llama-3-8B shape
-4.42 -> 3.91 ms for fp8 per row, 4.26 -> 3.01 for fp8-block, 6.51 -> 4.73 for int4 with the
-settings it suggests; benchmarks/RESULTS.md, issue 19), yet it streams at 0.6-2.4 TB/s where bf16
-cuBLAS reaches ~4, and no end-to-end decode has been compared with it off and on in one call, so
-the default waits for that. `RXF_QGEMV` is a comma-separated list of `FORMAT=SETTING` or `FORMAT:ROLE=SETTING` (the role's
+Which formats take it without `RXF_QGEMV` (read once per process): `BY_DEFAULT`, i.e. `fp8` at batch 1
+through the row kernel. On the H100 (2026-12-05, benchmarks/RESULTS.md, issue 19) online-FP8 Llama-3-8B
+decoded at batch 1 at 175.2 tok/s through `torch._scaled_mm`, 196.8-198.2 through the tile GEMV
+(`auto`) and 253.2-254.4 through the row kernel at 16 x 256 tiles (bf16 on the same machine: 167.3);
+larger and smaller row tiles measured slower (rn32k512 181.4, rn16k128 203.8). Other formats and
+batch sizes wait for an end-to-end comparison (the projections alone: one batch-1 step's 4.63 -> 3.68
+ms for fp8-block, 6.54 -> 4.56 for int4 with the sweep's picks on the H100; the int4 kernels stream
+at under 1 TB/s). `RXF_QGEMV` is a comma-separated list of `FORMAT=SETTING` or `FORMAT:ROLE=SETTING` (the role's
 entry wins); `auto` takes the format's tile sizes from `DEFAULTS`, with the split over K chosen from
 the shape and the SM count (`GemvSettings.resolve`), e.g.
 
@@ -22,10 +23,10 @@ the shape and the SM count (`GemvSettings.resolve`), e.g.
 Formats: `fp8` (per-row scales: online FP8, compressed-tensors per channel or per tensor),
 `fp8-block` (Hugging Face's block-wise FP8), `int4` (AWQ, GPTQ). Roles: the layer's name
 (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`); other layers take their format's entry. A
-setting is `off` (the method's GEMM at every batch size), `auto` (the format's default) or a label
+setting is `off` (the method's GEMM at every batch size), `auto` (the format's tile defaults, 1-8 rows) or a label
 `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as `benchmarks/gpu_profile.py --phases
-qgemv` prints it (prefix `r`, suffix `p` and split 0 as in `RXF_GEMV`: the row kernel at batch 1, the
-weights asked of L2 before the PDL wait, the split chosen from the shape). block_k shrinks to fit the format: to a divisor of K, of the FP8 scale block and of
+qgemv` prints it (prefix `r` and split 0 as in `RXF_GEMV`: the row kernel at batch 1, the tile kernel
+at the format's `DEFAULTS` for 2-8 rows; the split chosen from the shape). block_k shrinks to fit the format: to a divisor of K, of the FP8 scale block and of
 the int4 group.
 """
 
@@ -54,6 +55,9 @@ DEFAULTS = {
     "fp8-block": GemvSettings(block_n=64, block_k=128, split_k=0, num_stages=4, num_warps=4),
     "int4": GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=4, num_warps=4),
 }
+# Formats the GEMV serves when `RXF_QGEMV` does not name them: (settings, the most rows they take;
+# more rows keep the method's GEMM). The module docstring gives the measurements behind each.
+BY_DEFAULT = {"fp8": (GemvSettings(block_n=16, block_k=256, split_k=0, num_stages=1, num_warps=8, row=True), 1)}
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -77,13 +81,15 @@ def _plan() -> dict[tuple[str, str | None], GemvSettings | None]:
     return plan
 
 
-def settings_for(fmt: str, role: str | None) -> GemvSettings | None:
-    """The settings `RXF_QGEMV` gives `fmt` layers named `role` (None: off)."""
+def settings_for(fmt: str, role: str | None) -> tuple[GemvSettings, int] | None:
+    """(settings, the most rows of x they serve) for `fmt` layers named `role`: `RXF_QGEMV`'s entry, else
+    `BY_DEFAULT`'s; None: off."""
     plan = _plan()
     for key in ((fmt, role), (fmt, None)):
         if key in plan:
-            return plan[key]
-    return None  # off unless asked for: see the module docstring
+            settings = plan[key]
+            return None if settings is None else (settings, MAX_ROWS)
+    return BY_DEFAULT.get(fmt)
 
 
 class QuantGemv:
@@ -94,7 +100,7 @@ class QuantGemv:
 
     def __init__(
         self, fmt: str, settings: GemvSettings, weight: torch.Tensor, scales: torch.Tensor,
-        zeros: torch.Tensor | None = None, *, scale_k: int, scale_rows: int = 1,
+        zeros: torch.Tensor | None = None, *, scale_k: int, scale_rows: int = 1, max_rows: int = MAX_ROWS,
     ) -> None:
         from rxf.plugins.quantization import qgemv_kernel
 
@@ -103,33 +109,41 @@ class QuantGemv:
         self.n, self.k = (weight.shape[1], weight.shape[0] * 8) if int4 else weight.shape
         self.weight, self.scales, self.zeros = weight, scales, zeros
         self.scale_k, self.scale_rows = scale_k, scale_rows
-        fitted = dataclasses.replace(settings, block_k=min(settings.block_k, scale_k & -scale_k))
-        self.settings = fitted.resolve(self.n, self.k, weight.device)  # ValueError: no tile fits K
-        self.counters = torch.zeros(-(-self.n // self.settings.block_n), dtype=torch.int32, device=weight.device)
+        self.settings = self._fit(settings, weight.device)  # ValueError: no tile fits K
+        # A row setting serves one row of x; 2-8 rows take the tile kernel at the format's defaults (the
+        # row label's own tile parameters, one stage, ran 4x slower at 2 rows: H100, 2026-12-05).
+        self.tile = self._fit(DEFAULTS[fmt], weight.device) if self.settings.row else self.settings
+        self.max_rows = max_rows
+        blocks = max(-(-self.n // s.block_n) for s in (self.settings, self.tile))
+        self.counters = torch.zeros(blocks, dtype=torch.int32, device=weight.device)
+
+    def _fit(self, settings: GemvSettings, device: torch.device) -> GemvSettings:
+        """`settings` with block_k inside the format's scale block and the split resolved for the shape."""
+        fitted = dataclasses.replace(settings, block_k=min(settings.block_k, self.scale_k & -self.scale_k))
+        return fitted.resolve(self.n, self.k, device)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dtype in _HALF and 0 < x.numel() // self.k <= MAX_ROWS
+        return x.is_cuda and x.dtype in _HALF and 0 < x.numel() // self.k <= self.max_rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from rxf.plugins.quantization.qgemv_kernel import qgemv
 
         x2 = x.reshape(-1, self.k)
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        s = self.settings
+        s = self.settings if x2.shape[0] == 1 else self.tile
         out = qgemv(x2, self.kind, self.weight, self.scales, self.zeros, bias, self.counters,
                     scale_rows=self.scale_rows, scale_k=self.scale_k, block_n=s.block_n, block_k=s.block_k,
-                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row,
-                    prefetch=s.prefetch)
+                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row)
         return out.reshape(*x.shape[:-1], self.n)
 
 
 def _build(layer: nn.Module, fmt: str, *tensors: torch.Tensor | None, **kw: int) -> QuantGemv | None:
     role = getattr(layer, "gemv_role", None)
-    settings = settings_for(fmt, role)
-    if settings is None:
+    chosen = settings_for(fmt, role)
+    if chosen is None:
         return None
     try:
-        return QuantGemv(fmt, settings, *tensors, **kw)
+        return QuantGemv(fmt, chosen[0], *tensors, max_rows=chosen[1], **kw)
     except ValueError as e:  # a K with no power-of-two tile >= 16 (e.g. 8 x an odd number)
         logger.info("%s %s: no decode GEMV (%s); the method's GEMM serves every batch", fmt, role or "layer", e)
         return None

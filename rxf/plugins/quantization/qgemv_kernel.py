@@ -38,15 +38,7 @@ import triton
 import triton.language as tl
 
 from rxf.core.runner.pdl import use_pdl
-from rxf.plugins.models.layers.gemv_kernel import (
-    BLOCK_M,
-    PREFETCH_LINES,
-    ROWS,
-    finish,
-    prefetch_l2,
-    prefetch_rows,
-    program_span,
-)
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, ROWS, finish, program_span
 
 FP8_ROWS, FP8_BLOCKS, INT4 = 0, 1, 2  # the weight formats (`fmt`)
 # The same, as the kernel sees them (a global read inside a kernel must be a constexpr).
@@ -129,31 +121,12 @@ def tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT: tl.constexp
 
 
 @triton.jit
-def prefetch_weights(W, cols, mask_n, N, stride_w, k_lo, k_hi, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """L2 prefetch of this program's weights past its first tile (`gemv_kernel.prefetch_rows`): FP8
-    rows of 128 one-byte values a line; int4 words `[K / 8, N]` row by row, the program's BLOCK_N
-    words of each (32 words a line)."""
-    if FORMAT == _INT4:
-        WORDS: tl.constexpr = (BLOCK_N + 31) // 32  # lines per row of words
-        ROWS_AT_ONCE: tl.constexpr = PREFETCH_LINES // WORDS
-        line_cols = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, WORDS) * 32, N - 1)
-        lo, hi = (k_lo + BLOCK_K) // 8, k_hi // 8
-        for r0 in range(lo, hi, ROWS_AT_ONCE):
-            r = r0 + tl.arange(0, ROWS_AT_ONCE)
-            prefetch_l2(W + tl.where(r < hi, r, lo).to(tl.int64)[:, None] * stride_w + line_cols[None, :])
-    else:
-        prefetch_rows(W, cols, mask_n, stride_w, 0, k_lo + BLOCK_K, k_hi, False, 128, BLOCK_N)
-
-
-@triton.jit
 def _qgemv_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, M, N, K,
     stride_xm, stride_w, stride_s, stride_om,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr,
     SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)  # rows of x
@@ -166,8 +139,6 @@ def _qgemv_kernel(
     # (vector compares: Triton's interpreter rejects a mask broadcast from a scalar)
     first_n = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
     w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, first_n, stride_s, FORMAT, SCALE_K, False)
-    if PREFETCH:
-        prefetch_weights(W, cols, mask_n, N, stride_w, k_lo, k_hi, FORMAT, BLOCK_N, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -191,13 +162,11 @@ def qgemv(
     x: torch.Tensor, fmt: int, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     bias: torch.Tensor | None, counters: torch.Tensor, *, scale_rows: int, scale_k: int,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int, row: bool = False,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """`x @ dequant(weight).T + bias` in x's dtype for x `[m <= 16, K]` (contiguous rows), `weight`
     and `scales` (and int4's `zeros`) as `fmt`'s entry of the module docstring says. `counters`:
     int32, at least cdiv(N, block_n) zeros, left zeroed. row: one row of x goes through
-    `qgemv_row_kernel` (num_stages unused). prefetch: each program asks L2 for its weights before the
-    PDL wait (`prefetch_weights`; CUDA only)."""
+    `qgemv_row_kernel` (num_stages unused)."""
     m, k = x.shape
     n = weight.shape[1] if fmt == INT4 else weight.shape[0]
     assert m <= ROWS, f"{m} rows: the GEMV takes at most {ROWS}"
@@ -212,7 +181,6 @@ def qgemv(
                 if split_k > 1 else out)  # unused without a split
     magic, offset = _MAGIC[x.dtype]
     pdl = use_pdl(x)
-    prefetch = prefetch and weight.is_cuda
     if row and m == 1:
         from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
 
@@ -221,7 +189,7 @@ def qgemv(
             partials, counters, n, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
             FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
             IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k, MAGIC=magic, OFFSET=offset,
-            PDL=pdl, PREFETCH=prefetch, num_warps=num_warps, launch_pdl=pdl,
+            PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         )
         return out
     _qgemv_kernel[(n_blocks, split_k)](
@@ -229,7 +197,6 @@ def qgemv(
         counters, m, n, k, x.stride(0), weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
         FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
         EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k,
-        MAGIC=magic, OFFSET=offset, PDL=pdl, PREFETCH=prefetch, num_stages=num_stages, num_warps=num_warps,
-        launch_pdl=pdl,
+        MAGIC=magic, OFFSET=offset, PDL=pdl, num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )
     return out

@@ -18,14 +18,7 @@ import triton
 import triton.language as tl
 
 from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, program_span
-from rxf.plugins.quantization.qgemv_kernel import (
-    _FP8_BLOCKS,
-    _FP8_ROWS,
-    _INT4,
-    _weight_tile,
-    prefetch_weights,
-    tile_pointers,
-)
+from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, tile_pointers
 
 
 @triton.jit
@@ -53,7 +46,7 @@ def _qgemv_row_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr,
-    MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)
@@ -63,8 +56,6 @@ def _qgemv_row_kernel(
     # Weights and scales are fixed at load: the first tile is read before waiting for x's kernel.
     ok = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
     w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, ok, stride_s, FORMAT, SCALE_K, False)
-    if PREFETCH:
-        prefetch_weights(W, cols, mask_n, N, stride_w, k_lo, k_hi, FORMAT, BLOCK_N, BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()

@@ -10,9 +10,8 @@ Roles: `qkv_proj`, `o_proj`, `gate_up_proj` (the GEMV then also applies SiLU·mu
 `down_proj`, `lm_head` (then writes float32 logits directly). A setting is `cublas` (the default for
 every role), `triton` (default tile sizes, split over K to fill the GPU), or a label
 `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as the benchmark prints it (prefix `r`: batch 1
-through the row kernel, `gemv_row_kernel.py`, and larger batches through the tl.dot one; split 0: chosen
-from the shape as `triton` does; suffix `p`: each program asks L2 for its weights before the PDL wait,
-`gemv_kernel.prefetch_rows`, so they stream while a latency-bound kernel before it runs). The GEMV runs
+through the row kernel, `gemv_row_kernel.py`, and larger batches through the tl.dot one at `triton`'s
+settings; split 0: chosen from the shape as `triton` does). The GEMV runs
 only on CUDA, in bf16 or fp16, for at most `MAX_ROWS` rows (decode at batch 1-8, or an extend of that few tokens);
 larger batches keep cuBLAS.
 
@@ -42,7 +41,7 @@ MAX_ROWS = 8  # batch sizes the GEMV serves; the kernel's tile holds up to 16 ro
 NORM_MAX_ROWS = 4
 ENV = "RXF_GEMV"
 _HALF = (torch.bfloat16, torch.float16)
-_LABEL = re.compile(r"(r?)n(\d+)k(\d+)s(\d+)st(\d+)w(\d+)(p?)")
+_LABEL = re.compile(r"(r?)n(\d+)k(\d+)s(\d+)st(\d+)w(\d+)")
 # Programs wanted per SM when `triton` picks the split itself: enough weight tiles in flight.
 _PROGRAMS_PER_SM = 2
 
@@ -55,27 +54,25 @@ class GemvSettings:
     num_stages: int = 4
     num_warps: int = 4
     row: bool = False  # batch 1 through `gemv_row_kernel` (no tl.dot, no shared memory); label prefix "r"
-    prefetch: bool = False  # the weights asked of L2 before the PDL wait (`gemv_kernel.prefetch_rows`); suffix "p"
 
     @property
     def label(self) -> str:
-        return (f"{'r' if self.row else ''}n{self.block_n}k{self.block_k}s{self.split_k}st{self.num_stages}"
-                f"w{self.num_warps}{'p' if self.prefetch else ''}")
+        return f"{'r' if self.row else ''}n{self.block_n}k{self.block_k}s{self.split_k}st{self.num_stages}w{self.num_warps}"
 
     @classmethod
     def parse(cls, text: str) -> GemvSettings:
         match = _LABEL.fullmatch(text)
         if match is None:
-            raise ValueError(f"{text!r} is not 'cublas', 'triton' or a label like n32k256s4st4w4 or rn16k512s2st1w4p")
-        row, prefetch = match.group(1) == "r", match.group(7) == "p"
-        block_n, block_k, split_k, stages, warps = map(int, match.groups()[1:6])
+            raise ValueError(f"{text!r} is not 'cublas', 'triton' or a label like n32k256s4st4w4 or rn16k512s2st1w4")
+        row = match.group(1) == "r"
+        block_n, block_k, split_k, stages, warps = map(int, match.groups()[1:])
         for name, value in (("block_n", block_n), ("block_k", block_k)):
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{text!r}: {name} {value} is not a power of two >= 16")
         if split_k < 0 or stages < 1 or warps not in (1, 2, 4, 8):
             raise ValueError(f"{text!r}: split_k must be >= 0 (0: chosen from the shape), stages >= 1 and warps "
                              "1, 2, 4 or 8")
-        return cls(block_n, block_k, split_k, stages, warps, row, prefetch)
+        return cls(block_n, block_k, split_k, stages, warps, row)
 
     def resolve(self, n_out: int, k: int, device: torch.device) -> GemvSettings:
         """With split_k 0: the split that gives about _PROGRAMS_PER_SM programs per SM (at most
@@ -90,7 +87,7 @@ class GemvSettings:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
             n_blocks = -(-n_out // self.block_n)
             split_k = max(1, min(-(-_PROGRAMS_PER_SM * sms // n_blocks), k // block_k))
-        return GemvSettings(self.block_n, block_k, split_k, self.num_stages, self.num_warps, self.row, self.prefetch)
+        return GemvSettings(self.block_n, block_k, split_k, self.num_stages, self.num_warps, self.row)
 
 
 @functools.cache
@@ -119,8 +116,12 @@ class DecodeGemv:
         n, k = weight.shape
         n_out = n // 2 if gated else n
         self.settings = settings.resolve(n_out, k, weight.device)
+        # A row setting serves one row of x; more rows take the tile kernel at `triton`'s settings (a row
+        # label's own tile parameters, one or two stages, starve tl.dot's pipeline).
+        self.tile = GemvSettings().resolve(n_out, k, weight.device) if self.settings.row else self.settings
         self.gated, self.out_dtype = gated, out_dtype
-        self.counters = torch.zeros(-(-n_out // self.settings.block_n), dtype=torch.int32, device=weight.device)
+        blocks = max(-(-n_out // s.block_n) for s in (self.settings, self.tile))
+        self.counters = torch.zeros(blocks, dtype=torch.int32, device=weight.device)
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
@@ -135,9 +136,9 @@ class DecodeGemv:
     ) -> torch.Tensor:
         from rxf.plugins.models.layers.gemv_kernel import gemv
 
-        s = self.settings
+        s = self.settings if x.shape[0] == 1 else self.tile
         return gemv(x, weight, bias, self.counters, s.block_n, s.block_k, s.split_k, s.num_stages, s.num_warps,
-                    gated=self.gated, out_dtype=self.out_dtype, norm=norm, row=s.row, prefetch=s.prefetch)
+                    gated=self.gated, out_dtype=self.out_dtype, norm=norm, row=s.row)
 
     def normed(
         self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, norm: nn.Module

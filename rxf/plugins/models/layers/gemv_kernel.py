@@ -61,7 +61,7 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    NORM: tl.constexpr, ROW_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    NORM: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N_OUT, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)  # rows of x
@@ -81,8 +81,6 @@ def _gemv_kernel(
         u = tl.load(w_ptrs + up_offset, mask=first_n[:, None], other=0.0)
     if NORM:  # the norm's weight is fixed at load too
         nw_next = tl.load(NormW + k_lo + offs_k, mask=tl.zeros_like(offs_k) + k_lo < k_hi, other=0.0)
-    if PREFETCH:
-        prefetch_rows(W, cols, mask_n, stride_wn, up_offset, k_lo + BLOCK_K, k_hi, GATED, PREFETCH, BLOCK_N)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -128,38 +126,6 @@ def _gemv_kernel(
     # (Out stands in for the row scales, which a dense weight does not have.)
     finish(acc, acc_up, Bias, Out, Partials, Counters, Out, cols, rows, mask_n, M, N_OUT, stride_om, pid_n, pid_k,
            BLOCK_N, SPLIT_K, GATED, HAS_BIAS, False)
-
-
-# Lines of 128 bytes each program asks L2 for per instruction round (over its BLOCK_N rows).
-PREFETCH_LINES = tl.constexpr(2048)
-
-
-@triton.jit
-def prefetch_rows(W, cols, mask_n, stride_wn, up_offset, k_lo, k_hi, GATED: tl.constexpr, LINE: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """Asks L2 for W's rows `cols` (and their up rows) over K [k_lo, k_hi), LINE elements per 128-byte
-    line, without waiting for the data (`prefetch.global.L2`: nothing is loaded into registers).
-
-    Issued before the PDL wait, while the kernel before this one runs: at batch 1 that kernel is often
-    latency-bound (decode attention, rope + K/V store), and the memory system idles under it. The
-    weights' later loads then hit L2 (50 MB on the H200), in the measure that the prefetched lines are
-    still there. CUDA only (inline PTX: not in Triton's interpreter)."""
-    LINES: tl.constexpr = PREFETCH_LINES // BLOCK_N
-    lines = tl.arange(0, LINES) * LINE
-    row_ptrs = W + tl.where(mask_n, cols, 0).to(tl.int64)[:, None] * stride_wn
-    for k0 in range(k_lo, k_hi, LINE * LINES):
-        offs = k0 + lines
-        ptrs = row_ptrs + tl.where(offs < k_hi, offs, k_lo)[None, :]  # past the range: a line already asked for
-        prefetch_l2(ptrs)
-        if GATED:
-            prefetch_l2(ptrs + up_offset)
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """`prefetch.global.L2` of the line holding each pointer's address (valid addresses only)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -277,14 +243,12 @@ def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
     gated: bool = False, out_dtype: torch.dtype | None = None, norm: GemvNorm | None = None, row: bool = False,
-    prefetch: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for x [m <= 16, K] (contiguous rows), weight [N, K] (K contiguous), in
     out_dtype (default x's); gated: weight is `[gate | up]` and the result silu(gate) * up, [m, N / 2];
     norm: the input is `norm.weight * rmsnorm(x + norm.residual)` instead of x (see GemvNorm); row: one
-    row of x goes through `gemv_row_kernel` (num_stages unused), more rows through this module's kernel;
-    prefetch: each program asks L2 for the rest of its weights before the PDL wait (`prefetch_rows`; on
-    CUDA only). `counters`: int32, at least cdiv(N_out, block_n) zeros, left zeroed (see the module docstring)."""
+    row of x goes through `gemv_row_kernel` (num_stages unused), more rows through this module's kernel.
+    `counters`: int32, at least cdiv(N_out, block_n) zeros, left zeroed (see the module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
     n_out = n // 2 if gated else n
@@ -305,7 +269,6 @@ def gemv(
     partials = (torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=x.device)
                 if split_k > 1 else out)  # unused without a split
     res, norm_w, res_out = (norm.residual, norm.weight, norm.residual_out) if norm is not None else (x, x, x)
-    line = 128 // weight.element_size() if prefetch and weight.is_cuda else 0  # PREFETCH: elements a line, 0 off
     if row and m == 1:
         from rxf.plugins.models.layers.gemv_row_kernel import _gemv_row_kernel
 
@@ -313,7 +276,7 @@ def gemv(
             x, weight, bias if bias is not None else out, out, partials, counters, res, norm_w, res_out, n_out, k,
             weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None, PDL=pdl,
-            NORM=norm is not None, ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16, PREFETCH=line,
+            NORM=norm is not None, ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16,
             num_warps=num_warps, launch_pdl=pdl,
         )
         return out
@@ -323,7 +286,7 @@ def gemv(
         norm.eps if norm is not None else 0.0,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None,
         EVEN_N=n_out % block_n == 0, IEEE=x.dtype == torch.float32, PDL=pdl, NORM=norm is not None,
-        ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16, PREFETCH=line,
+        ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16,
         num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )
     return out

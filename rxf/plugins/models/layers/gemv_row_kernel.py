@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, prefetch_rows, program_span, row_rstd
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, program_span, row_rstd
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _gemv_row_kernel(
     X, W, Bias, Out, Partials, Counters, Res, NormW, ResOut, N_OUT, K,
     stride_wn, stride_om, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, ROW_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N_OUT, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)
@@ -62,8 +62,6 @@ def _gemv_row_kernel(
     up_offset = N_OUT.to(tl.int64) * stride_wn
     # Weights are fixed at load: the first tile is read before waiting for the kernel that writes x.
     w, u = _tile(w_ptrs, up_offset, k_lo, k_hi, mask_n, GATED)
-    if PREFETCH:  # elements per 128-byte line; 0: off
-        prefetch_rows(W, cols, mask_n, stride_wn, up_offset, k_lo + BLOCK_K, k_hi, GATED, PREFETCH, BLOCK_N)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
