@@ -4,7 +4,9 @@
 # machine; see ../shared/device/README.md. Wheels first (here, once per checkout):
 #   ../shared/device/wheels.sh xgrammar==0.2.9 jsonschema==4.26.0 referencing jsonschema-specifications rpds-py msgspec==0.23.0
 # The JIT cache comes back in parts under 15 MB (the limit on returned files); put them in .fi-parts/
-# (git-ignored, carried) and the next call restores them.
+# (git-ignored, carried) and the next call restores them. benchmarks/fi_cache_build.py builds such
+# parts on the CPU box. Carried paths travel within 64 MiB in all: the cuDNN frontend wheel (11.6 MB;
+# FlashInfer imports it only if present, for cuDNN paths rxf does not use) can stay out of .whl/.
 #   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|offline-profile|pytest|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
