@@ -7,7 +7,7 @@
 # (git-ignored, carried) and the next call restores them. benchmarks/fi_cache_build.py builds such
 # parts on the CPU box. Carried paths travel within 64 MiB in all: the cuDNN frontend wheel (11.6 MB;
 # FlashInfer imports it only if present, for cuDNN paths rxf does not use) can stay out of .whl/.
-#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|offline-profile|pytest|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|fi-tests|offline-profile|pytest|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -153,6 +153,24 @@ elif [ "$stage" = variants ]; then
     echo "$preset $envs: rc $? $(grep '^decode1' "$out/var-$preset-$i.log" | tail -n 1)"
     i=$((i + 1))
   done
+elif [ "$stage" = fi-tests ]; then
+  # "fi-tests [pytest args]": the FlashInfer cases of the attention-feature tests over a JIT cache
+  # built on the CPU box (benchmarks/fi_cache_build.py, carried in .fi-parts/): first whether ninja
+  # finds each restored module up to date (one line each, and ninja's reasons for the sink module);
+  # if that module is not, it stops there rather than spend the call compiling. FI_LIMIT_S bounds the
+  # tests (default 200).
+  ops=.fi-cache/.cache/flashinfer/0.6.6/90a/cached_ops
+  for d in "$ops"/*/; do
+    [ -f "$d/build.ninja" ] && echo "$(basename "$d" | cut -c1-150): $(cd "$d" && ninja -n 2>&1 | tail -n 1)"
+  done
+  sink=$(ls -d "$ops"/*attention_sink*swa_True* 2> /dev/null | head -n 1)
+  [ -n "$sink" ] || { echo "no sink module in the cache"; exit 3; }
+  (cd "$sink" && ninja -n -d explain 2>&1 | head -n 8)
+  (cd "$sink" && ninja -n 2>&1 | grep -q "no work to do") || { echo "the cache is not up to date: no tests"; exit 3; }
+  start=$(date +%s)
+  timeout -s INT "${FI_LIMIT_S:-200}" python3 -m pytest -q -p no:cacheprovider -ra \
+    tests/gpu/test_attention_features_gpu.py -k flashinfer "$@" 2>&1 | tee "$out/fi-tests.log" | tail -n 40
+  echo "flashinfer tests: $(( $(date +%s) - start )) s"
 elif [ "$stage" = offline-profile ]; then
   # "offline-profile [BACKEND [TAG]]": gpu_decode.py's offline phase on the Llama-3-8B shape (the
   # checkpoint `ab` uses, built if missing) with a step profile of the timed run and two kernel

@@ -14,8 +14,8 @@ decoded at batch 1 at 175.2 tok/s through `torch._scaled_mm`, 196.8-198.2 throug
 larger and smaller row tiles measured slower (rn32k512 181.4, rn16k128 203.8). Other formats and
 batch sizes wait for an end-to-end comparison (the projections alone: one batch-1 step's 4.63 -> 3.68
 ms for fp8-block, 6.54 -> 4.56 for int4 with the sweep's picks on the H100; the int4 kernels stream
-at under 1 TB/s). `RXF_QGEMV` is a comma-separated list of `FORMAT=SETTING` or `FORMAT:ROLE=SETTING` (the role's
-entry wins); `auto` takes the format's tile sizes from `DEFAULTS`, with the split over K chosen from
+at under 1 TB/s). `RXF_QGEMV` is a comma-separated list of `FORMAT=SETTING` or `FORMAT:ROLE=SETTING`
+(the role's entry wins); `auto` takes the format's tile sizes from `DEFAULTS`, with the split over K chosen from
 the shape and the SM count (`GemvSettings.resolve`), e.g.
 
     RXF_QGEMV="int4=n128k128s2st4w4,fp8:gate_up_proj=n64k256s1st4w4,fp8-block:o_proj=off"
@@ -23,10 +23,11 @@ the shape and the SM count (`GemvSettings.resolve`), e.g.
 Formats: `fp8` (per-row scales: online FP8, compressed-tensors per channel or per tensor),
 `fp8-block` (Hugging Face's block-wise FP8), `int4` (AWQ, GPTQ). Roles: the layer's name
 (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`); other layers take their format's entry. A
-setting is `off` (the method's GEMM at every batch size), `auto` (the format's tile defaults, 1-8 rows) or a label
-`n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as `benchmarks/gpu_profile.py --phases
-qgemv` prints it (prefix `r` and split 0 as in `RXF_GEMV`: the row kernel at batch 1, the tile kernel
-at the format's `DEFAULTS` for 2-8 rows; the split chosen from the shape). block_k shrinks to fit the format: to a divisor of K, of the FP8 scale block and of
+setting is `off` (the method's GEMM at every batch size), `auto` (the format's tile defaults, 1-8
+rows) or a label `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as
+`benchmarks/gpu_profile.py --phases qgemv` prints it (prefix `r` and split 0 as in `RXF_GEMV`: the
+row kernel at batch 1, the tile kernel at the format's `DEFAULTS` for 2-8 rows; the split chosen
+from the shape). block_k shrinks to fit the format: to a divisor of K, of the FP8 scale block and of
 the int4 group.
 """
 
