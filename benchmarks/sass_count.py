@@ -1,0 +1,87 @@
+"""Instructions per weight in the K loop of the batch-1 GEMV kernels, compiled for the H200 (sm_90) on a
+machine without a GPU: a static measure of a kernel's ALU cost while no device time is left.
+
+    python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16] [--block-n 16 --block-k 256 --warps 8]
+
+Triton compiles the kernel for `GPUTarget("cuda", 90, 32)` (its bundled ptxas), with every pointer and
+integer argument marked divisible by 16 as a launch specializes them (without that, loads are not
+vectorized and the counts mean nothing); the SASS comes from Triton's bundled nvdisasm. The loop is
+the longest backward branch's body; "per weight" divides its instructions by the weights one thread
+handles per iteration (BLOCK_N * BLOCK_K / threads). Memory-bound kernels do not follow these counts;
+ALU-bound ones (the int4 dequantization) do, roughly: the H200 issues ~29.6 T thread-instructions
+a second (132 SMs x 4 schedulers x 32 lanes x 1.75 GHz). The compiler is this machine's Triton (3.9
+on 2026-12-05), not the GPU machine's (3.6): its code may differ there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.tools.disasm import get_sass
+
+_QUANT_SIG = {"X": "*bf16", "W": "*fp8e4nv", "Scales": "*fp32", "Zeros": "*fp32", "Bias": "*bf16", "Out": "*bf16",
+              "Partials": "*fp32", "Counters": "*i32", "N": "i32", "K": "i32", "stride_w": "i32", "stride_s": "i32",
+              "stride_om": "i32"}
+_DENSE_SIG = {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Out": "*bf16", "Partials": "*fp32", "Counters": "*i32",
+              "Res": "*bf16", "NormW": "*bf16", "ResOut": "*bf16", "N_OUT": "i32", "K": "i32", "stride_wn": "i32",
+              "stride_om": "i32", "eps": "fp32"}
+
+
+def loop_instructions(fn, signature: dict[str, str], constants: dict, warps: int) -> list[str]:
+    sig = {**signature, **dict.fromkeys(constants, "constexpr")}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] not in ("constexpr", "fp32")}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constants, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    labels: dict[str, int] = {}
+    ins: list[str] = []
+    for line in get_sass(kernel.asm["cubin"]).splitlines():
+        if m := re.match(r"\s*(\.?L\w+):", line):
+            labels[m.group(1)] = len(ins)
+        elif m := re.match(r"\s*[-0-9a-f]+:[-0-9a-f]:[-0-9a-f]:[-Y]:[0-9a-f]+\s+(.*)", line):
+            ins.append(m.group(1))
+    loop: list[str] = []
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s+`?\(?(\.?L\w+)", text)
+        if m and labels.get(m.group(1), i) < i and i + 1 - labels[m.group(1)] > len(loop):
+            loop = ins[labels[m.group(1)]:i + 1]
+    return loop
+
+
+def main() -> None:
+    from rxf.plugins.models.layers.gemv_row_kernel import _gemv_row_kernel
+    from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "bf16"], default="fp8")
+    ap.add_argument("--block-n", type=int, default=16)
+    ap.add_argument("--block-k", type=int, default=256)
+    ap.add_argument("--warps", type=int, default=8)
+    args = ap.parse_args()
+    bn, bk = args.block_n, args.block_k
+    if args.kernel == "bf16":
+        fn, sig = _gemv_row_kernel, _DENSE_SIG
+        consts = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, GATED=False, HAS_BIAS=False, PDL=True, NORM=False,
+                      ROW_BLOCK=16)
+    else:
+        fmt = {"fp8": 0, "fp8-block": 1, "int4": 2}[args.kernel]
+        fn, sig = _qgemv_row_kernel, dict(_QUANT_SIG)
+        if fmt == 2:
+            sig.update(W="*i32", Scales="*bf16", Zeros="*bf16")
+        consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, IEEE=False, SCALE_ROWS=1,
+                      SCALE_K=128 if fmt else 4096, MAGIC=0x4300, OFFSET=128.0, PDL=True)
+    loop = loop_instructions(fn, sig, consts, args.warps)
+    ops = collections.Counter(re.sub(r"^@!?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
+    per_thread = bn * bk / (32 * args.warps)
+    print(f"{args.kernel} {bn} x {bk}, {args.warps} warps: {len(loop)} loop instructions, "
+          f"{len(loop) / per_thread:.2f} a weight")
+    print(", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
