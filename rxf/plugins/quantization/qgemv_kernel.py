@@ -121,6 +121,26 @@ def tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT: tl.constexp
 
 
 @triton.jit
+def first_tile(W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr,
+               PDL: tl.constexpr):
+    """The start both quantized GEMV kernels share: this program's span (`program_span`), its tile
+    pointers, and its first weight tile with what dequantizes it, read before the PDL wait (weights and
+    scales are fixed at load; the wait then lets the kernel read x). An empty K range (the last split
+    may be) reads zeros, scales included (its group or block would lie past the tables' end).
+    Returns (pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero)."""
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
+    w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS)
+    # (vector compares: Triton's interpreter rejects a mask broadcast from a scalar)
+    first_n = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
+    w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, first_n, stride_s, FORMAT, SCALE_K, False)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    return pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero
+
+
+@triton.jit
 def _qgemv_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, M, N, K,
     stride_xm, stride_w, stride_s, stride_om,
@@ -128,20 +148,12 @@ def _qgemv_kernel(
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr,
     SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
+    # The first K tile is peeled off the loop, as in gemv_kernel (read before the PDL wait).
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(
+        W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT, BLOCK_N, BLOCK_K, SPLIT_K, SCALE_ROWS, SCALE_K, PDL)
     rows = tl.arange(0, BLOCK_M)  # rows of x
     x_ptrs = X + rows[:, None] * stride_xm + (k_lo + tl.arange(0, BLOCK_K))[None, :]
     x_mask = (rows < M)[:, None]
-    w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS)
-    # The first K tile is peeled off the loop, as in gemv_kernel: its weights and scales (fixed at
-    # load) are read before waiting for the kernel that writes x. An empty K range (the last split
-    # may be) reads zeros, scales included (its group or block would lie past the tables' end).
-    # (vector compares: Triton's interpreter rejects a mask broadcast from a scalar)
-    first_n = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
-    w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, first_n, stride_s, FORMAT, SCALE_K, False)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     x_t = tl.trans(tl.load(x_ptrs, mask=x_mask & (tl.zeros_like(rows) + k_lo < k_hi)[:, None], other=0.0))
     acc = _tile_dot(w, scale, zero, x_t, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FORMAT, IEEE, BLOCK_N,
                     BLOCK_K, MAGIC, OFFSET)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, program_span
-from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, tile_pointers
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish
+from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, first_tile
 
 
 @triton.jit
@@ -51,17 +51,11 @@ def _qgemv_row_kernel(
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr,
     MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
+    # Pointers advance by a tile's step (not rebuilt from k0): their alignment stays visible to Triton.
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(
+        W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT, BLOCK_N, BLOCK_K, SPLIT_K, SCALE_ROWS, SCALE_K, PDL)
     rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # Pointers advance by a tile's step (not rebuilt from k0): their alignment stays visible to Triton.
-    w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS)
-    # Weights and scales are fixed at load: the first tile is read before waiting for x's kernel.
-    ok = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
-    w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, ok, stride_s, FORMAT, SCALE_K, False)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     # INT4: x's chunk is loaded as a [BLOCK_N, BLOCK_K] tile (each row the same: L1 hits) rather than as
     # one [BLOCK_K] row broadcast to the unpacked codes, whose layout Triton otherwise converts through
