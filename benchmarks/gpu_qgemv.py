@@ -46,8 +46,12 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
              "int4": [(64, 128, 4, 4), (256, 128, 3, 8)]}[fmt]
     others = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w) for n, k, st, w in tiles]
     # The row kernel (batch 1; `qgemv_row_kernel`): small tiles in registers, more warps.
-    rows = {"fp8": [(16, 256, 8), (16, 256, 4), (16, 512, 8)], "fp8-block": [(16, 128, 4), (32, 128, 8)],
-            "int4": [(32, 128, 4), (64, 128, 8)]}[fmt]
+    # Word-wise dequantization (since 2026-12-05) favours more rows per thread: x is read once per word
+    # column a thread holds and reused over its rows (`sass_count.py`: fp8 3.5 instructions a weight
+    # at 32-64 x 256, 5.7 at 16 x 256 with 8 warps; int4 4.6 at 128 x 128, 6.0 at 32 x 128).
+    rows = {"fp8": [(16, 256, 8), (32, 256, 4), (64, 256, 4), (64, 256, 8), (32, 512, 8)],
+            "fp8-block": [(32, 128, 4), (64, 128, 4), (64, 128, 8)],
+            "int4": [(32, 128, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8)]}[fmt]
     row_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=1, num_warps=w, row=True)
                     for n, k, w in rows]
     return [(base, 1), *((s, 1) for s in others), (base, 2), *((s, 1) for s in row_settings),

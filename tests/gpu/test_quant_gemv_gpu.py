@@ -101,7 +101,8 @@ def test_gemv_matches_the_dequantized_matmul_and_replays(fmt: str, role: str) ->
         assert not op.counters.any()
 
 
-@pytest.mark.parametrize("label", ["n32k128s4st3w4", "n64k128s0st4w4", "rn32k128s2st1w4"])
+@pytest.mark.parametrize("label", ["n32k128s4st3w4", "n64k128s0st4w4", "rn32k128s2st1w4", "rn64k128s0st1w8",
+                                   "rn128k128s0st1w4"])
 @pytest.mark.parametrize("fmt", qgemv.FORMATS)
 def test_gemv_with_a_label_from_the_environment(fmt: str, label: str, default_settings: pytest.MonkeyPatch) -> None:
     """A label as the benchmark prints it (explicit split or split 0; the row kernel), with a bias."""

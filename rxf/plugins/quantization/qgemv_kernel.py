@@ -73,6 +73,8 @@ def _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, n_ok, stride_s,
     else:
         if EVEN:
             w = tl.load(w_ptrs)
+        elif w_ptrs.dtype.element_ty == tl.int32:  # FP8 as int32 words of four (`tile_pointers`)
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         if FORMAT == _FP8_BLOCKS:
@@ -108,12 +110,18 @@ def _tile_dot(w, scale, zero, x_t, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr
 
 @triton.jit
 def tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SCALE_ROWS: tl.constexpr):
+                  SCALE_ROWS: tl.constexpr, WORDS: tl.constexpr):
     """(pointers of the weight tile at K offset k_lo, their step per tile, the FP8 block scales of the
-    tile's rows). Int4 words are `[K / 8, N]`: the tile's rows are output columns, loaded along N."""
+    tile's rows). Int4 words are `[K / 8, N]`: the tile's rows are output columns, loaded along N.
+    WORDS (FP8, the row kernel): the tile is read as int32 words of four consecutive inputs,
+    `[BLOCK_N, BLOCK_K / 4]` (stride_w a multiple of 4)."""
     if FORMAT == _INT4:
         w_ptrs = W + (k_lo // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.int64)[None, :] * stride_w + cols[:, None]
         w_step = (BLOCK_K // 8) * stride_w
+    elif WORDS:
+        words = W.to(tl.pointer_type(tl.int32))
+        w_ptrs = words + cols.to(tl.int64)[:, None] * (stride_w // 4) + (k_lo // 4 + tl.arange(0, BLOCK_K // 4))[None, :]
+        w_step = BLOCK_K // 4
     else:
         w_ptrs = W + cols.to(tl.int64)[:, None] * stride_w + (k_lo + tl.arange(0, BLOCK_K))[None, :]
         w_step = BLOCK_K
@@ -123,14 +131,15 @@ def tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT: tl.constexp
 @triton.jit
 def first_tile(W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr,
-               PDL: tl.constexpr):
+               PDL: tl.constexpr, WORDS: tl.constexpr = False):
     """The start both quantized GEMV kernels share: this program's span (`program_span`), its tile
     pointers, and its first weight tile with what dequantizes it, read before the PDL wait (weights and
     scales are fixed at load; the wait then lets the kernel read x). An empty K range (the last split
     may be) reads zeros, scales included (its group or block would lie past the tables' end).
     Returns (pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero)."""
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
-    w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS)
+    w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS,
+                                           WORDS)
     # (vector compares: Triton's interpreter rejects a mask broadcast from a scalar)
     first_n = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
     w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, first_n, stride_s, FORMAT, SCALE_K, False)
@@ -196,12 +205,15 @@ def qgemv(
     if row and m == 1:
         from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
 
+        assert fmt == INT4 or (weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0), (
+            "the row kernel reads FP8 rows as int32 words")
+
         _qgemv_row_kernel[(n_blocks, split_k)](
             x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,
             partials, counters, n, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
             FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
             IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k, MAGIC=magic, OFFSET=offset,
-            PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+            PDL=pdl, ASM=x.is_cuda, num_warps=num_warps, launch_pdl=pdl,
         )
         return out
     _qgemv_kernel[(n_blocks, split_k)](

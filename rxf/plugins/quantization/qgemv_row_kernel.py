@@ -21,27 +21,76 @@ from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish
 from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, first_tile
 
 
+# Four E4M3 values (the bytes of an int32 word, lowest first) to float32: two `cvt.rn.f16x2.e4m3x2` (each
+# one instruction on sm_90) and four half-to-float conversions, against the byte extracts and re-pairs
+# Triton emits for a float8 tile's `.to(float32)` (PRMT, LOP3 and IMAD per value).
+_E4M3X4 = tl.constexpr("""{
+.reg .b16 lo, hi, e0, e1, e2, e3;
+.reg .b32 p, q;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 p, lo;
+cvt.rn.f16x2.e4m3x2 q, hi;
+mov.b32 {e0, e1}, p;
+mov.b32 {e2, e3}, q;
+cvt.f32.f16 $0, e0;
+cvt.f32.f16 $1, e1;
+cvt.f32.f16 $2, e2;
+cvt.f32.f16 $3, e3;
+}""")
+
+
 @triton.jit
-def _tile_fma(w, scale, zero, x_h, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr):
-    """acc + dequant(w) * x_h (x's row chunk in x's dtype: [BLOCK_K], or for INT4 [BLOCK_N, BLOCK_K] with
-    every row the same) as float32 [BLOCK_N, BLOCK_K]."""
-    x = x_h.to(tl.float32)
-    if FORMAT != _INT4:
-        x = x[None, :]
-    if FORMAT == _INT4:
-        shifts = tl.arange(0, 8) * 4
-        codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
-        if IEEE:
-            dq = codes.to(tl.float32) - zero[:, None]
-        else:
-            dq = ((codes | MAGIC).to(tl.int16).to(x_h.dtype, bitcast=True) - (zero + OFFSET)[:, None]).to(tl.float32)
-        out = acc + dq * x * scale.to(tl.float32)[:, None]
-    elif FORMAT == _FP8_BLOCKS:
-        out = acc + w.to(tl.float32) * x * scale[:, None]
+def _fp8_fma(w, scale, x_ptrs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
+    """acc + the FP8 tile w, int32 words `[BLOCK_N, BLOCK_K / 4]` of four inputs each, dotted with x
+    word by word: float32 `[BLOCK_N, BLOCK_K / 4]`; x_ptrs `[BLOCK_K / 4]` point at x[4r] for the
+    tile's word columns r. Block scales multiply a word's sum; row scales wait for the epilogue. ASM
+    (CUDA): `_E4M3X4` converts; else (Triton's interpreter) each byte is bitcast and converted."""
+    if ASM:
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(_E4M3X4, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4,
+                                                   is_pure=True, pack=1)
     else:
-        out = acc + w.to(tl.float32) * x
-    return out
+        f0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if FORMAT == _FP8_BLOCKS:
+        t = f0 * tl.load(x_ptrs).to(tl.float32)[None, :]
+    else:  # row scales: straight into the accumulator
+        t = acc + f0 * tl.load(x_ptrs).to(tl.float32)[None, :]
+    t += f1 * tl.load(x_ptrs + 1).to(tl.float32)[None, :]
+    t += f2 * tl.load(x_ptrs + 2).to(tl.float32)[None, :]
+    t += f3 * tl.load(x_ptrs + 3).to(tl.float32)[None, :]
+    if FORMAT == _FP8_BLOCKS:
+        t = acc + t * scale[:, None]
+    return t
+
+
+@triton.jit
+def _int4_fma(w, scale, zero, x_ptrs, acc, BLOCK_K: tl.constexpr):
+    """acc + the int4 words tile w [BLOCK_N, BLOCK_K / 8] dotted with x, word by word: float32
+    [BLOCK_N, BLOCK_K / 8]. x_ptrs [BLOCK_K / 8] point at x[8r] for the tile's word rows r.
+
+    No code is unpacked into a tile of its own and nothing is converted from an integer: code j of
+    every word is moved to bits 16..19 and OR-ed into the bits of 128.0 (float32 0x43000000, whose
+    mantissa counts 1 there), so f_j = 128 + code_j exactly, a shift and a LOP3 per weight. A word's
+    t = sum_j f_j * x[8r + j] then gives its dot with the dequantized codes as t - (128 + zero) *
+    sum_j x[8r + j] (the tile lies in one group: one zero and one scale per row), scaled once. All
+    of it is elementwise on the words' own layout: no reshape, no shared memory."""
+    t = tl.zeros_like(acc)
+    x_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+    for j in tl.static_range(8):
+        x_j = tl.load(x_ptrs + j).to(tl.float32)
+        if j < 4:
+            moved = w << (16 - 4 * j)
+        elif j == 4:
+            moved = w
+        else:
+            moved = w >> (4 * j - 16)  # arithmetic: the sign bits land above bit 19, masked off
+        f = ((moved & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+        t += f * x_j[None, :]
+        x_sum += x_j
+    offset = zero.to(tl.float32) + 128.0
+    return acc + scale.to(tl.float32)[:, None] * (t - offset[:, None] * x_sum[None, :])
 
 
 @triton.jit
@@ -49,29 +98,28 @@ def _qgemv_row_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr,
-    MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
+    MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
 ):
     # Pointers advance by a tile's step (not rebuilt from k0): their alignment stays visible to Triton.
     pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(
-        W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT, BLOCK_N, BLOCK_K, SPLIT_K, SCALE_ROWS, SCALE_K, PDL)
+        W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT, BLOCK_N, BLOCK_K, SPLIT_K, SCALE_ROWS, SCALE_K, PDL,
+        FORMAT != _INT4)
     rows = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # INT4: x's chunk is loaded as a [BLOCK_N, BLOCK_K] tile (each row the same: L1 hits) rather than as
-    # one [BLOCK_K] row broadcast to the unpacked codes, whose layout Triton otherwise converts through
-    # shared memory on every K step: 12.3 -> 9.0 instructions a weight in the loop's SASS for sm_90 at
-    # 32 x 128 tiles (compiled on the CPU box; not yet timed on a GPU). For FP8 the same change costs
-    # (6.5 -> 7.4: the weight tile's layout is converted instead), so its x stays one row.
     if FORMAT == _INT4:
-        x_ptrs = X + k_lo + offs_k[None, :] + tl.zeros_like(cols)[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        x_ptrs = X + k_lo + 8 * tl.arange(0, BLOCK_K // 8)
     else:
-        x_ptrs = X + k_lo + offs_k
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+        x_ptrs = X + k_lo + 4 * tl.arange(0, BLOCK_K // 4)
     for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
         ahead = mask_n & (tl.zeros_like(cols) + k0 + BLOCK_K < k_hi)  # issued before the math
         w_ptrs += w_step
         w_next, scale_next, zero_next = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0 + BLOCK_K, cols, ahead,
                                                      stride_s, FORMAT, SCALE_K, False)
-        acc = _tile_fma(w, scale, zero, tl.load(x_ptrs), acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET)
+        if FORMAT == _INT4:
+            acc = _int4_fma(w, scale, zero, x_ptrs, acc, BLOCK_K)
+        else:
+            acc = _fp8_fma(w, scale, x_ptrs, acc, FORMAT, ASM)
         x_ptrs += BLOCK_K
         w, scale, zero = w_next, scale_next, zero_next
     # Column 0 of a [BLOCK_N, BLOCK_M] tile: the shape `finish` takes (its row 0 is x's only row).
