@@ -73,8 +73,8 @@ def main() -> None:
         fn, sig = _qgemv_row_kernel, dict(_QUANT_SIG)
         if fmt == 2:
             sig.update(W="*i32", Scales="*bf16", Zeros="*bf16")
-        consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, IEEE=False, SCALE_ROWS=1,
-                      SCALE_K=128 if fmt else 4096, MAGIC=0x4300, OFFSET=128.0, PDL=True, ASM=True)
+        consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, SCALE_ROWS=1,
+                      SCALE_K=128 if fmt else 4096, PDL=True, ASM=True)
     loop = loop_instructions(fn, sig, consts, args.warps)
     ops = collections.Counter(re.sub(r"^@!?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
     per_thread = bn * bk / (32 * args.warps)

@@ -197,4 +197,7 @@ def test_row_setting_label() -> None:
 def test_split_zero_in_a_label_is_chosen_from_the_shape() -> None:
     s = GemvSettings.parse("rn16k256s0st1w8")
     assert s.row and s.split_k == 0 and s.label == "rn16k256s0st1w8"
-    assert s.resolve(16, 1024, torch.device("cpu")).split_k == 2  # as `triton` picks it (CPU: one SM)
+    # CPU: one SM; one column block; the row kernel wants 5 programs a SM, the tile kernel 2
+    assert s.resolve(16, 1024, torch.device("cpu")).split_k == 4  # at most one K tile a program
+    assert s.resolve(16, 4096, torch.device("cpu")).split_k == 5
+    assert GemvSettings.parse("n16k256s0st1w8").resolve(16, 4096, torch.device("cpu")).split_k == 2

@@ -134,7 +134,7 @@ def test_settings_from_the_environment(qgemv_env):
     assert qgemv.settings_for("fp8", "qkv_proj")[0].label == "n32k128s2st3w4"
     assert qgemv.settings_for("fp8", "down_proj") is None
     assert qgemv.settings_for("int4", "o_proj") == (qgemv.DEFAULTS["int4"], qgemv.MAX_ROWS)
-    assert qgemv.settings_for("fp8-block", None) is None, "a format neither the variable nor BY_DEFAULT names is off"
+    assert qgemv.settings_for("fp8-block", None) == qgemv.BY_DEFAULT["fp8-block"], "unnamed: BY_DEFAULT's"
     assert qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="down_proj")) is None
     op = qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="gate_up_proj"))
     assert op is not None and op.counters.tolist() == [0, 0]
@@ -146,7 +146,7 @@ def test_settings_from_the_environment(qgemv_env):
     assert settings.row and rows == 1, "FP8 row scales: the row kernel at batch 1 unless the variable says otherwise"
     op = qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="o_proj"))
     assert op.max_rows == 1 and op.settings.row and not op.tile.row and op.tile.block_n == qgemv.DEFAULTS["fp8"].block_n
-    assert op.counters.numel() == 64 // 16, "counters for the smaller block_n of the two settings"
+    assert op.counters.numel() == 64 // 32, "counters for the smaller block_n of the two settings"
     qgemv_env("fp8=off")
     assert qgemv.settings_for("fp8", None) is None
     for bad in ("fp8", "fp4=auto", "fp8:lm_head=auto", "int4=n48k128s1st4w4", "int4=fast"):

@@ -7,14 +7,14 @@ quantized, even where the checkpoint asks for FP8 activations (the GEMV computes
 with the stored weight, which quantized activations only approximate). Larger batches and float32
 models keep the method's GEMM.
 
-Which formats take it without `RXF_QGEMV` (read once per process): `BY_DEFAULT`, i.e. `fp8` at batch 1
-through the row kernel. On the H100 (2026-12-05, benchmarks/RESULTS.md, issue 19) online-FP8 Llama-3-8B
-decoded at batch 1 at 175.2 tok/s through `torch._scaled_mm`, 196.8-198.2 through the tile GEMV
-(`auto`) and 253.2-254.4 through the row kernel at 16 x 256 tiles (bf16 on the same machine: 167.3);
-larger and smaller row tiles measured slower (rn32k512 181.4, rn16k128 203.8). Other formats and
-batch sizes wait for an end-to-end comparison (the projections alone: one batch-1 step's 4.63 -> 3.68
-ms for fp8-block, 6.54 -> 4.56 for int4 with the sweep's picks on the H100; the int4 kernels stream
-at under 1 TB/s). `RXF_QGEMV` is a comma-separated list of `FORMAT=SETTING` or `FORMAT:ROLE=SETTING`
+Which formats take it without `RXF_QGEMV` (read once per process): `BY_DEFAULT`, i.e. every format at
+batch 1 through the row kernel (word-wise dequantization, `qgemv_row_kernel.py`), and int4 at 2-8 rows
+through the tile kernel too. On the H200 (2026-12-05, benchmarks/RESULTS.md, issue 19), Llama-3-8B at
+batch 1 with the sweep's row settings decoded at 345.1 tok/s in online FP8, 343.2 in block-wise FP8
+and 327.0 in AWQ, against 220.4 in bf16 (before: the method's `torch._scaled_mm` and int4 GEMM gave
+~1.0x and 0.74x of bf16); at 2-8 rows the int4 tile kernel took 1.0-1.8x less time than the int4 GEMM
+at every projection, while the FP8 tile kernel lost to `_scaled_mm` on gate_up, so FP8 keeps the GEMM
+there. `RXF_QGEMV` is a comma-separated list of `FORMAT=SETTING` or `FORMAT:ROLE=SETTING`
 (the role's entry wins); `auto` takes the format's tile sizes from `DEFAULTS`, with the split over K chosen from
 the shape and the SM count (`GemvSettings.resolve`), e.g.
 
@@ -58,7 +58,11 @@ DEFAULTS = {
 }
 # Formats the GEMV serves when `RXF_QGEMV` does not name them: (settings, the most rows they take;
 # more rows keep the method's GEMM). The module docstring gives the measurements behind each.
-BY_DEFAULT = {"fp8": (GemvSettings(block_n=16, block_k=256, split_k=0, num_stages=1, num_warps=8, row=True), 1)}
+BY_DEFAULT = {
+    "fp8": (GemvSettings(block_n=32, block_k=256, split_k=0, num_stages=1, num_warps=4, row=True), 1),
+    "fp8-block": (GemvSettings(block_n=64, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True), 1),
+    "int4": (GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True), MAX_ROWS),
+}
 _HALF = (torch.bfloat16, torch.float16)
 
 

@@ -212,8 +212,7 @@ def qgemv(
             x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,
             partials, counters, n, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
             FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
-            IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k, MAGIC=magic, OFFSET=offset,
-            PDL=pdl, ASM=x.is_cuda, num_warps=num_warps, launch_pdl=pdl,
+            SCALE_ROWS=scale_rows, SCALE_K=scale_k, PDL=pdl, ASM=x.is_cuda, num_warps=num_warps, launch_pdl=pdl,
         )
         return out
     _qgemv_kernel[(n_blocks, split_k)](

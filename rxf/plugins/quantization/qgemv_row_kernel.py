@@ -4,12 +4,16 @@ docstring: the weight tile is dequantized and multiplied by x's row element by e
 registers, the products summed over K once at the end, the next tile's loads issued before the
 current tile's math; no shared memory).
 
-Dequantization is `qgemv_kernel._tile_dot`'s, per element: an int4 code becomes `code - zero` exactly
-(the MAGIC bits in x's half precision, then float32), an FP8 value is exact in float32; an int4
-group's or FP8 block's scale multiplies its products, FP8 row scales join in the epilogue.
-
-Tested under the Triton interpreter (tests/unit/test_quant_gemv.py); not yet compiled or timed on
-the GPU (`benchmarks/gpu_profile.py --phases qgemv` sweeps it): no default uses it.
+Dequantization works on 32-bit words in their stored layout, never on a tile of unpacked codes (whose
+reshape Triton lowers through shared memory): a word of eight int4 codes (`_int4_fma`) or four FP8
+values (`_fp8_fma`, the FP8 tile read as int32 words) is turned into float32 values that multiply x at
+the word's inputs, loaded as one strided vector per position in the word and reused over the rows a
+thread holds. Static counts (`benchmarks/sass_count.py`, sm_90): int4 9.0 -> 4.6 instructions a weight
+at 128 x 128 tiles, FP8 6.5 -> 3.5 at 32-64 x 256. On the H200 (2026-12-05, benchmarks/RESULTS.md) the
+projections of Llama-3-8B at batch 1 then read at 2.6-3.4 TB/s in FP8 (1.6-1.9x bf16 cuBLAS) and
+1.0-1.9 TB/s of codes in int4 (1.3-1.7x); the GEMV is the default at batch 1 for every format
+(`qgemv.BY_DEFAULT`). An int4 group's or FP8 block's scale multiplies a word's sum, FP8 row scales
+join in the epilogue.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import triton.language as tl
 
 from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish
 from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, first_tile
-
 
 # Four E4M3 values (the bytes of an int32 word, lowest first) to float32: two `cvt.rn.f16x2.e4m3x2` (each
 # one instruction on sm_90) and four half-to-float conversions, against the byte extracts and re-pairs
@@ -97,8 +100,8 @@ def _int4_fma(w, scale, zero, x_ptrs, acc, BLOCK_K: tl.constexpr):
 def _qgemv_row_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr,
-    MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     # Pointers advance by a tile's step (not rebuilt from k0): their alignment stays visible to Triton.
     pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(

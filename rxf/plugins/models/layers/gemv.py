@@ -42,8 +42,11 @@ NORM_MAX_ROWS = 4
 ENV = "RXF_GEMV"
 _HALF = (torch.bfloat16, torch.float16)
 _LABEL = re.compile(r"(r?)n(\d+)k(\d+)s(\d+)st(\d+)w(\d+)")
-# Programs wanted per SM when `triton` picks the split itself: enough weight tiles in flight.
+# Programs wanted per SM when split 0 picks the split itself: enough weight tiles in flight. The row
+# kernels hold one tile ahead in registers (no pipeline), so they want more programs: the quantized
+# ones' sweep (H200, 2026-12-05, benchmarks/RESULTS.md) chose twice the split of 2 a SM at most shapes.
 _PROGRAMS_PER_SM = 2
+_ROW_PROGRAMS_PER_SM = 5
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,9 @@ class GemvSettings:
         return cls(block_n, block_k, split_k, stages, warps, row)
 
     def resolve(self, n_out: int, k: int, device: torch.device) -> GemvSettings:
-        """With split_k 0: the split that gives about _PROGRAMS_PER_SM programs per SM (at most
-        one K tile per program); block_k shrinks to a divisor of K if needed."""
+        """With split_k 0: the split that gives about _PROGRAMS_PER_SM programs per SM (the row kernel:
+        _ROW_PROGRAMS_PER_SM), at most one K tile per program; block_k shrinks to a divisor of K if
+        needed."""
         block_k = self.block_k
         while k % block_k:
             block_k //= 2
@@ -86,7 +90,8 @@ class GemvSettings:
         if split_k == 0:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
             n_blocks = -(-n_out // self.block_n)
-            split_k = max(1, min(-(-_PROGRAMS_PER_SM * sms // n_blocks), k // block_k))
+            per_sm = _ROW_PROGRAMS_PER_SM if self.row else _PROGRAMS_PER_SM
+            split_k = max(1, min(-(-per_sm * sms // n_blocks), k // block_k))
         return GemvSettings(self.block_n, block_k, split_k, self.num_stages, self.num_warps, self.row)
 
 
