@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU (issue 4's profile): one call on the GPU machine.
 
     python benchmarks/gpu_profile.py [--preset llama3-8b] [--phases gemv,qgemv,step,attn] [--backends triton,flashinfer]
-                                     [--gemv suggested|RXF_GEMV-value]
+                                     [--gemv suggested|RXF_GEMV-value] [--quantization fp8]
 
 Phases (each guarded like gpu_decode.py's; figures go to $OUT/gpu_profile.json, traces beside it):
   gemv   each projection of the preset at batch 1, 2, 4, 8 (bf16): cuBLAS, cuBLASLt and a sweep of rxf's
@@ -141,10 +141,10 @@ def gemv_env(value: str | None):
         gemv._from_env.cache_clear()
 
 
-def step_phase(p: gd.Preset, model_dir: Path, backend: str, label: str) -> None:
+def step_phase(p: gd.Preset, model_dir: Path, backend: str, label: str, quantization: str | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    sched = gd._engine(model_dir, backend, 64, 64 * 512 + 4096, random_load=not p.on_disk)
+    sched = gd._engine(model_dir, backend, 64, 64 * 512 + 4096, random_load=not p.on_disk, quantization=quantization)
     graphs = sched.runner.cuda_graphs
     assert graphs is not None, "CUDA graphs are off"
     gd._add(sched, 1, 128, 4000, p.vocab, "p")
@@ -278,6 +278,8 @@ def main() -> None:
                     help="step: no checkpoint written, the weights drawn at load (as gpu_decode.py's option)")
     ap.add_argument("--gemv", default=None, help="step phase: also run with RXF_GEMV=this ('suggested': the "
                     "gemv phase's choice)")
+    ap.add_argument("--quantization", default=None,
+                    help="step phase: model.quantization for the engine (e.g. fp8: online FP8 over the weights)")
     args = ap.parse_args()
     p, phases = gd.PRESETS[args.preset], args.phases.split(",")
     if args.random_weights:
@@ -304,7 +306,7 @@ def main() -> None:
 
                 def run(b: str = backend, s: str = suffix, v: str | None = value) -> None:
                     with gemv_env(v):
-                        step_phase(p, model_dir, b, b + s)
+                        step_phase(p, model_dir, b, b + s, args.quantization)
 
                 gd.phase(f"step {backend}{suffix}", run)
     if "attn" in phases:

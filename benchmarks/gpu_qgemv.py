@@ -1,7 +1,8 @@
 """The quantized decode projections at batch 1-8, for `gpu_profile.py --phases qgemv`: per projection of
 the preset and weight format, the method's current path vs the weight-only GEMV (`rxf.plugins.
 quantization.qgemv`) over a small sweep of its settings, with bf16 cuBLAS on the same shape beside
-them. It ends with the `RXF_QGEMV` value the figures favour.
+them. It ends with the `RXF_QGEMV` value the figures favour. `QGEMV_FORMATS=int4,...` narrows the
+formats (default all).
 
 Formats and what the method runs without the GEMV:
   fp8        FP8 with row scales (online, compressed-tensors): per-token activation quantization,
@@ -20,6 +21,7 @@ current FP8 paths also quantize activations: they get a looser bound).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -170,11 +172,12 @@ def qgemv_phase(p: gd.Preset, results: dict[str, Any]) -> str:
 
     shapes = {role: nk for role, nk in gpu_gemv.shapes(p).items() if role in ROLES}
     out: dict[str, Any] = {}
-    for fmt in FORMATS:
+    formats = [f for f in os.environ.get("QGEMV_FORMATS", ",".join(FORMATS)).split(",") if f in FORMATS]
+    for fmt in formats:
         for role, (n, k) in shapes.items():
             out[f"{fmt}:{role}"] = _role(fmt, role, n, k)
             torch.cuda.empty_cache()  # that role's weight copies
-    for fmt in FORMATS:  # the batch-1 projections of one decode step, summed from the figures above
+    for fmt in formats:  # the batch-1 projections of one decode step, summed from the figures above
         res = {role: out[f"{fmt}:{role}"]["us"][1] for role in shapes}
         for name in ("current", "bf16_cublas", "chosen"):
             total = 0.0
@@ -186,7 +189,7 @@ def qgemv_phase(p: gd.Preset, results: dict[str, Any]) -> str:
         print(f"{fmt}: projections of one batch-1 step: bf16 cuBLAS {out[f'step_us_{fmt}_bf16_cublas'] / 1e3:.3f} ms, "
               f"current {out[f'step_us_{fmt}_current'] / 1e3:.3f} ms, chosen {out[f'step_us_{fmt}_chosen'] / 1e3:.3f} ms",
               flush=True)
-    env = ",".join(f"{fmt}:{role}={out[f'{fmt}:{role}']['choice']['setting']}" for fmt in FORMATS for role in shapes)
+    env = ",".join(f"{fmt}:{role}={out[f'{fmt}:{role}']['choice']['setting']}" for fmt in formats for role in shapes)
     out["suggested_RXF_QGEMV"] = env
     print(f"suggested: RXF_QGEMV={env}", flush=True)
     results["qgemv"] = out

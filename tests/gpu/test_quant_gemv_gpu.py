@@ -117,6 +117,25 @@ def test_gemv_with_a_label_from_the_environment(fmt: str, label: str, default_se
         assert _rel_err(op(x, bias), F.linear(x.float(), dense, bias.float())) < 1e-2, f"m={m}"
 
 
+@pytest.mark.parametrize("label", ["auto", "rn128k128s0st1w4"])
+def test_int4_gemv_in_float16(label: str, default_settings: pytest.MonkeyPatch) -> None:
+    """fp16 activations and scales: the tile kernel's unpacking then uses fp16's magic (1024 + code) and
+    packed fp16 subtraction, the row kernel its float32 words; o_proj's shape, 1-8 rows."""
+    default_settings.setenv(qgemv.ENV, f"int4={label}")
+    qgemv._plan.cache_clear()
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    n, k = SHAPES["o_proj"]
+    codes = torch.randint(0, 16, (k, n), device=DEV, dtype=torch.uint8, generator=gen)
+    zeros = torch.randint(0, 16, (k // 128, n), device=DEV, generator=gen).half()
+    scales = (torch.rand(k // 128, n, device=DEV, generator=gen) * 2e-3 + 1e-4).half()
+    dense = Int4Weights(codes, zeros, scales, torch.arange(k, device=DEV) // 128).dequantize(torch.float32)
+    op = qgemv.int4(SimpleNamespace(qweight=pack_int32(codes, 0), scales=scales, zeros=zeros, gemv_role="o_proj"), 128)
+    for m in (1, 2, 8):
+        x = _x(m, k, m).half()
+        out = op(x, None)
+        assert out.dtype == torch.float16 and _rel_err(out, F.linear(x.float(), dense)) < 1e-2, f"m={m}"
+
+
 # ---------------------------------------------------------------- quantized checkpoints at decode
 CASES = {"fp8": ("fp8", {}), "ct-channel": ("ct-channel", {}), "ct-tensor-static": ("ct-tensor", {"static": True}),
          "awq": ("awq", {}), "gptq-desc-act": ("gptq", {"desc_act": True})}
