@@ -25,7 +25,13 @@ FORMAT (constexpr):
               a code becomes a half by OR-ing it into the mantissa of MAGIC (the bits of OFFSET =
               1024.0 in fp16, 128.0 in bf16, whose mantissa steps by 1): `bits(MAGIC | code) =
               OFFSET + code` exactly, and `(OFFSET + code) - (OFFSET + zero)` is exact for the
-              integer zeros 0..16 of AWQ / GPTQ (`qgemv.py` checks them at load).
+              integer zeros 0..16 of AWQ / GPTQ (`qgemv.py` checks them at load). On CUDA with half
+              x (ASM) the words go through PTX instead (`_int4_words_dot`): one LOP3 makes two
+              such halves, a packed subtraction takes the zero off, and the halves come out in
+              the register pairs `tl.dot` reads, with x's tile loaded in the matching order
+              (`x_columns`); 7.4 -> 3.2 instructions a weight at 128 x 128 (`benchmarks/
+              sass_count.py --kernel int4-tile`). The unpacking above serves the interpreter
+              and float32.
 
 With programmatic dependent launch (`rxf/core/runner/pdl.py`) a program reads its first weight tile
 and that tile's scales (and zeros) before waiting for the kernel that writes x, as the dense GEMV does.
