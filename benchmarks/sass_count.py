@@ -1,10 +1,7 @@
 """Instructions per weight in the K loop of the batch-1 GEMV kernels, compiled for the H200 (sm_90) on a
 machine without a GPU: a static measure of a kernel's ALU cost while no device time is left.
 
-    python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|int4-tile|bf16] [--block-n 16 --block-k 256 --warps 8]
-
-(`int4-tile`: the tile kernel, `qgemv_kernel._qgemv_kernel`, whose int4 words go to `tl.dot`; the others
-are the batch-1 row kernels.)
+    python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16] [--block-n 16 --block-k 256 --warps 8]
 
 Triton compiles the kernel for `GPUTarget("cuda", 90, 32)` (its bundled ptxas), with every pointer and
 integer argument marked divisible by 16 as a launch specializes them (without that, loads are not
@@ -58,11 +55,10 @@ def loop_instructions(fn, signature: dict[str, str], constants: dict, warps: int
 
 def main() -> None:
     from rxf.plugins.models.layers.gemv_row_kernel import _gemv_row_kernel
-    from rxf.plugins.quantization.qgemv_kernel import _qgemv_kernel
     from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "int4-tile", "bf16"], default="fp8")
+    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "bf16"], default="fp8")
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--warps", type=int, default=8)
@@ -72,10 +68,6 @@ def main() -> None:
         fn, sig = _gemv_row_kernel, _DENSE_SIG
         consts = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, GATED=False, HAS_BIAS=False, PDL=True, NORM=False,
                       ROW_BLOCK=16)
-    elif args.kernel == "int4-tile":
-        fn, sig = _qgemv_kernel, dict(_QUANT_SIG, W="*i32", Scales="*bf16", Zeros="*bf16", M="i32", stride_xm="i32")
-        consts = dict(FORMAT=2, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, EVEN_N=True, IEEE=False,
-                      SCALE_ROWS=1, SCALE_K=128, MAGIC=0x4300, OFFSET=128.0, PDL=True, ASM=True)
     else:
         fmt = {"fp8": 0, "fp8-block": 1, "int4": 2}[args.kernel]
         fn, sig = _qgemv_row_kernel, dict(_QUANT_SIG)

@@ -25,13 +25,7 @@ FORMAT (constexpr):
               a code becomes a half by OR-ing it into the mantissa of MAGIC (the bits of OFFSET =
               1024.0 in fp16, 128.0 in bf16, whose mantissa steps by 1): `bits(MAGIC | code) =
               OFFSET + code` exactly, and `(OFFSET + code) - (OFFSET + zero)` is exact for the
-              integer zeros 0..16 of AWQ / GPTQ (`qgemv.py` checks them at load). On CUDA with half
-              x (ASM) the words go through PTX instead (`_int4_words_dot`): one LOP3 makes two
-              such halves, a packed subtraction takes the zero off, and the halves come out in
-              the register pairs `tl.dot` reads, with x's tile loaded in the matching order
-              (`x_columns`); 7.4 -> 3.2 instructions a weight at 128 x 128 (`benchmarks/
-              sass_count.py --kernel int4-tile`). The unpacking above serves the interpreter
-              and float32.
+              integer zeros 0..16 of AWQ / GPTQ (`qgemv.py` checks them at load).
 
 With programmatic dependent launch (`rxf/core/runner/pdl.py`) a program reads its first weight tile
 and that tile's scales (and zeros) before waiting for the kernel that writes x, as the dense GEMV does.
@@ -51,67 +45,6 @@ FP8_ROWS, FP8_BLOCKS, INT4 = 0, 1, 2  # the weight formats (`fmt`)
 _FP8_ROWS, _FP8_BLOCKS, _INT4 = tl.constexpr(FP8_ROWS), tl.constexpr(FP8_BLOCKS), tl.constexpr(INT4)
 # A half whose mantissa counts in units of 1: (its bits, its value), per x dtype.
 _MAGIC = {torch.float16: (0x6400, 1024.0), torch.bfloat16: (0x4300, 128.0), torch.float32: (0, 0.0)}
-
-
-def _unpack_asm(magic: int, sub: str) -> tl.constexpr:
-    """PTX turning an int32 word of eight int4 codes ($8) into eight halves `code - zero`, given $9 =
-    the half OFFSET + zero twice: nibbles m and m + 4 become one half pair `MAGIC | code` (= OFFSET +
-    code, exact) with a single LOP3 ((w >> 4m) & 0x000F000F | MAGIC2), and one packed subtraction
-    (exact: small integers) leaves code - zero. The outputs come in the order codes 0, 4, 1, 5, 2, 6,
-    3, 7 (`x_columns`' KPERM), paired in registers as `tl.dot` reads them: no byte permutes and no
-    shared-memory reshape of unpacked codes (`benchmarks/sass_count.py --kernel int4-tile`)."""
-    pair = f"0x{magic:04X}{magic:04X}"
-    return tl.constexpr(f"""{{
-.reg .b32 p<4>, s<3>;
-shr.u32 s0, $8, 4;
-shr.u32 s1, $8, 8;
-shr.u32 s2, $8, 12;
-lop3.b32 p0, $8, 0x000F000F, {pair}, 0xea;
-lop3.b32 p1, s0, 0x000F000F, {pair}, 0xea;
-lop3.b32 p2, s1, 0x000F000F, {pair}, 0xea;
-lop3.b32 p3, s2, 0x000F000F, {pair}, 0xea;
-sub.{sub} p0, p0, $9;
-sub.{sub} p1, p1, $9;
-sub.{sub} p2, p2, $9;
-sub.{sub} p3, p3, $9;
-mov.b32 {{$0, $1}}, p0;
-mov.b32 {{$2, $3}}, p1;
-mov.b32 {{$4, $5}}, p2;
-mov.b32 {{$6, $7}}, p3;
-}}""")
-
-
-_UNPACK_BF16, _UNPACK_F16 = _unpack_asm(0x4300, "bf16x2"), _unpack_asm(0x6400, "f16x2")
-
-
-@triton.jit
-def _int4_words_dot(w, scale, zero, x_t, acc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC: tl.constexpr,
-                    OFFSET: tl.constexpr):
-    """acc + dequant(w) @ x_t for an int4 words tile w `[BLOCK_N, BLOCK_K / 8]` (CUDA, half x): the codes
-    unpacked by `_unpack_asm` into `[BLOCK_N, BLOCK_K]` halves code - zero in KPERM order within each
-    word (x_t's rows were loaded in that order), dotted on the tensor cores in float32; the group's
-    scale multiplies the product (the tile lies in one group)."""
-    half = (zero.to(tl.float32) + OFFSET).to(zero.dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    offsets = (half | (half << 16))[:, None] + tl.zeros_like(w)  # OFFSET + zero, twice, for every word
-    if MAGIC == 0x4300:
-        o = tl.inline_asm_elementwise(_UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, offsets],
-                                      dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    else:
-        o = tl.inline_asm_elementwise(_UNPACK_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, offsets],
-                                      dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    # Nested joins put o[0] .. o[7] next to each other, in that order, along a new last axis.
-    a = tl.join(tl.join(tl.join(o[0], o[4]), tl.join(o[2], o[6])), tl.join(tl.join(o[1], o[5]), tl.join(o[3], o[7])))
-    return acc + tl.dot(tl.reshape(a, (BLOCK_N, BLOCK_K)), x_t) * scale.to(tl.float32)[:, None]
-
-
-@triton.jit
-def x_columns(k_lo, BLOCK_K: tl.constexpr, KPERM: tl.constexpr):
-    """The inputs x's tile covers from k_lo, in the order the int4 words dot takes them (KPERM: within
-    each group of eight, 0, 4, 1, 5, 2, 6, 3, 7, as `_unpack_asm` emits codes), else in order."""
-    t = tl.arange(0, BLOCK_K)
-    if KPERM:
-        t = (t // 8) * 8 + (t % 8) // 2 + 4 * (t % 2)
-    return k_lo + t
 
 
 @triton.jit
@@ -154,13 +87,11 @@ def _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, n_ok, stride_s,
 
 @triton.jit
 def _tile_dot(w, scale, zero, x_t, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, ASM: tl.constexpr):
+              BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr):
     """acc + dequant(w) @ x_t, for a tile `_weight_tile` read (FP8 row scales join in the epilogue).
     One if/else chain with one return: Triton's compiler also generates the statements after a
     branch that returns (the interpreter does not), and an int4 tile there fails the shape check."""
-    if FORMAT == _INT4 and ASM:
-        out = _int4_words_dot(w, scale, zero, x_t, acc, BLOCK_N, BLOCK_K, MAGIC, OFFSET)
-    elif FORMAT == _INT4:
+    if FORMAT == _INT4:
         shifts = tl.arange(0, 8) * 4
         codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
         if IEEE:
@@ -224,24 +155,24 @@ def _qgemv_kernel(
     stride_xm, stride_w, stride_s, stride_om,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+    SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
     # The first K tile is peeled off the loop, as in gemv_kernel (read before the PDL wait).
     pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(
         W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT, BLOCK_N, BLOCK_K, SPLIT_K, SCALE_ROWS, SCALE_K, PDL)
     rows = tl.arange(0, BLOCK_M)  # rows of x
-    x_ptrs = X + rows[:, None] * stride_xm + x_columns(k_lo, BLOCK_K, FORMAT == _INT4 and ASM)[None, :]
+    x_ptrs = X + rows[:, None] * stride_xm + (k_lo + tl.arange(0, BLOCK_K))[None, :]
     x_mask = (rows < M)[:, None]
     x_t = tl.trans(tl.load(x_ptrs, mask=x_mask & (tl.zeros_like(rows) + k_lo < k_hi)[:, None], other=0.0))
     acc = _tile_dot(w, scale, zero, x_t, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FORMAT, IEEE, BLOCK_N,
-                    BLOCK_K, MAGIC, OFFSET, ASM)
+                    BLOCK_K, MAGIC, OFFSET)
     w_ptrs += w_step
     x_ptrs += BLOCK_K
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
         x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0))
         w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, mask_n, stride_s, FORMAT, SCALE_K,
                                       EVEN_N)
-        acc = _tile_dot(w, scale, zero, x_t, acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET, ASM)
+        acc = _tile_dot(w, scale, zero, x_t, acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET)
         w_ptrs += w_step
         x_ptrs += BLOCK_K
     finish(acc, acc, Bias, Out, Partials, Counters, Scales, cols, rows, mask_n, M, N, stride_om, pid_n, pid_k,
@@ -289,7 +220,6 @@ def qgemv(
         counters, m, n, k, x.stride(0), weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
         FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
         EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k,
-        MAGIC=magic, OFFSET=offset, PDL=pdl, ASM=x.is_cuda and x.dtype != torch.float32, num_stages=num_stages,
-        num_warps=num_warps, launch_pdl=pdl,
+        MAGIC=magic, OFFSET=offset, PDL=pdl, num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )
     return out
