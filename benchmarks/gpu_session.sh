@@ -7,7 +7,7 @@
 # (git-ignored, carried) and the next call restores them. benchmarks/fi_cache_build.py builds such
 # parts on the CPU box. Carried paths travel within 64 MiB in all: the cuDNN frontend wheel (11.6 MB;
 # FlashInfer imports it only if present, for cuDNN paths rxf does not use) can stay out of .whl/.
-#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|fi-tests|offline-profile|pytest|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|fi-tests|quant|offline-profile|pytest|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -171,6 +171,22 @@ elif [ "$stage" = fi-tests ]; then
   timeout -s INT "${FI_LIMIT_S:-200}" python3 -m pytest -q -p no:cacheprovider -ra \
     tests/gpu/test_attention_features_gpu.py -k flashinfer "$@" 2>&1 | tee "$out/fi-tests.log" | tail -n 40
   echo "flashinfer tests: $(( $(date +%s) - start )) s"
+elif [ "$stage" = quant ]; then
+  # "quant": issue 19's figures in one call, each part bounded (Q_*_S seconds) and logged under $OUT,
+  # with the environment's RXF_PDL / RXF_GEMV / RXF_QGEMV: batch-1 decode of bf16 and of the block-wise
+  # FP8 and AWQ checkpoints made from it; online FP8 over random weights; FP8 against bf16 KV at batch
+  # 256 with 4k contexts (`kvcache`); offline 1000 requests in bf16 and FP8.
+  timeout "${Q_DECODE_S:-150}" python3 benchmarks/gpu_decode.py --preset llama3-8b --quantization bf16,fp8,awq \
+    --phases build,bandwidth,decode1 --backends triton --output "$out/q-decode1.json" > "$out/q-decode1.log" 2>&1
+  echo "decode1: rc $?"; grep -E "^decode1 triton|copy bandwidth" "$out/q-decode1.log"
+  VARIANT_ARGS="--random-weights --quantization fp8" VARIANT_LIMIT_S=${Q_ONLINE_S:-60} \
+    bash benchmarks/gpu_session.sh variants llama3-8b "RXF_SESSION_STAGE=quant" | grep decode1
+  timeout "${Q_KV_S:-170}" python3 benchmarks/gpu_decode.py --preset llama3-8b --phases kvcache --backends triton \
+    --output "$out/q-kvcache.json" > "$out/q-kvcache.log" 2>&1
+  echo "kvcache: rc $?"; grep -E "^(auto|fp8_e4m3) " "$out/q-kvcache.log"
+  timeout "${Q_OFFLINE_S:-200}" python3 benchmarks/gpu_decode.py --preset llama3-8b --quantization bf16,fp8 \
+    --phases offline --backends triton --output "$out/q-offline.json" > "$out/q-offline.log" 2>&1
+  echo "offline: rc $?"; grep -E "^=== offline|req_s|output_tok_s" "$out/q-offline.log" | tail -n 8
 elif [ "$stage" = offline-profile ]; then
   # "offline-profile [BACKEND [TAG]]": gpu_decode.py's offline phase on the Llama-3-8B shape (the
   # checkpoint `ab` uses, built if missing) with a step profile of the timed run and two kernel
