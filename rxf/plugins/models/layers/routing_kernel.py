@@ -196,18 +196,21 @@ def route_cuda(
 
 def norm_route_cuda(
     h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+    weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, *,
+    chunk_k: int = _ROUTE_SPLIT_CHUNK, num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(routing weights, expert ids, x, h + residual) with x = RMSNorm(h + residual) as `rmsnorm_kernel`
     computes it, routed as `route_cuda` routes it: the residual add, the norm and the routing in one
-    launch. h and residual `[T, K]` (rows contiguous), norm_weight `[K]`; x and the sum are new tensors."""
+    launch. h and residual `[T, K]` (rows contiguous), norm_weight `[K]`; x and the sum are new tensors.
+    chunk_k (a power of two; SPLIT_K = cdiv(K, chunk_k)) and num_warps: the launch's shape, for
+    `benchmarks/gpu_moe_decode.py`'s sweep."""
     assert residual.shape == h.shape and residual.stride(-1) == 1 and norm_weight.shape == (h.shape[1],)
-    return _route(h, weight, bias, top_k, renormalize, (residual, norm_weight, eps))
+    return _route(h, weight, bias, top_k, renormalize, (residual, norm_weight, eps), chunk_k, num_warps)
 
 
 def _route(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None, chunk_k: int = _ROUTE_SPLIT_CHUNK, num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     num_tokens, k = x.shape
     num_experts = weight.shape[0]
@@ -225,15 +228,16 @@ def _route(
     if num_tokens == 0:
         return weights, ids, x_out, res_out
     block_e = triton.next_power_of_2(num_experts)
-    split_k = triton.cdiv(k, _ROUTE_SPLIT_CHUNK)
+    assert chunk_k & (chunk_k - 1) == 0 and chunk_k >= 16, f"chunk_k {chunk_k}: a power of two >= 16"
+    split_k = triton.cdiv(k, chunk_k)
     partials = torch.empty(num_tokens * split_k * block_e, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
     _router_topk_kernel[(num_tokens, split_k)](
         x, weight, bias if bias is not None else weight, partials, launch_counters(x.device, num_tokens),
         weights, ids, res, norm_w, x_out, res_out, x.stride(0), res.stride(0), num_experts, k, eps, TOP_K=top_k,
-        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), TILE_K=min(_ROUTE_SPLIT_CHUNK, max(16, _ROUTE_TILE // block_e)),
-        SPLIT_K=split_k, CHUNK_K=_ROUTE_SPLIT_CHUNK, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), TILE_K=min(chunk_k, max(16, _ROUTE_TILE // block_e)),
+        SPLIT_K=split_k, CHUNK_K=chunk_k, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
         NORM=norm is not None, BLOCK_H=triton.next_power_of_2(k) if norm is not None else 16, PDL=pdl,
-        launch_pdl=pdl,
+        num_warps=num_warps, launch_pdl=pdl,
     )
     return weights, ids, x_out, res_out
