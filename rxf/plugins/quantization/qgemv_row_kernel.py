@@ -8,8 +8,8 @@ Dequantization works on 32-bit words in their stored layout, never on a tile of 
 reshape Triton lowers through shared memory): a word of eight int4 codes (`_int4_fma`) or four FP8
 values (`_fp8_fma`, the FP8 tile read as int32 words) is turned into float32 values that multiply x at
 the word's inputs, loaded as one strided vector per position in the word and reused over the rows a
-thread holds. Static counts (`benchmarks/sass_count.py`, sm_90): int4 9.0 -> 4.6 instructions a weight
-at 128 x 128 tiles, FP8 6.5 -> 3.5 at 32-64 x 256. On the H200 (2026-12-05, benchmarks/RESULTS.md) the
+thread holds. Static counts (`benchmarks/sass_count.py`, sm_90), instructions a weight: int4 7.4 ->
+4.6 at 128 x 128 tiles (9.0 -> 6.0 at 32 x 128), FP8 6.5 -> 5.7 at 16 x 256, 3.5 at 32-64 x 256. On the H200 (2026-12-05, benchmarks/RESULTS.md) the
 projections of Llama-3-8B at batch 1 then read at 2.6-3.4 TB/s in FP8 (1.6-1.9x bf16 cuBLAS) and
 1.0-1.9 TB/s of codes in int4 (1.3-1.7x); the GEMV is the default at batch 1 for every format
 (`qgemv.BY_DEFAULT`). An int4 group's or FP8 block's scale multiplies a word's sum, FP8 row scales
