@@ -132,8 +132,15 @@ def test_mixed_batch_one_token_rows_take_the_decode_kernel(heads: int, kv_heads:
     assert not backend._counters.any()
 
 
+# RXF_DECODE_STORE: "" the K/V store's launch, then decode; "fused": the decode launch stores (backend.py).
+STORES = pytest.mark.parametrize("decode_store", ["", "fused"], ids=["store-launch", "fused-store"])
+
+
+@STORES
 @SHAPES
-def test_decode_ragged(heads: int, kv_heads: int, head_dim: int) -> None:
+def test_decode_ragged(heads: int, kv_heads: int, head_dim: int, decode_store: str,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RXF_DECODE_STORE", decode_store)
     seq_lens = [1, 7, 64, 129, 500, 1023, 2048, 333]
     layer, q, k, v, native, triton = build(
         ForwardMode.DECODE, [n - 1 for n in seq_lens], [1] * 8, heads, kv_heads, head_dim
@@ -141,8 +148,10 @@ def test_decode_ragged(heads: int, kv_heads: int, head_dim: int) -> None:
     assert_matches(run(triton, layer, q, k, v), run(native, layer, q, k, v), native, triton)
 
 
+@STORES
 @pytest.mark.parametrize("seq_len", [1, 100, 2048, 4000])
-def test_decode_batch_one_many_splits(seq_len: int) -> None:
+def test_decode_batch_one_many_splits(seq_len: int, decode_store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RXF_DECODE_STORE", decode_store)
     layer, q, k, v, native, triton = build(ForwardMode.DECODE, [seq_len - 1], [1], 32, 8, 128)
     out = run(triton, layer, q, k, v)
     backend = triton.attn_backend
@@ -152,9 +161,11 @@ def test_decode_batch_one_many_splits(seq_len: int) -> None:
     assert_matches(out, run(native, layer, q, k, v), native, triton)
 
 
-def test_decode_cuda_graph_replay() -> None:
+@STORES
+def test_decode_cuda_graph_replay(decode_store: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Capture one decode forward, then replay it after rewriting the batch's tensors in place (shorter
     sequences, new q/k/v, new target slots): it must match an eager torch_native forward."""
+    monkeypatch.setenv("RXF_DECODE_STORE", decode_store)
     seq_lens = [1, 7, 64, 129, 500, 1023, 2048, 333]
     layer, q, k, v, native, triton = build(
         ForwardMode.DECODE, [n - 1 for n in seq_lens], [1] * 8, 32, 8, 128
@@ -185,3 +196,58 @@ def test_decode_cuda_graph_replay() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(out, run(native, layer, q, k, v), native, triton)
+
+
+@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not HOPPER, reason="programmatic dependent launch needs compute capability 9.0"))], ids=["plain", "pdl"])
+@pytest.mark.parametrize("kind", ["rope", "rope_head_norm", "fp8"])
+def test_decode_with_its_own_store_matches_the_store_then_decode(kind: str, pdl: bool) -> None:
+    """The compiled decode launch that stores the new tokens itself (`decode.DecodeStore`) against
+    `rope_store_kv` then `decode_attention`, bf16 at Llama's head shape: contexts up to 4000 over 16
+    splits (the new token in the last), a padded entry of seq_len 0, Qwen3's head norms, an FP8 pool."""
+    from rxf.core.attention import HeadNorm
+    from rxf.plugins.attention.triton.decode import DecodeStore, decode_attention
+    from rxf.plugins.attention.triton.store_kv import rope_store_kv
+    from rxf.plugins.models.layers import RotaryEmbedding
+
+    torch.manual_seed(3)
+    heads, kv_heads, head_dim, bs, splits = 32, 8, 128, 6, 16
+    kv_dtype = torch.float8_e4m3fn if kind == "fp8" else DTYPE
+    scales = (torch.tensor(2.0, device=DEV), torch.tensor(0.5, device=DEV)) if kind == "fp8" else (None, None)
+    seq_lens = torch.tensor([1, 0, 4000, 129, 2048, 7], dtype=torch.int32, device=DEV)
+    req_to_token = (torch.randperm(NUM_SLOTS - 1, device=DEV)[: bs * MAX_CONTEXT] + 1).to(torch.int32).view(bs, -1)
+    rows = torch.arange(bs, device=DEV)
+    loc = req_to_token[rows, (seq_lens.long() - 1).clamp(min=0)].long()
+    positions = (seq_lens.long() - 1).clamp(min=0)
+    pool = (torch.randn(2, NUM_SLOTS, kv_heads, head_dim, device=DEV) * 0.5).to(kv_dtype)
+    qkv = torch.randn(bs, heads + 2 * kv_heads, head_dim, device=DEV, dtype=DTYPE)
+    rope = RotaryEmbedding(head_dim, MAX_CONTEXT, {"rope_type": "default", "rope_theta": 500000.0}, DTYPE).to(DEV)
+    norm = None
+    if kind == "rope_head_norm":
+        norm = HeadNorm(torch.rand(head_dim, device=DEV).to(DTYPE) + 0.5, torch.rand(head_dim, device=DEV).to(DTYPE) + 0.5,
+                        1e-6)
+    splits_t = torch.full((bs,), splits, dtype=torch.int32, device=DEV)
+    outs, pools = [], []
+    with pdl_env(pdl):
+        for fused in (False, True):
+            k_buf, v_buf = pool[0].clone(), pool[1].clone()
+            views = qkv.clone()
+            q, k, v = views[:, :heads], views[:, heads:heads + kv_heads], views[:, heads + kv_heads:]
+            store = DecodeStore(k, v, loc, (positions, rope.cos_sin_cache), norm) if fused else None
+            if not fused:
+                rope_store_kv(k_buf, v_buf, loc, q, k, v, positions, rope.cos_sin_cache, k_scale=scales[0],
+                              v_scale=scales[1], head_norm=norm)
+            out = torch.full_like(q, float("nan"))
+            mid_o = torch.empty(bs, heads, splits, head_dim, device=DEV)
+            mid_lse = torch.empty(bs, heads, splits, device=DEV)
+            counters = torch.zeros(bs * kv_heads, dtype=torch.int32, device=DEV)
+            decode_attention(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, splits_t, splits, mid_o, mid_lse,
+                             counters, head_dim**-0.5, min_split_len=128, k_scale=scales[0], v_scale=scales[1],
+                             store=store)
+            torch.cuda.synchronize()
+            assert not counters.any()
+            outs.append(out)
+            pools.append((k_buf, v_buf))
+    assert_bf16_close(outs[1], outs[0])
+    for a, b in zip(pools[1], pools[0], strict=True):
+        assert torch.equal(a, b), "the fused store must write the bytes rope_store_kv writes"

@@ -213,6 +213,65 @@ def test_decode_kernel_more_splits_than_tokens_and_head_blocks() -> None:
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["plain", "rope", "rope_head_norm", "fp8"])
+def test_decode_with_its_own_store_matches_the_store_then_decode(kind: str) -> None:
+    """`decode_attention(store=...)` = `rope_store_kv` (or `store_kv`) then `decode_attention`: the same
+    output and the same pool. A GQA group of 32 over two programs of 16 heads (both store the token),
+    a padded entry with seq_len 0 (its split 0 stores), split counts above some lengths, head_dim 24
+    (the rotation's halves of 12, masked lanes), an FP8 pool with scales."""
+    from rxf.core.attention import HeadNorm
+    from rxf.plugins.attention.triton.decode import DecodeStore
+    from rxf.plugins.attention.triton.store_kv import rope_store_kv, store_kv
+    from rxf.plugins.models.layers import RotaryEmbedding
+
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim, slots, bs = 64, 2, 24, 4 * MAX_CONTEXT + 1, 4
+    kv_dtype = torch.float8_e4m3fn if kind == "fp8" else torch.float32
+    scales = (torch.tensor(2.0), torch.tensor(0.5)) if kind == "fp8" else (None, None)
+    seq_lens = torch.tensor([1, 0, 40, 3], dtype=torch.int32)
+    rows = torch.tensor([3, 0, 2, 1])
+    req_to_token = torch.randperm(slots - 1)[: 4 * MAX_CONTEXT].add_(1).to(torch.int32).view(4, MAX_CONTEXT)
+    loc = torch.stack([req_to_token[r, max(int(n) - 1, 0)] for r, n in zip(rows, seq_lens, strict=True)]).long()
+    positions = (seq_lens - 1).clamp(min=0).long()
+    pool = torch.randn(2, slots, kv_heads, head_dim)
+    if kind == "fp8":
+        pool = pool.to(kv_dtype).float()
+    qkv = torch.randn(bs, heads + 2 * kv_heads, head_dim)
+    if kind == "fp8":  # values the FP8 store keeps exactly (`fp8_exact`)
+        qkv[:, heads:heads + kv_heads] = fp8_exact(qkv[:, heads:heads + kv_heads], scales[0], kv_dtype)
+        qkv[:, heads + kv_heads:] = fp8_exact(qkv[:, heads + kv_heads:], scales[1], kv_dtype)
+    rope = RotaryEmbedding(head_dim, MAX_CONTEXT, LLAMA3_ROPE, torch.float32) if kind.startswith("rope") else None
+    norm = None
+    if kind == "rope_head_norm":
+        norm = HeadNorm(torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5, 1e-6)
+    outs, pools = [], []
+    for fused in (False, True):
+        k_buf, v_buf = (pool[i].clone().to(kv_dtype) for i in range(2))
+        views = qkv.clone()
+        q, k, v = views[:, :heads], views[:, heads:heads + kv_heads], views[:, heads + kv_heads:]
+        store = None
+        if fused:
+            store = DecodeStore(k, v, loc, (positions, rope.cos_sin_cache) if rope else None, norm)
+        elif rope is not None:
+            rope_store_kv(k_buf, v_buf, loc, q, k, v, positions, rope.cos_sin_cache, k_scale=scales[0],
+                          v_scale=scales[1], head_norm=norm)
+        else:
+            store_kv(k_buf, v_buf, loc, k, v, *scales)
+        out = torch.full_like(q, float("nan"))
+        mid_o, mid_lse = torch.empty(bs, heads, 4, head_dim), torch.empty(bs, heads, 4)
+        counters = torch.zeros(bs * kv_heads * 2, dtype=torch.int32)
+        decode_attention(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, torch.tensor([4, 2, 3, 4], dtype=torch.int32),
+                         4, mid_o, mid_lse, counters, 0.25, block_h=16, block_n=16, k_scale=scales[0],
+                         v_scale=scales[1], store=store)
+        assert not counters.any()
+        outs.append(out)
+        pools.append((k_buf.float(), v_buf.float()))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(pools[1], pools[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(pools[1][0], pool[0].to(kv_dtype).float()), "the new keys were stored"
+
+
 def test_cuda_graph_metadata_is_static_and_refilled() -> None:
     """Capture then replay with new sequence lengths: the metadata tensors keep their storage, the
     split counts are refilled in place, and the results stay right."""
@@ -360,11 +419,17 @@ def test_rope_store_kv_with_head_norms_matches_norms_then_rotary(dtype: torch.dt
     torch.testing.assert_close(k_w, k_ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
-def test_qwen3_attention_hands_its_head_norms_to_the_fusing_backend(mode: ForwardMode) -> None:
+@pytest.mark.parametrize(("mode", "decode_store"), [(ForwardMode.EXTEND, ""), (ForwardMode.DECODE, ""),
+                                                   (ForwardMode.DECODE, "fused")],
+                         ids=["extend", "decode", "decode-fused-store"])
+def test_qwen3_attention_hands_its_head_norms_to_the_fusing_backend(mode: ForwardMode, decode_store: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen3's attention block on torch_native (norms, then rotation, then attention, in torch) and on
-    triton (the norms and the rotation inside the K/V store launch): the same output."""
+    triton (the norms and the rotation inside the K/V store launch, or with RXF_DECODE_STORE=fused
+    inside the decode launch): the same output."""
     from types import SimpleNamespace
+
+    monkeypatch.setenv("RXF_DECODE_STORE", decode_store)
 
     from rxf.plugins.models.layers import RotaryEmbedding
     from rxf.plugins.models.qwen3 import Qwen3Attention
@@ -390,13 +455,19 @@ def test_qwen3_attention_hands_its_head_norms_to_the_fusing_backend(mode: Forwar
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
+@pytest.mark.parametrize(("mode", "decode_store"), [(ForwardMode.EXTEND, ""), (ForwardMode.DECODE, ""),
+                                                   (ForwardMode.DECODE, "fused")],
+                         ids=["extend", "decode", "decode-fused-store"])
 @DTYPES
 @ROPES
-def test_rotary_fused_into_store_matches_torch_native(mode: ForwardMode, dtype: torch.dtype, rope_params) -> None:
+def test_rotary_fused_into_store_matches_torch_native(mode: ForwardMode, decode_store: str, dtype: torch.dtype,
+                                                      rope_params, monkeypatch: pytest.MonkeyPatch) -> None:
     """RadixAttention handed the rotary embedding: torch_native gets q and k rotated by the module's
-    torch code first, triton rotates them inside its K/V store; outputs and pools agree."""
+    torch code first, triton rotates them inside its K/V store (RXF_DECODE_STORE=fused: inside the
+    decode launch, which leaves q as it was); outputs and pools agree."""
     from rxf.plugins.models.layers import RadixAttention, RotaryEmbedding
+
+    monkeypatch.setenv("RXF_DECODE_STORE", decode_store)
 
     prefix_lens, extend_lens = ([0, 5, 9], [1, 4, 7]) if mode == ForwardMode.EXTEND else ([4, 17, 30], [1, 1, 1])
     heads, kv_heads, head_dim = 4, 2, 16
@@ -414,6 +485,9 @@ def test_rotary_fused_into_store_matches_torch_native(mode: ForwardMode, dtype: 
         outs.append(attn(q, k, v, batch, rotary=rope))
         if batch is case.triton and rope.cos_sin_cache is None:
             assert not batch.attn_backend.fuses_rope(rope)
+        elif batch is case.triton and decode_store:  # rotated inside the decode launch, not in place
+            assert batch.attn_backend.fuses_rope(rope) and not batch.attn_backend.verifies_as_decode
+            torch.testing.assert_close(q, qkv.split(sizes, dim=-1)[0], rtol=0, atol=0)
         elif batch is case.triton:  # the fused path rotated q in place (the torch path does not)
             assert batch.attn_backend.fuses_rope(rope)
             q_ref, _ = rope.forward_native(positions, *qkv.split(sizes, dim=-1)[:2])
@@ -430,11 +504,16 @@ FP8 = pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m
 
 @FP8
 @DTYPES
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=["extend", "decode"])
-def test_fp8_kv_matches_torch_native(mode: ForwardMode, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("mode", "decode_store"), [(ForwardMode.EXTEND, ""), (ForwardMode.DECODE, ""),
+                                                   (ForwardMode.DECODE, "fused")],
+                         ids=["extend", "decode", "decode-fused-store"])
+def test_fp8_kv_matches_torch_native(mode: ForwardMode, decode_store: str, dtype: torch.dtype, kv_dtype: torch.dtype,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """An FP8 pool with k_scale 2 and v_scale 0.5: the store quantizes with the scales, the kernels
     dequantize (a kernel that skipped a scale, or read the new tokens' unquantized k from the inputs
-    and scaled it again, would be off by a factor of 2)."""
+    and scaled it again, would be off by a factor of 2); RXF_DECODE_STORE=fused: the decode launch
+    stores."""
+    monkeypatch.setenv("RXF_DECODE_STORE", decode_store)
     prefix_lens, extend_lens = ([0, 5, 9], [1, 4, 7]) if mode == ForwardMode.EXTEND else ([4, 17, 30], [1, 1, 1])
     case = build(mode, prefix_lens, extend_lens, 4, 2, 16, dtype, kv_dtype)
     if mode == ForwardMode.DECODE:

@@ -41,6 +41,7 @@ merge would cost more than it saves.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -107,7 +108,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def __init__(self, ctx: AttentionContext) -> None:
         super().__init__(ctx)
-        from rxf.plugins.attention.triton.decode import decode_attention, head_block_size
+        from rxf.plugins.attention.triton.decode import DecodeStore, decode_attention, head_block_size
         from rxf.plugins.attention.triton.extend import extend_attention
         from rxf.plugins.attention.triton.store_kv import rope_store_kv, store_kv
 
@@ -115,6 +116,13 @@ class TritonAttnBackend(AttentionBackend):
         self._decode_attention = decode_attention
         self._store = store_kv
         self._rope_store = rope_store_kv
+        self._decode_store = DecodeStore
+        # RXF_DECODE_STORE=fused: decode stores the new K/V inside the attention launch (one launch a
+        # layer fewer; `decode.DecodeStore`). A row then stores only its own token before it attends,
+        # so decode rows can no longer carry a speculative verify (`verifies_as_decode`).
+        self.fused_decode_store = os.environ.get("RXF_DECODE_STORE", "") == "fused"
+        if self.fused_decode_store:
+            self.verifies_as_decode = False
         group = ctx.num_heads // ctx.num_kv_heads
         self._programs_per_split = ctx.num_kv_heads * _cdiv(group, head_block_size(group))
         sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count if (
@@ -254,13 +262,19 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         meta = self._decode
         assert meta is not None, "init_forward_metadata was not called for this batch"
-        k_buf, v_buf = self._store_kv(layer, batch, q, k, v, rotary)
+        store = None
+        if self.fused_decode_store:
+            k_buf, v_buf = batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            rope = None if rotary is None else (batch.positions, rotary.cos_sin_cache)
+            store = self._decode_store(k, v, batch.out_cache_loc, rope, getattr(rotary, "head_norm", None))
+        else:
+            k_buf, v_buf = self._store_kv(layer, batch, q, k, v, rotary)
         out = q.new_empty(q.shape)
         self._decode_attention(
             q, k_buf, v_buf, out, batch.req_to_token_pool.req_to_token, batch.req_pool_indices,
             batch.seq_lens, meta.num_kv_splits, meta.grid_splits, meta.mid_o, meta.mid_lse, meta.counters,
             layer.scaling,
             sliding_window=layer.sliding_window, logit_cap=layer.logit_cap, sinks=layer.sinks,
-            min_split_len=self.min_split_len, k_scale=layer.k_scale, v_scale=layer.v_scale,
+            min_split_len=self.min_split_len, k_scale=layer.k_scale, v_scale=layer.v_scale, store=store,
         )
         return out

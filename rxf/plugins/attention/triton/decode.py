@@ -36,16 +36,29 @@ into the score scale and v_scale into each chunk's normalised output, so the mer
 already scaled.
 
 LSEs are in base 2 (scores carry the log2(e) factor, as in extend.py); accumulation is fp32.
+
+STORE (`DecodeStore`, the backend's `RXF_DECODE_STORE=fused`): the launch also does store_kv.py's work
+for its batch, one launch a layer fewer. The program whose chunk holds its request's new token (the
+last non-empty chunk; split 0 when seq_len is 0) writes that token's k (rotated, head-normalised) and
+v to the pool at loc[b], then a CTA barrier orders those stores before its own reads of the slot
+(other chunks never read it; the head blocks of that chunk each store the same bytes). Every program
+rotates its query heads itself from the unrotated q. A row stores only its own token: rows that attend
+over one another's new tokens (a speculative verify) need the separate store.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from rxf.core.attention import HeadNorm
+from rxf.core.kv_pool import is_fp8
 from rxf.core.runner.pdl import use_pdl
 from rxf.plugins.attention.triton.extend import attend_pool, feature_args, kv_scale_args, kv_scales
+from rxf.plugins.attention.triton.store_kv import _head_normed, _to_pool
 
 _M_INIT = -1.0e30  # finite running-max start: fully masked steps give weights 0, never NaN
 
@@ -89,15 +102,64 @@ def _merge(m_i, l_i, acc, lse, o):
 
 
 @triton.jit
+def _rope_normed(x, xp, first, cos, sin, inv, w, wp, dtype, HEAD_NORM: tl.constexpr):
+    """Head vectors x (float32, [..., BLOCK_D]) rotated (NeoX rotate-half) given xp, each lane's partner
+    in the other half, and `first` (the lanes of the first half), head-normalised first (HEAD_NORM,
+    `inv` its rsqrt of the mean square, w / wp the weights at the lanes and the partners): the
+    expressions and roundings of `store_kv._store_kv_kernel`, so both write the same bits."""
+    if HEAD_NORM:
+        x = _head_normed(x, inv, w, dtype)
+        xp = _head_normed(xp, inv, wp, dtype)
+    return tl.where(first, x * cos - xp * sin, x * cos + xp * sin)
+
+
+@triton.jit
+def _store_new_kv(KNew, VNew, KBuf, VBuf, Loc, Positions, CosSin, KNormW, KScale, VScale, req, kv_head, norm_eps,
+                  stride_kn, stride_kh, stride_vn, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+                  stride_cs, offs_d, partner, first, mask_d, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                  ROTATE: tl.constexpr, HEAD_NORM: tl.constexpr, KV_FP8: tl.constexpr, FMAX: tl.constexpr):
+    """Request `req`'s new k (rotated by its position, ROTATE; head-normalised first, HEAD_NORM) and v
+    for `kv_head` into the pool at Loc[req], as `store_kv.rope_store_kv` would store them."""
+    slot = tl.load(Loc + req).to(tl.int64)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(KScale)
+        v_scale = tl.load(VScale)
+    k_row = KNew + req * stride_kn + kv_head * stride_kh
+    k = tl.load(k_row + offs_d, mask=mask_d, other=0.0)
+    if ROTATE:
+        pos = tl.load(Positions + req).to(tl.int64)
+        cos = tl.load(CosSin + pos * stride_cs + offs_d % HALF, mask=mask_d, other=0.0)
+        sin = tl.load(CosSin + pos * stride_cs + HALF + offs_d % HALF, mask=mask_d, other=0.0)
+        kf = k.to(tl.float32)
+        inv = 1.0
+        if HEAD_NORM:
+            inv = tl.math.rsqrt(tl.sum(kf * kf, axis=0) / HEAD_DIM + norm_eps)
+        k = _rope_normed(kf, tl.load(k_row + partner, mask=mask_d, other=0.0).to(tl.float32), first, cos, sin, inv,
+                         tl.load(KNormW + offs_d, mask=mask_d, other=0.0).to(tl.float32),
+                         tl.load(KNormW + partner, mask=mask_d, other=0.0).to(tl.float32), KNew.dtype.element_ty,
+                         HEAD_NORM)
+    tl.store(KBuf + slot * stride_kbs + kv_head * stride_kbh + offs_d,
+             _to_pool(k, k_scale, KBuf.dtype.element_ty, FMAX, KV_FP8), mask=mask_d)
+    v = tl.load(VNew + req * stride_vn + kv_head * stride_vh + offs_d, mask=mask_d, other=0.0)
+    tl.store(VBuf + slot * stride_vbs + kv_head * stride_vbh + offs_d,
+             _to_pool(v, v_scale, VBuf.dtype.element_ty, FMAX, KV_FP8), mask=mask_d)
+
+
+@triton.jit
 def _decode_kernel(
     Q, KBuf, VBuf, ReqToToken, req_pool_indices, seq_lens, num_kv_splits, MidO, MidLse, Counters, Out, QRows,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     qk_scale, cap_log2, window, min_split_len, KScale, VScale, Sinks,
+    KNew, VNew, Loc, Positions, CosSin, QNormW, KNormW, norm_eps, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_cs,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, M_INIT: tl.constexpr,
     IEEE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr, HAS_Q_ROWS: tl.constexpr, PDL: tl.constexpr,
+    STORE: tl.constexpr, ROTATE: tl.constexpr, HEAD_NORM: tl.constexpr, FMAX: tl.constexpr,
 ):
     if PDL:  # the previous kernel writes this one's inputs (rxf/core/runner/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
@@ -119,8 +181,21 @@ def _decode_kernel(
     mask_h = in_group < GROUP  # BLOCK_H is at least 16 (tl.dot's minimum), so rows may be padding
     heads = kv_head * GROUP + in_group
     offs_d = tl.arange(0, BLOCK_D)
-    mask_hd = mask_h[:, None] & (offs_d < HEAD_DIM)[None, :]
+    mask_d = offs_d < HEAD_DIM
+    mask_hd = mask_h[:, None] & mask_d[None, :]
     out_ptrs = Out + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    half = HEAD_DIM // 2
+    partner = (offs_d + half) % HEAD_DIM  # the lane a rotation pairs with each lane
+    first = offs_d < half
+    if STORE:  # the chunk that holds the new token (split 0 for seq_len 0) stores it first
+        if split == tl.maximum(non_empty - 1, 0):
+            _store_new_kv(KNew, VNew, KBuf, VBuf, Loc, Positions, CosSin, KNormW, KScale, VScale, req, kv_head,
+                          norm_eps, stride_kn, stride_kh, stride_vn, stride_vh, stride_kbs, stride_kbh, stride_vbs,
+                          stride_vbh, stride_cs, offs_d, partner, first, mask_d, HEAD_DIM, half, ROTATE, HEAD_NORM,
+                          KV_FP8, FMAX)
+            # The stores precede this program's own reads of the slot (a CTA barrier orders global
+            # memory within the block); other head blocks of the chunk store the same bytes themselves.
+            tl.debug_barrier()
     if start >= end:
         if non_empty == 0 and split == 0:  # seq_len 0: no chunk at all, the output is zeros
             tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(Out.dtype.element_ty), mask=mask_hd)
@@ -129,7 +204,21 @@ def _decode_kernel(
 
     offs_n = tl.arange(0, BLOCK_N)
     row_base = ReqToToken + tl.load(req_pool_indices + req).to(tl.int64) * stride_r2t
-    q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_hd, other=0.0)
+    q_rows = Q + row * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=mask_hd, other=0.0)
+    if ROTATE:  # the query heads as the store kernel would have rotated them (rounded to q's dtype)
+        pos = tl.load(Positions + req).to(tl.int64)
+        cos = tl.load(CosSin + pos * stride_cs + offs_d % half, mask=mask_d, other=0.0)[None, :]
+        sin = tl.load(CosSin + pos * stride_cs + half + offs_d % half, mask=mask_d, other=0.0)[None, :]
+        qf = q.to(tl.float32)
+        inv = tl.full([BLOCK_H, 1], 1.0, tl.float32)
+        if HEAD_NORM:
+            inv = tl.math.rsqrt(tl.sum(qf * qf, axis=1) / HEAD_DIM + norm_eps)[:, None]
+        q = _rope_normed(qf, tl.load(q_rows + partner[None, :], mask=mask_hd, other=0.0).to(tl.float32),
+                         first[None, :], cos, sin, inv,
+                         tl.load(QNormW + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :],
+                         tl.load(QNormW + partner, mask=mask_d, other=0.0).to(tl.float32)[None, :],
+                         Q.dtype.element_ty, HEAD_NORM).to(Q.dtype.element_ty)
     m_i = tl.full([BLOCK_H], M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -207,6 +296,7 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     q_rows: torch.Tensor | None = None,
+    store: DecodeStore | None = None,
 ) -> None:
     """Write into `out` [bs, H, D] the attention of q [bs, H, D] (one new token per request) over
     request b's keys req_to_token[req_pool_indices[b], 0:seq_lens[b]] in the pool. With `q_rows`
@@ -221,7 +311,8 @@ def decode_attention(
     replayed from a CUDA graph. block_h / block_n override the tuned sizes (powers of two, at least 16).
     The optional features are the layer's (`rxf.core.attention.AttentionLayer`); with a window a
     request uses at most cdiv(min(seq_len, window), min_split_len) of its chunks. k_scale / v_scale
-    are the layer's too, needed by an FP8 pool.
+    are the layer's too, needed by an FP8 pool. `store` (not with q_rows): the launch first stores the
+    new tokens' K/V itself and takes q unrotated (`DecodeStore`).
     """
     _, num_heads, head_dim = q.shape
     bs = q.shape[0] if q_rows is None else q_rows.shape[0]
@@ -239,6 +330,7 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     features = feature_args(scaling, sliding_window, logit_cap, sinks, q)
     scales = kv_scale_args(k_buf, k_scale, v_scale, q)
+    new = _store_args(store, q, k_buf, q_rows)
     pdl = use_pdl(q)
     _decode_kernel[(bs, num_kv_heads * head_blocks, grid_splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits, mid_o, mid_lse, counters, out,
@@ -248,13 +340,53 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         features["qk_scale"], features["cap_log2"], features["window"], min_split_len,
-        scales["KScale"], scales["VScale"], features["Sinks"],
+        scales["KScale"], scales["VScale"], features["Sinks"], *new["args"],
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n or _block_n(head_dim), BLOCK_D=block_d, M_INIT=_M_INIT,
         IEEE=q.dtype == torch.float32, HAS_WINDOW=features["HAS_WINDOW"], HAS_CAP=features["HAS_CAP"],
         HAS_SINKS=features["HAS_SINKS"], KV_FP8=scales["KV_FP8"], HAS_Q_ROWS=q_rows is not None, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        **new["constexprs"], num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
+
+
+class DecodeStore(NamedTuple):
+    """What the decode launch needs to store the batch's new tokens itself, one launch per layer instead
+    of the rope + K/V store's and this one's: k and v `[bs, kv_heads, head_dim]` (last dimension
+    contiguous), `loc` [bs] their pool slots; `rope` (positions [bs], float32 cos | sin table
+    `[max_position, head_dim]`) or None for no rotation; `head_norm` (with rope only) Qwen3's per-head
+    norms. Every program whose chunk holds its request's new token (the last chunk; split 0 for a
+    request of seq_len 0) stores it, as `store_kv.rope_store_kv` would, before reading the pool;
+    every program rotates (and normalises) its query heads itself. Unlike `rope_store_kv` it writes
+    neither q nor k back."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    loc: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    head_norm: HeadNorm | None = None
+
+
+def _store_args(store: DecodeStore | None, q: torch.Tensor, k_buf: torch.Tensor, q_rows: torch.Tensor | None):
+    """The kernel's arguments for `store` (placeholders, never read, without one)."""
+    if store is None:
+        return {"args": (q, q, q, q, q, q, q, 0.0, 0, 0, 0, 0, 0),
+                "constexprs": {"STORE": False, "ROTATE": False, "HEAD_NORM": False, "FMAX": 0.0}}
+    assert q_rows is None, "the store is for decode batches, one new token per row of q"
+    k, v = store.k, store.v
+    assert k.shape == v.shape == (q.shape[0], k_buf.shape[1], q.shape[2]), "k and v: [bs, kv_heads, head_dim]"
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and q.shape[2] % 2 == 0
+    positions, cos_sin = store.rope if store.rope is not None else (store.loc, q)
+    if store.rope is not None:
+        assert cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == q.shape[2] and cos_sin.stride(-1) == 1
+    norm = store.head_norm
+    assert norm is None or store.rope is not None, "head norms come with the rotation only"
+    quant = is_fp8(k_buf.dtype)
+    return {
+        "args": (k, v, store.loc, positions, cos_sin, norm.q_weight if norm else q, norm.k_weight if norm else q,
+                 norm.eps if norm else 0.0, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0)),
+        "constexprs": {"STORE": True, "ROTATE": store.rope is not None, "HEAD_NORM": norm is not None,
+                       "FMAX": torch.finfo(k_buf.dtype).max if quant else 0.0},
+    }
 
 
 def counters_needed(bs: int, num_heads: int, num_kv_heads: int) -> int:
