@@ -215,7 +215,12 @@ def test_decode_with_its_own_store_matches_the_store_then_decode(kind: str, pdl:
     kv_dtype = torch.float8_e4m3fn if kind == "fp8" else DTYPE
     scales = (torch.tensor(2.0, device=DEV), torch.tensor(0.5, device=DEV)) if kind == "fp8" else (None, None)
     seq_lens = torch.tensor([1, 0, 4000, 129, 2048, 7], dtype=torch.int32, device=DEV)
-    req_to_token = (torch.randperm(NUM_SLOTS - 1, device=DEV)[: bs * MAX_CONTEXT] + 1).to(torch.int32).view(bs, -1)
+    req_to_token = torch.zeros(bs, MAX_CONTEXT, dtype=torch.int32, device=DEV)
+    slots = (torch.randperm(NUM_SLOTS - 1, device=DEV) + 1).to(torch.int32)  # distinct, as the pool gives them
+    used = 0
+    for b, n in enumerate(seq_lens.tolist()):
+        req_to_token[b, : max(n, 1)] = slots[used : used + max(n, 1)]
+        used += max(n, 1)
     rows = torch.arange(bs, device=DEV)
     loc = req_to_token[rows, (seq_lens.long() - 1).clamp(min=0)].long()
     positions = (seq_lens.long() - 1).clamp(min=0)
