@@ -180,7 +180,7 @@ elif [ "$stage" = quant ]; then
     --phases build,bandwidth,decode1 --backends triton --output "$out/q-decode1.json" > "$out/q-decode1.log" 2>&1
   echo "decode1: rc $?"; grep -E "^decode1 triton|copy bandwidth" "$out/q-decode1.log"
   VARIANT_ARGS="--random-weights --quantization fp8" VARIANT_LIMIT_S=${Q_ONLINE_S:-60} \
-    bash benchmarks/gpu_session.sh variants llama3-8b "RXF_SESSION_STAGE=quant" | grep decode1
+    bash benchmarks/gpu_session.sh variants llama3-8b "RXF_QGEMV=${RXF_QGEMV:-}" | grep decode1
   timeout "${Q_KV_S:-170}" python3 benchmarks/gpu_decode.py --preset llama3-8b --phases kvcache --backends triton \
     --output "$out/q-kvcache.json" > "$out/q-kvcache.log" 2>&1
   echo "kvcache: rc $?"; grep -E "^(auto|fp8_e4m3) " "$out/q-kvcache.log"

@@ -61,7 +61,7 @@ from rxf.core.attention import HeadNorm
 from rxf.core.kv_pool import is_fp8
 from rxf.core.runner.pdl import use_pdl
 from rxf.plugins.attention.triton.extend import attend_pool, feature_args, kv_scale_args, kv_scales
-from rxf.plugins.attention.triton.store_kv import _head_normed, _to_pool
+from rxf.plugins.attention.triton.store_kv import _head_normed, _to_pool, pool_scales
 
 _M_INIT = -1.0e30  # finite running-max start: fully masked steps give weights 0, never NaN
 
@@ -124,11 +124,7 @@ def _store_new_kv(KNew, VNew, KBuf, VBuf, Loc, Positions, CosSin, KNormW, KScale
     """Request `req`'s new k (rotated by its position, ROTATE; head-normalised first, HEAD_NORM) and v
     for `kv_head` into the pool at Loc[req], as `store_kv.rope_store_kv` would store them."""
     slot = tl.load(Loc + req).to(tl.int64)
-    k_scale = 1.0
-    v_scale = 1.0
-    if KV_FP8:
-        k_scale = tl.load(KScale)
-        v_scale = tl.load(VScale)
+    k_scale, v_scale = pool_scales(KScale, VScale, KV_FP8)
     k_row = KNew + req * stride_kn + kv_head * stride_kh
     k = tl.load(k_row + offs_d, mask=mask_d, other=0.0)
     if ROTATE:

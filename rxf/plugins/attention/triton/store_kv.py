@@ -58,6 +58,17 @@ def _to_pool(x, scale, dtype, FMAX: tl.constexpr, QUANT: tl.constexpr):
 
 
 @triton.jit
+def pool_scales(KScale, VScale, QUANT: tl.constexpr):
+    """(k_scale, v_scale) an FP8 pool stores with (the layer's float32 0-d tensors); 1.0 otherwise."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if QUANT:
+        k_scale = tl.load(KScale)
+        v_scale = tl.load(VScale)
+    return k_scale, v_scale
+
+
+@triton.jit
 def _store_kv_kernel(
     Q, QOut, K, V, KBuf, VBuf, Loc, Positions, CosSin, KScale, VScale, QNormW, KNormW, norm_eps,
     stride_qn, stride_qh, stride_qon, stride_qoh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -71,11 +82,7 @@ def _store_kv_kernel(
     i = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(Loc + i).to(tl.int64)
-    k_scale = 1.0
-    v_scale = 1.0
-    if QUANT:
-        k_scale = tl.load(KScale)
-        v_scale = tl.load(VScale)
+    k_scale, v_scale = pool_scales(KScale, VScale, QUANT)
     kb_ty = KBuf.dtype.element_ty
     vb_ty = VBuf.dtype.element_ty
     offs = tl.arange(0, BLOCK_HALF)
