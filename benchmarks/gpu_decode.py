@@ -662,8 +662,9 @@ def kernels_phase(p: Preset, backends: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- offline (Runtime)
-def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "", profile_dir: Path | None = None) -> None:
-    """`profile_dir`: the timed run is profiled step by step (`Runtime.start_profile`: two CUDA events
+def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "", profile_dir: Path | None = None,
+                  kv_dtype: str = "auto") -> None:
+    """`kv_dtype`: the KV pool's (`cache.kv_dtype`; figures then tagged `_kv<dtype>`). `profile_dir`: the timed run is profiled step by step (`Runtime.start_profile`: two CUDA events
     a step), and a second run of n // 4 requests afterwards traces the kernels of two windows (10
     steps from 2 s in, 40 from 8 s in: prefill and decode) into the same folder."""
     from rxf.entrypoints.runtime import Runtime
@@ -679,6 +680,7 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "
         "runtime": runtime,
         "attention": {"backend": backend},
         "scheduler": {"max_running_requests": 256, "max_prefill_tokens": 16384},
+        "cache": {"kv_dtype": kv_dtype},
     }) as rt:
         started = time.perf_counter() - start
         rt.generate(input_ids=prompts[:8], sampling_params=params)  # warm-up
@@ -696,7 +698,8 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "
             rt.generate(input_ids=prompts[: n // 4], sampling_params=params)
     out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     in_tokens = sum(map(len, prompts))
-    RESULTS[f"offline{tag}"] = {"requests": n, "backend": backend, "startup_s": started, "seconds": elapsed,
+    tag += "" if kv_dtype == "auto" else f"_kv{kv_dtype}"
+    RESULTS[f"offline{tag}"] = {"kv_dtype": kv_dtype, "requests": n, "backend": backend, "startup_s": started, "seconds": elapsed,
                                 "req_s": n / elapsed, "output_tok_s": out_tokens / elapsed,
                                 "total_tok_s": (in_tokens + out_tokens) / elapsed}
     print(json.dumps(RESULTS[f"offline{tag}"], indent=1))
@@ -788,6 +791,7 @@ def main() -> None:
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="offline: profile the timed run's steps and trace two kernel windows into this folder")
+    ap.add_argument("--offline-kv-dtype", default="auto", help="offline: the KV pool's dtype (auto, fp8_e4m3)")
     ap.add_argument("--random-weights", action="store_true",
                     help="no checkpoint written: the decode phase draws the weights at load, as for presets too large for the disk")
     ap.add_argument("--quantization", default="bf16",
@@ -843,7 +847,7 @@ def main() -> None:
     if "offline" in phases:
         for name, tag in runs:
             phase(f"offline {name}", lambda n=name, t=tag: offline_phase(
-                p, dirs[n], args.num_requests, backends[-1], t, args.profile_dir))
+                p, dirs[n], args.num_requests, backends[-1], t, args.profile_dir, args.offline_kv_dtype))
     if "hf" in phases:
         phase("hf", lambda: hf_phase(p, model_dir))
     output = args.output or (Path(os.environ["OUT"]) / "gpu_decode.json" if os.environ.get("OUT") else None)

@@ -76,6 +76,28 @@ def test_fp8_gemms_match_the_dequantized_matmul(m, n, k):
     assert _rel(block_scaled_mm(xq, xs, w_q, w_scale, 128, torch.float32), ref) < 1e-3
 
 
+@pytest.mark.parametrize("m", [1, 8, 300])
+@pytest.mark.parametrize(("n", "k"), [*SHAPES, (4160, 4096)])  # 4160: rows not in whole 128-row blocks
+@pytest.mark.parametrize("choice", ["cublas", "cublas-rows"])
+def test_block_fp8_through_cublas_matches_the_dequantized_matmul(m, n, k, choice, monkeypatch):
+    monkeypatch.setenv("RXF_FP8_BLOCK_GEMM", choice)
+    w_q, w_rows = fp8_ops.quantize_rows(torch.randn(n, k, device=CUDA) * 0.02)
+    blocks = (torch.rand(-(-n // 128), k // 128, device=CUDA) + 0.5) * w_rows.mean()
+    w_scale = blocks.repeat_interleave(128, 0)[:n]
+    scale_b = fp8_ops.cublas_block_scales(w_q, w_scale, 128, 128)
+    if torch.cuda.get_device_capability() == (9, 0):  # torch >= 2.9 with CUDA >= 12.9 on Hopper
+        assert scale_b is not None
+    elif scale_b is None:
+        pytest.skip("no block-scaled FP8 in this cuBLAS / PyTorch")
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    out = fp8_ops.block_fp8_linear(x, w_q, w_scale, 128, None, scale_b)
+    xq, xs = fp8_ops.quantize_per_token(x, 128)
+    ref = fp8_ops.dequantize_blocks(xq, xs, 128, torch.float32) @ fp8_ops.dequantize_blocks(
+        w_q, w_scale, 128, torch.float32).t()
+    assert out.shape == (m, n)
+    assert _rel(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("m", [1, 4, 8, 300])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_int4_gemm_matches_the_dequantized_matmul(m, n, k):

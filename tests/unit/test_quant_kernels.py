@@ -25,7 +25,7 @@ from rxf.plugins.quantization.int4 import Int4Weights, pack_int32  # noqa: E402
 from rxf.plugins.quantization.int4_kernel import int4_linear  # noqa: E402
 
 
-@pytest.mark.parametrize(("m", "k", "group"), [(3, 256, 128), (2, 200, 64), (1, 96, 96)])
+@pytest.mark.parametrize(("m", "k", "group"), [(3, 256, 128), (2, 200, 64), (1, 96, 96), (2, 4224, 128)])
 def test_activation_quant_kernel_matches_the_torch_path(m, k, group):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
     q, scale = per_token_group_quant(x, group, out_dtype=torch.float32)
@@ -33,6 +33,17 @@ def test_activation_quant_kernel_matches_the_torch_path(m, k, group):
     torch.testing.assert_close(scale, ref_scale)
     assert q.abs().max() <= 448
     assert torch.equal(q.to(torch.float8_e4m3fn).float(), ref_q.float())
+
+
+def test_activation_quant_kernel_pads_rows_and_stores_scales_column_major():
+    # cuBLAS's block-scaled GEMM reads the scales as [groups, rows'] with rows' a multiple of 4.
+    x = torch.randn(5, 384, generator=torch.Generator().manual_seed(5))
+    q, scale = per_token_group_quant(x, 128, out_dtype=torch.float32, pad_rows=4, column_major=True)
+    ref_q, ref_scale = fp8_ops.quantize_per_token(x, 128)
+    assert q.shape == (8, 384) and scale.shape == (8, 3) and scale.stride() == (1, 8)
+    torch.testing.assert_close(scale[:5], ref_scale)
+    assert torch.equal(q[:5].to(torch.float8_e4m3fn).float(), ref_q.float())
+    assert torch.equal(q[5:], torch.zeros(3, 384)) and bool(torch.isfinite(scale[5:]).all())
 
 
 @pytest.mark.parametrize(("m", "n", "k", "block_k"), [(1, 96, 256, 128), (5, 64, 200, 64), (20, 130, 128, 128)])

@@ -95,13 +95,15 @@ class Fp8Method(LinearMethod):
             become_dense(layer, dense, ("weight", "weight_scale_inv"))
             return
         layer.qgemv = qgemv.fp8_blocks(layer, self.block_n, self.block_k)
+        layer.cublas_scale = fp8_ops.cublas_block_scales(
+            layer.weight.data, layer.weight_scale_inv.data, self.block_n, self.block_k)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.qgemv is not None and layer.qgemv.takes(x):  # decode batches: weight-only FP8 GEMV
             return layer.qgemv(x, bias)
         if self.online:
             return fp8_ops.scaled_mm_rows(x, layer.weight, layer.weight_scale, None, bias)
-        return fp8_ops.block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block_k, bias)
+        return fp8_ops.block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block_k, bias, layer.cublas_scale)
 
     def apply_experts(
         self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -1,19 +1,17 @@
 """Triton kernels of FP8 linear layers on CUDA: dynamic activation quantization and the block-scaled GEMM.
 
-`per_token_group_quant(x, group)`: one program per (row, group of `group` columns) takes the
-group's absolute max, writes `x / scale` in FP8 and the float32 scale (`amax / 448`); group = K is
-per-token quantization (`torch._scaled_mm`'s `[M, 1]` scales).
+`per_token_group_quant(x, group)`: one program per row and run of groups (a tile of ~4096 inputs)
+takes each group's absolute max, writes `x / scale` in FP8 and the float32 scale (`amax / 448`);
+group = K is per-token quantization (`torch._scaled_mm`'s `[M, 1]` scales). It can pad the rows and
+store the scales column-major, as cuBLAS's block-scaled GEMM reads them (`fp8_ops.block_fp8_linear`).
 
 `block_scaled_mm(a, a_scale, b, b_scale, block_k, out_dtype)`: `out[m, n] = sum_j (a[m, Kj] .
 b[n, Kj]) * a_scale[m, j] * b_scale[n, j]` over the K blocks Kj of `block_k` inputs, each block's
 dot product accumulated in float32 then scaled (the scales change per block, so they cannot move
 out of the sum). `b_scale` has one row per output row (`fp8_ops`). The kernel is written for any
 input dtype: the tests run it under the Triton interpreter with float16 stand-ins holding FP8
-values (the interpreter has no FP8 dot).
-
-FlashInfer 0.6 ships `gemm_fp8_nt_groupwise` / `gemm_fp8_nt_blockscaled` for Blackwell only; its
-`fp8_blockscale_gemm_sm90` (newer releases) would serve the H200 but wants `[N / 128, K / 128]`
-scales and K, N multiples of 128, so rxf keeps its own kernel, which takes any shape.
+values (the interpreter has no FP8 dot). On Hopper, cuBLAS's block scaling (`torch._scaled_mm`)
+serves 128-wide blocks instead; this kernel takes any other block shape.
 """
 
 from __future__ import annotations
@@ -26,33 +24,51 @@ FP8_MAX = tl.constexpr(448.0)  # a global read inside kernels must be a constexp
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, n_groups, GROUP: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s_row, stride_s_group, n_groups,
+                        GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    # One program: GROUPS consecutive groups of one row, a [GROUPS, GROUP_BLOCK] tile. Rows at or past
+    # M (padding) read zeros: their codes are 0 and their scales the floor's, finite.
     row = tl.program_id(0)
-    g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, BLOCK)
-    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    c = tl.arange(0, GROUP_BLOCK)
+    cols = g[:, None] * GROUP + c[None, :]
+    in_row = (c[None, :] < GROUP) & (cols < K)
+    real = (cols * 0 + row) < M  # a tensor: the interpreter takes no scalar in a mask
+    x = tl.load(x_ptr + row * stride_x + cols, mask=in_row & real, other=0.0).to(tl.float32)
     # IEEE divisions (div_rn), as torch divides: Triton's `/` is approximate and moved some values
     # across a rounding boundary of the FP8 grid on the H200.
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX)
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * n_groups + g, scale)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=in_row)
+    tl.store(s_ptr + row * stride_s_row + g * stride_s_group, scale, mask=g < n_groups)
+
+
+_QUANT_TILE = 4096  # elements a program quantizes (at least one group): [groups, group] per row
 
 
 def per_token_group_quant(
-    x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn
+    x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn, *, pad_rows: int = 1,
+    column_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(quantized `x` `[M, K]` in `out_dtype`, float32 scales `[M, ceil(K / group)]`)."""
+    """(quantized `x` `[M', K]` in `out_dtype`, float32 scales `[M', ceil(K / group)]`) with M' = M
+    rounded up to `pad_rows` (padding rows: zeros, tiny scales). `column_major`: the scales' storage
+    is `[groups, M']` (stride 1 along rows), the layout cuBLAS's 1 x 128 block scaling reads."""
     m, k = x.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
+    rows = -(-m // pad_rows) * pad_rows
     n_groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=out_dtype, device=x.device)
-    scale = torch.empty(m, n_groups, dtype=torch.float32, device=x.device)
-    if m:
-        _group_quant_kernel[(m, n_groups)](x, q, scale, k, x.stride(0), q.stride(0), n_groups, GROUP=group,
-                                           BLOCK=triton.next_power_of_2(group))
+    q = torch.empty(rows, k, dtype=out_dtype, device=x.device)
+    if column_major:
+        scale = torch.empty(n_groups, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
+    if rows:
+        group_block = triton.next_power_of_2(group)
+        groups = min(max(1, _QUANT_TILE // group_block), triton.next_power_of_2(n_groups))
+        _group_quant_kernel[(rows, triton.cdiv(n_groups, groups))](
+            x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), n_groups,
+            GROUP=group, GROUP_BLOCK=group_block, GROUPS=groups, num_warps=8 if groups * group_block > 4096 else 4,
+        )
     return q, scale
 
 

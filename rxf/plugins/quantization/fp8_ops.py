@@ -7,14 +7,21 @@ Scales multiply: `w = w_fp8.float() * scale`. Two weight layouts:
       projections whose sizes are not multiples of bn still hold one row of scales per output row.
 Activations are quantized when the layer runs: per token (`[M, 1]` scales) for the per-row layout,
 per token and group of bk inputs (`[M, ceil(K / bk)]`) for the block layout, or with a static
-per-tensor scale (a checkpoint's `input_scale`). On CUDA the matmuls run in FP8 (`torch._scaled_mm`,
-or the block-scaled Triton GEMM of `fp8_kernels.py`); elsewhere layers dequantize at load instead.
+per-tensor scale (a checkpoint's `input_scale`). On CUDA the matmuls run in FP8: `torch._scaled_mm`
+(per-row scales: CUTLASS; 128-wide blocks: cuBLAS's block scaling, CUDA >= 12.9 on Hopper), or the
+block-scaled Triton GEMM of `fp8_kernels.py` for block shapes cuBLAS does not take; elsewhere layers
+dequantize at load instead.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -74,16 +81,74 @@ def scaled_mm_rows(
     return out.reshape(*shape[:-1], w.shape[0])
 
 
+CUBLAS_BLOCK = 128  # cuBLAS's block scaling: 1 x 128 activation groups, 128 x 128 or 1 x 128 weight blocks
+# RXF_FP8_BLOCK_GEMM: "cublas" (default: 128 x 128 weight blocks where each block's rows share their
+# scales, else a scale per row and block), "cublas-rows" (always per row), "triton" (rxf's kernel).
+_GEMM_CHOICES = ("cublas", "cublas-rows", "triton")
+_cublas_works: dict[tuple[str, bool], bool] = {}
+
+
+def cublas_block_scales(w: torch.Tensor, w_scale: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor | None:
+    """The `scale_b` that lets `torch._scaled_mm` (cuBLAS) compute `block_fp8_linear` over `w` `[N, K]`
+    with per-row block scales `w_scale` `[N, K / 128]`, or None where the Triton GEMM must serve: blocks
+    of K other than 128, K not a multiple of 128 or N of 16 (cuBLAS's FP8 alignment), a PyTorch or
+    cuBLAS without block scaling (probed once a device), or `RXF_FP8_BLOCK_GEMM=triton`."""
+    choice = os.environ.get("RXF_FP8_BLOCK_GEMM", "cublas")
+    if choice not in _GEMM_CHOICES:
+        raise ValueError(f"RXF_FP8_BLOCK_GEMM={choice!r}: expected one of {', '.join(_GEMM_CHOICES)}")
+    n, k = w.shape
+    if choice == "triton" or block_k != CUBLAS_BLOCK or k % CUBLAS_BLOCK or n % 16 or not w.is_cuda:
+        return None
+    kb = k // CUBLAS_BLOCK
+    blocks = None
+    if choice == "cublas" and block_n == CUBLAS_BLOCK and n % CUBLAS_BLOCK == 0 and kb % 4 == 0:
+        grouped = w_scale.view(n // CUBLAS_BLOCK, CUBLAS_BLOCK, kb)
+        if torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+            blocks = grouped[:, 0].contiguous()  # [N / 128, K / 128]
+    # torch._scaled_mm reads mat_b = w.T [K, N]; its scale_b.T must be [N / 128, K / 128] row-major
+    # (128 x 128 blocks) or [N, K / 128] with stride 1 along N (a scale per row and block).
+    scale_b = blocks.t() if blocks is not None else w_scale.t().contiguous()
+    key = (str(w.device), blocks is not None)
+    if key not in _cublas_works:
+        _cublas_works[key] = _probe(w.device, blocks is not None)
+    return scale_b if _cublas_works[key] else None
+
+
+def _probe(device: torch.device, square_blocks: bool) -> bool:
+    """Whether this PyTorch and cuBLAS run the block-scaled FP8 GEMM on `device` (an error otherwise)."""
+    m, n, k = 4, 256, 256
+    a = torch.zeros(m, k, device=device).to(FP8)
+    b = torch.zeros(n, k, device=device).to(FP8)
+    scale_a = torch.ones(k // CUBLAS_BLOCK, m, device=device).t()
+    rows = n // CUBLAS_BLOCK if square_blocks else n
+    scale_b = torch.ones(rows, k // CUBLAS_BLOCK, device=device).t() if square_blocks else \
+        torch.ones(k // CUBLAS_BLOCK, n, device=device)
+    try:
+        torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    except (RuntimeError, ValueError) as exc:
+        logger.info("block-scaled FP8 through torch._scaled_mm unavailable (%s); the Triton GEMM serves", exc)
+        return False
+    return True
+
+
 def block_fp8_linear(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_k: int, bias: torch.Tensor | None
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_k: int, bias: torch.Tensor | None,
+    cublas_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ dequant(w).T + bias` for block-scaled FP8 `w` on CUDA: activations quantized per token
-    and group of `block_k`, then the block-scaled Triton GEMM."""
-    from rxf.plugins.quantization.fp8_kernels import block_scaled_mm
+    and group of `block_k`, then cuBLAS's block-scaled GEMM given `cublas_scale`
+    (`cublas_block_scales`), else the Triton GEMM."""
+    from rxf.plugins.quantization.fp8_kernels import block_scaled_mm, per_token_group_quant
 
     shape = x.shape
-    xq, xs = quantize_per_token(x.reshape(-1, shape[-1]), block_k)
-    out = block_scaled_mm(xq, xs, w, w_scale, block_k, x.dtype)
+    x2 = x.reshape(-1, shape[-1])
+    if cublas_scale is not None:
+        # cuBLAS wants the activation scales' leading dimension (rows) a multiple of 4 (16 bytes).
+        xq, xs = per_token_group_quant(x2, block_k, pad_rows=4, column_major=True)
+        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=cublas_scale, out_dtype=x.dtype)[: x2.shape[0]]
+    else:
+        xq, xs = quantize_per_token(x2, block_k)
+        out = block_scaled_mm(xq, xs, w, w_scale, block_k, x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], w.shape[0])
