@@ -84,6 +84,24 @@ class QuantizationMethod:
         """The module's `x @ W.T + bias` (the linear layers route their matmul here)."""
         raise NotImplementedError
 
+    def apply_gated(
+        self, module: nn.Module, x: torch.Tensor, act: nn.Module, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """`apply(module, act(x), bias)` for a gated activation `act` over `x` = `[gate | up]` (an MLP's
+        down projection), with `act` folded into the method's own pass over its input (a method that
+        quantizes activations computes `act` while quantizing); None (the default) where the method
+        has no such path: the layer then runs `act` and `apply`."""
+        return None
+
+    def apply_normed(
+        self, module: nn.Module, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(`apply(module, norm(h + residual), bias)`, `h + residual`) for the projection that opens a
+        pre-norm block (qkv, gate/up), with the residual add and the norm folded into the method's own
+        pass over its input; the sum is written into `residual` (the norms' in-place contract). None
+        (the default) where the method has no such path: the norm then runs as its own launch."""
+        return None
+
     def apply_experts(
         self, module: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:

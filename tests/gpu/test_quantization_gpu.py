@@ -98,6 +98,24 @@ def test_block_fp8_through_cublas_matches_the_dequantized_matmul(m, n, k, choice
     assert _rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("m", [16, 300])
+def test_fp8_down_projection_computes_silu_mul_inside_its_quantization(m):
+    from rxf.plugins.models.layers.activation import SiluAndMul
+
+    n, k = 4096, 14336
+    w_q, w_rows = fp8_ops.quantize_rows(torch.randn(n, k, device=CUDA) * 0.02)
+    w_scale = ((torch.rand(n // 128, k // 128, device=CUDA) + 0.5) * w_rows.mean()).repeat_interleave(128, 0)
+    x = torch.randn(m, 2 * k, device=CUDA, dtype=torch.bfloat16) * 2
+    h = SiluAndMul()(x)
+    # The same FP8 codes as quantizing SiluAndMul's output, but for a last-bit difference of its exp
+    # now and then (Triton's against FlashInfer's): the products agree to far below FP8's rounding.
+    for cublas in (None, fp8_ops.cublas_block_scales(w_q, w_scale, 128, 128)):
+        fused = fp8_ops.block_fp8_linear(x, w_q, w_scale, 128, None, cublas, gated=True)
+        assert _rel(fused, fp8_ops.block_fp8_linear(h, w_q, w_scale, 128, None, cublas).float()) < 1e-3
+    fused = fp8_ops.scaled_mm_rows(x, w_q, w_rows, None, None, gated=True)
+    assert _rel(fused, fp8_ops.scaled_mm_rows(h, w_q, w_rows, None, None).float()) < 1e-3
+
+
 @pytest.mark.parametrize("m", [1, 4, 8, 300])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_int4_gemm_matches_the_dequantized_matmul(m, n, k):
@@ -136,3 +154,38 @@ def test_quantized_checkpoint_on_cuda_is_near_its_twin(dense_checkpoint, tmp_pat
     prompts = [[5, 80, 17, 300, 42, 9, 77, 123], [400, 12, 33]]
     for prompt, ours in zip(prompts, harness.prefill_logits(prompts), strict=True):
         assert _rel(ours.cpu(), ref.logits(prompt)) < bound
+
+
+@pytest.mark.parametrize("case", ["fp8", "ct-channel"])
+def test_fused_fp8_inputs_give_the_unfused_logits(dense_checkpoint, tmp_path, case, monkeypatch):
+    # RXF_FP8_FUSED_INPUT=1: SiLU·mul and the pre-norms inside the activation quantization. The codes
+    # are the unfused path's but for a last-bit difference of an exp or rsqrt now and then.
+    fmt, opts, _ = CASES[case]
+    q = quantize_checkpoint(dense_checkpoint, tmp_path / "q", fmt, **opts)
+    prompts = [[5, 80, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23, 42, 99, 100, 3, 7], [400, 12, 33, 2, 9, 1, 60, 61, 62]]
+    config = {"runtime.device": "cuda", "model.dtype": "bfloat16"}
+    unfused = ModelHarness(q, "triton", **config).prefill_logits(prompts)
+    monkeypatch.setenv("RXF_FP8_FUSED_INPUT", "1")
+    fused = ModelHarness(q, "triton", **config).prefill_logits(prompts)
+    for a, b in zip(fused, unfused, strict=True):
+        assert _rel(a, b.float()) < 2e-2
+
+
+@pytest.mark.parametrize("group", [128, None])
+def test_rmsnorm_fp8_quantizes_the_fused_norms_output(group):
+    from rxf.plugins.models.layers.norm import RMSNorm
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm_fp8
+
+    norm = RMSNorm(4096, 1e-5, torch.bfloat16).to(CUDA)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(300, 4096, device=CUDA, dtype=torch.bfloat16)
+    res = torch.randn(300, 4096, device=CUDA, dtype=torch.bfloat16)
+    res_fused = res.clone()
+    q, s = rmsnorm_fp8(x, norm.weight, norm.eps, res_fused, group, pad_rows=4, column_major=True)
+    normed, res_ref = norm(x.clone(), res.clone())  # FlashInfer's fused add + norm, then the quantization
+    assert torch.equal(res_fused, res_ref)
+    ref_q, ref_s = per_token_group_quant(normed, group or 4096)
+    assert torch.allclose(s[:300], ref_s, rtol=1e-2)
+    # Codes dequantized: equal but where an rsqrt's last bit moved the bf16 output a step.
+    deq = fp8_ops.dequantize_blocks(q[:300], s[:300], group or 4096, torch.float32)
+    assert _rel(deq, fp8_ops.dequantize_blocks(ref_q, ref_s, group or 4096, torch.float32)) < 1e-2

@@ -46,6 +46,18 @@ def test_activation_quant_kernel_pads_rows_and_stores_scales_column_major():
     assert torch.equal(q[5:], torch.zeros(3, 384)) and bool(torch.isfinite(scale[5:]).all())
 
 
+@pytest.mark.parametrize(("group", "k"), [(128, 256), (384, 384)])  # 384: one group per row (per token)
+def test_gated_activation_quant_quantizes_silu_mul_output(group, k):
+    # x = [gate | up]: the kernel quantizes SiluAndMul's output, rounded to x's dtype first as the
+    # unfused layer's output would be, so its codes and scales equal the two-step path's.
+    x = (torch.randn(3, 2 * k, generator=torch.Generator().manual_seed(k)) * 4).half()
+    q, scale = per_token_group_quant(x, group, out_dtype=torch.float32, gated=True)
+    gate, up = x.float().chunk(2, dim=-1)
+    ref_q, ref_scale = fp8_ops.quantize_per_token((torch.nn.functional.silu(gate) * up).half(), group)
+    torch.testing.assert_close(scale, ref_scale)
+    assert torch.equal(q.to(torch.float8_e4m3fn).float(), ref_q.float())
+
+
 @pytest.mark.parametrize(("m", "n", "k", "block_k"), [(1, 96, 256, 128), (5, 64, 200, 64), (20, 130, 128, 128)])
 def test_block_scaled_gemm_matches_the_dequantized_matmul(m, n, k, block_k):
     gen = torch.Generator().manual_seed(m * n)

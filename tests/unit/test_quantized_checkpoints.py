@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from rxf.core.hookspecs import hookimpl
 from rxf.core.registry import PluginRegistry
+from rxf.plugins.quantization.base import LinearMethod
 from rxf.testing.checkpoints import make_tiny_checkpoint
 from rxf.testing.model_harness import ModelHarness
 from rxf.testing.model_parity import check_logits
@@ -139,6 +140,55 @@ def test_a_plugin_registers_a_quantization_method(dense):
     harness = ModelHarness(dense, registry=registry, **{"model.quantization": "fp8-rows"})
     qkv = harness.runner.model.model.layers[0].self_attn.qkv_proj
     assert not torch.equal(qkv.weight, ModelHarness(dense).runner.model.model.layers[0].self_attn.qkv_proj.weight)
+
+
+class _GatedInput(LinearMethod):
+    """A method over dense weights that takes the MLP's activation and the pre-norms into its own input
+    pass (as the FP8 methods do inside their activation quantization on CUDA), counting the layers
+    that hand them over."""
+
+    name = "gated-input"
+    gated_calls: list[str] = []
+    normed_calls: list[str] = []
+
+    def __init__(self, quant_config, dtype):
+        super().__init__(None, dtype)
+
+    def create_weights(self, layer):
+        layer.create_dense_weight()
+
+    def apply(self, layer, x, bias):
+        return torch.nn.functional.linear(x, layer.weight, bias)
+
+    def apply_gated(self, layer, x, act, bias):
+        self.gated_calls.append(type(act).__name__)
+        return torch.nn.functional.linear(act(x), layer.weight, bias)
+
+    def apply_normed(self, layer, h, residual, norm, bias):
+        self.normed_calls.append(layer.gemv_role)
+        normed, residual = norm(h, residual)
+        return torch.nn.functional.linear(normed, layer.weight, bias), residual
+
+
+class _GatedInputPlugin:
+    @hookimpl
+    def rxf_register_quantization_methods(self, register):
+        register("gated-input", _GatedInput)
+
+
+def test_layers_hand_their_activation_and_norms_to_the_projections_method(dense):
+    registry = PluginRegistry.load()
+    registry.register_plugin(_GatedInputPlugin(), "gated-input-plugin")
+    _GatedInput.gated_calls.clear()
+    _GatedInput.normed_calls.clear()
+    harness = ModelHarness(dense, registry=registry, **{"model.quantization": "gated-input"})
+    prompt = [[5, 9, 13, 2, 7]]
+    logits = harness.prefill_logits(prompt)[0]
+    layers = harness.runner.model.config.num_hidden_layers
+    assert _GatedInput.gated_calls == ["SiluAndMul"] * layers  # one down projection a layer
+    # Both pre-norms of every layer, but the first layer's input norm (no residual stream yet).
+    assert _GatedInput.normed_calls == ["gate_up_proj"] + ["qkv_proj", "gate_up_proj"] * (layers - 1)
+    torch.testing.assert_close(logits, ModelHarness(dense).prefill_logits(prompt)[0], rtol=0, atol=0)
 
 
 # Qwen3-MoE: 4 experts of width 64 (gate and up of 64 rows fill half a 128-row FP8 block each) with

@@ -52,3 +52,29 @@ def test_in_place_over_input_and_residual() -> None:
     rmsnorm(x, norm.weight, norm.eps, res, out=x)
     torch.testing.assert_close(x, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(res, want_sum)
+
+
+@pytest.mark.parametrize(("hidden", "group"), [(256, 128), (96, 32), (96, None)], ids=["g128", "partial-row", "per-row"])
+@pytest.mark.parametrize("cls", [RMSNorm, GemmaRMSNorm], ids=["llama", "gemma"])
+def test_fp8_output_quantizes_the_normed_row(hidden: int, group: int | None, cls: type[RMSNorm]) -> None:
+    """`rmsnorm_fp8`: the fp16 normed row quantized as the activation quantization kernel would
+    (`quantize_per_token`'s torch path), padded to 4 rows with column-major scales as cuBLAS reads
+    them; the residual sum written in place. The interpreter stores float32 codes (its own FP8
+    conversion rounds differently from the GPU's), which torch rounds to FP8 here."""
+    from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm_fp8
+    from rxf.plugins.quantization import fp8_ops
+
+    gen = torch.Generator().manual_seed(hidden)
+    norm = cls(hidden, eps=1e-5, dtype=torch.float16)
+    norm.weight.data = (torch.randn(hidden, generator=gen) * 0.5 + 1.0).half()
+    x, res = (torch.randn(3, hidden, generator=gen) * 3).half(), torch.randn(3, hidden, generator=gen).half()
+    want, want_sum = rmsnorm_reference(x, norm.weight, norm.eps, res, gemma=norm.gemma)
+    res_out = res.clone()
+    q, scale = rmsnorm_fp8(x, norm.weight, norm.eps, res_out, group, gemma=norm.gemma, pad_rows=4,
+                           column_major=True, out_dtype=torch.float32)
+    assert torch.equal(res_out, want_sum)
+    want_q, want_scale = fp8_ops.quantize_per_token(want, group)
+    assert q.shape == (4, hidden) and scale.shape == (4, want_scale.shape[1]) and scale.stride() == (1, 4)
+    torch.testing.assert_close(scale[:3], want_scale, rtol=1e-6, atol=0)
+    assert torch.equal(q[:3].to(torch.float8_e4m3fn).float(), want_q.float())
+    assert torch.equal(q[3:], torch.zeros(1, hidden)) and torch.equal(scale[3:], torch.ones(1, scale.shape[1]))

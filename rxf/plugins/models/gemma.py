@@ -73,7 +73,7 @@ class GemmaMLP(nn.Module):
         self.down_proj.use_decode_gemv("down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), act=self.act)
 
 
 class GemmaAttention(nn.Module):

@@ -64,15 +64,20 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_act is not None and self.gate_up_act.applies(x):
             return self.down_proj(self.gate_up_act(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), act=self.act)
 
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside the gate/up
-        GEMV (`DecodeGemv.normed`); None where that does not apply."""
+        GEMV (`DecodeGemv.normed`) or a quantized gate/up's input pass (`apply_normed`); None where
+        neither applies."""
         if self.gate_up_act is None:
-            return None
+            fused = self.gate_up_proj.forward_normed(h, residual, norm)
+            if fused is None:
+                return None
+            gate_up, residual = fused
+            return self.down_proj(gate_up, act=self.act), residual
         fused = self.gate_up_act.normed(h, self.gate_up_proj.weight, self.gate_up_proj.bias, residual, norm)
         if fused is None:
             return None

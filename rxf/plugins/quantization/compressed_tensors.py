@@ -106,6 +106,21 @@ class CompressedTensorsMethod(LinearMethod):
             return torch.nn.functional.linear(x, fp8_ops.dequantize_rows(layer.weight, layer.weight_scale, x.dtype), bias)
         return fp8_ops.scaled_mm_rows(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None), bias)
 
+    def apply_gated(
+        self, layer: nn.Module, x: torch.Tensor, act: nn.Module, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if self.weight_only or self.static_input or not fp8_ops.quantizes_gated(layer, x, act):
+            return None
+        return fp8_ops.scaled_mm_rows(x, layer.weight, layer.weight_scale, None, bias, gated=True)
+
+    def apply_normed(
+        self, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.weight_only or self.static_input or not fp8_ops.quantizes_normed(layer, h, residual, norm, None):
+            return None
+        out = fp8_ops.scaled_mm_rows(h, layer.weight, layer.weight_scale, None, bias, norm=norm, residual=residual)
+        return out, residual
+
     def apply_experts(
         self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:

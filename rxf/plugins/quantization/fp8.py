@@ -101,9 +101,27 @@ class Fp8Method(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.qgemv is not None and layer.qgemv.takes(x):  # decode batches: weight-only FP8 GEMV
             return layer.qgemv(x, bias)
+        return self._fp8_linear(layer, x, bias)
+
+    def apply_gated(
+        self, layer: nn.Module, x: torch.Tensor, act: nn.Module, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if not fp8_ops.quantizes_gated(layer, x, act):
+            return None
+        return self._fp8_linear(layer, x, bias, gated=True)
+
+    def apply_normed(
+        self, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not fp8_ops.quantizes_normed(layer, h, residual, norm, None if self.online else self.block_k):
+            return None
+        return self._fp8_linear(layer, h, bias, norm=norm, residual=residual), residual
+
+    def _fp8_linear(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, **fused: Any) -> torch.Tensor:
         if self.online:
-            return fp8_ops.scaled_mm_rows(x, layer.weight, layer.weight_scale, None, bias)
-        return fp8_ops.block_fp8_linear(x, layer.weight, layer.weight_scale_inv, self.block_k, bias, layer.cublas_scale)
+            return fp8_ops.scaled_mm_rows(x, layer.weight, layer.weight_scale, None, bias, **fused)
+        return fp8_ops.block_fp8_linear(
+            x, layer.weight, layer.weight_scale_inv, self.block_k, bias, layer.cublas_scale, **fused)
 
     def apply_experts(
         self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

@@ -25,7 +25,7 @@ FP8_MAX = tl.constexpr(448.0)  # a global read inside kernels must be a constexp
 
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s_row, stride_s_group, n_groups,
-                        GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+                        GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr, GROUPS: tl.constexpr, GATED: tl.constexpr):
     # One program: GROUPS consecutive groups of one row, a [GROUPS, GROUP_BLOCK] tile. Rows at or past
     # M (padding) read zeros: their codes are 0 and their scales the floor's, finite.
     row = tl.program_id(0)
@@ -35,6 +35,10 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s_
     in_row = (c[None, :] < GROUP) & (cols < K)
     real = (cols * 0 + row) < M  # a tensor: the interpreter takes no scalar in a mask
     x = tl.load(x_ptr + row * stride_x + cols, mask=in_row & real, other=0.0).to(tl.float32)
+    if GATED:  # the row is [gate | up] (2K wide): quantize silu(gate) * up, rounded to the input dtype
+        # first, as SiluAndMul's output would be, so the codes equal the unfused path's
+        up = tl.load(x_ptr + row * stride_x + K + cols, mask=in_row & real, other=0.0).to(tl.float32)
+        x = (x / (1.0 + tl.exp(-x)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     # IEEE divisions (div_rn), as torch divides: Triton's `/` is approximate and moved some values
     # across a rounding boundary of the FP8 grid on the H200.
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_MAX)
@@ -48,12 +52,14 @@ _QUANT_TILE = 4096  # elements a program quantizes (at least one group): [groups
 
 def per_token_group_quant(
     x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn, *, pad_rows: int = 1,
-    column_major: bool = False,
+    column_major: bool = False, gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantized `x` `[M', K]` in `out_dtype`, float32 scales `[M', ceil(K / group)]`) with M' = M
     rounded up to `pad_rows` (padding rows: zeros, tiny scales). `column_major`: the scales' storage
-    is `[groups, M']` (stride 1 along rows), the layout cuBLAS's 1 x 128 block scaling reads."""
+    is `[groups, M']` (stride 1 along rows), the layout cuBLAS's 1 x 128 block scaling reads.
+    `gated`: `x` is `[M, 2K]` = `[gate | up]` and what is quantized is `SiluAndMul`'s output."""
     m, k = x.shape
+    k //= 2 if gated else 1
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows = -(-m // pad_rows) * pad_rows
     n_groups = triton.cdiv(k, group)
@@ -67,7 +73,7 @@ def per_token_group_quant(
         groups = min(max(1, _QUANT_TILE // group_block), triton.next_power_of_2(n_groups))
         _group_quant_kernel[(rows, triton.cdiv(n_groups, groups))](
             x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), n_groups,
-            GROUP=group, GROUP_BLOCK=group_block, GROUPS=groups, num_warps=8 if groups * group_block > 4096 else 4,
+            GROUP=group, GROUP_BLOCK=group_block, GROUPS=groups, GATED=gated, num_warps=8 if groups * group_block > 4096 else 4,
         )
     return q, scale
 

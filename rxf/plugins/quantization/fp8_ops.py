@@ -64,13 +64,18 @@ def quantize_per_token(x: torch.Tensor, group: int | None = None) -> tuple[torch
 
 def scaled_mm_rows(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
+    bias: torch.Tensor | None, *, gated: bool = False, norm: torch.nn.Module | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ dequant(w).T + bias` in FP8 on CUDA: `w` `[N, K]` FP8 with float32 row scales `[N]`;
-    activations per token (dynamic) or with the static scalar `input_scale`."""
+    activations per token (dynamic) or with the static scalar `input_scale`. `gated` / `norm`
+    (dynamic activations only): the product takes `SiluAndMul(x)` / `norm(x + residual)` (the
+    residual updated in place), computed inside the activation quantization (`quantized_input`)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if input_scale is None:
+    if gated or norm is not None:
+        xq, xs = quantized_input(x2, None, False, gated=gated, norm=norm, residual=residual)
+    elif input_scale is None:
         xq, xs = quantize_per_token(x2)
     else:
         xq = (x2.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -79,6 +84,63 @@ def scaled_mm_rows(
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], w.shape[0])
+
+
+def quantized_input(
+    x2: torch.Tensor, group: int | None, cublas: bool, *, gated: bool = False, norm: torch.nn.Module | None = None,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 codes, float32 scales per token and `group` inputs; None: per token) of a layer's input on
+    CUDA, in one launch: of `x2` itself, of `SiluAndMul(x2)` (`gated`), or of `norm(x2 + residual)`
+    (`norm`, an RMSNorm: the sum written into `residual`). `cublas`: rows padded to 4 and scales
+    column-major, as cuBLAS's block-scaled GEMM reads them."""
+    pad, column_major = (4, True) if cublas else (1, False)
+    if norm is not None:
+        from rxf.plugins.models.layers.rmsnorm_kernel import rmsnorm_fp8
+
+        return rmsnorm_fp8(x2, norm.weight, norm.eps, residual, group, gemma=norm.gemma, pad_rows=pad,
+                           column_major=column_major)
+    from rxf.plugins.quantization.fp8_kernels import per_token_group_quant
+
+    width = x2.shape[1] // 2 if gated else x2.shape[1]
+    return per_token_group_quant(x2, group or width, pad_rows=pad, column_major=column_major, gated=gated)
+
+
+def _fused_inputs() -> bool:
+    # RXF_FP8_FUSED_INPUT=1: FP8 layers take SiLU·mul and the RMSNorm before them into their
+    # activation quantization (off until measured on the GPU).
+    return os.environ.get("RXF_FP8_FUSED_INPUT", "0") == "1"
+
+
+def _gemv_takes(layer: torch.nn.Module, x: torch.Tensor) -> bool:
+    qgemv = getattr(layer, "qgemv", None)
+    return qgemv is not None and qgemv.takes(x)
+
+
+def quantizes_gated(layer: torch.nn.Module, x: torch.Tensor, act: torch.nn.Module) -> bool:
+    """Whether an FP8 layer on CUDA computes `act(x)` inside its activation quantization: SiLU·mul
+    only (the kernel's), and not for the batches the weight-only GEMV takes (it reads `act(x)`)."""
+    from rxf.plugins.models.layers.activation import SiluAndMul
+
+    return (_fused_inputs() and type(act) is SiluAndMul and x.is_cuda
+            and not _gemv_takes(layer, x[..., : x.shape[-1] // 2]))
+
+
+_MAX_NORMED = 16384  # rmsnorm_fp8 holds a row in registers
+
+
+def quantizes_normed(
+    layer: torch.nn.Module, h: torch.Tensor, residual: torch.Tensor, norm: torch.nn.Module, group: int | None
+) -> bool:
+    """Whether an FP8 layer on CUDA computes `norm(h + residual)` inside its activation quantization
+    (`rmsnorm_fp8`): Llama's or Gemma's RMSNorm over contiguous half-precision rows, groups of a
+    power of two, and not for the batches the weight-only GEMV takes."""
+    from rxf.plugins.models.layers.norm import GemmaRMSNorm, RMSNorm
+
+    return (_fused_inputs() and type(norm) in (RMSNorm, GemmaRMSNorm) and h.is_cuda and h.dim() == 2
+            and h.dtype in (torch.float16, torch.bfloat16) and h.is_contiguous() and h.shape[1] <= _MAX_NORMED
+            and residual.dtype == h.dtype and residual.is_contiguous()
+            and (group is None or group & (group - 1) == 0) and not _gemv_takes(layer, h))
 
 
 CUBLAS_BLOCK = 128  # cuBLAS's block scaling: 1 x 128 activation groups, 128 x 128 or 1 x 128 weight blocks
@@ -133,21 +195,21 @@ def _probe(device: torch.device, square_blocks: bool) -> bool:
 
 def block_fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_k: int, bias: torch.Tensor | None,
-    cublas_scale: torch.Tensor | None = None,
+    cublas_scale: torch.Tensor | None = None, *, gated: bool = False, norm: torch.nn.Module | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ dequant(w).T + bias` for block-scaled FP8 `w` on CUDA: activations quantized per token
     and group of `block_k`, then cuBLAS's block-scaled GEMM given `cublas_scale`
-    (`cublas_block_scales`), else the Triton GEMM."""
-    from rxf.plugins.quantization.fp8_kernels import block_scaled_mm, per_token_group_quant
+    (`cublas_block_scales`), else the Triton GEMM. `gated`, `norm`: as `scaled_mm_rows`'."""
+    from rxf.plugins.quantization.fp8_kernels import block_scaled_mm
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    # cuBLAS wants the activation scales' leading dimension (rows) a multiple of 4 (16 bytes).
+    xq, xs = quantized_input(x2, block_k, cublas_scale is not None, gated=gated, norm=norm, residual=residual)
     if cublas_scale is not None:
-        # cuBLAS wants the activation scales' leading dimension (rows) a multiple of 4 (16 bytes).
-        xq, xs = per_token_group_quant(x2, block_k, pad_rows=4, column_major=True)
         out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=cublas_scale, out_dtype=x.dtype)[: x2.shape[0]]
     else:
-        xq, xs = quantize_per_token(x2, block_k)
         out = block_scaled_mm(xq, xs, w, w_scale, block_k, x.dtype)
     if bias is not None:
         out = out + bias

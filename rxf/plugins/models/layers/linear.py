@@ -178,7 +178,12 @@ class _TPLinear(nn.Module):
             src = _narrow(src, layout.in_dim, inp[0], inp[1], layout.in_pack, what)
         copy_weight(dst, src, what)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module | None = None) -> torch.Tensor:
+        if act is not None:
+            fused = self.quant.apply_gated(self, x, act, bias) if self.quant is not None else None
+            if fused is not None:
+                return fused
+            x = act(x)
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
         if self.packed_weight is not None:
@@ -187,14 +192,19 @@ class _TPLinear(nn.Module):
             return self.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
+        """`x @ W.T + bias`; given a gated activation `act` (an MLP's down projection), of `act(x)`,
+        which a quantization method may compute inside its input quantization (`apply_gated`)."""
+        return self._matmul(x, self.bias, act)
 
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside the decode
-        GEMV's launch (`DecodeGemv.normed`); None where that does not apply."""
+        GEMV's launch (`DecodeGemv.normed`) or a quantized layer's input pass (`apply_normed`); None
+        where that does not apply."""
+        if self.quant is not None:
+            return self.quant.apply_normed(self, h, residual, norm, self.bias)
         if self.gemv is None:
             return None
         return self.gemv.normed(h, self.weight, self.bias, residual, norm)
@@ -334,8 +344,8 @@ class RowParallelLinear(_TPLinear):
     def in_slice(self) -> tuple[int, int]:
         return self.tp_rank * self.in_per_rank, self.in_per_rank
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act: nn.Module | None = None) -> torch.Tensor:
         if self.tp_size == 1:
-            return self._matmul(x, self.bias)
-        out = distributed.tp_all_reduce(self._matmul(x, None))
+            return self._matmul(x, self.bias, act)
+        out = distributed.tp_all_reduce(self._matmul(x, None, act))
         return out if self.bias is None else out + self.bias

@@ -14,6 +14,10 @@ Rounding is FlashInfer's, the norm this kernel stands in for at decode (prefill 
 decode and prefill disagreed by a bf16 step here and there, and the bf16 greedy tokens of
 tests/gpu/test_cuda_graph_gpu.py strayed from transformers' further than its bound allows.)
 In place: `out` may be `x` and `res_out` may be `residual` (a program reads its row before writing).
+
+`rmsnorm_fp8` has the same kernel quantize its output for an FP8 projection after it (prefill rows
+too): the normed row, rounded to the input dtype as `out` would hold it, in FP8 with a float32 scale
+per group of inputs (`amax / 448`, the rounding of `fp8_kernels.per_token_group_quant`).
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ import triton.language as tl
 
 from rxf.core.runner.pdl import use_pdl
 
+FP8_MAX = tl.constexpr(448.0)  # a global read inside kernels must be a constexpr
+
 
 @triton.jit
-def _rmsnorm_kernel(X, Res, W, Out, ResOut, N, stride_x, stride_r, stride_o, stride_ro, eps,
-                    HAS_RES: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rmsnorm_kernel(X, Res, W, Out, ResOut, S, N, stride_x, stride_r, stride_o, stride_ro, stride_s_row,
+                    stride_s_group, eps, HAS_RES: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr, QUANT_GROUP: tl.constexpr):
+    # QUANT_GROUP > 0: Out holds FP8 codes and S a scale per group of QUANT_GROUP (a power of two).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -44,7 +52,16 @@ def _rmsnorm_kernel(X, Res, W, Out, ResOut, N, stride_x, stride_r, stride_o, str
         y = normed * (1.0 + w)
     else:
         y = normed * w
-    tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+    if QUANT_GROUP == 0:
+        tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+    else:
+        groups = tl.reshape(y.to(X.dtype.element_ty).to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-12), FP8_MAX)
+        q = tl.clamp(tl.math.div_rn(groups, scale[:, None]), -FP8_MAX, FP8_MAX)
+        gcols = tl.reshape(cols, (BLOCK // QUANT_GROUP, QUANT_GROUP))
+        tl.store(Out + row * stride_o + gcols, q.to(Out.dtype.element_ty), mask=gcols < N)
+        g = tl.arange(0, BLOCK // QUANT_GROUP)
+        tl.store(S + row * stride_s_row + g * stride_s_group, scale, mask=g * QUANT_GROUP < N)
 
 
 def rmsnorm(
@@ -53,16 +70,47 @@ def rmsnorm(
 ) -> torch.Tensor:
     """`norm(x + residual)` into `out` (default: a new tensor), writing `x + residual` into
     `res_out` (default: `residual`, in place); without a residual, `norm(x)`."""
-    rows, n = x.shape
     out = torch.empty_like(x) if out is None else out
     if residual is not None and res_out is None:
         res_out = residual
-    res, res_o = (residual, res_out) if residual is not None else (x, out)  # unused without a residual
+    _launch(x, weight, eps, residual, gemma, out, res_out if residual is not None else out, None, 0)
+    return out
+
+
+def rmsnorm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, group: int | None, *,
+    gemma: bool = False, pad_rows: int = 1, column_major: bool = False, out_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`norm(x + residual)` in FP8 `[M', N]`, float32 scales `[M', ceil(N / group)]`; group None:
+    one per row), `x + residual` written into `residual`. As `per_token_group_quant`: M' = M rounded
+    up to `pad_rows` (padding rows: zero codes, unit scales), `column_major` scales. `group` must be
+    a power of two."""
+    rows, n = x.shape
     block = triton.next_power_of_2(n)
+    quant_group = block if group is None else group
+    if quant_group & (quant_group - 1) or quant_group > block:
+        raise ValueError(f"rmsnorm_fp8: group {group} is not a power of two within the row ({n})")
+    padded = -(-rows // pad_rows) * pad_rows
+    n_groups = -(-n // quant_group)
+    q = torch.empty(padded, n, dtype=out_dtype, device=x.device)
+    scale = (torch.empty(n_groups, padded, device=x.device).t() if column_major
+             else torch.empty(padded, n_groups, device=x.device))
+    q[rows:].zero_()
+    scale[rows:].fill_(1.0)
+    if rows:
+        _launch(x, weight, eps, residual, gemma, q, residual if residual is not None else q, scale, quant_group)
+    return q, scale
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, gemma: bool,
+            out: torch.Tensor, res_out: torch.Tensor, scale: torch.Tensor | None, quant_group: int) -> None:
+    block = triton.next_power_of_2(x.shape[1])
+    res = residual if residual is not None else x  # unused without a residual
+    s = scale if scale is not None else out  # unused unless quantizing
     pdl = use_pdl(x)
-    _rmsnorm_kernel[(rows,)](
-        x, res, weight, out, res_o, n, x.stride(0), res.stride(0), out.stride(0), res_o.stride(0), eps,
-        HAS_RES=residual is not None, GEMMA=gemma, BLOCK=block, PDL=pdl,
+    _rmsnorm_kernel[(x.shape[0],)](
+        x, res, weight, out, res_out, s, x.shape[1], x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        s.stride(0), s.stride(1) if s.dim() > 1 else 1, eps,
+        HAS_RES=residual is not None, GEMMA=gemma, BLOCK=block, PDL=pdl, QUANT_GROUP=quant_group,
         num_warps=max(1, min(16, block // 512)), launch_pdl=pdl,
     )
-    return out
