@@ -173,20 +173,48 @@ elif [ "$stage" = fi-tests ]; then
   echo "flashinfer tests: $(( $(date +%s) - start )) s"
 elif [ "$stage" = quant ]; then
   # "quant": issue 19's figures in one call, each part bounded (Q_*_S seconds) and logged under $OUT,
-  # with the environment's RXF_PDL / RXF_GEMV / RXF_QGEMV: batch-1 decode of bf16 and of the block-wise
-  # FP8 and AWQ checkpoints made from it; online FP8 over random weights; FP8 against bf16 KV at batch
-  # 256 with 4k contexts (`kvcache`); offline 1000 requests in bf16 and FP8.
-  timeout "${Q_DECODE_S:-150}" python3 benchmarks/gpu_decode.py --preset llama3-8b --quantization bf16,fp8,awq \
-    --phases build,bandwidth,decode1 --backends triton --output "$out/q-decode1.json" > "$out/q-decode1.log" 2>&1
-  echo "decode1: rc $?"; grep -E "^decode1 triton|copy bandwidth" "$out/q-decode1.log"
-  VARIANT_ARGS="--random-weights --quantization fp8" VARIANT_LIMIT_S=${Q_ONLINE_S:-60} \
-    bash benchmarks/gpu_session.sh variants llama3-8b "RXF_QGEMV=${RXF_QGEMV:-}" | grep decode1
-  timeout "${Q_KV_S:-170}" python3 benchmarks/gpu_decode.py --preset llama3-8b --phases kvcache --backends triton \
-    --output "$out/q-kvcache.json" > "$out/q-kvcache.log" 2>&1
-  echo "kvcache: rc $?"; grep -E "^(auto|fp8_e4m3) " "$out/q-kvcache.log"
-  timeout "${Q_OFFLINE_S:-200}" python3 benchmarks/gpu_decode.py --preset llama3-8b --quantization bf16,fp8 \
-    --phases offline --backends triton --output "$out/q-offline.json" > "$out/q-offline.log" 2>&1
-  echo "offline: rc $?"; grep -E "^=== offline|req_s|output_tok_s" "$out/q-offline.log" | tail -n 8
+  # with the environment's RXF_PDL / RXF_GEMV / RXF_QGEMV; Q_PARTS (default
+  # "decode1 online kvcache offline") picks the parts:
+  #   decode1   batch-1 decode of bf16 and of the block-wise FP8 and AWQ checkpoints made from it
+  #   online    online FP8 over random weights (batch 1)
+  #   kvcache   FP8 against bf16 KV at batch 256 with 4k contexts
+  #   offline   offline 1000 requests in bf16 and block-wise FP8
+  #   fp8kv     offline 1000 requests in block-wise FP8 with an FP8 KV cache, with and without
+  #             RXF_FP8_FUSED_INPUT=1 (after "offline", whose bf16 run is their reference)
+  #   moe       Qwen3-30B-A3B shape at batch 1, bf16 and online FP8 (random weights)
+  parts=" ${Q_PARTS:-decode1 online kvcache offline} "
+  G="python3 benchmarks/gpu_decode.py --preset llama3-8b --backends triton"
+  if [[ $parts == *" decode1 "* ]]; then
+    timeout "${Q_DECODE_S:-150}" $G --quantization bf16,fp8,awq --phases build,bandwidth,decode1 \
+      --output "$out/q-decode1.json" > "$out/q-decode1.log" 2>&1
+    echo "decode1: rc $?"; grep -E "^decode1 triton|copy bandwidth" "$out/q-decode1.log"
+  fi
+  if [[ $parts == *" online "* ]]; then
+    VARIANT_ARGS="--random-weights --quantization fp8" VARIANT_LIMIT_S=${Q_ONLINE_S:-60} \
+      bash benchmarks/gpu_session.sh variants llama3-8b "RXF_QGEMV=${RXF_QGEMV:-}" | grep decode1
+  fi
+  if [[ $parts == *" kvcache "* ]]; then
+    timeout "${Q_KV_S:-170}" $G --phases kvcache --output "$out/q-kvcache.json" > "$out/q-kvcache.log" 2>&1
+    echo "kvcache: rc $?"; grep -E "^(auto|fp8_e4m3) " "$out/q-kvcache.log"
+  fi
+  if [[ $parts == *" offline "* ]]; then
+    timeout "${Q_OFFLINE_S:-200}" $G --quantization bf16,fp8 --phases offline --output "$out/q-offline.json" \
+      > "$out/q-offline.log" 2>&1
+    echo "offline: rc $?"; grep -E "^=== offline|req_s" "$out/q-offline.log" | tail -n 8
+  fi
+  if [[ $parts == *" fp8kv "* ]]; then
+    for fused in 0 1; do
+      RXF_FP8_FUSED_INPUT=$fused timeout "${Q_FP8KV_S:-110}" $G --quantization fp8 --phases offline \
+        --offline-kv-dtype fp8_e4m3 --output "$out/q-fp8kv-$fused.json" > "$out/q-fp8kv-$fused.log" 2>&1
+      echo "offline fp8 + fp8 KV, RXF_FP8_FUSED_INPUT=$fused: rc $? $(grep req_s "$out/q-fp8kv-$fused.log")"
+    done
+  fi
+  if [[ $parts == *" moe "* ]]; then
+    timeout "${Q_MOE_S:-300}" python3 benchmarks/gpu_decode.py --preset qwen3-30b-a3b --random-weights \
+      --quantization bf16,fp8 --phases build,bandwidth,decode1 --backends triton --output "$out/q-moe.json" \
+      > "$out/q-moe.log" 2>&1
+    echo "moe: rc $?"; grep -E "^decode1 triton|roofline" "$out/q-moe.log"
+  fi
 elif [ "$stage" = offline-profile ]; then
   # "offline-profile [BACKEND [TAG]]": gpu_decode.py's offline phase on the Llama-3-8B shape (the
   # checkpoint `ab` uses, built if missing) with a step profile of the timed run and two kernel

@@ -205,6 +205,8 @@ def block_fp8_linear(
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    if not x2.shape[0]:  # cuBLAS takes no empty product
+        return x.new_empty(*shape[:-1], w.shape[0])
     # cuBLAS wants the activation scales' leading dimension (rows) a multiple of 4 (16 bytes).
     xq, xs = quantized_input(x2, block_k, cublas_scale is not None, gated=gated, norm=norm, residual=residual)
     if cublas_scale is not None:
