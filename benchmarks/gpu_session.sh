@@ -182,12 +182,13 @@ elif [ "$stage" = quant ]; then
   #   fp8kv     offline 1000 requests in block-wise FP8 with an FP8 KV cache, with and without
   #             RXF_FP8_FUSED_INPUT=1 (after "offline", whose bf16 run is their reference)
   #   moe       Qwen3-30B-A3B shape at batch 1, bf16 and online FP8 (random weights)
+  # Q_BACKEND (default triton): the attention backend of every part.
   parts=" ${Q_PARTS:-decode1 online kvcache offline} "
-  G="python3 benchmarks/gpu_decode.py --preset llama3-8b --backends triton"
+  G="python3 benchmarks/gpu_decode.py --preset llama3-8b --backends ${Q_BACKEND:-triton}"
   if [[ $parts == *" decode1 "* ]]; then
     timeout "${Q_DECODE_S:-150}" $G --quantization bf16,fp8,awq --phases build,bandwidth,decode1 \
       --output "$out/q-decode1.json" > "$out/q-decode1.log" 2>&1
-    echo "decode1: rc $?"; grep -E "^decode1 triton|copy bandwidth" "$out/q-decode1.log"
+    echo "decode1: rc $?"; grep -E "^decode1 |copy bandwidth" "$out/q-decode1.log"
   fi
   if [[ $parts == *" online "* ]]; then
     VARIANT_ARGS="--random-weights --quantization fp8" VARIANT_LIMIT_S=${Q_ONLINE_S:-60} \
@@ -211,9 +212,9 @@ elif [ "$stage" = quant ]; then
   fi
   if [[ $parts == *" moe "* ]]; then
     timeout "${Q_MOE_S:-300}" python3 benchmarks/gpu_decode.py --preset qwen3-30b-a3b --random-weights \
-      --quantization bf16,fp8 --phases build,bandwidth,decode1 --backends triton --output "$out/q-moe.json" \
+      --quantization bf16,fp8 --phases build,bandwidth,decode1 --backends "${Q_BACKEND:-triton}" --output "$out/q-moe.json" \
       > "$out/q-moe.log" 2>&1
-    echo "moe: rc $?"; grep -E "^decode1 triton|roofline" "$out/q-moe.log"
+    echo "moe: rc $?"; grep -E "^decode1 |roofline" "$out/q-moe.log"
   fi
 elif [ "$stage" = offline-profile ]; then
   # "offline-profile [BACKEND [TAG]]": gpu_decode.py's offline phase on the Llama-3-8B shape (the
