@@ -1,8 +1,8 @@
 """FP8 prefill and batched-decode GEMMs on the Llama-3-8B projections: which block-scaled GEMM
 `fp8_ops.block_fp8_linear` should take, against bf16 cuBLAS on the same shape.
 
-Per projection (N, K) and row count M, GPU time per call (CUDA graph replay, one call per rotating
-weight copy, >= 256 MB of weights in flight so L2 holds none at small M) of:
+Per projection (N, K) and row count M, GPU time per call (`gpu_gemv.graph_us`: CUDA graph replay, one
+call per rotating weight copy, >= 256 MB of weights in flight so L2 holds none at small M) of:
   bf16        F.linear in bf16 (cuBLAS)
   triton      per-token-group quantization + rxf's block-scaled Triton GEMM (128 x 128 blocks)
   cublas      the same quantization (column-major scales) + torch._scaled_mm with 1 x 128
@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import gpu_gemv
 import torch
 import torch.nn.functional as F
 
@@ -34,25 +35,6 @@ from rxf.plugins.quantization.fp8_kernels import per_token_group_quant
 DEVICE = torch.device("cuda")
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
 BLOCK = 128
-
-
-def graph_us(calls: list[Callable[[], torch.Tensor]], reps: int = 5) -> float:
-    """GPU time per call: every call once in one CUDA graph, replayed `reps` times."""
-    for call in calls[:2]:
-        call()  # compile / choose kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(calls))
 
 
 def _weights(n: int, k: int) -> list[dict[str, torch.Tensor | None]]:
@@ -120,7 +102,7 @@ def main() -> None:
                 if name.startswith("cublas") and ws[0][name] is None:
                     continue
                 _check(name, fn(ws[0]), x, ws[0])
-                row[name] = graph_us([lambda w=w, fn=fn: fn(w) for w in ws])
+                row[name] = gpu_gemv.graph_us(fn, ws)  # one call per weight copy, in a graph
             results.setdefault(role, {})[str(m)] = row
             flops = 2 * m * n * k
             print(f"{role:>13} {m:>6} " + " ".join(
