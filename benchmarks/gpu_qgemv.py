@@ -11,6 +11,11 @@ Formats and what the method runs without the GEMV:
              block-scaled Triton GEMM
   int4       AWQ / GPTQ int4 in groups of 128: `int4_linear` (split-K float32 atomics, memset, cast)
 
+Peers beside them: for int4, torch's own int4 GEMM (`torch._weight_int4pack_mm`, tinygemm; rows
+`int4pack{inner_k_tiles}`, with the zero point folded into a float offset as its format takes it);
+for the FP8 formats, the `x` settings (x quantized to E4M3 per tile, FP8 x FP8 dots on the tensor
+cores; checked against the exact product with the looser bound of the methods' FP8 GEMMs).
+
 Times are GPU time per call as a decode graph pays it (`gpu_gemv.graph_us`): one call per rotating
 weight copy (>= 512 MB in flight, so L2 holds none), captured in one CUDA graph and replayed. TB/s:
 the bytes the GEMV reads from its weight tensors (codes, scales, zeros) over its time. Every
@@ -41,7 +46,7 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
     """(settings, split factor): the format's default and a few neighbours, each with the split
     chosen per shape (split_k 0), and the default tile with twice that split. Each is a Triton
     compile per role, so the list stays short (the phase runs in about a minute)."""
-    from rxf.plugins.quantization.qgemv import DEFAULTS
+    from rxf.plugins.quantization.qgemv import DEFAULTS, QuantSettings
 
     base = DEFAULTS[fmt]
     tiles = {"fp8": [(32, 256, 4, 4)], "fp8-block": [(32, 128, 6, 4)],
@@ -56,8 +61,14 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
             "int4": [(32, 128, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8)]}[fmt]
     row_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=1, num_warps=w, row=True)
                     for n, k, w in rows]
-    return [(base, 1), *((s, 1) for s in others), (base, 2), *((s, 1) for s in row_settings),
-            *((s, 2) for s in row_settings)]
+    # FP8 x FP8 on the tensor cores (label prefix x): tiles of 16-32 KB a stage, block_k capped at 128
+    # by the block format's scales.
+    fp8_x = {"fp8": [(64, 256, 4, 4), (128, 256, 3, 8), (64, 128, 6, 4), (128, 128, 4, 4)],
+             "fp8-block": [(64, 128, 4, 4), (128, 128, 4, 4), (64, 128, 8, 4), (128, 128, 6, 8)], "int4": []}[fmt]
+    x_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w) for n, k, st, w in fp8_x]
+    plain = [(base, 1), *((s, 1) for s in others), (base, 2), *((s, 1) for s in row_settings),
+             *((s, 2) for s in row_settings)]
+    return [(QuantSettings(s), f) for s, f in plain] + [(QuantSettings(s, True), f) for s in x_settings for f in (1, 2)]
 
 
 def _copy(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[SimpleNamespace, torch.Tensor]:
@@ -70,7 +81,16 @@ def _copy(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[SimpleNamespa
         zeros = torch.randint(0, 16, (k // GROUP, n), device=DEVICE, generator=gen).float()
         scales = (torch.rand(k // GROUP, n, device=DEVICE, generator=gen) * 2e-3 + 1e-4).bfloat16()
         dense = Int4Weights(codes, zeros, scales, torch.arange(k, device=DEVICE) // GROUP).dequantize(torch.float32)
-        return SimpleNamespace(weight=pack_int32(codes, 0), scales=scales, zeros=zeros.bfloat16()), dense
+        c = SimpleNamespace(weight=pack_int32(codes, 0), scales=scales, zeros=zeros.bfloat16())
+        for attr, ikt in _INT4PACK.values():
+            try:
+                packed, sz = _int4pack(codes, zeros, scales, ikt, swapped=attr.endswith("s"))
+            except (RuntimeError, AttributeError) as e:  # a torch without the CUDA op
+                print(f"torch int4pack {attr}: {type(e).__name__}: {e}"[:160], flush=True)
+                continue
+            setattr(c, attr, packed)
+            setattr(c, attr + "_sz", sz)
+        return c, dense
     q, rows = fp8_ops.quantize_rows(torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5)
     if fmt == "fp8":
         return SimpleNamespace(weight=q, scales=rows, zeros=None), fp8_ops.dequantize_rows(q, rows, torch.float32)
@@ -78,6 +98,23 @@ def _copy(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[SimpleNamespa
     per_row = blocks.repeat_interleave(GROUP, dim=0).contiguous()  # as the layer holds them
     dense = fp8_ops.dequantize_blocks(q, per_row, GROUP, torch.float32)
     return SimpleNamespace(weight=q, scales=blocks.contiguous(), row_scales=per_row, zeros=None), dense
+
+
+# torch's int4 GEMM (tinygemm) per inner_k_tiles, with the two nibble orders of its uint8 input (one
+# must match the dequantized reference; the other fails the check): row name -> (attribute, tiles).
+_INT4PACK = {f"int4pack{t}{o}": (f"tg{t}{o}", t) for t in (2, 4, 8) for o in ("", "s")}
+
+
+def _int4pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, inner_k_tiles: int, *,
+              swapped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes `[K, N]` (uint8), zero points and scales `[G, N]` in torch's int4 GEMM format: the codes
+    packed two to a byte along K, then `_convert_weight_to_int4pack`; `[G, N, 2]` bf16 scales and
+    offsets, its dequantization being `(q - 8) * scale + offset`, so offset = scale * (8 - zero)."""
+    q = codes.t().to(torch.int32)
+    hi, lo = (q[:, 1::2], q[:, ::2]) if swapped else (q[:, ::2], q[:, 1::2])
+    packed = torch._convert_weight_to_int4pack(((hi << 4) | lo).to(torch.uint8).contiguous(), inner_k_tiles)
+    s = scales.float()
+    return packed, torch.stack([s, s * (8 - zeros)], dim=-1).to(torch.bfloat16).contiguous()
 
 
 def _current(fmt: str, x: torch.Tensor) -> Callable[[SimpleNamespace], torch.Tensor]:
@@ -99,8 +136,8 @@ def _resolve(fmt: str, settings: Any, factor: int, c: SimpleNamespace) -> Any:
     op = QuantGemv(fmt, settings, c.weight, c.scales, c.zeros, **kw)
     if factor == 1:
         return op
-    return QuantGemv(fmt, dataclasses.replace(op.settings, split_k=factor * op.settings.split_k), c.weight, c.scales,
-                     c.zeros, **kw)
+    tiles = dataclasses.replace(op.settings, split_k=factor * op.settings.split_k)
+    return QuantGemv(fmt, dataclasses.replace(settings, tiles=tiles), c.weight, c.scales, c.zeros, **kw)
 
 
 def _timed(fn: Callable[[Any], torch.Tensor], copies: list[Any], ref: torch.Tensor, bound: float) -> float | str:
@@ -125,7 +162,7 @@ def _role(fmt: str, role: str, n: int, k: int) -> dict[str, Any]:
     for settings, factor in _sweep(fmt):
         try:
             per_copy = [_resolve(fmt, settings, factor, c) for c in copies]
-            ops[per_copy[0].settings.label] = dict(zip(map(id, copies), per_copy, strict=True))
+            ops[per_copy[0].label] = dict(zip(map(id, copies), per_copy, strict=True))
         except ValueError as e:
             print(f"{fmt} {role}: {settings.label}: {e}", flush=True)
     rows: dict[int, dict[str, Any]] = {}
@@ -142,12 +179,21 @@ def _role(fmt: str, role: str, n: int, k: int) -> dict[str, Any]:
             timed = {label: v for label, v in rows[1].items() if label in ops and isinstance(v, float)}
             labels = sorted(timed, key=timed.get)[:TOP]
         for label in labels:
-            row[label] = _timed(lambda c, x=x, o=ops[label]: o[id(c)](x, None), copies, ref, 1e-2)
+            row[label] = _timed(lambda c, x=x, o=ops[label]: o[id(c)](x, None), copies, ref,
+                                0.1 if label.startswith("x") else 1e-2)
+        for name, (attr, _) in (_INT4PACK if fmt == "int4" else {}).items():
+            if hasattr(first, attr):
+                row[name] = _timed(lambda c, x=x, a=attr: torch._weight_int4pack_mm(x, getattr(c, a), GROUP,
+                                                                                    getattr(c, a + "_sz")),
+                                   copies, ref, 1e-2)
         rows[m] = row
         gemv = {label: v for label, v in row.items() if label in ops and isinstance(v, float)}
         best = min(gemv, key=gemv.get) if gemv else None
         cells = "  ".join(f"{name} {v:.1f}" if isinstance(v, float) else f"{name} {v}" for name, v in row.items()
                           if name not in ops)
+        xs = {label: v for label, v in row.items() if label.startswith("x") and isinstance(v, float)}
+        if xs:
+            cells += f"  best fp8-x {min(xs, key=xs.get)} {min(xs.values()):.1f}"
         if best is None:
             print(f"{fmt:9s} {role:12s} m={m}: {cells}  no GEMV setting ran", flush=True)
             continue

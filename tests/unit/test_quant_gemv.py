@@ -98,6 +98,39 @@ def test_fp8_block_scales(qgemv_env, dtype, n, split, form):
     _check(op, _x(1 if form else 5, 192, dtype, n), None, fp8_ops.dequantize_blocks(q, scale_inv, 64, torch.float64))
 
 
+def _on_fp8_grid(m: int, k: int, tile: int, gen: torch.Generator) -> torch.Tensor:
+    """x `[m, k]` in float16 whose runs of `tile` inputs are E4M3 values times a power of two of their
+    own, each run holding a +-448 (E4M3's largest): scaling a run by its largest magnitude / 448 then
+    lands every input on the E4M3 grid, so the `x` settings' quantization is exact and F.linear is
+    the reference. (The Triton interpreter rounds some float32 -> E4M3 conversions wrongly at a carry
+    into the exponent, -7.86 -> -4; the GPU's cvt does not: off-grid inputs are tests/gpu's.)"""
+    q = (torch.randn(m, k // tile, tile, generator=gen) * 40).to(fp8_ops.FP8).float()
+    q[:, :, 0] = 448.0 * torch.sign(torch.randn(m, k // tile, generator=gen))
+    powers = 2.0 ** torch.randint(-6, 3, (m, k // tile, 1), generator=gen)
+    return (q * powers).flatten(-2).half()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_x_quantizes_each_row_per_k_tile(qgemv_env, fmt, m):
+    """Label prefix x: x in E4M3 per row and K tile (64 here; each run with a scale of its own), the
+    dot FP8 x FP8. One scale per row instead of per tile would round the runs of smaller range."""
+    qgemv_env(f"{fmt}=xn32k64s2st2w4")
+    gen = torch.Generator().manual_seed(m)
+    n, k = 64, 256
+    q, scale = fp8_ops.quantize_rows(torch.randn(n, k, generator=gen) * 0.05)
+    if fmt == "fp8":
+        op = qgemv.fp8_rows(SimpleNamespace(weight=q, weight_scale=scale, gemv_role="o_proj"))
+        dense = fp8_ops.dequantize_rows(q, scale, torch.float64)
+    else:
+        blocks = (torch.rand(n // 32, k // 64, generator=gen) + 0.5) * scale.mean()
+        per_row = blocks.repeat_interleave(32, dim=0).contiguous()
+        op = qgemv.fp8_blocks(SimpleNamespace(weight=q, weight_scale_inv=per_row, gemv_role="o_proj"), 32, 64)
+        dense = fp8_ops.dequantize_blocks(q, per_row, 64, torch.float64)
+    assert op is not None and op.fp8_x and op.settings.block_k == 64
+    _check(op, _on_fp8_grid(m, k, 64, gen), None, dense)
+
+
 @FORMS
 @SPLITS
 @pytest.mark.parametrize("group", [32, 128])
@@ -133,7 +166,7 @@ def test_settings_from_the_environment(qgemv_env):
     qgemv_env("fp8=n32k128s2st3w4, fp8:down_proj=off,int4:o_proj=auto")
     assert qgemv.settings_for("fp8", "qkv_proj")[0].label == "n32k128s2st3w4"
     assert qgemv.settings_for("fp8", "down_proj") is None
-    assert qgemv.settings_for("int4", "o_proj") == (qgemv.DEFAULTS["int4"], qgemv.MAX_ROWS)
+    assert qgemv.settings_for("int4", "o_proj") == (qgemv.QuantSettings(qgemv.DEFAULTS["int4"]), qgemv.MAX_ROWS)
     assert qgemv.settings_for("fp8-block", None) == qgemv.BY_DEFAULT["fp8-block"], "unnamed: BY_DEFAULT's"
     assert qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="down_proj")) is None
     op = qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="gate_up_proj"))
@@ -143,13 +176,16 @@ def test_settings_from_the_environment(qgemv_env):
     assert qgemv.fp8_rows(SimpleNamespace(weight=weight[:, :24], weight_scale=scale)) is None
     qgemv_env("int4=auto")
     settings, rows = qgemv.settings_for("fp8", "qkv_proj")
-    assert settings.row and rows == 1, "FP8 row scales: the row kernel at batch 1 unless the variable says otherwise"
+    assert settings.tiles.row and rows == 1, "FP8 row scales: the row kernel at batch 1 unless the variable says otherwise"
     op = qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="o_proj"))
     assert op.max_rows == 1 and op.settings.row and not op.tile.row and op.tile.block_n == qgemv.DEFAULTS["fp8"].block_n
     assert op.counters.numel() == 64 // 32, "counters for the smaller block_n of the two settings"
     qgemv_env("fp8=off")
     assert qgemv.settings_for("fp8", None) is None
-    for bad in ("fp8", "fp4=auto", "fp8:lm_head=auto", "int4=n48k128s1st4w4", "int4=fast"):
+    qgemv_env("fp8=xn64k128s0st4w4")
+    assert qgemv.settings_for("fp8", None)[0] == qgemv.QuantSettings(qgemv.GemvSettings.parse("n64k128s0st4w4"), True)
+    for bad in ("fp8", "fp4=auto", "fp8:lm_head=auto", "int4=n48k128s1st4w4", "int4=fast", "int4=xn32k128s1st4w4",
+                "fp8=xrn16k256s0st1w8"):
         qgemv_env(bad)
         with pytest.raises(ValueError, match=qgemv.ENV):
             qgemv.settings_for("int4", None)

@@ -27,7 +27,9 @@ setting is `off` (the method's GEMM at every batch size), `auto` (the format's t
 rows) or a label `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as
 `benchmarks/gpu_profile.py --phases qgemv` prints it (prefix `r` and split 0 as in `RXF_GEMV`: the
 row kernel at batch 1, the tile kernel at the format's `DEFAULTS` for 2-8 rows; the split chosen
-from the shape). block_k shrinks to fit the format: to a divisor of K, of the FP8 scale block and of
+from the shape; prefix `x`, FP8 formats and tile labels only: x is quantized to E4M3 per row and K
+tile and the tile kernel's dot runs FP8 x FP8 on the tensor cores, as the methods' own GEMMs
+quantize x). block_k shrinks to fit the format: to a divisor of K, of the FP8 scale block and of
 the int4 group.
 """
 
@@ -56,19 +58,41 @@ DEFAULTS = {
     "fp8-block": GemvSettings(block_n=64, block_k=128, split_k=0, num_stages=4, num_warps=4),
     "int4": GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=4, num_warps=4),
 }
+@dataclasses.dataclass(frozen=True)
+class QuantSettings:
+    """A format's GEMV settings: the tiles, and whether x is quantized to FP8 (label prefix `x`)."""
+
+    tiles: GemvSettings
+    fp8_x: bool = False
+
+    @property
+    def label(self) -> str:
+        return ("x" if self.fp8_x else "") + self.tiles.label
+
+    @classmethod
+    def parse(cls, text: str, fmt: str) -> QuantSettings:
+        fp8_x = text.startswith("x")
+        tiles = GemvSettings.parse(text[fp8_x:])
+        if fp8_x and (fmt == "int4" or tiles.row):
+            raise ValueError(f"{text!r}: prefix x takes an FP8 format's tile label (no r)")
+        return cls(tiles, fp8_x)
+
+
 # Formats the GEMV serves when `RXF_QGEMV` does not name them: (settings, the most rows they take;
 # more rows keep the method's GEMM). The module docstring gives the measurements behind each.
 BY_DEFAULT = {
-    "fp8": (GemvSettings(block_n=32, block_k=256, split_k=0, num_stages=1, num_warps=4, row=True), 1),
-    "fp8-block": (GemvSettings(block_n=64, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True), 1),
-    "int4": (GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True), MAX_ROWS),
+    "fp8": (QuantSettings(GemvSettings(block_n=32, block_k=256, split_k=0, num_stages=1, num_warps=4, row=True)), 1),
+    "fp8-block": (QuantSettings(GemvSettings(block_n=64, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True)),
+                  1),
+    "int4": (QuantSettings(GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True)),
+             MAX_ROWS),
 }
 _HALF = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
-def _plan() -> dict[tuple[str, str | None], GemvSettings | None]:
-    plan: dict[tuple[str, str | None], GemvSettings | None] = {}
+def _plan() -> dict[tuple[str, str | None], QuantSettings | None]:
+    plan: dict[tuple[str, str | None], QuantSettings | None] = {}
     for item in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
         key, sep, setting = item.partition("=")
         fmt, _, role = key.partition(":")
@@ -76,17 +100,17 @@ def _plan() -> dict[tuple[str, str | None], GemvSettings | None]:
             raise ValueError(f"{ENV}: {item!r} is not FORMAT=SETTING or FORMAT:ROLE=SETTING with FORMAT one of "
                              f"{', '.join(FORMATS)} and ROLE one of {', '.join(ROLES)}")
         if setting in ("off", "auto"):
-            plan[fmt, role or None] = None if setting == "off" else DEFAULTS[fmt]
+            plan[fmt, role or None] = None if setting == "off" else QuantSettings(DEFAULTS[fmt])
             continue
         try:
-            plan[fmt, role or None] = GemvSettings.parse(setting)
+            plan[fmt, role or None] = QuantSettings.parse(setting, fmt)
         except ValueError as e:
             raise ValueError(f"{ENV}: {key}: {setting!r} is not 'off', 'auto' or a label like n64k256s2st4w4 "
                              f"({e})") from None
     return plan
 
 
-def settings_for(fmt: str, role: str | None) -> tuple[GemvSettings, int] | None:
+def settings_for(fmt: str, role: str | None) -> tuple[QuantSettings, int] | None:
     """(settings, the most rows of x they serve) for `fmt` layers named `role`: `RXF_QGEMV`'s entry, else
     `BY_DEFAULT`'s; None: off."""
     plan = _plan()
@@ -104,7 +128,7 @@ class QuantGemv:
     the int4 group; K for per-row scales); `scale_rows`: the output rows one block scale covers."""
 
     def __init__(
-        self, fmt: str, settings: GemvSettings, weight: torch.Tensor, scales: torch.Tensor,
+        self, fmt: str, settings: QuantSettings, weight: torch.Tensor, scales: torch.Tensor,
         zeros: torch.Tensor | None = None, *, scale_k: int, scale_rows: int = 1, max_rows: int = MAX_ROWS,
     ) -> None:
         from rxf.plugins.quantization import qgemv_kernel
@@ -114,13 +138,19 @@ class QuantGemv:
         self.n, self.k = (weight.shape[1], weight.shape[0] * 8) if int4 else weight.shape
         self.weight, self.scales, self.zeros = weight, scales, zeros
         self.scale_k, self.scale_rows = scale_k, scale_rows
-        self.settings = self._fit(settings, weight.device)  # ValueError: no tile fits K
+        self.fp8_x = settings.fp8_x
+        self.settings = self._fit(settings.tiles, weight.device)  # ValueError: no tile fits K
         # A row setting serves one row of x; 2-8 rows take the tile kernel at the format's defaults (the
         # row label's own tile parameters, one stage, ran 4x slower at 2 rows: H100, 2026-12-05).
         self.tile = self._fit(DEFAULTS[fmt], weight.device) if self.settings.row else self.settings
         self.max_rows = max_rows
         blocks = max(-(-self.n // s.block_n) for s in (self.settings, self.tile))
         self.counters = torch.zeros(blocks, dtype=torch.int32, device=weight.device)
+
+    @property
+    def label(self) -> str:
+        """The resolved settings as `RXF_QGEMV` takes them."""
+        return ("x" if self.fp8_x else "") + self.settings.label
 
     def _fit(self, settings: GemvSettings, device: torch.device) -> GemvSettings:
         """`settings` with block_k inside the format's scale block and the split resolved for the shape."""
@@ -138,7 +168,7 @@ class QuantGemv:
         s = self.settings if x2.shape[0] == 1 else self.tile
         out = qgemv(x2, self.kind, self.weight, self.scales, self.zeros, bias, self.counters,
                     scale_rows=self.scale_rows, scale_k=self.scale_k, block_n=s.block_n, block_k=s.block_k,
-                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row)
+                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row, fp8_x=self.fp8_x)
         return out.reshape(*x.shape[:-1], self.n)
 
 

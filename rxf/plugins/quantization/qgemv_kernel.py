@@ -86,12 +86,30 @@ def _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, n_ok, stride_s,
 
 
 @triton.jit
+def _fp8_x(x_t):
+    """x_t `[BLOCK_K, BLOCK_M]` (x's rows as columns) in E4M3, each column scaled by its largest
+    magnitude over the tile / 448 (E4M3's largest value), and those float32 scales `[BLOCK_M]` (an
+    all-zero column, a padding row, gets a tiny scale and stays zero)."""
+    xf = x_t.to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-30) / 448.0
+    return (xf / s[None, :]).to(tl.float8e4nv), s
+
+
+@triton.jit
 def _tile_dot(w, scale, zero, x_t, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr):
+              BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, XQ: tl.constexpr):
     """acc + dequant(w) @ x_t, for a tile `_weight_tile` read (FP8 row scales join in the epilogue).
-    One if/else chain with one return: Triton's compiler also generates the statements after a
-    branch that returns (the interpreter does not), and an int4 tile there fails the shape check."""
-    if FORMAT == _INT4:
+    XQ (FP8 formats): x's tile is quantized to E4M3 (`_fp8_x`) and the dot runs FP8 x FP8 on the
+    tensor cores, nothing converted per weight. One if/else chain with one return: Triton's compiler
+    also generates the statements after a branch that returns (the interpreter does not), and an
+    int4 tile there fails the shape check."""
+    if XQ:
+        xq, xs = _fp8_x(x_t)
+        if FORMAT == _FP8_BLOCKS:
+            out = acc + tl.dot(w, xq) * (scale[:, None] * xs[None, :])
+        else:
+            out = acc + tl.dot(w, xq) * xs[None, :]
+    elif FORMAT == _INT4:
         shifts = tl.arange(0, 8) * 4
         codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
         if IEEE:
@@ -155,7 +173,7 @@ def _qgemv_kernel(
     stride_xm, stride_w, stride_s, stride_om,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr,
+    SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr, XQ: tl.constexpr,
 ):
     # The first K tile is peeled off the loop, as in gemv_kernel (read before the PDL wait).
     pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(
@@ -165,14 +183,14 @@ def _qgemv_kernel(
     x_mask = (rows < M)[:, None]
     x_t = tl.trans(tl.load(x_ptrs, mask=x_mask & (tl.zeros_like(rows) + k_lo < k_hi)[:, None], other=0.0))
     acc = _tile_dot(w, scale, zero, x_t, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FORMAT, IEEE, BLOCK_N,
-                    BLOCK_K, MAGIC, OFFSET)
+                    BLOCK_K, MAGIC, OFFSET, XQ)
     w_ptrs += w_step
     x_ptrs += BLOCK_K
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
         x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0))
         w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, mask_n, stride_s, FORMAT, SCALE_K,
                                       EVEN_N)
-        acc = _tile_dot(w, scale, zero, x_t, acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET)
+        acc = _tile_dot(w, scale, zero, x_t, acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET, XQ)
         w_ptrs += w_step
         x_ptrs += BLOCK_K
     finish(acc, acc, Bias, Out, Partials, Counters, Scales, cols, rows, mask_n, M, N, stride_om, pid_n, pid_k,
@@ -183,13 +201,16 @@ def qgemv(
     x: torch.Tensor, fmt: int, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     bias: torch.Tensor | None, counters: torch.Tensor, *, scale_rows: int, scale_k: int,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int, row: bool = False,
+    fp8_x: bool = False,
 ) -> torch.Tensor:
     """`x @ dequant(weight).T + bias` in x's dtype for x `[m <= 16, K]` (contiguous rows), `weight`
     and `scales` (and int4's `zeros`) as `fmt`'s entry of the module docstring says. `counters`:
     int32, at least cdiv(N, block_n) zeros, left zeroed. row: one row of x goes through
-    `qgemv_row_kernel` (num_stages unused)."""
+    `qgemv_row_kernel` (num_stages unused). fp8_x (FP8 formats, the tile kernel): x is quantized to
+    E4M3 per row and K tile, the product computed FP8 x FP8 (as the methods' GEMMs quantize x)."""
     m, k = x.shape
     n = weight.shape[1] if fmt == INT4 else weight.shape[0]
+    assert not (fp8_x and (fmt == INT4 or row or x.dtype == torch.float32)), "fp8_x: FP8 formats, half x, tile kernel"
     assert m <= ROWS, f"{m} rows: the GEMV takes at most {ROWS}"
     assert k % block_k == 0 and scale_k % block_k == 0, (
         f"K {k} and the scale block {scale_k} must be multiples of block_k {block_k}")
@@ -220,6 +241,6 @@ def qgemv(
         counters, m, n, k, x.stride(0), weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
         FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
         EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k,
-        MAGIC=magic, OFFSET=offset, PDL=pdl, num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
+        MAGIC=magic, OFFSET=offset, PDL=pdl, XQ=fp8_x, num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )
     return out
