@@ -46,11 +46,12 @@ def _weights(n: int, k: int) -> list[dict[str, torch.Tensor | None]]:
         blocks = (torch.rand(n // BLOCK, k // BLOCK, device=DEVICE) + 0.5) * rows.mean()
         scale = blocks.repeat_interleave(BLOCK, 0)
         out.append({"dense": dense, "q": q, "rows": rows, "scale": scale,
-                    "cublas": _cublas_scale(q, scale, "cublas"), "cublas_rows": _cublas_scale(q, scale, "cublas-rows")})
+                    "cublas": _cublas_scale(q, scale, "cublas-blocks"),
+                    "cublas_rows": _cublas_scale(q, scale, "cublas-rows")})
     return out
 
 
-def _cublas_scale(q: torch.Tensor, scale: torch.Tensor, choice: str) -> torch.Tensor | None:
+def _cublas_scale(q: torch.Tensor, scale: torch.Tensor, choice: str) -> fp8_ops.CublasScales | None:
     os.environ["RXF_FP8_BLOCK_GEMM"] = choice
     try:
         return fp8_ops.cublas_block_scales(q, scale, BLOCK, BLOCK)

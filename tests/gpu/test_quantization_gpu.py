@@ -78,8 +78,10 @@ def test_fp8_gemms_match_the_dequantized_matmul(m, n, k):
 
 @pytest.mark.parametrize("m", [1, 8, 300])
 @pytest.mark.parametrize(("n", "k"), [*SHAPES, (4160, 4096)])  # 4160: rows not in whole 128-row blocks
-@pytest.mark.parametrize("choice", ["cublas", "cublas-rows"])
+@pytest.mark.parametrize("choice", ["cublas", "cublas-blocks", "cublas-rows"])
 def test_block_fp8_through_cublas_matches_the_dequantized_matmul(m, n, k, choice, monkeypatch):
+    """Default "cublas": per-row scales up to 64 rows of x (m 1, 8), 128 x 128 blocks above (m 300)
+    where every block's rows share their scales (n 4160 does not: per row at every m)."""
     monkeypatch.setenv("RXF_FP8_BLOCK_GEMM", choice)
     w_q, w_rows = fp8_ops.quantize_rows(torch.randn(n, k, device=CUDA) * 0.02)
     blocks = (torch.rand(-(-n // 128), k // 128, device=CUDA) + 0.5) * w_rows.mean()
@@ -89,6 +91,9 @@ def test_block_fp8_through_cublas_matches_the_dequantized_matmul(m, n, k, choice
         assert scale_b is not None
     elif scale_b is None:
         pytest.skip("no block-scaled FP8 in this cuBLAS / PyTorch")
+    shared = n % 128 == 0
+    assert (scale_b.blocks is not None) == (shared and choice != "cublas-rows")
+    assert (scale_b.rows is not None) == (not shared or choice != "cublas-blocks")
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
     out = fp8_ops.block_fp8_linear(x, w_q, w_scale, 128, None, scale_b)
     xq, xs = fp8_ops.quantize_per_token(x, 128)

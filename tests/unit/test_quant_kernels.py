@@ -85,3 +85,16 @@ def test_int4_gemm_matches_the_dequantized_matmul(m, group, split_k):
     out = int4_linear(x, pack_int32(codes, 0), scales, zeros.half(), group, None, split_k=split_k)
     ref = x.float() @ weights.dequantize(torch.float32).t()
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_cublas_scales_pick_per_row_scales_for_few_rows():
+    """cuBLAS's two weight-scale forms by the rows of x: per row and block up to ROW_SCALES_MAX_ROWS,
+    128 x 128 blocks above; the one form held serves every count."""
+    rows, blocks = torch.ones(4, 256), torch.ones(4, 2)
+    both = fp8_ops.CublasScales(rows, blocks)
+    limit = fp8_ops.ROW_SCALES_MAX_ROWS
+    assert both.pick(1) is rows and both.pick(limit) is rows and both.pick(limit + 1) is blocks
+    assert fp8_ops.CublasScales(rows, None).pick(4096) is rows
+    assert fp8_ops.CublasScales(None, blocks).pick(1) is blocks
+    assert fp8_ops.cublas_block_scales(torch.zeros(256, 256).to(fp8_ops.FP8), torch.ones(256, 2), 128, 128) is None, (
+        "CPU weights: no cuBLAS")

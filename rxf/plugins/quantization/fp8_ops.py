@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -144,17 +145,40 @@ def quantizes_normed(
 
 
 CUBLAS_BLOCK = 128  # cuBLAS's block scaling: 1 x 128 activation groups, 128 x 128 or 1 x 128 weight blocks
-# RXF_FP8_BLOCK_GEMM: "cublas" (default: 128 x 128 weight blocks where each block's rows share their
-# scales, else a scale per row and block), "cublas-rows" (always per row), "triton" (rxf's kernel).
-_GEMM_CHOICES = ("cublas", "cublas-rows", "triton")
+# Up to this many rows of x, the GEMM takes a scale per weight row and block even where 128 x 128
+# blocks share theirs: on an H100 (2026-12-05, benchmarks/RESULTS.md, `gpu_fp8_gemm.py`) the four
+# Llama-3-8B projections summed ran 1.56x / 1.42x of bf16 that way at 8 / 64 rows against 1.35x /
+# 1.12x with 128 x 128 blocks, which win from 256 rows on (1.28x against 1.21x).
+ROW_SCALES_MAX_ROWS = 64
+# RXF_FP8_BLOCK_GEMM: "cublas" (default: both forms, by row count as above), "cublas-blocks" (128 x 128
+# weight blocks wherever each block's rows share their scales), "cublas-rows" (a scale per row and
+# block always), "triton" (rxf's kernel).
+_GEMM_CHOICES = ("cublas", "cublas-blocks", "cublas-rows", "triton")
 _cublas_works: dict[tuple[str, bool], bool] = {}
 
 
-def cublas_block_scales(w: torch.Tensor, w_scale: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor | None:
-    """The `scale_b` that lets `torch._scaled_mm` (cuBLAS) compute `block_fp8_linear` over `w` `[N, K]`
+@dataclass(frozen=True)
+class CublasScales:
+    """A block-scaled FP8 weight's `scale_b` for `torch._scaled_mm` (cuBLAS) in its two forms: per
+    row and block (`[K / 128, N]`, stride 1 along N) and per 128 x 128 block (`[K / 128, N / 128]`
+    viewed so, where the blocks' rows share their scales). Either may be None, not both."""
+
+    rows: torch.Tensor | None
+    blocks: torch.Tensor | None
+
+    def pick(self, m: int) -> torch.Tensor:
+        """The form for an x of `m` rows: per row up to ROW_SCALES_MAX_ROWS rows, blocks above."""
+        small = m <= ROW_SCALES_MAX_ROWS
+        chosen = self.rows if (small or self.blocks is None) else self.blocks
+        return chosen if chosen is not None else self.blocks
+
+
+def cublas_block_scales(w: torch.Tensor, w_scale: torch.Tensor, block_n: int, block_k: int) -> CublasScales | None:
+    """The scales that let `torch._scaled_mm` (cuBLAS) compute `block_fp8_linear` over `w` `[N, K]`
     with per-row block scales `w_scale` `[N, K / 128]`, or None where the Triton GEMM must serve: blocks
     of K other than 128, K not a multiple of 128 or N of 16 (cuBLAS's FP8 alignment), a PyTorch or
-    cuBLAS without block scaling (probed once a device), or `RXF_FP8_BLOCK_GEMM=triton`."""
+    cuBLAS without block scaling (probed once a device), or `RXF_FP8_BLOCK_GEMM=triton`. The per-row
+    form is a transposed copy of `w_scale` (3% of the FP8 weight's bytes), kept where it serves."""
     choice = os.environ.get("RXF_FP8_BLOCK_GEMM", "cublas")
     if choice not in _GEMM_CHOICES:
         raise ValueError(f"RXF_FP8_BLOCK_GEMM={choice!r}: expected one of {', '.join(_GEMM_CHOICES)}")
@@ -163,17 +187,20 @@ def cublas_block_scales(w: torch.Tensor, w_scale: torch.Tensor, block_n: int, bl
         return None
     kb = k // CUBLAS_BLOCK
     blocks = None
-    if choice == "cublas" and block_n == CUBLAS_BLOCK and n % CUBLAS_BLOCK == 0 and kb % 4 == 0:
+    if choice != "cublas-rows" and block_n == CUBLAS_BLOCK and n % CUBLAS_BLOCK == 0 and kb % 4 == 0:
         grouped = w_scale.view(n // CUBLAS_BLOCK, CUBLAS_BLOCK, kb)
         if torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
             blocks = grouped[:, 0].contiguous()  # [N / 128, K / 128]
     # torch._scaled_mm reads mat_b = w.T [K, N]; its scale_b.T must be [N / 128, K / 128] row-major
     # (128 x 128 blocks) or [N, K / 128] with stride 1 along N (a scale per row and block).
-    scale_b = blocks.t() if blocks is not None else w_scale.t().contiguous()
-    key = (str(w.device), blocks is not None)
-    if key not in _cublas_works:
-        _cublas_works[key] = _probe(w.device, blocks is not None)
-    return scale_b if _cublas_works[key] else None
+    rows = None if (blocks is not None and choice == "cublas-blocks") else w_scale.t().contiguous()
+    for form, square in ((blocks, True), (rows, False)):
+        key = (str(w.device), square)
+        if form is not None and key not in _cublas_works:
+            _cublas_works[key] = _probe(w.device, square)
+    blocks = blocks.t() if blocks is not None and _cublas_works[str(w.device), True] else None
+    rows = rows if rows is not None and _cublas_works[str(w.device), False] else None
+    return None if blocks is None and rows is None else CublasScales(rows, blocks)
 
 
 def _probe(device: torch.device, square_blocks: bool) -> bool:
@@ -195,7 +222,7 @@ def _probe(device: torch.device, square_blocks: bool) -> bool:
 
 def block_fp8_linear(
     x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_k: int, bias: torch.Tensor | None,
-    cublas_scale: torch.Tensor | None = None, *, gated: bool = False, norm: torch.nn.Module | None = None,
+    cublas_scale: CublasScales | None = None, *, gated: bool = False, norm: torch.nn.Module | None = None,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ dequant(w).T + bias` for block-scaled FP8 `w` on CUDA: activations quantized per token
@@ -210,7 +237,8 @@ def block_fp8_linear(
     # cuBLAS wants the activation scales' leading dimension (rows) a multiple of 4 (16 bytes).
     xq, xs = quantized_input(x2, block_k, cublas_scale is not None, gated=gated, norm=norm, residual=residual)
     if cublas_scale is not None:
-        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=cublas_scale, out_dtype=x.dtype)[: x2.shape[0]]
+        scale_b = cublas_scale.pick(x2.shape[0])
+        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)[: x2.shape[0]]
     else:
         out = block_scaled_mm(xq, xs, w, w_scale, block_k, x.dtype)
     if bias is not None:
