@@ -1,7 +1,11 @@
 """Instructions per weight in the K loop of the batch-1 GEMV kernels, compiled for the H200 (sm_90) on a
 machine without a GPU: a static measure of a kernel's ALU cost while no device time is left.
 
-    python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16] [--block-n 16 --block-k 256 --warps 8]
+    python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16|fp8-x|fp8-block-x] [--block-n 16 --block-k 256 --warps 8]
+
+fp8-x / fp8-block-x: the tile kernel (`qgemv_kernel`, 4 stages) with x quantized to E4M3 per tile and
+FP8 x FP8 dots (`RXF_QGEMV` label prefix x); its multiplies run on the tensor cores (QGMMA), so its
+count is the per-weight share of everything else (x's quantization, addresses, the pipeline).
 
 Triton compiles the kernel for `GPUTarget("cuda", 90, 32)` (its bundled ptxas), with every pointer and
 integer argument marked divisible by 16 as a launch specializes them (without that, loads are not
@@ -32,12 +36,12 @@ _DENSE_SIG = {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Out": "*bf16", "Part
               "stride_om": "i32", "eps": "fp32"}
 
 
-def loop_instructions(fn, signature: dict[str, str], constants: dict, warps: int) -> list[str]:
+def loop_instructions(fn, signature: dict[str, str], constants: dict, warps: int, stages: int = 3) -> list[str]:
     sig = {**signature, **dict.fromkeys(constants, "constexpr")}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] not in ("constexpr", "fp32")}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constants, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     labels: dict[str, int] = {}
     ins: list[str] = []
     for line in get_sass(kernel.asm["cubin"]).splitlines():
@@ -58,24 +62,35 @@ def main() -> None:
     from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "bf16"], default="fp8")
+    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "bf16", "fp8-x", "fp8-block-x"], default="fp8")
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--warps", type=int, default=8)
     args = ap.parse_args()
     bn, bk = args.block_n, args.block_k
-    if args.kernel == "bf16":
+    if args.kernel.endswith("-x"):
+        from rxf.plugins.quantization.qgemv_kernel import _qgemv_kernel
+
+        fmt = 1 if args.kernel == "fp8-block-x" else 0
+        fn = _qgemv_kernel
+        sig = {**_QUANT_SIG, "M": "i32", "stride_xm": "i32"}
+        consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, EVEN_N=True, IEEE=False,
+                      SCALE_ROWS=128 if fmt else 1, SCALE_K=128 if fmt else 4096, MAGIC=0x4300, OFFSET=128.0,
+                      PDL=True, XQ=True)
+        sig = {name: sig[name] for name in ("X", "W", "Scales", "Zeros", "Bias", "Out", "Partials", "Counters", "M",
+                                            "N", "K", "stride_xm", "stride_w", "stride_s", "stride_om")}
+    elif args.kernel == "bf16":
         fn, sig = _gemv_row_kernel, _DENSE_SIG
         consts = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, GATED=False, HAS_BIAS=False, PDL=True, NORM=False,
                       ROW_BLOCK=16)
     else:
         fmt = {"fp8": 0, "fp8-block": 1, "int4": 2}[args.kernel]
-        fn, sig = _qgemv_row_kernel, dict(_QUANT_SIG)
+        fn, sig = _qgemv_row_kernel, {**_QUANT_SIG, "MASK": "i32", "MAGIC": "i32"}
         if fmt == 2:
             sig.update(W="*i32", Scales="*bf16", Zeros="*bf16")
         consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, SCALE_ROWS=1,
                       SCALE_K=128 if fmt else 4096, PDL=True, ASM=True)
-    loop = loop_instructions(fn, sig, consts, args.warps)
+    loop = loop_instructions(fn, sig, consts, args.warps, 4 if args.kernel.endswith("-x") else 3)
     ops = collections.Counter(re.sub(r"^@!?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
     per_thread = bn * bk / (32 * args.warps)
     print(f"{args.kernel} {bn} x {bk}, {args.warps} warps: {len(loop)} loop instructions, "

@@ -45,6 +45,8 @@ FP8_ROWS, FP8_BLOCKS, INT4 = 0, 1, 2  # the weight formats (`fmt`)
 _FP8_ROWS, _FP8_BLOCKS, _INT4 = tl.constexpr(FP8_ROWS), tl.constexpr(FP8_BLOCKS), tl.constexpr(INT4)
 # A half whose mantissa counts in units of 1: (its bits, its value), per x dtype.
 _MAGIC = {torch.float16: (0x6400, 1024.0), torch.bfloat16: (0x4300, 128.0), torch.float32: (0, 0.0)}
+# The row kernel's int4 code field and float32 128.0 (`qgemv_row_kernel._int4_fma`), passed as arguments.
+_INT4_MASK, _INT4_MAGIC = 0x000F0000, 0x43000000
 
 
 @triton.jit
@@ -232,7 +234,7 @@ def qgemv(
         _qgemv_row_kernel[(n_blocks, split_k)](
             x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,
             partials, counters, n, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
-            FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+            _INT4_MASK, _INT4_MAGIC, FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
             SCALE_ROWS=scale_rows, SCALE_K=scale_k, PDL=pdl, ASM=x.is_cuda, num_warps=num_warps, launch_pdl=pdl,
         )
         return out

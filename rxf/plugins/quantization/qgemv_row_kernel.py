@@ -69,7 +69,7 @@ def _fp8_fma(w, scale, x_ptrs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _int4_fma(w, scale, zero, x_ptrs, acc, BLOCK_K: tl.constexpr):
+def _int4_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, BLOCK_K: tl.constexpr):
     """acc + the int4 words tile w [BLOCK_N, BLOCK_K / 8] dotted with x, word by word: float32
     [BLOCK_N, BLOCK_K / 8]. x_ptrs [BLOCK_K / 8] point at x[8r] for the tile's word rows r.
 
@@ -78,7 +78,12 @@ def _int4_fma(w, scale, zero, x_ptrs, acc, BLOCK_K: tl.constexpr):
     mantissa counts 1 there), so f_j = 128 + code_j exactly, a shift and a LOP3 per weight. A word's
     t = sum_j f_j * x[8r + j] then gives its dot with the dequantized codes as t - (128 + zero) *
     sum_j x[8r + j] (the tile lies in one group: one zero and one scale per row), scaled once. All
-    of it is elementwise on the words' own layout: no reshape, no shared memory."""
+    of it is elementwise on the words' own layout: no reshape, no shared memory.
+
+    MASK (0x000F0000) and MAGIC (0x43000000) arrive as kernel arguments, not literals: LOP3 takes one
+    immediate, and ptxas re-materialized the other literal into a register (IMAD.MOV / MOV) before
+    most uses, ~100 of the loop's ~590 instructions at 128 x 128 / 4 warps; an argument sits in a
+    uniform register that LOP3 reads directly (`benchmarks/sass_count.py`: 4.58 -> 3.88 a weight)."""
     t = tl.zeros_like(acc)
     x_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
     for j in tl.static_range(8):
@@ -89,7 +94,7 @@ def _int4_fma(w, scale, zero, x_ptrs, acc, BLOCK_K: tl.constexpr):
             moved = w
         else:
             moved = w >> (4 * j - 16)  # arithmetic: the sign bits land above bit 19, masked off
-        f = ((moved & 0x000F0000) | 0x43000000).to(tl.float32, bitcast=True)
+        f = ((moved & MASK) | MAGIC).to(tl.float32, bitcast=True)
         t += f * x_j[None, :]
         x_sum += x_j
     offset = zero.to(tl.float32) + 128.0
@@ -98,7 +103,7 @@ def _int4_fma(w, scale, zero, x_ptrs, acc, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _qgemv_row_kernel(
-    X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om,
+    X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om, MASK, MAGIC,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr,
@@ -120,7 +125,7 @@ def _qgemv_row_kernel(
         w_next, scale_next, zero_next = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0 + BLOCK_K, cols, ahead,
                                                      stride_s, FORMAT, SCALE_K, False)
         if FORMAT == _INT4:
-            acc = _int4_fma(w, scale, zero, x_ptrs, acc, BLOCK_K)
+            acc = _int4_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, BLOCK_K)
         else:
             acc = _fp8_fma(w, scale, x_ptrs, acc, FORMAT, ASM)
         x_ptrs += BLOCK_K
