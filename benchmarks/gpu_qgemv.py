@@ -11,10 +11,11 @@ Formats and what the method runs without the GEMV:
              block-scaled Triton GEMM
   int4       AWQ / GPTQ int4 in groups of 128: `int4_linear` (split-K float32 atomics, memset, cast)
 
-Peers beside them: for int4, torch's own int4 GEMM (`torch._weight_int4pack_mm`, tinygemm; rows
-`int4pack{inner_k_tiles}`, with the zero point folded into a float offset as its format takes it);
-for the FP8 formats, the `x` settings (x quantized to E4M3 per tile, FP8 x FP8 dots on the tensor
-cores; checked against the exact product with the looser bound of the methods' FP8 GEMMs).
+Peers among the settings: for int4, torch's own int4 GEMM (`torch._weight_int4pack_mm`, tinygemm;
+settings `torch2` / `torch4` / `torch8`, `qgemv.TorchInt4Gemv`); for the FP8 formats, the `x`
+settings (x quantized to E4M3 per tile, FP8 x FP8 dots on the tensor cores; checked against the
+exact product with the looser bound of the methods' FP8 GEMMs). A candidate over its bound is timed
+all the same and shown as "error E (T us)", never chosen.
 
 Times are GPU time per call as a decode graph pays it (`gpu_gemv.graph_us`): one call per rotating
 weight copy (>= 512 MB in flight, so L2 holds none), captured in one CUDA graph and replayed. TB/s:
@@ -68,7 +69,10 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
     x_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w) for n, k, st, w in fp8_x]
     plain = [(base, 1), *((s, 1) for s in others), (base, 2), *((s, 1) for s in row_settings),
              *((s, 2) for s in row_settings)]
-    return [(QuantSettings(s), f) for s, f in plain] + [(QuantSettings(s, True), f) for s in x_settings for f in (1, 2)]
+    # int4: torch's own int4 GEMM (tinygemm) at its three inner k tile counts, the library peer.
+    torch_int4 = [QuantSettings(base, torch_k_tiles=t) for t in (2, 4, 8)] if fmt == "int4" else []
+    return ([(QuantSettings(s), f) for s, f in plain] + [(QuantSettings(s, True), f) for s in x_settings for f in (1, 2)]
+            + [(s, 1) for s in torch_int4])
 
 
 def _copy(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[SimpleNamespace, torch.Tensor]:
@@ -81,16 +85,7 @@ def _copy(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[SimpleNamespa
         zeros = torch.randint(0, 16, (k // GROUP, n), device=DEVICE, generator=gen).float()
         scales = (torch.rand(k // GROUP, n, device=DEVICE, generator=gen) * 2e-3 + 1e-4).bfloat16()
         dense = Int4Weights(codes, zeros, scales, torch.arange(k, device=DEVICE) // GROUP).dequantize(torch.float32)
-        c = SimpleNamespace(weight=pack_int32(codes, 0), scales=scales, zeros=zeros.bfloat16())
-        for attr, ikt in _INT4PACK.values():
-            try:
-                packed, sz = _int4pack(codes, zeros, scales, ikt, swapped=attr.endswith("s"))
-            except (RuntimeError, AttributeError) as e:  # a torch without the CUDA op
-                print(f"torch int4pack {attr}: {type(e).__name__}: {e}"[:160], flush=True)
-                continue
-            setattr(c, attr, packed)
-            setattr(c, attr + "_sz", sz)
-        return c, dense
+        return SimpleNamespace(weight=pack_int32(codes, 0), scales=scales, zeros=zeros.bfloat16()), dense
     q, rows = fp8_ops.quantize_rows(torch.randn(n, k, device=DEVICE, generator=gen) / k**0.5)
     if fmt == "fp8":
         return SimpleNamespace(weight=q, scales=rows, zeros=None), fp8_ops.dequantize_rows(q, rows, torch.float32)
@@ -98,23 +93,6 @@ def _copy(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[SimpleNamespa
     per_row = blocks.repeat_interleave(GROUP, dim=0).contiguous()  # as the layer holds them
     dense = fp8_ops.dequantize_blocks(q, per_row, GROUP, torch.float32)
     return SimpleNamespace(weight=q, scales=blocks.contiguous(), row_scales=per_row, zeros=None), dense
-
-
-# torch's int4 GEMM (tinygemm) per inner_k_tiles, with the two nibble orders of its uint8 input (one
-# must match the dequantized reference; the other fails the check): row name -> (attribute, tiles).
-_INT4PACK = {f"int4pack{t}{o}": (f"tg{t}{o}", t) for t in (2, 4, 8) for o in ("", "s")}
-
-
-def _int4pack(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, inner_k_tiles: int, *,
-              swapped: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes `[K, N]` (uint8), zero points and scales `[G, N]` in torch's int4 GEMM format: the codes
-    packed two to a byte along K, then `_convert_weight_to_int4pack`; `[G, N, 2]` bf16 scales and
-    offsets, its dequantization being `(q - 8) * scale + offset`, so offset = scale * (8 - zero)."""
-    q = codes.t().to(torch.int32)
-    hi, lo = (q[:, 1::2], q[:, ::2]) if swapped else (q[:, ::2], q[:, 1::2])
-    packed = torch._convert_weight_to_int4pack(((hi << 4) | lo).to(torch.uint8).contiguous(), inner_k_tiles)
-    s = scales.float()
-    return packed, torch.stack([s, s * (8 - zeros)], dim=-1).to(torch.bfloat16).contiguous()
 
 
 def _current(fmt: str, x: torch.Tensor) -> Callable[[SimpleNamespace], torch.Tensor]:
@@ -129,8 +107,15 @@ def _current(fmt: str, x: torch.Tensor) -> Callable[[SimpleNamespace], torch.Ten
 
 
 def _resolve(fmt: str, settings: Any, factor: int, c: SimpleNamespace) -> Any:
-    """The QuantGemv of `settings` over copy `c`, its chosen split times `factor`."""
-    from rxf.plugins.quantization.qgemv import QuantGemv
+    """The QuantGemv of `settings` over copy `c`, its chosen split times `factor` (or torch's int4 GEMM)."""
+    from rxf.plugins.quantization.qgemv import QuantGemv, TorchInt4Gemv
+
+    if settings.torch_k_tiles:
+        op = TorchInt4Gemv.build(SimpleNamespace(qweight=c.weight, scales=c.scales, zeros=c.zeros), GROUP,
+                                 settings.torch_k_tiles)
+        if op is None:
+            raise ValueError("torch's int4 GEMM does not take this shape")
+        return op
 
     kw = {"scale_k": c.weight.shape[1]} if fmt == "fp8" else {"scale_k": GROUP, "scale_rows": GROUP if fmt == "fp8-block" else 1}
     op = QuantGemv(fmt, settings, c.weight, c.scales, c.zeros, **kw)
@@ -143,9 +128,8 @@ def _resolve(fmt: str, settings: Any, factor: int, c: SimpleNamespace) -> Any:
 def _timed(fn: Callable[[Any], torch.Tensor], copies: list[Any], ref: torch.Tensor, bound: float) -> float | str:
     try:
         err = ((fn(copies[0]).float() - ref).norm() / ref.norm()).item()
-        if not err < bound:
-            return f"error {err:.2e}"
-        return round(gpu_gemv.graph_us(fn, copies), 2)
+        us = gpu_gemv.graph_us(fn, copies)
+        return round(us, 2) if err < bound else f"error {err:.2e} ({us:.1f} us)"
     except Exception as e:  # a setting Triton cannot compile here (e.g. shared memory)
         return f"failed: {type(e).__name__}: {e}"[:120]
 
@@ -181,11 +165,6 @@ def _role(fmt: str, role: str, n: int, k: int) -> dict[str, Any]:
         for label in labels:
             row[label] = _timed(lambda c, x=x, o=ops[label]: o[id(c)](x, None), copies, ref,
                                 0.1 if label.startswith("x") else 1e-2)
-        for name, (attr, _) in (_INT4PACK if fmt == "int4" else {}).items():
-            if hasattr(first, attr):
-                row[name] = _timed(lambda c, x=x, a=attr: torch._weight_int4pack_mm(x, getattr(c, a), GROUP,
-                                                                                    getattr(c, a + "_sz")),
-                                   copies, ref, 1e-2)
         rows[m] = row
         gemv = {label: v for label, v in row.items() if label in ops and isinstance(v, float)}
         best = min(gemv, key=gemv.get) if gemv else None

@@ -142,6 +142,29 @@ def test_fp8_x_follows_torchs_per_tile_quantization(fmt: str, role: str, label: 
         assert not op.counters.any()
 
 
+@pytest.mark.parametrize("label", ["torch8", "torch2"])
+@pytest.mark.parametrize("role", SHAPES)
+def test_int4_through_torchs_int4_gemm(role: str, label: str, default_settings: pytest.MonkeyPatch) -> None:
+    """`int4=torchN`: torch's own int4 GEMM (tinygemm) repacked from rxf's words at load, 1-8 rows,
+    against the dequantized matmul (its offsets in bf16: the same 1% bound), and replayed in a graph."""
+    default_settings.setenv(qgemv.ENV, f"int4={label}")
+    qgemv._plan.cache_clear()
+    op, dense = _layer("int4", role, torch.Generator(device=DEV).manual_seed(4))
+    assert isinstance(op, qgemv.TorchInt4Gemv) and op.label == label
+    k = SHAPES[role][1]
+    for m in (1, 2, 8):
+        x = _x(m, k, m)
+        assert op.takes(x) and _rel_err(op(x, None), F.linear(x.float(), dense)) < 1e-2, f"m={m}"
+    assert not op.takes(_x(9, k, 0)) and not op.takes(_x(1, k, 0).half())
+    static_x = _x(4, k, 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = op(static_x, None)
+    static_x.copy_(_x(4, k, 7))
+    graph.replay()
+    torch.testing.assert_close(static_out, op(static_x, None), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("label", ["auto", "rn128k128s0st1w4"])
 def test_int4_gemv_in_float16(label: str, default_settings: pytest.MonkeyPatch) -> None:
     """fp16 activations and scales: the tile kernel's unpacking then uses fp16's magic (1024 + code) and

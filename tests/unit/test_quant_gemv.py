@@ -182,10 +182,13 @@ def test_settings_from_the_environment(qgemv_env):
     assert op.counters.numel() == 64 // 32, "counters for the smaller block_n of the two settings"
     qgemv_env("fp8=off")
     assert qgemv.settings_for("fp8", None) is None
+    qgemv_env("int4:down_proj=torch4")
+    assert qgemv.settings_for("int4", "down_proj")[0].label == "torch4"
+    assert qgemv.settings_for("int4", "down_proj")[0].torch_k_tiles == 4
     qgemv_env("fp8=xn64k128s0st4w4")
     assert qgemv.settings_for("fp8", None)[0] == qgemv.QuantSettings(qgemv.GemvSettings.parse("n64k128s0st4w4"), True)
     for bad in ("fp8", "fp4=auto", "fp8:lm_head=auto", "int4=n48k128s1st4w4", "int4=fast", "int4=xn32k128s1st4w4",
-                "fp8=xrn16k256s0st1w8"):
+                "fp8=xrn16k256s0st1w8", "fp8=torch8", "int4=torch16"):
         qgemv_env(bad)
         with pytest.raises(ValueError, match=qgemv.ENV):
             qgemv.settings_for("int4", None)

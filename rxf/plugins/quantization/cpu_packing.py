@@ -154,11 +154,16 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gr
               kernel_group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed weight, scales_and_zeros) for codes `[N, K]` (0..15) encoding `(q - z) * s` with
     scales and zeros (in code units) `[G, N]` for groups of `group` inputs."""
+    return pack_codes(codes), int4_scales_and_zeros(scales, zeros, group, kernel_group)
+
+
+def int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, group: int, kernel_group: int) -> torch.Tensor:
+    """torch's int4 ops' `[G, N, 2]` bf16 table (CPU and CUDA alike) for `(q - z) * s`: each group's
+    scale and offset `(8 - z) * s`, repeated over its runs of `kernel_group` inputs."""
     repeat = group // kernel_group
     s = scales.float().repeat_interleave(repeat, 0)
     z = zeros.float().repeat_interleave(repeat, 0)
-    scales_and_zeros = torch.stack([s, (8 - z) * s], dim=-1).to(COMPUTE_DTYPE).contiguous()
-    return pack_codes(codes), scales_and_zeros
+    return torch.stack([s, (8 - z) * s], dim=-1).to(COMPUTE_DTYPE).contiguous()
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
