@@ -64,7 +64,8 @@ _TORCH_INT4 = {"torch2": 2, "torch4": 4, "torch8": 8}  # settings: torch's int4 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSettings:
-    """A format's GEMV settings: the tiles, and whether x is quantized to FP8 (label prefix `x`)."""
+    """A format's GEMV settings as `RXF_QGEMV` gives them: the tiles, whether x is quantized to FP8
+    (label prefix `x`), or (int4) torch's own int4 GEMM in place of rxf's kernels (`torchN`)."""
 
     tiles: GemvSettings
     fp8_x: bool = False
