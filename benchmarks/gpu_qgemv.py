@@ -11,8 +11,8 @@ Formats and what the method runs without the GEMV:
              block-scaled Triton GEMM
   int4       AWQ / GPTQ int4 in groups of 128: `int4_linear` (split-K float32 atomics, memset, cast)
 
-Peers among the settings: for int4, torch's own int4 GEMM (`torch._weight_int4pack_mm`, tinygemm;
-settings `torch2` / `torch4` / `torch8`, `qgemv.TorchInt4Gemv`); for the FP8 formats, the `x`
+Peers among the settings: for int4, the library kernels of `int4_peers.py` (torch's own int4 GEMM,
+settings `torch2` / `torch4` / `torch8`; GemLite's GEMV, `gemlite`, if installed); for the FP8 formats, the `x`
 settings (x quantized to E4M3 per tile, FP8 x FP8 dots on the tensor cores; checked against the
 exact product with the looser bound of the methods' FP8 GEMMs). A candidate over its bound is timed
 all the same and shown as "error E (T us)", never chosen.
@@ -47,7 +47,7 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
     """(settings, split factor): the format's default and a few neighbours, each with the split
     chosen per shape (split_k 0), and the default tile with twice that split. Each is a Triton
     compile per role, so the list stays short (the phase runs in about a minute)."""
-    from rxf.plugins.quantization.qgemv import DEFAULTS, QuantSettings
+    from rxf.plugins.quantization.qgemv import DEFAULTS, PEERS, QuantSettings
 
     base = DEFAULTS[fmt]
     tiles = {"fp8": [(32, 256, 4, 4)], "fp8-block": [(32, 128, 6, 4)],
@@ -69,10 +69,10 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
     x_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w) for n, k, st, w in fp8_x]
     plain = [(base, 1), *((s, 1) for s in others), (base, 2), *((s, 1) for s in row_settings),
              *((s, 2) for s in row_settings)]
-    # int4: torch's own int4 GEMM (tinygemm) at its three inner k tile counts, the library peer.
-    torch_int4 = [QuantSettings(base, torch_k_tiles=t) for t in (2, 4, 8)] if fmt == "int4" else []
+    # int4: the library peers (torch's int4 GEMM at its three inner k tile counts, GemLite's GEMV).
+    peers = [QuantSettings(base, peer=name) for name in PEERS] if fmt == "int4" else []
     return ([(QuantSettings(s), f) for s, f in plain] + [(QuantSettings(s, True), f) for s in x_settings for f in (1, 2)]
-            + [(s, 1) for s in torch_int4])
+            + [(s, 1) for s in peers])
 
 
 def _copy(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[SimpleNamespace, torch.Tensor]:
@@ -108,13 +108,13 @@ def _current(fmt: str, x: torch.Tensor) -> Callable[[SimpleNamespace], torch.Ten
 
 def _resolve(fmt: str, settings: Any, factor: int, c: SimpleNamespace) -> Any:
     """The QuantGemv of `settings` over copy `c`, its chosen split times `factor` (or torch's int4 GEMM)."""
-    from rxf.plugins.quantization.qgemv import QuantGemv, TorchInt4Gemv
+    from rxf.plugins.quantization import int4_peers
+    from rxf.plugins.quantization.qgemv import QuantGemv
 
-    if settings.torch_k_tiles:
-        op = TorchInt4Gemv.build(SimpleNamespace(qweight=c.weight, scales=c.scales, zeros=c.zeros), GROUP,
-                                 settings.torch_k_tiles)
+    if settings.peer:
+        op = int4_peers.build(settings.peer, SimpleNamespace(qweight=c.weight, scales=c.scales, zeros=c.zeros), GROUP)
         if op is None:
-            raise ValueError("torch's int4 GEMM does not take this shape")
+            raise ValueError(f"{settings.peer} does not take this shape (or is not installed)")
         return op
 
     kw = {"scale_k": c.weight.shape[1]} if fmt == "fp8" else {"scale_k": GROUP, "scale_rows": GROUP if fmt == "fp8-block" else 1}

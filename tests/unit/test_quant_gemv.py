@@ -184,7 +184,7 @@ def test_settings_from_the_environment(qgemv_env):
     assert qgemv.settings_for("fp8", None) is None
     qgemv_env("int4:down_proj=torch4")
     assert qgemv.settings_for("int4", "down_proj")[0].label == "torch4"
-    assert qgemv.settings_for("int4", "down_proj")[0].torch_k_tiles == 4
+    assert qgemv.settings_for("int4", "down_proj")[0].peer == "torch4"
     qgemv_env("fp8=xn64k128s0st4w4")
     assert qgemv.settings_for("fp8", None)[0] == qgemv.QuantSettings(qgemv.GemvSettings.parse("n64k128s0st4w4"), True)
     for bad in ("fp8", "fp4=auto", "fp8:lm_head=auto", "int4=n48k128s1st4w4", "int4=fast", "int4=xn32k128s1st4w4",

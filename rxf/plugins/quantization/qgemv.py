@@ -29,8 +29,8 @@ rows) or a label `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as
 row kernel at batch 1, the tile kernel at the format's `DEFAULTS` for 2-8 rows; the split chosen
 from the shape; prefix `x`, FP8 formats and tile labels only: x is quantized to E4M3 per row and K
 tile and the tile kernel's dot runs FP8 x FP8 on the tensor cores, as the methods' own GEMMs
-quantize x), or, for int4 only, `torch2` / `torch4` / `torch8`: torch's own int4 GEMM
-(`TorchInt4Gemv`, bf16 layers) at 1-8 rows. block_k shrinks to fit the format: to a divisor of K, of
+quantize x), or, for int4 only, a library peer (`PEERS`, `int4_peers.py`: torch's own int4 GEMM
+`torch2` / `torch4` / `torch8`, GemLite's GEMV `gemlite`) for bf16 layers at 1-8 rows. block_k shrinks to fit the format: to a divisor of K, of
 the FP8 scale block and of the int4 group.
 """
 
@@ -46,6 +46,7 @@ from torch import nn
 
 from rxf.plugins.models.layers.gemv import MAX_ROWS, GemvSettings
 from rxf.plugins.models.layers.gemv import ROLES as GEMV_ROLES
+from rxf.plugins.quantization import int4_peers
 
 logger = logging.getLogger(__name__)
 
@@ -59,30 +60,31 @@ DEFAULTS = {
     "fp8-block": GemvSettings(block_n=64, block_k=128, split_k=0, num_stages=4, num_warps=4),
     "int4": GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=4, num_warps=4),
 }
-_TORCH_INT4 = {"torch2": 2, "torch4": 4, "torch8": 8}  # settings: torch's int4 GEMM, inner k tiles
+# int4 settings that name a maintained library's kernel instead of rxf's (`int4_peers.py`).
+PEERS = ("torch2", "torch4", "torch8", "gemlite")
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSettings:
     """A format's GEMV settings as `RXF_QGEMV` gives them: the tiles, whether x is quantized to FP8
-    (label prefix `x`), or (int4) torch's own int4 GEMM in place of rxf's kernels (`torchN`)."""
+    (label prefix `x`), or (int4) a library peer's kernel in place of rxf's (`PEERS`)."""
 
     tiles: GemvSettings
     fp8_x: bool = False
-    torch_k_tiles: int = 0  # int4 through torch's own int4 GEMM with these inner k tiles (0: rxf's kernels)
+    peer: str = ""  # one of PEERS, or rxf's kernels
 
     @property
     def label(self) -> str:
-        if self.torch_k_tiles:
-            return f"torch{self.torch_k_tiles}"
+        if self.peer:
+            return self.peer
         return ("x" if self.fp8_x else "") + self.tiles.label
 
     @classmethod
     def parse(cls, text: str, fmt: str) -> QuantSettings:
-        if text in _TORCH_INT4:
+        if text in PEERS:
             if fmt != "int4":
-                raise ValueError(f"{text!r}: torch's int4 GEMM serves int4 only")
-            return cls(DEFAULTS[fmt], torch_k_tiles=_TORCH_INT4[text])
+                raise ValueError(f"{text!r}: the library peers serve int4 only")
+            return cls(DEFAULTS[fmt], peer=text)
         fp8_x = text.startswith("x")
         tiles = GemvSettings.parse(text[fp8_x:])
         if fp8_x and (fmt == "int4" or tiles.row):
@@ -216,57 +218,15 @@ def fp8_blocks(layer: nn.Module, block_n: int, block_k: int) -> QuantGemv | None
     return _build(layer, "fp8-block", layer.weight, scales, scale_k=block_k, scale_rows=rows)
 
 
-def int4(layer: nn.Module, group_size: int) -> QuantGemv | TorchInt4Gemv | None:
+def int4(layer: nn.Module, group_size: int) -> QuantGemv | int4_peers.Peer | None:
     """The GEMV of an int4 layer in rxf's CUDA layout (`int4.py`), or None (off, or zeros that are
     not integers in [0, 128), which the kernel's exact half-precision `code - zero` needs); with a
-    `torch{2,4,8}` setting, torch's int4 GEMM instead (`TorchInt4Gemv`)."""
+    `PEERS` setting, that library's kernel instead (`int4_peers.build`)."""
     zeros = layer.zeros.data
     chosen = settings_for("int4", getattr(layer, "gemv_role", None))
-    if chosen is not None and chosen[0].torch_k_tiles:
-        return TorchInt4Gemv.build(layer, group_size, chosen[0].torch_k_tiles)
+    if chosen is not None and chosen[0].peer:
+        return int4_peers.build(chosen[0].peer, layer, group_size)
     if not (torch.equal(zeros, zeros.round()) and bool(((zeros >= 0) & (zeros < 128)).all())):
         logger.info("int4: zero points that are not integers in [0, 128): no decode GEMV")
         return None
     return _build(layer, "int4", layer.qweight, layer.scales, zeros, scale_k=group_size)
-
-
-class TorchInt4Gemv:
-    """Decode batches (1 to MAX_ROWS rows, bf16) of an int4 layer through torch's own int4 GEMM
-    (`torch._weight_int4pack_mm`, "tinygemm", CUDA): the maintained kernel to hold rxf's GEMV
-    against, chosen by an `RXF_QGEMV` setting `torch2` / `torch4` / `torch8` (its inner k tiles).
-    It holds a second copy of the codes in that op's layout (the layer keeps rxf's for larger
-    batches) and computes `(q - 8) * s + (8 - z) * s` with that offset rounded to bf16
-    (`cpu_packing.int4_scales_and_zeros`, the CPU path's table): not bit-exact to `(q - z) * s`."""
-
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, k: int, n: int,
-                 inner_k_tiles: int) -> None:
-        self.packed, self.scales_and_zeros, self.group, self.k, self.n = packed, scales_and_zeros, group, k, n
-        self.label = f"torch{inner_k_tiles}"
-
-    @classmethod
-    def build(cls, layer: nn.Module, group: int, inner_k_tiles: int) -> TorchInt4Gemv | None:
-        from rxf.plugins.quantization.cpu_packing import int4_scales_and_zeros
-        from rxf.plugins.quantization.int4 import unpack_int32
-
-        codes = unpack_int32(layer.qweight.data, dim=0)  # [K, N], rxf's order: input 8r + j in nibble j
-        k, n = codes.shape
-        if (layer.scales.dtype != torch.bfloat16 or group not in (32, 64, 128, 256) or n % 8
-                or k % (16 * inner_k_tiles)):
-            logger.info("int4 %s: torch's int4 GEMM takes bf16 layers, groups of 32-256, N a multiple of 8 and K "
-                        "of %d; rxf's GEMV serves", getattr(layer, "gemv_role", "layer"), 16 * inner_k_tiles)
-            return None
-        q = codes.t().to(torch.int32)  # [N, K]; two inputs a byte, the even one in the high nibble
-        packed = torch._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous(),
-                                                   inner_k_tiles)
-        table = int4_scales_and_zeros(layer.scales.data, layer.zeros.data, group, group)
-        return cls(packed, table, group, k, n, inner_k_tiles)
-
-    def takes(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.numel() // self.k <= MAX_ROWS
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = x.reshape(-1, self.k)
-        out = torch._weight_int4pack_mm(x2.contiguous(), self.packed, self.group, self.scales_and_zeros)
-        if bias is not None:
-            out = out + bias
-        return out.reshape(*x.shape[:-1], self.n)
