@@ -1,11 +1,14 @@
 """Instructions per weight in the K loop of the batch-1 GEMV kernels, compiled for the H200 (sm_90) on a
 machine without a GPU: a static measure of a kernel's ALU cost while no device time is left.
 
-    python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16|fp8-x|fp8-block-x] [--block-n 16 --block-k 256 --warps 8]
+    python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16|fp8-x|fp8-block-x|moe-gate-up|moe-down]
+        [--block-n 16 --block-k 256 --warps 8] [--experts fp8-block|fp8-row|bf16]
 
 fp8-x / fp8-block-x: the tile kernel (`qgemv_kernel`, 4 stages) with x quantized to E4M3 per tile and
 FP8 x FP8 dots (`RXF_QGEMV` label prefix x); its multiplies run on the tensor cores (QGMMA), so its
 count is the per-weight share of everything else (x's quantization, addresses, the pipeline).
+moe-gate-up / moe-down: the MoE decode kernels' ROW form (`fused_moe_decode.py`, top 8) over experts
+in `--experts` (FP8 with 128-input block scales or row scales, or bf16); gate/up counts both rows.
 
 Triton compiles the kernel for `GPUTarget("cuda", 90, 32)` (its bundled ptxas), with every pointer and
 integer argument marked divisible by 16 as a launch specializes them (without that, loads are not
@@ -57,18 +60,43 @@ def loop_instructions(fn, signature: dict[str, str], constants: dict, warps: int
     return loop
 
 
+def _moe(kernel: str, experts: str, bn: int, bk: int) -> tuple:
+    from rxf.plugins.models.layers.fused_moe_decode import _down_kernel, _gate_up_kernel
+
+    w = "*bf16" if experts == "bf16" else "*fp8e4nv"
+    scales = dict(ROW_SCALED=experts == "fp8-row", BLOCK_SCALED=experts == "fp8-block",
+                  SCALE_BK=128 if experts == "fp8-block" else 1, PDL=True, ROW=True, WORDS=w != "*bf16", ASM=True)
+    strides = dict.fromkeys(("stride_we", "stride_wn", "stride_be", "stride_se", "stride_sn"), "i32")
+    if kernel == "moe-gate-up":
+        sig = {"X": "*bf16", "W13": w, "B13": w, "S13": "*fp32", "Act": "*bf16", "TopkIds": "*i32", "N": "i32",
+               "K": "i32", "stride_xt": "i32", **strides, "stride_ap": "i32"}
+        consts = dict(TOP_K=8, BLOCK_N=bn, BLOCK_K=bk, IEEE=False, HAS_BIAS=False, ALPHA=1.0, HAS_LIMIT=False,
+                      LIMIT=0.0, UP_OFFSET=0.0, **scales)
+        return _gate_up_kernel, sig, consts
+    sig = {"Act": "*bf16", "W2": w, "B2": w, "S2": "*fp32", "Y": "*bf16", "TopkWeights": "*fp32", "TopkIds": "*i32",
+           "Partials": "*fp32", "Counters": "*i32", "N": "i32", "K": "i32", "stride_ap": "i32", **strides,
+           "stride_yt": "i32"}
+    return _down_kernel, sig, dict(TOP_K=8, BLOCK_N=bn, BLOCK_K=bk, IEEE=False, HAS_BIAS=False, **scales)
+
+
 def main() -> None:
     from rxf.plugins.models.layers.gemv_row_kernel import _gemv_row_kernel
     from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "bf16", "fp8-x", "fp8-block-x"], default="fp8")
+    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "bf16", "fp8-x", "fp8-block-x", "moe-gate-up",
+                                         "moe-down"], default="fp8")
+    ap.add_argument("--experts", choices=["fp8-block", "fp8-row", "bf16"], default="fp8-block")
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--warps", type=int, default=8)
     args = ap.parse_args()
     bn, bk = args.block_n, args.block_k
-    if args.kernel.endswith("-x"):
+    rows = 1  # weight rows a program multiplies per output column (gate/up: two)
+    if args.kernel.startswith("moe"):
+        fn, sig, consts = _moe(args.kernel, args.experts, bn, bk)
+        rows = 2 if args.kernel == "moe-gate-up" else 1
+    elif args.kernel.endswith("-x"):
         from rxf.plugins.quantization.qgemv_kernel import _qgemv_kernel
 
         fmt = 1 if args.kernel == "fp8-block-x" else 0
@@ -92,7 +120,7 @@ def main() -> None:
                       SCALE_K=128 if fmt else 4096, PDL=True, ASM=True)
     loop = loop_instructions(fn, sig, consts, args.warps, 4 if args.kernel.endswith("-x") else 3)
     ops = collections.Counter(re.sub(r"^@!?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
-    per_thread = bn * bk / (32 * args.warps)
+    per_thread = rows * bn * bk / (32 * args.warps)
     print(f"{args.kernel} {bn} x {bk}, {args.warps} warps: {len(loop)} loop instructions, "
           f"{len(loop) / per_thread:.2f} a weight")
     print(", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
