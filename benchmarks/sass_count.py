@@ -64,6 +64,8 @@ def _moe(kernel: str, experts: str, bn: int, bk: int) -> tuple:
     from rxf.plugins.models.layers.fused_moe_decode import _down_kernel, _gate_up_kernel
 
     w = "*bf16" if experts == "bf16" else "*fp8e4nv"
+    if experts == "fp8-block":
+        bk = min(bk, 128)  # as the launch does (`moe.kernel_scale_args`): a K tile inside one scale block
     scales = dict(ROW_SCALED=experts == "fp8-row", BLOCK_SCALED=experts == "fp8-block",
                   SCALE_BK=128 if experts == "fp8-block" else 1, PDL=True, ROW=True, WORDS=w != "*bf16", ASM=True)
     strides = dict.fromkeys(("stride_we", "stride_wn", "stride_be", "stride_se", "stride_sn"), "i32")
@@ -95,6 +97,7 @@ def main() -> None:
     rows = 1  # weight rows a program multiplies per output column (gate/up: two)
     if args.kernel.startswith("moe"):
         fn, sig, consts = _moe(args.kernel, args.experts, bn, bk)
+        bk = consts["BLOCK_K"]
         rows = 2 if args.kernel == "moe-gate-up" else 1
     elif args.kernel.endswith("-x"):
         from rxf.plugins.quantization.qgemv_kernel import _qgemv_kernel

@@ -10,7 +10,8 @@ values (`_fp8_fma`, the FP8 tile read as int32 words) is turned into float32 val
 the word's inputs, loaded as one strided vector per position in the word and reused over the rows a
 thread holds. Static counts (`benchmarks/sass_count.py`, sm_90), instructions a weight: int4 7.4 ->
 4.6 at 128 x 128 tiles (9.0 -> 6.0 at 32 x 128), then 3.9 (5.2) with its two constants passed as
-arguments (`_int4_fma`); FP8 6.5 -> 5.7 at 16 x 256, 3.5 at 32-64 x 256. On the H200 (2026-12-05,
+arguments (`_int4_fma`; with the GPU machine's Triton 3.6: 5.2 -> 4.1); FP8 6.5 -> 5.7 at 16 x 256,
+3.5 at 32-64 x 256. On the H200 (2026-12-05,
 benchmarks/RESULTS.md, before the constants) the
 projections of Llama-3-8B at batch 1 then read at 2.6-3.4 TB/s in FP8 (1.6-1.9x bf16 cuBLAS) and
 1.0-1.9 TB/s of codes in int4 (1.3-1.7x); the GEMV is the default at batch 1 for every format
@@ -62,7 +63,8 @@ def _int4_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, BLOCK_K: tl.constexpr):
     MASK (0x000F0000) and MAGIC (0x43000000) arrive as kernel arguments, not literals: LOP3 takes one
     immediate, and ptxas re-materialized the other literal into a register (IMAD.MOV / MOV) before
     most uses, ~100 of the loop's ~590 instructions at 128 x 128 / 4 warps; an argument sits in a
-    uniform register that LOP3 reads directly (`benchmarks/sass_count.py`: 4.58 -> 3.88 a weight)."""
+    uniform register that LOP3 reads directly (`benchmarks/sass_count.py`: 4.58 -> 3.88 a weight; under
+    the GPU machine's Triton 3.6, 5.22 -> 4.13)."""
     t = tl.zeros_like(acc)
     x_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
     for j in tl.static_range(8):

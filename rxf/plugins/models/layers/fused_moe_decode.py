@@ -27,10 +27,11 @@ Each kernel has two forms, chosen by the fifth element of its blocks (ROW):
 FP8 weights are upcast in registers and scaled as `fused_moe` describes (block scales shrink the
 K tiles to the scale block when it is smaller); the ROW form reads them as int32 words of four and
 converts each word in two instructions (`fp8_words.py`), a block scale multiplying each word's sum:
-by the static count (`sass_count.py`'s method, sm_90) the gate/up kernel's loop at 16 x 256 / 4 warps
-went from 7.05 to 4.88 instructions a weight with block scales and from 5.64 to 4.48 with row
-scales; the down kernel at 32 x 128 / 8 warps from 8.88 to 8.75 (its tile gives each thread 16
-weights a step: x's loads dominate; 32 x 256 / 4 warps would take 4.98). Not yet timed on a GPU.
+by the static count (`benchmarks/sass_count.py --kernel moe-gate-up|moe-down`, sm_90, Triton 3.6) the
+gate/up kernel's loop at its default tile went from 7.84 to 6.31 instructions a weight with 128-input
+block scales and from 5.94 to 4.50 with row scales; the down kernel at 32 x 128 / 8 warps from 9.19
+to 9.06 (its tile gives each thread 16 weights a step: x's loads dominate; 64 x 128 / 4 warps would
+take 5.28). Not yet timed on a GPU.
 
 With programmatic dependent launch (`rxf/core/runner/pdl.py`) both kernels wait first: every weight
 they read is picked by an expert id the routing kernel writes, so nothing is fixed before the wait.
