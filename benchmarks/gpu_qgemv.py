@@ -11,8 +11,8 @@ Formats and what the method runs without the GEMV:
              block-scaled Triton GEMM
   int4       AWQ / GPTQ int4 in groups of 128: `int4_linear` (split-K float32 atomics, memset, cast)
 
-Peers among the settings: for int4, the library kernels of `int4_peers.py` (torch's own int4 GEMM,
-settings `torch2` / `torch4` / `torch8`; GemLite's GEMV, `gemlite`, if installed); for the FP8 formats, the `x`
+Peers among the settings: for int4, torch's own int4 GEMM (`int4_peers.py`, settings `torch2` /
+`torch4` / `torch8`); for the FP8 formats, the `x`
 settings (x quantized to E4M3 per tile, FP8 x FP8 dots on the tensor cores; checked against the
 exact product with the looser bound of the methods' FP8 GEMMs). A candidate over its bound is timed
 all the same and shown as "error E (T us)", never chosen.
@@ -69,7 +69,7 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
     x_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w) for n, k, st, w in fp8_x]
     plain = [(base, 1), *((s, 1) for s in others), (base, 2), *((s, 1) for s in row_settings),
              *((s, 2) for s in row_settings)]
-    # int4: the library peers (torch's int4 GEMM at its three inner k tile counts, GemLite's GEMV).
+    # int4: the library peer (torch's int4 GEMM at its three inner k tile counts).
     peers = [QuantSettings(base, peer=name) for name in PEERS] if fmt == "int4" else []
     return ([(QuantSettings(s), f) for s, f in plain] + [(QuantSettings(s, True), f) for s in x_settings for f in (1, 2)]
             + [(s, 1) for s in peers])
@@ -114,7 +114,7 @@ def _resolve(fmt: str, settings: Any, factor: int, c: SimpleNamespace) -> Any:
     if settings.peer:
         op = int4_peers.build(settings.peer, SimpleNamespace(qweight=c.weight, scales=c.scales, zeros=c.zeros), GROUP)
         if op is None:
-            raise ValueError(f"{settings.peer} does not take this shape (or is not installed)")
+            raise ValueError(f"{settings.peer} does not take this shape")
         return op
 
     kw = {"scale_k": c.weight.shape[1]} if fmt == "fp8" else {"scale_k": GROUP, "scale_rows": GROUP if fmt == "fp8-block" else 1}

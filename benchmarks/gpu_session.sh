@@ -3,8 +3,6 @@
 # benchmark (stage "bench") or the decode profile (stage "profile"). Run from the repo root on the GPU
 # machine; see ../shared/device/README.md. Wheels first (here, once per checkout):
 #   ../shared/device/wheels.sh xgrammar==0.2.9 jsonschema==4.26.0 referencing jsonschema-specifications rpds-py msgspec==0.23.0
-# and GemLite (sdist only on PyPI; pure Python, for `RXF_QGEMV=int4=gemlite`):
-#   pip wheel -q --no-deps gemlite==0.6.0.post2 -w .whl; pip download -q --no-deps tqdm -d .whl
 # The JIT cache comes back in parts under 15 MB (the limit on returned files); put them in .fi-parts/
 # (git-ignored, carried) and the next call restores them. benchmarks/fi_cache_build.py builds such
 # parts on the CPU box. Carried paths travel within 64 MiB in all: the cuDNN frontend wheel (11.6 MB;

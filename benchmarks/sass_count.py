@@ -67,7 +67,7 @@ def _moe(kernel: str, experts: str, bn: int, bk: int) -> tuple:
     if experts == "fp8-block":
         bk = min(bk, 128)  # as the launch does (`moe.kernel_scale_args`): a K tile inside one scale block
     scales = dict(ROW_SCALED=experts == "fp8-row", BLOCK_SCALED=experts == "fp8-block",
-                  SCALE_BK=128 if experts == "fp8-block" else 1, PDL=True, ROW=True, WORDS=w != "*bf16", ASM=True)
+                  SCALE_BK=128 if experts == "fp8-block" else 1, PDL=True, ROW=True)
     strides = dict.fromkeys(("stride_we", "stride_wn", "stride_be", "stride_se", "stride_sn"), "i32")
     if kernel == "moe-gate-up":
         sig = {"X": "*bf16", "W13": w, "B13": w, "S13": "*fp32", "Act": "*bf16", "TopkIds": "*i32", "N": "i32",

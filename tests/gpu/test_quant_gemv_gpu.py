@@ -142,14 +142,11 @@ def test_fp8_x_follows_torchs_per_tile_quantization(fmt: str, role: str, label: 
         assert not op.counters.any()
 
 
-@pytest.mark.parametrize("label", ["torch8", "torch2", "gemlite"])
+@pytest.mark.parametrize("label", ["torch8", "torch2"])
 @pytest.mark.parametrize("role", SHAPES)
 def test_int4_through_a_library_peer(role: str, label: str, default_settings: pytest.MonkeyPatch) -> None:
-    """`int4=torchN` (torch's own int4 GEMM, tinygemm) and `int4=gemlite` (GemLite's GEMV, skipped when
-    the package is missing): repacked from rxf's words at load, 1-8 rows, against the dequantized
-    matmul (their offsets in bf16: the same 1% bound), and replayed in a graph."""
-    if label == "gemlite":
-        pytest.importorskip("gemlite")
+    """`int4=torchN` (torch's own int4 GEMM, tinygemm): repacked from rxf's words at load, 1-8 rows,
+    against the dequantized matmul (its offsets in bf16: the same 1% bound), and replayed in a graph."""
     default_settings.setenv(qgemv.ENV, f"int4={label}")
     qgemv._plan.cache_clear()
     op, dense = _layer("int4", role, torch.Generator(device=DEV).manual_seed(4))

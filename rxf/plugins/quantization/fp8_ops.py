@@ -109,7 +109,8 @@ def quantized_input(
 
 def _fused_inputs() -> bool:
     # RXF_FP8_FUSED_INPUT=1: FP8 layers take SiLU·mul and the RMSNorm before them into their
-    # activation quantization (off until measured on the GPU).
+    # activation quantization. Off: on an H100 (2026-12-05, benchmarks/RESULTS.md) it made offline FP8 +
+    # FP8 KV slower, 30.90 -> 28.41 req/s.
     return os.environ.get("RXF_FP8_FUSED_INPUT", "0") == "1"
 
 
@@ -148,7 +149,9 @@ CUBLAS_BLOCK = 128  # cuBLAS's block scaling: 1 x 128 activation groups, 128 x 1
 # Up to this many rows of x, the GEMM takes a scale per weight row and block even where 128 x 128
 # blocks share theirs: on an H100 (2026-12-05, benchmarks/RESULTS.md, `gpu_fp8_gemm.py`) the four
 # Llama-3-8B projections summed ran 1.56x / 1.42x of bf16 that way at 8 / 64 rows against 1.35x /
-# 1.12x with 128 x 128 blocks, which win from 256 rows on (1.28x against 1.21x).
+# 1.12x with 128 x 128 blocks, which win from 256 rows on (1.28x against 1.21x). End to end (H100,
+# same day): block-wise FP8 Llama-3-8B decoded 3445 tok/s at batch 16 against 3162 with 128 x 128
+# blocks only (`RXF_FP8_BLOCK_GEMM=cublas-blocks`), batch 1 unchanged (its GEMV serves it).
 ROW_SCALES_MAX_ROWS = 64
 # RXF_FP8_BLOCK_GEMM: "cublas" (default: both forms, by row count as above), "cublas-blocks" (128 x 128
 # weight blocks wherever each block's rows share their scales), "cublas-rows" (a scale per row and

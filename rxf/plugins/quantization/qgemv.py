@@ -30,7 +30,7 @@ row kernel at batch 1, the tile kernel at the format's `DEFAULTS` for 2-8 rows; 
 from the shape; prefix `x`, FP8 formats and tile labels only: x is quantized to E4M3 per row and K
 tile and the tile kernel's dot runs FP8 x FP8 on the tensor cores, as the methods' own GEMMs
 quantize x), or, for int4 only, a library peer (`PEERS`, `int4_peers.py`: torch's own int4 GEMM
-`torch2` / `torch4` / `torch8`, GemLite's GEMV `gemlite`) for bf16 layers at 1-8 rows. block_k shrinks to fit the format: to a divisor of K, of
+`torch2` / `torch4` / `torch8`) for bf16 layers at 1-8 rows. block_k shrinks to fit the format: to a divisor of K, of
 the FP8 scale block and of the int4 group.
 """
 
@@ -61,7 +61,7 @@ DEFAULTS = {
     "int4": GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=4, num_warps=4),
 }
 # int4 settings that name a maintained library's kernel instead of rxf's (`int4_peers.py`).
-PEERS = ("torch2", "torch4", "torch8", "gemlite")
+PEERS = ("torch2", "torch4", "torch8")
 
 
 @dataclasses.dataclass(frozen=True)

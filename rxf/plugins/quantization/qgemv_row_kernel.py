@@ -24,18 +24,41 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers.fp8_words import e4m3x4
 from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish
 from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, first_tile
+
+# Four E4M3 values (the bytes of an int32 word, lowest first) to float32: two `cvt.rn.f16x2.e4m3x2` (each
+# one instruction on sm_90) and four half-to-float conversions, against the byte extracts and re-pairs
+# Triton emits for a float8 tile's `.to(float32)` (PRMT, LOP3 and IMAD per value).
+_E4M3X4 = tl.constexpr("""{
+.reg .b16 lo, hi, e0, e1, e2, e3;
+.reg .b32 p, q;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 p, lo;
+cvt.rn.f16x2.e4m3x2 q, hi;
+mov.b32 {e0, e1}, p;
+mov.b32 {e2, e3}, q;
+cvt.f32.f16 $0, e0;
+cvt.f32.f16 $1, e1;
+cvt.f32.f16 $2, e2;
+cvt.f32.f16 $3, e3;
+}""")
 
 
 @triton.jit
 def _fp8_fma(w, scale, x_ptrs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
     """acc + the FP8 tile w, int32 words `[BLOCK_N, BLOCK_K / 4]` of four inputs each, dotted with x
     word by word: float32 `[BLOCK_N, BLOCK_K / 4]`; x_ptrs `[BLOCK_K / 4]` point at x[4r] for the
-    tile's word columns r. Block scales multiply a word's sum; row scales wait for the epilogue. ASM:
-    as `fp8_words.e4m3x4`."""
-    f0, f1, f2, f3 = e4m3x4(w, ASM)
+    tile's word columns r. Block scales multiply a word's sum; row scales wait for the epilogue. ASM
+    (CUDA): `_E4M3X4` converts; else (Triton's interpreter) each byte is bitcast and converted."""
+    if ASM:
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(_E4M3X4, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4,
+                                                   is_pure=True, pack=1)
+    else:
+        f0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if FORMAT == _FP8_BLOCKS:
         t = f0 * tl.load(x_ptrs).to(tl.float32)[None, :]
     else:  # row scales: straight into the accumulator

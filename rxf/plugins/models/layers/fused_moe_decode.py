@@ -25,13 +25,7 @@ Each kernel has two forms, chosen by the fifth element of its blocks (ROW):
 - tile: weight tiles stream through `tl.dot` against the activation row padded to a 16-column tile
   (as `gemv_kernel` does), so Triton's software pipeline keeps `num_stages` tiles in flight.
 FP8 weights are upcast in registers and scaled as `fused_moe` describes (block scales shrink the
-K tiles to the scale block when it is smaller); the ROW form reads them as int32 words of four and
-converts each word in two instructions (`fp8_words.py`), a block scale multiplying each word's sum:
-by the static count (`benchmarks/sass_count.py --kernel moe-gate-up|moe-down`, sm_90, Triton 3.6) the
-gate/up kernel's loop at its default tile went from 7.84 to 6.31 instructions a weight with 128-input
-block scales and from 5.94 to 4.50 with row scales; the down kernel at 32 x 128 / 8 warps from 9.19
-to 9.06 (its tile gives each thread 16 weights a step: x's loads dominate; 64 x 128 / 4 warps would
-take 5.28). Not yet timed on a GPU.
+K tiles to the scale block when it is smaller).
 
 With programmatic dependent launch (`rxf/core/runner/pdl.py`) both kernels wait first: every weight
 they read is picked by an expert id the routing kernel writes, so nothing is fixed before the wait.
@@ -54,7 +48,6 @@ import triton
 import triton.language as tl
 
 from rxf.core.runner.pdl import use_pdl
-from rxf.plugins.models.layers.fp8_words import e4m3x4
 from rxf.plugins.models.layers.moe import SILU, ExpertScales, GatedActivation, kernel_scale_args
 
 MAX_TOKENS = 4  # the most tokens routed here; more share experts, which the grouped kernels read once
@@ -125,27 +118,10 @@ def _first_column(acc):
 
 @triton.jit
 def _row_stream(W, a_rows, b_rows, x_row, K, n_ok, s_a, s_b, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr, WORDS: tl.constexpr,
-                ASM: tl.constexpr):
+                BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr):
     """ROW: ([BLOCK_N] float32 dots of the weight rows at offsets `a_rows` (and `b_rows` when TWO) with
     the activation row at `x_row`, over K; BLOCK_SCALED: each K tile's products times its scale block's
-    scales (`s_a`, `s_b`: the rows' first scales). WORDS (FP8 weights, K a multiple of 4): the rows
-    are read as int32 words of four inputs (`a_rows`, `b_rows` in words) and converted four at a time
-    (`_word_stream`). One if/else with one return (Triton's compiler also generates what follows a
-    branch that returns)."""
-    if WORDS:
-        out_a, out_b = _word_stream(W, a_rows, b_rows, x_row, K, n_ok, s_a, s_b, TWO, BLOCK_N, BLOCK_K, BLOCK_SCALED,
-                                    SCALE_BK, ASM)
-    else:
-        out_a, out_b = _value_stream(W, a_rows, b_rows, x_row, K, n_ok, s_a, s_b, TWO, BLOCK_N, BLOCK_K, BLOCK_SCALED,
-                                     SCALE_BK)
-    return out_a, out_b
-
-
-@triton.jit
-def _value_stream(W, a_rows, b_rows, x_row, K, n_ok, s_a, s_b, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr):
-    """`_row_stream` over W's values (half precision, or FP8 upcast one value at a time)."""
+    scales (`s_a`, `s_b`: the rows' first scales)."""
     ks = tl.arange(0, BLOCK_K)
     acc_a = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -178,59 +154,13 @@ def _value_stream(W, a_rows, b_rows, x_row, K, n_ok, s_a, s_b, TWO: tl.constexpr
 
 
 @triton.jit
-def _word_dot(w, x0, x1, x2, x3, acc, s_ptrs, n_ok, BLOCK_SCALED: tl.constexpr, ASM: tl.constexpr):
-    """acc + the FP8 words tile w `[BLOCK_N, BLOCK_K / 4]` times x at each word's four inputs (x0..x3
-    `[1, BLOCK_K / 4]`); BLOCK_SCALED: each word's sum times its row's scale at `s_ptrs`."""
-    f0, f1, f2, f3 = e4m3x4(w, ASM)
-    if BLOCK_SCALED:
-        t = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
-        return acc + t * tl.load(s_ptrs, mask=n_ok, other=0.0)[:, None]
-    return acc + f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
-
-
-@triton.jit
-def _word_stream(W, a_rows, b_rows, x_row, K, n_ok, s_a, s_b, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr, ASM: tl.constexpr):
-    """`_row_stream`'s WORDS form: word r of a tile holds inputs k0 + 4r .. k0 + 4r + 3."""
-    words = W.to(tl.pointer_type(tl.int32))
-    rs = tl.arange(0, BLOCK_K // 4)
-    acc_a = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
-    a_ptrs = words + a_rows + rs[None, :]
-    b_ptrs = words + b_rows + rs[None, :]
-    wa = tl.load(a_ptrs, mask=n_ok[:, None] & (4 * rs < K)[None, :], other=0)
-    wb = wa
-    if TWO:
-        wb = tl.load(b_ptrs, mask=n_ok[:, None] & (4 * rs < K)[None, :], other=0)
-    for k0 in range(0, K, BLOCK_K):
-        ahead = n_ok[:, None] & (k0 + BLOCK_K + 4 * rs < K)[None, :]
-        a_ptrs += BLOCK_K // 4
-        wa_next = tl.load(a_ptrs, mask=ahead, other=0)  # issued before the math
-        wb_next = wa_next
-        if TWO:
-            b_ptrs += BLOCK_K // 4
-            wb_next = tl.load(b_ptrs, mask=ahead, other=0)
-        x_ok = k0 + 4 * rs < K
-        x_ptrs = x_row + k0 + 4 * rs
-        x0 = tl.load(x_ptrs, mask=x_ok, other=0.0).to(tl.float32)[None, :]
-        x1 = tl.load(x_ptrs + 1, mask=x_ok, other=0.0).to(tl.float32)[None, :]
-        x2 = tl.load(x_ptrs + 2, mask=x_ok, other=0.0).to(tl.float32)[None, :]
-        x3 = tl.load(x_ptrs + 3, mask=x_ok, other=0.0).to(tl.float32)[None, :]
-        acc_a = _word_dot(wa, x0, x1, x2, x3, acc_a, s_a + k0 // SCALE_BK, n_ok, BLOCK_SCALED, ASM)
-        if TWO:
-            acc_b = _word_dot(wb, x0, x1, x2, x3, acc_b, s_b + k0 // SCALE_BK, n_ok, BLOCK_SCALED, ASM)
-        wa, wb = wa_next, wb_next
-    return tl.sum(acc_a, axis=1), tl.sum(acc_b, axis=1)
-
-
-@triton.jit
 def _gate_up_kernel(
     X, W13, B13, S13, Act, TopkIds, N, K,
     stride_xt, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_ap,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr, ALPHA: tl.constexpr, HAS_LIMIT: tl.constexpr, LIMIT: tl.constexpr,
     UP_OFFSET: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
-    PDL: tl.constexpr, ROW: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr, ROW: tl.constexpr,
 ):
     if PDL:  # the routing kernel writes the expert ids that pick every weight read (rxf/core/runner/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
@@ -248,10 +178,9 @@ def _gate_up_kernel(
     s_gate = S13 + expert * stride_se + cols.to(tl.int64) * stride_sn
     s_up = s_gate + N * stride_sn
     if ROW:
-        per = 4 if WORDS else 1  # WORDS: offsets in int32 words of four FP8 inputs
-        rows = expert * (stride_we // per) + cols.to(tl.int64)[:, None] * (stride_wn // per)
-        gate, up = _row_stream(W13, rows, rows + N * (stride_wn // per), X + token * stride_xt, K, col_ok, s_gate, s_up,
-                               True, BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK, WORDS, ASM)
+        rows = expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        gate, up = _row_stream(W13, rows, rows + N * stride_wn, X + token * stride_xt, K, col_ok, s_gate, s_up, True,
+                               BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK)
     else:
         acc_gate = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
@@ -286,7 +215,7 @@ def _down_kernel(
     stride_ap, stride_we, stride_wn, stride_be, stride_se, stride_sn, stride_yt,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     HAS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
-    PDL: tl.constexpr, ROW: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr, ROW: tl.constexpr,
 ):
     if PDL:  # the gate/up kernel writes act; the expert ids pick every weight read
         tl.extra.cuda.gdc_launch_dependents()
@@ -304,10 +233,9 @@ def _down_kernel(
     w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     s_ptrs = S2 + expert * stride_se + cols.to(tl.int64) * stride_sn
     if ROW:
-        per = 4 if WORDS else 1
-        rows = expert * (stride_we // per) + cols.to(tl.int64)[:, None] * (stride_wn // per)
+        rows = expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
         part, _ = _row_stream(W2, rows, rows, Act + pair.to(tl.int64) * stride_ap, K, col_ok, s_ptrs, s_ptrs, False,
-                              BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK, WORDS, ASM)
+                              BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK)
     else:
         acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -367,10 +295,6 @@ def decode_experts(
     y = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     ieee = x.dtype == torch.float32
     pdl = use_pdl(x)
-    # FP8 weights whose rows start on whole int32 words stream as words (`_word_stream`).
-    words = w13.dtype == torch.float8_e4m3fn and all(
-        t.shape[2] % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 4 == 0
-        for t in (w13, w2))
     bn, bk, warps, stages, row = blocks[0]
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
     _gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, bn))](
@@ -379,7 +303,7 @@ def decode_experts(
         act.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
         HAS_BIAS=has_bias, ALPHA=float(activation.alpha), HAS_LIMIT=activation.limit is not None,
         LIMIT=float(activation.limit or 0.0), UP_OFFSET=float(activation.up_offset), PDL=pdl, ROW=row,
-        WORDS=words and row, ASM=x.is_cuda, num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,
     )
     bn, bk, warps, stages, row = blocks[1]
     scale_args, s13, s2 = kernel_scale_args(scales, bk, w13, w2)
@@ -389,7 +313,6 @@ def decode_experts(
         act, w2, b2 if has_bias else w2, s2, y, weights, ids, partials, launch_counters(x.device, blocks), hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), b2.stride(0) if has_bias else 0, s2.stride(0), s2.stride(1),
         y.stride(0), TOP_K=top_k, BLOCK_N=bn, BLOCK_K=scale_args.pop("kernel_block_k"), IEEE=ieee,
-        HAS_BIAS=has_bias, PDL=pdl, ROW=row, WORDS=words and row, ASM=x.is_cuda, num_warps=warps, num_stages=stages,
-        launch_pdl=pdl, **scale_args,
+        HAS_BIAS=has_bias, PDL=pdl, ROW=row, num_warps=warps, num_stages=stages, launch_pdl=pdl, **scale_args,
     )
     return y
