@@ -9,13 +9,12 @@ row GEMV (Llama-3-8B's qkv / o_proj 5-17% faster, gate_up / down 7-12% slower; A
 tok/s with rxf's kernels, 321.8 with torch8 everywhere, 325.9 with torch4 / torch8 for qkv / o_proj);
 at 2-8 rows it took 1.3-3.2x less time than the int4 GEMM (`int4_linear`) at qkv / o_proj / down
 (rxf's int4 tile GEMV was not timed beside it there). GemLite's Triton GEMV (0.6.0.post2) was timed as a
-peer too and removed: 2-3.5% off the dequantized product and slower than both.
+peer too and removed: 1.8-3.6% off the dequantized product and slower than both.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -25,15 +24,7 @@ from rxf.plugins.models.layers.gemv import MAX_ROWS
 logger = logging.getLogger(__name__)
 
 
-class Peer(Protocol):
-    label: str
-
-    def takes(self, x: torch.Tensor) -> bool: ...
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
-
-
-def build(peer: str, layer: nn.Module, group: int) -> Peer | None:
+def build(peer: str, layer: nn.Module, group: int) -> TorchInt4Gemv | None:
     """`peer`'s kernel over an int4 layer in rxf's CUDA layout, or None (a shape or dtype it does not take:
     rxf's GEMV then serves, as logged)."""
     from rxf.plugins.quantization.int4 import unpack_int32
@@ -45,30 +36,12 @@ def build(peer: str, layer: nn.Module, group: int) -> Peer | None:
         logger.info("int4 %s: %s takes bf16 layers, groups of 32-256, N a multiple of 8 and K of 128; rxf's GEMV "
                     "serves", role, peer)
         return None
-    return _TorchInt4(codes, layer.scales.data, layer.zeros.data, group, int(peer.removeprefix("torch")))
+    return TorchInt4Gemv(codes, layer.scales.data, layer.zeros.data, group, int(peer.removeprefix("torch")))
 
 
-class _Rows:
-    """A peer's serving rule: bf16 x of 1 to MAX_ROWS rows of K, the bias added after."""
+class TorchInt4Gemv:
+    """torch's int4 GEMM over one layer's codes: bf16 x of 1 to MAX_ROWS rows of K, the bias added after."""
 
-    label: str
-    k: int
-    n: int
-
-    def takes(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.numel() // self.k <= MAX_ROWS
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = self._mm(x.reshape(-1, self.k).contiguous())
-        if bias is not None:
-            out = out + bias
-        return out.reshape(*x.shape[:-1], self.n)
-
-    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class _TorchInt4(_Rows):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  inner_k_tiles: int) -> None:
         from rxf.plugins.quantization.cpu_packing import int4_scales_and_zeros
@@ -80,5 +53,11 @@ class _TorchInt4(_Rows):
                                                         inner_k_tiles)
         self.table = int4_scales_and_zeros(scales, zeros, group, group)
 
-    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm(x2, self.packed, self.group, self.table)
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.numel() // self.k <= MAX_ROWS
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch._weight_int4pack_mm(x.reshape(-1, self.k).contiguous(), self.packed, self.group, self.table)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], self.n)

@@ -218,7 +218,7 @@ def fp8_blocks(layer: nn.Module, block_n: int, block_k: int) -> QuantGemv | None
     return _build(layer, "fp8-block", layer.weight, scales, scale_k=block_k, scale_rows=rows)
 
 
-def int4(layer: nn.Module, group_size: int) -> QuantGemv | int4_peers.Peer | None:
+def int4(layer: nn.Module, group_size: int) -> QuantGemv | int4_peers.TorchInt4Gemv | None:
     """The GEMV of an int4 layer in rxf's CUDA layout (`int4.py`), or None (off, or zeros that are
     not integers in [0, 128), which the kernel's exact half-precision `code - zero` needs); with a
     `PEERS` setting, that library's kernel instead (`int4_peers.build`)."""
