@@ -2,7 +2,7 @@
 the preset and weight format, the method's current path vs the weight-only GEMV (`rxf.plugins.
 quantization.qgemv`) over a small sweep of its settings, with bf16 cuBLAS on the same shape beside
 them. It ends with the `RXF_QGEMV` value the figures favour. `QGEMV_FORMATS=int4,...` narrows the
-formats (default all); `QGEMV_TOP=N` times the N fastest settings at one row at 2-8 rows too (default 2).
+formats (default all); `QGEMV_TOP=N` times the N fastest settings at one row at 2-16 rows too (default 2).
 
 Formats and what the method runs without the GEMV:
   fp8        FP8 with row scales (online, compressed-tensors): per-token activation quantization,
@@ -37,7 +37,8 @@ import gpu_gemv
 import torch
 import torch.nn.functional as F
 
-BATCHES = gpu_gemv.BATCHES
+# The dense sweep's batches and the GEMV tile's full 16 rows (int4 serves up to 16: `qgemv._MOST_ROWS`).
+BATCHES = (*gpu_gemv.BATCHES, 16)
 TOP = int(os.environ.get("QGEMV_TOP", "2"))  # settings (the fastest at batch 1) timed at every batch
 DEVICE = torch.device("cuda")
 GROUP = 128  # the int4 group and the FP8 scale block

@@ -84,7 +84,8 @@ def test_gemv_matches_the_dequantized_matmul_and_replays(fmt: str, role: str) ->
     op, dense = _layer(fmt, role, torch.Generator(device=DEV).manual_seed(1))
     assert op is not None
     k = SHAPES[role][1]
-    for m in (1, 2, 4, 8):
+    assert op.max_rows == (16 if fmt == "int4" else 8)  # int4: the tile's 16 rows (`qgemv._MOST_ROWS`)
+    for m in (1, 2, 4, 8, 13, 16) if fmt == "int4" else (1, 2, 4, 8):
         x = _x(m, k, m)
         out = op(x, None)
         assert out.dtype == BF16 and out.shape == (m, SHAPES[role][0])
@@ -145,17 +146,17 @@ def test_fp8_x_follows_torchs_per_tile_quantization(fmt: str, role: str, label: 
 @pytest.mark.parametrize("label", ["torch8", "torch2"])
 @pytest.mark.parametrize("role", SHAPES)
 def test_int4_through_a_library_peer(role: str, label: str, default_settings: pytest.MonkeyPatch) -> None:
-    """`int4=torchN` (torch's own int4 GEMM, tinygemm): repacked from rxf's words at load, 1-8 rows,
+    """`int4=torchN` (torch's own int4 GEMM, tinygemm): repacked from rxf's words at load, 1-16 rows,
     against the dequantized matmul (its offsets in bf16: the same 1% bound), and replayed in a graph."""
     default_settings.setenv(qgemv.ENV, f"int4={label}")
     qgemv._plan.cache_clear()
     op, dense = _layer("int4", role, torch.Generator(device=DEV).manual_seed(4))
     assert op is not None and op.label == label
     k = SHAPES[role][1]
-    for m in (1, 2, 8):
+    for m in (1, 2, 8, 16):
         x = _x(m, k, m)
         assert op.takes(x) and _rel_err(op(x, None), F.linear(x.float(), dense)) < 1e-2, f"m={m}"
-    assert not op.takes(_x(9, k, 0)) and not op.takes(_x(1, k, 0).half())
+    assert not op.takes(_x(17, k, 0)) and not op.takes(_x(1, k, 0).half())
     static_x = _x(4, k, 0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

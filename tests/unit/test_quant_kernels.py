@@ -73,9 +73,11 @@ def test_block_scaled_gemm_matches_the_dequantized_matmul(m, n, k, block_k):
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize(("m", "group", "split_k"), [(1, 128, 2), (3, 32, 1), (20, 64, 1), (2, 64, 4)])
+@pytest.mark.parametrize(("m", "group", "split_k"), [(1, 128, 2), (3, 32, 1), (20, 64, 1), (2, 64, 4), (300, 64, None),
+                                                    (260, 96, None)])
 def test_int4_gemm_matches_the_dequantized_matmul(m, group, split_k):
-    k, n = 256, 96
+    # m >= DEQUANT_ROWS: the weight dequantized whole (`int4_dequantize`), then one matmul.
+    k, n = 192 if group == 96 else 256, 96
     gen = torch.Generator().manual_seed(m + group)
     codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)
     zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()

@@ -6,15 +6,24 @@ holding inputs 8r..8r+7 of output n in nibbles 0..7 of word `[r, n]` (`int4.py`'
 program unpacks a `[BLOCK_K, BLOCK_N]` tile of codes to `x`'s dtype and runs one `tl.dot`; BLOCK_K
 divides the group size, so a tile needs one row of scales and zeros. Decode batches (few rows) split
 K over programs (`SPLIT_K`) so that enough programs read the weight, adding into a float32 output.
+
+From `DEQUANT_ROWS` rows of x on (prefill), the weight is dequantized whole into a `[K, N]` buffer
+of x's dtype (`int4_dequantize`: one pass, memory-bound) and cuBLAS multiplies: the GEMM above
+dequantizes each tile once per 64 rows of x, with an int-to-float conversion per code, where cuBLAS
+then runs at its bf16 rate on the one dequantized copy (which lives for the call).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+# Rows of x from which `int4_linear` dequantizes the weight whole for cuBLAS (the module docstring).
+DEQUANT_ROWS = int(os.environ.get("RXF_INT4_DEQUANT_ROWS", "256"))
 
 
 @triton.jit
@@ -46,6 +55,36 @@ def _int4_mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, str
         tl.atomic_add(out_ptr + rm[:, None] * stride_om + rn[None, :], acc, mask=mask)
 
 
+@triton.jit
+def _int4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, K, N, group_size, BLOCK_R: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    # One program: BLOCK_R word rows (8 * BLOCK_R inputs) x BLOCK_N outputs; nibble j of word row r
+    # is input 8r + j, stored as row 8r + j of out [K, N]; BLOCK_R * 8 divides the group size.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (r[:, None] * 8 < K) & (n[None, :] < N)
+    words = tl.load(q_ptr + r[:, None] * N + n[None, :], mask=ok, other=0)
+    g = (tl.program_id(0) * BLOCK_R * 8) // group_size
+    s = tl.load(s_ptr + g * N + n, mask=n < N, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * N + n, mask=n < N, other=0.0).to(tl.float32)
+    for j in tl.static_range(8):
+        codes = ((words >> (4 * j)) & 0xF).to(tl.float32)
+        w = ((codes - z[None, :]) * s[None, :]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (r[:, None] * 8 + j).to(tl.int64) * N + n[None, :], w, mask=ok)
+
+
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """`W.T` `[K, N]` in `dtype`: `(q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n]`
+    rounded once, from `qweight` int32 `[K / 8, N]` (the module docstring's layout)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    block_r = min(16, (group_size // 8) & -(group_size // 8))  # word rows of a tile: inside one group
+    grid = (triton.cdiv(k // 8, block_r), triton.cdiv(n, 128))
+    _int4_dequant_kernel[grid](qweight, scales, zeros, out, k, n, group_size, BLOCK_R=block_r, BLOCK_N=128)
+    return out
+
+
 @functools.cache
 def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -64,13 +103,17 @@ def _split_k(m: int, n_blocks: int, k: int, block_k: int, device: torch.device) 
 
 def int4_linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-    bias: torch.Tensor | None, split_k: int | None = None,
+    bias: torch.Tensor | None, split_k: int | None = None, dequant_rows: int | None = None,
 ) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m, k = x2.shape
     n = qweight.shape[1]
+    if m >= (DEQUANT_ROWS if dequant_rows is None else dequant_rows) and group_size % 8 == 0:
+        w = int4_dequantize(qweight, scales, zeros, group_size, x2.dtype)
+        out = torch.mm(x2, w) if bias is None else torch.addmm(bias, x2, w)
+        return out.reshape(*shape[:-1], n)
     block_k = min(64, group_size)
     block_m, block_n = (16, 64) if m <= 16 else (64, 64)
     n_blocks = triton.cdiv(n, block_n)

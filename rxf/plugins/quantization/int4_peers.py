@@ -4,7 +4,7 @@
 at those inner k tiles. It computes `(q - 8) * s + o` with `o = (8 - z) * s` rounded to bf16
 (`cpu_packing.int4_scales_and_zeros`, the CPU path's table), so it is not bit-exact to `(q - z) * s`,
 and it holds a second copy of the codes in its layout (the layer keeps rxf's for batches above
-MAX_ROWS): opt-in. Measured (H100, 2026-12-05, benchmarks/RESULTS.md): at one row it matches rxf's
+its 16 rows): opt-in. Measured (H100, 2026-12-05, benchmarks/RESULTS.md): at one row it matches rxf's
 row GEMV (Llama-3-8B's qkv / o_proj 5-17% faster, gate_up / down 7-12% slower; AWQ batch 1 319.4
 tok/s with rxf's kernels, 321.8 with torch8 everywhere, 325.9 with torch4 / torch8 for qkv / o_proj);
 at 2-8 rows it took 1.3-3.2x less time than the int4 GEMM (`int4_linear`) at qkv / o_proj / down
@@ -19,7 +19,7 @@ import logging
 import torch
 from torch import nn
 
-from rxf.plugins.models.layers.gemv import MAX_ROWS
+from rxf.plugins.models.layers.gemv_kernel import ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def build(peer: str, layer: nn.Module, group: int) -> TorchInt4Gemv | None:
 
 
 class TorchInt4Gemv:
-    """torch's int4 GEMM over one layer's codes: bf16 x of 1 to MAX_ROWS rows of K, the bias added after."""
+    """torch's int4 GEMM over one layer's codes: bf16 x of 1 to ROWS (16) rows of K, the bias added after."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  inner_k_tiles: int) -> None:
@@ -54,7 +54,7 @@ class TorchInt4Gemv:
         self.table = int4_scales_and_zeros(scales, zeros, group, group)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.numel() // self.k <= MAX_ROWS
+        return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.numel() // self.k <= ROWS
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch._weight_int4pack_mm(x.reshape(-1, self.k).contiguous(), self.packed, self.group, self.table)

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from rxf.plugins.models.layers.gemv import MAX_ROWS, GemvSettings
+from rxf.plugins.models.layers.gemv_kernel import ROWS as TILE_ROWS
 from rxf.plugins.models.layers.gemv import ROLES as GEMV_ROLES
 from rxf.plugins.quantization import int4_peers
 
@@ -99,8 +100,12 @@ BY_DEFAULT = {
     "fp8-block": (QuantSettings(GemvSettings(block_n=64, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True)),
                   1),
     "int4": (QuantSettings(GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True)),
-             MAX_ROWS),
+             TILE_ROWS),
 }
+# The most rows an `RXF_QGEMV` entry serves: FP8 formats up to MAX_ROWS, as the dense GEMV; int4 the
+# tile kernel's whole 16-row tile, where its alternative, the int4 GEMM (`int4_kernel.py`), dequantizes
+# every code through an int-to-float conversion and lost to it at every row count timed.
+_MOST_ROWS = {"fp8": MAX_ROWS, "fp8-block": MAX_ROWS, "int4": TILE_ROWS}
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -131,7 +136,7 @@ def settings_for(fmt: str, role: str | None) -> tuple[QuantSettings, int] | None
     for key in ((fmt, role), (fmt, None)):
         if key in plan:
             settings = plan[key]
-            return None if settings is None else (settings, MAX_ROWS)
+            return None if settings is None else (settings, _MOST_ROWS[fmt])
     return BY_DEFAULT.get(fmt)
 
 
