@@ -86,12 +86,13 @@ def main() -> None:
     from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "bf16", "fp8-x", "fp8-block-x", "moe-gate-up",
-                                         "moe-down"], default="fp8")
+    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "int4-tile", "bf16", "fp8-x", "fp8-block-x",
+                                         "moe-gate-up", "moe-down"], default="fp8")
     ap.add_argument("--experts", choices=["fp8-block", "fp8-row", "bf16"], default="fp8-block")
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument("--stages", type=int, default=0, help="pipeline stages (default: 4 for tile kernels, else 3)")
     args = ap.parse_args()
     bn, bk = args.block_n, args.block_k
     rows = 1  # weight rows a program multiplies per output column (gate/up: two)
@@ -99,17 +100,19 @@ def main() -> None:
         fn, sig, consts = _moe(args.kernel, args.experts, bn, bk)
         bk = consts["BLOCK_K"]
         rows = 2 if args.kernel == "moe-gate-up" else 1
-    elif args.kernel.endswith("-x"):
+    elif args.kernel.endswith("-x") or args.kernel == "int4-tile":
         from rxf.plugins.quantization.qgemv_kernel import _qgemv_kernel
 
-        fmt = 1 if args.kernel == "fp8-block-x" else 0
+        fmt = {"fp8-block-x": 1, "fp8-x": 0, "int4-tile": 2}[args.kernel]
         fn = _qgemv_kernel
-        sig = {**_QUANT_SIG, "M": "i32", "stride_xm": "i32"}
+        sig = {**_QUANT_SIG, "M": "i32", "stride_xm": "i32", "MASK": "i32", "MAGIC": "i32"}
+        if fmt == 2:
+            sig.update(W="*i32", Scales="*bf16", Zeros="*bf16")
         consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, EVEN_N=True, IEEE=False,
-                      SCALE_ROWS=128 if fmt else 1, SCALE_K=128 if fmt else 4096, MAGIC=0x4300, OFFSET=128.0,
-                      PDL=True, XQ=True)
+                      SCALE_ROWS=128 if fmt == 1 else 1, SCALE_K=4096 if fmt == 0 else 128, OFFSET=128.0,
+                      PDL=True, XQ=fmt != 2)
         sig = {name: sig[name] for name in ("X", "W", "Scales", "Zeros", "Bias", "Out", "Partials", "Counters", "M",
-                                            "N", "K", "stride_xm", "stride_w", "stride_s", "stride_om")}
+                                            "N", "K", "stride_xm", "stride_w", "stride_s", "stride_om", "MASK", "MAGIC")}
     elif args.kernel == "bf16":
         fn, sig = _gemv_row_kernel, _DENSE_SIG
         consts = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, GATED=False, HAS_BIAS=False, PDL=True, NORM=False,
@@ -121,7 +124,8 @@ def main() -> None:
             sig.update(W="*i32", Scales="*bf16", Zeros="*bf16")
         consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, SCALE_ROWS=1,
                       SCALE_K=128 if fmt else 4096, PDL=True, ASM=True)
-    loop = loop_instructions(fn, sig, consts, args.warps, 4 if args.kernel.endswith("-x") else 3)
+    tile = args.kernel.endswith("-x") or args.kernel == "int4-tile"
+    loop = loop_instructions(fn, sig, consts, args.warps, args.stages or (4 if tile else 3))
     ops = collections.Counter(re.sub(r"^@!?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
     per_thread = rows * bn * bk / (32 * args.warps)
     print(f"{args.kernel} {bn} x {bk}, {args.warps} warps: {len(loop)} loop instructions, "

@@ -134,11 +134,12 @@ def test_fp8_x_quantizes_each_row_per_k_tile(qgemv_env, fmt, m):
 @FORMS
 @SPLITS
 @pytest.mark.parametrize("group", [32, 128])
-@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("m", [1, 8, 16])
 @DTYPES
 def test_int4(qgemv_env, dtype, m, group, split, form):
     """Codes in rxf's CUDA layout (int32 [K / 8, N], input 8r + j in nibble j), zero points 0..15
-    and scales per group; N = 48 (a partial column block of 32), K = 256."""
+    and scales per group; N = 48 (a partial column block of 32), K = 256. Groups of 128 in half
+    precision take the tile kernel's dot per nibble position, groups of 32 its unpacked tile."""
     qgemv_env(f"int4={form}n32k128s{split}st2w4")
     k, n = 256, 48
     gen = torch.Generator().manual_seed(m + group)
@@ -166,7 +167,8 @@ def test_settings_from_the_environment(qgemv_env):
     qgemv_env("fp8=n32k128s2st3w4, fp8:down_proj=off,int4:o_proj=auto")
     assert qgemv.settings_for("fp8", "qkv_proj")[0].label == "n32k128s2st3w4"
     assert qgemv.settings_for("fp8", "down_proj") is None
-    assert qgemv.settings_for("int4", "o_proj") == (qgemv.QuantSettings(qgemv.DEFAULTS["int4"]), qgemv.MAX_ROWS)
+    assert qgemv.settings_for("int4", "o_proj") == (qgemv.QuantSettings(qgemv.DEFAULTS["int4"]), 16), "the tile's rows"
+    assert qgemv.settings_for("fp8", "qkv_proj")[1] == qgemv.MAX_ROWS
     assert qgemv.settings_for("fp8-block", None) == qgemv.BY_DEFAULT["fp8-block"], "unnamed: BY_DEFAULT's"
     assert qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="down_proj")) is None
     op = qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="gate_up_proj"))

@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from rxf.plugins.models.layers.gemv import MAX_ROWS, GemvSettings
-from rxf.plugins.models.layers.gemv_kernel import ROWS as TILE_ROWS
 from rxf.plugins.models.layers.gemv import ROLES as GEMV_ROLES
+from rxf.plugins.models.layers.gemv_kernel import ROWS as TILE_ROWS
 from rxf.plugins.quantization import int4_peers
 
 logger = logging.getLogger(__name__)

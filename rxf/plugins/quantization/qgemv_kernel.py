@@ -19,13 +19,13 @@ FORMAT (constexpr):
   INT4        W int32 `[K / 8, N]` (N contiguous; nibble j of word [r, n] is input 8r + j), `Scales`
               and `Zeros` `[G, N]` in x's dtype for groups of SCALE_K consecutive inputs (BLOCK_K
               divides SCALE_K, so a tile lies in one group). The words tile `[BLOCK_N, BLOCK_K / 8]`
-              (loaded along N: 16-byte vectors) is unpacked to codes `[BLOCK_N, BLOCK_K]`; the dot
-              takes `code - zero`, small integers that x's dtype holds exactly, and the group's scale
-              multiplies its product. Int-to-float conversions run at a fraction of the ALU rate, so
+              (loaded along N: 16-byte vectors) is dotted with x nibble position by nibble position
+              (`_int4_nibble_dot`; tiles of fewer than 128 inputs are unpacked to codes, and so is a
+              float32 x's tile, then converted). Int-to-float conversions run at a fraction of the ALU rate, so
               a code becomes a half by OR-ing it into the mantissa of MAGIC (the bits of OFFSET =
               1024.0 in fp16, 128.0 in bf16, whose mantissa steps by 1): `bits(MAGIC | code) =
-              OFFSET + code` exactly, and `(OFFSET + code) - (OFFSET + zero)` is exact for the
-              integer zeros 0..16 of AWQ / GPTQ (`qgemv.py` checks them at load).
+              OFFSET + code` exactly, and `(OFFSET + code) - (OFFSET + zero)` is exact for the integer
+              zeros 0..16 of AWQ / GPTQ (`qgemv.py` checks them at load).
 
 With programmatic dependent launch (`rxf/core/runner/pdl.py`) a program reads its first weight tile
 and that tile's scales (and zeros) before waiting for the kernel that writes x, as the dense GEMV does.
@@ -47,6 +47,8 @@ _FP8_ROWS, _FP8_BLOCKS, _INT4 = tl.constexpr(FP8_ROWS), tl.constexpr(FP8_BLOCKS)
 _MAGIC = {torch.float16: (0x6400, 1024.0), torch.bfloat16: (0x4300, 128.0), torch.float32: (0, 0.0)}
 # The row kernel's int4 code field and float32 128.0 (`qgemv_row_kernel._int4_fma`), passed as arguments.
 _INT4_MASK, _INT4_MAGIC = 0x000F0000, 0x43000000
+# The tile kernel's (`_int4_nibble_dot`): a code into each half of a word; its MAGIC is `_MAGIC`'s pair.
+_PAIR_MASK = 0x000F000F
 
 
 @triton.jit
@@ -98,8 +100,8 @@ def _fp8_x(x_t):
 
 
 @triton.jit
-def _tile_dot(w, scale, zero, x_t, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, XQ: tl.constexpr):
+def _tile_dot(w, scale, zero, x_t, acc, MAGIC, FORMAT: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, OFFSET: tl.constexpr, XQ: tl.constexpr):
     """acc + dequant(w) @ x_t, for a tile `_weight_tile` read (FP8 row scales join in the epilogue).
     XQ (FP8 formats): x's tile is quantized to E4M3 (`_fp8_x`) and the dot runs FP8 x FP8 on the
     tensor cores, nothing converted per weight. One if/else chain with one return: Triton's compiler
@@ -111,13 +113,13 @@ def _tile_dot(w, scale, zero, x_t, acc, FORMAT: tl.constexpr, IEEE: tl.constexpr
             out = acc + tl.dot(w, xq) * (scale[:, None] * xs[None, :])
         else:
             out = acc + tl.dot(w, xq) * xs[None, :]
-    elif FORMAT == _INT4:
+    elif FORMAT == _INT4:  # float32 x, or tiles of fewer than 128 inputs (else `_int4_nibble_dot`)
         shifts = tl.arange(0, 8) * 4
         codes = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
         if IEEE:
             dq = codes.to(tl.float32) - zero[:, None]
         else:
-            dq = (codes | MAGIC).to(tl.int16).to(x_t.dtype, bitcast=True) - (zero + OFFSET)[:, None]
+            dq = (codes | (MAGIC & 0xFFFF)).to(tl.int16).to(x_t.dtype, bitcast=True) - (zero + OFFSET)[:, None]
         out = acc + _dot(dq, x_t, IEEE) * scale.to(tl.float32)[:, None]
     elif FORMAT == _FP8_BLOCKS:
         out = acc + _dot(w.to(x_t.dtype), x_t, IEEE) * scale[:, None]
@@ -170,34 +172,75 @@ def first_tile(W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT: tl.constexpr,
 
 
 @triton.jit
+def _int4_nibble_dot(w, scale, zero, x_ptrs, x_mask, acc_t, MASK, MAGIC, OFFSET: tl.constexpr):
+    """acc_t `[BLOCK_M, BLOCK_N]` + x @ dequant(w).T for an int4 words tile w `[BLOCK_N, BLOCK_K / 8]`
+    in one group, without unpacking it into a tile of codes (whose reshape, and its layout change into
+    the dot's operand, go through shared memory): one `tl.dot` per nibble position j, over the words'
+    own layout, against x's inputs 8r + j (`x_ptrs` `[BLOCK_M, BLOCK_K / 8]` point at inputs 8r).
+
+    A shift and a LOP3 give two halves per word at once: `(w >> 4j) & MASK | MAGIC` (MASK 0x000F000F,
+    MAGIC the pair of OFFSET's half bits) holds OFFSET + code_j in its low half and OFFSET + code_j+4
+    in its high half, exactly. The dots take those as they are (float32 accumulation of exact
+    products), and `(OFFSET + zero) * sum(x)` over the tile comes off once: the tile lies in one
+    group. Static count (`benchmarks/sass_count.py --kernel int4-tile`, sm_90, 128 x 128, 4 warps):
+    4.3 instructions a weight, against 7.6 for the unpacked tile."""
+    t = tl.zeros_like(acc_t)
+    x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for j in tl.static_range(4):
+        pair = ((w >> (4 * j)) & MASK) | MAGIC
+        x_lo = tl.load(x_ptrs + j, mask=x_mask, other=0.0)
+        x_hi = tl.load(x_ptrs + j + 4, mask=x_mask, other=0.0)
+        lo = pair.to(tl.int16).to(x_lo.dtype, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(x_lo.dtype, bitcast=True)
+        t = tl.dot(x_lo, tl.trans(lo), t)
+        t = tl.dot(x_hi, tl.trans(hi), t)
+        x_sum += tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+    offset = zero.to(tl.float32) + OFFSET
+    return acc_t + (t - x_sum[:, None] * offset[None, :]) * scale.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _qgemv_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, M, N, K,
-    stride_xm, stride_w, stride_s, stride_om,
+    stride_xm, stride_w, stride_s, stride_om, MASK, MAGIC,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    SCALE_K: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr, XQ: tl.constexpr,
+    SCALE_K: tl.constexpr, OFFSET: tl.constexpr, PDL: tl.constexpr, XQ: tl.constexpr,
 ):
-    # The first K tile is peeled off the loop, as in gemv_kernel (read before the PDL wait).
+    # The first K tile is peeled off the loop, as in gemv_kernel (read before the PDL wait). Half-precision
+    # x with int4 weights takes `_int4_nibble_dot` (its accumulator `[BLOCK_M, BLOCK_N]`) where a nibble
+    # position's dot has the 16 inputs a tensor-core dot needs (BLOCK_K >= 128), the rest `_tile_dot`.
+    NIBBLES: tl.constexpr = FORMAT == _INT4 and not IEEE and BLOCK_K >= 128
     pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(
         W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT, BLOCK_N, BLOCK_K, SPLIT_K, SCALE_ROWS, SCALE_K, PDL)
     rows = tl.arange(0, BLOCK_M)  # rows of x
-    x_ptrs = X + rows[:, None] * stride_xm + (k_lo + tl.arange(0, BLOCK_K))[None, :]
     x_mask = (rows < M)[:, None]
-    x_t = tl.trans(tl.load(x_ptrs, mask=x_mask & (tl.zeros_like(rows) + k_lo < k_hi)[:, None], other=0.0))
-    acc = _tile_dot(w, scale, zero, x_t, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), FORMAT, IEEE, BLOCK_N,
-                    BLOCK_K, MAGIC, OFFSET, XQ)
+    first_mask = x_mask & (tl.zeros_like(rows) + k_lo < k_hi)[:, None]
+    if NIBBLES:
+        x_ptrs = X + rows[:, None] * stride_xm + (k_lo + 8 * tl.arange(0, BLOCK_K // 8))[None, :]
+        acc = _int4_nibble_dot(w, scale, zero, x_ptrs, first_mask, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                               MASK, MAGIC, OFFSET)
+    else:
+        x_ptrs = X + rows[:, None] * stride_xm + (k_lo + tl.arange(0, BLOCK_K))[None, :]
+        x_t = tl.trans(tl.load(x_ptrs, mask=first_mask, other=0.0))
+        acc = _tile_dot(w, scale, zero, x_t, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), MAGIC, FORMAT, IEEE,
+                        BLOCK_N, BLOCK_K, OFFSET, XQ)
     w_ptrs += w_step
     x_ptrs += BLOCK_K
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
-        x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0))
         w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, mask_n, stride_s, FORMAT, SCALE_K,
                                       EVEN_N)
-        acc = _tile_dot(w, scale, zero, x_t, acc, FORMAT, IEEE, BLOCK_N, BLOCK_K, MAGIC, OFFSET, XQ)
+        if NIBBLES:
+            acc = _int4_nibble_dot(w, scale, zero, x_ptrs, x_mask, acc, MASK, MAGIC, OFFSET)
+        else:
+            x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0))
+            acc = _tile_dot(w, scale, zero, x_t, acc, MAGIC, FORMAT, IEEE, BLOCK_N, BLOCK_K, OFFSET, XQ)
         w_ptrs += w_step
         x_ptrs += BLOCK_K
+    if NIBBLES:
+        acc = tl.trans(acc)
     finish(acc, acc, Bias, Out, Partials, Counters, Scales, cols, rows, mask_n, M, N, stride_om, pid_n, pid_k,
            BLOCK_N, SPLIT_K, False, HAS_BIAS, FORMAT == _FP8_ROWS)
-
 
 def qgemv(
     x: torch.Tensor, fmt: int, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -241,8 +284,8 @@ def qgemv(
     _qgemv_kernel[(n_blocks, split_k)](
         x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out, partials,
         counters, m, n, k, x.stride(0), weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
-        FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+        _PAIR_MASK, magic | magic << 16, FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
         EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, SCALE_ROWS=scale_rows, SCALE_K=scale_k,
-        MAGIC=magic, OFFSET=offset, PDL=pdl, XQ=fp8_x, num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
+        OFFSET=offset, PDL=pdl, XQ=fp8_x, num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )
     return out
