@@ -2,7 +2,8 @@
 the preset and weight format, the method's current path vs the weight-only GEMV (`rxf.plugins.
 quantization.qgemv`) over a small sweep of its settings, with bf16 cuBLAS on the same shape beside
 them. It ends with the `RXF_QGEMV` value the figures favour. `QGEMV_FORMATS=int4,...` narrows the
-formats (default all); `QGEMV_TOP=N` times the N fastest settings at one row at 2-16 rows too (default 2).
+formats (default all); `QGEMV_TOP=N` times the N fastest settings at one row at 2-16 rows too (default 2);
+`QGEMV_TILES=1` adds a grid of tile settings (stages, split) timed at every row count.
 
 Formats and what the method runs without the GEMV:
   fp8        FP8 with row scales (online, compressed-tensors): per-token activation quantization,
@@ -40,6 +41,8 @@ import torch.nn.functional as F
 # The dense sweep's batches and the GEMV tile's full 16 rows (int4 serves up to 16: `qgemv._MOST_ROWS`).
 BATCHES = (*gpu_gemv.BATCHES, 16)
 TOP = int(os.environ.get("QGEMV_TOP", "2"))  # settings (the fastest at batch 1) timed at every batch
+# QGEMV_TILES=1: a grid of tile settings, every one timed at 2-16 rows too (the row kernel serves 1 row).
+TILES = os.environ.get("QGEMV_TILES", "0") == "1"
 DEVICE = torch.device("cuda")
 GROUP = 128  # the int4 group and the FP8 scale block
 
@@ -72,6 +75,9 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
              *((s, 2) for s in row_settings)]
     # int4: the library peer (torch's int4 GEMM at its three inner k tile counts).
     peers = [QuantSettings(base, peer=name) for name in PEERS] if fmt == "int4" else []
+    if TILES:  # the tile kernel's grid for 2-16 rows: stages, split x1 / x2 / x4 (each a compile per role)
+        grid = [dataclasses.replace(base, num_stages=st) for st in (1, 2, 4)]
+        plain += [(s, f) for s in grid for f in (1, 2, 4) if (s, f) not in plain]
     return ([(QuantSettings(s), f) for s, f in plain] + [(QuantSettings(s, True), f) for s in x_settings for f in (1, 2)]
             + [(s, 1) for s in peers])
 
@@ -163,6 +169,7 @@ def _role(fmt: str, role: str, n: int, k: int) -> dict[str, Any]:
         else:
             timed = {label: v for label, v in rows[1].items() if label in ops and isinstance(v, float)}
             labels = sorted(timed, key=timed.get)[:TOP]
+            labels += [label for label in timed if TILES and not label.startswith("r") and label not in labels]
         for label in labels:
             row[label] = _timed(lambda c, x=x, o=ops[label]: o[id(c)](x, None), copies, ref,
                                 0.1 if label.startswith("x") else 1e-2)

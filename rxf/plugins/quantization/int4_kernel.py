@@ -22,8 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows of x from which `int4_linear` dequantizes the weight whole for cuBLAS (the module docstring).
-DEQUANT_ROWS = int(os.environ.get("RXF_INT4_DEQUANT_ROWS", "256"))
+# Rows of x from which `int4_linear` dequantizes the weight whole for cuBLAS (the module docstring): past
+# the decode GEMV's 16. On an H100 (2026-12-05, benchmarks/RESULTS.md, `gpu_int4_gemm.py`) Llama-3-8B's
+# four projections summed took 203 us in the Triton GEMM and 358 us dequantized at 16 rows, 463 against
+# 361 at 32 (17-31 rows run the GEMM's 32-row grid: one 64-row block, no split), 89.4 ms against 10.6 at
+# 16k rows (bf16: 10.1).
+DEQUANT_ROWS = int(os.environ.get("RXF_INT4_DEQUANT_ROWS", "17"))
 
 
 @triton.jit

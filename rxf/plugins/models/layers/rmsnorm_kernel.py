@@ -35,9 +35,13 @@ FP8_MAX = tl.constexpr(448.0)  # a global read inside kernels must be a constexp
 def _rmsnorm_kernel(X, Res, W, Out, ResOut, S, N, stride_x, stride_r, stride_o, stride_ro, stride_s_row,
                     stride_s_group, eps, HAS_RES: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr,
                     PDL: tl.constexpr, QUANT_GROUP: tl.constexpr):
-    # QUANT_GROUP > 0: Out holds FP8 codes and S a scale per group of QUANT_GROUP (a power of two).
+    # QUANT_GROUP > 0: Out holds FP8 codes and S a scale per group of QUANT_GROUP (a power of two). The
+    # row is held as [groups, group] from its load on: reshaping a loaded row into groups went through
+    # shared memory byte by byte, and such a launch took 5x the norm and the quantization apart
+    # (benchmarks/gpu_fp8_inputs.py, H100, 2026-12-05). Without quantization, one group of BLOCK.
+    GROUP: tl.constexpr = QUANT_GROUP if QUANT_GROUP > 0 else BLOCK
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < N
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # fixed at load: read before waiting
     if PDL:  # the previous kernel writes x and the residual
@@ -47,7 +51,7 @@ def _rmsnorm_kernel(X, Res, W, Out, ResOut, S, N, stride_x, stride_r, stride_o, 
     if HAS_RES:
         x32 += tl.load(Res + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(ResOut + row * stride_ro + cols, x32.to(ResOut.dtype.element_ty), mask=mask)
-    normed = x32 * tl.math.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    normed = x32 * tl.math.rsqrt(tl.sum(tl.sum(x32 * x32, axis=1), axis=0) / N + eps)
     if GEMMA:
         y = normed * (1.0 + w)
     else:
@@ -55,14 +59,12 @@ def _rmsnorm_kernel(X, Res, W, Out, ResOut, S, N, stride_x, stride_r, stride_o, 
     if QUANT_GROUP == 0:
         tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
     else:
-        groups = tl.reshape(y.to(X.dtype.element_ty).to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))
+        groups = y.to(X.dtype.element_ty).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(groups), axis=1), 1e-12), FP8_MAX)
         q = tl.clamp(tl.math.div_rn(groups, scale[:, None]), -FP8_MAX, FP8_MAX)
-        gcols = tl.reshape(cols, (BLOCK // QUANT_GROUP, QUANT_GROUP))
-        tl.store(Out + row * stride_o + gcols, q.to(Out.dtype.element_ty), mask=gcols < N)
-        g = tl.arange(0, BLOCK // QUANT_GROUP)
-        tl.store(S + row * stride_s_row + g * stride_s_group, scale, mask=g * QUANT_GROUP < N)
-
+        tl.store(Out + row * stride_o + cols, q.to(Out.dtype.element_ty), mask=mask)
+        g = tl.arange(0, BLOCK // GROUP)
+        tl.store(S + row * stride_s_row + g * stride_s_group, scale, mask=g * GROUP < N)
 
 def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
