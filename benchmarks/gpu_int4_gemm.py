@@ -88,6 +88,7 @@ def main() -> None:
                  if all(isinstance(results[r][str(m)][name], float) for r in SHAPES)}
         print(f"M={m:>6}: " + ", ".join(f"{name} {total['bf16'] / t:.2f}x ({t:.0f} us)" for name, t in total.items()))
     out = Path(os.environ.get("OUT", "/tmp")) / "gpu_int4_gemm.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us": results}, indent=1))
 
 
