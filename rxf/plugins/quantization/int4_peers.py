@@ -7,8 +7,8 @@ and it holds a second copy of the codes in its layout (the layer keeps rxf's for
 its 16 rows): opt-in. Measured (H100, 2026-12-05, benchmarks/RESULTS.md): at one row it matches rxf's
 row GEMV (Llama-3-8B's qkv / o_proj 5-17% faster, gate_up / down 7-12% slower; AWQ batch 1 319.4
 tok/s with rxf's kernels, 321.8 with torch8 everywhere, 325.9 with torch4 / torch8 for qkv / o_proj);
-at 2-4 rows it took 1.4-2.2x less time than rxf's int4 tile GEMV, at 8 rows about as much, at 16
-rows 1.1-1.4x more (H100, the same day, the tile's dot per nibble position). GemLite's Triton GEMV (0.6.0.post2) was timed as a
+at 2-4 rows it took 1.4-2.3x less time than rxf's int4 tile GEMV, at 8 rows 0.97-1.4x, at 16 rows
+1.1-1.4x more except on o_proj (H100, the same day, the tile's dot per nibble position). GemLite's Triton GEMV (0.6.0.post2) was timed as a
 peer too and removed: 1.8-3.6% off the dequantized product and slower than both.
 """
 
