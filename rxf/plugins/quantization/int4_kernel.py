@@ -27,7 +27,10 @@ import triton.language as tl
 # four projections summed took 203 us in the Triton GEMM and 358 us dequantized at 16 rows, 463 against
 # 361 at 32 (17-31 rows run the GEMM's 32-row grid: one 64-row block, no split), 89.4 ms against 10.6 at
 # 16k rows (bf16: 10.1).
-DEQUANT_ROWS = int(os.environ.get("RXF_INT4_DEQUANT_ROWS", "17"))
+_DEQUANT_ENV = os.environ.get("RXF_INT4_DEQUANT_ROWS", "17")
+if not _DEQUANT_ENV.isdigit():
+    raise ValueError(f"RXF_INT4_DEQUANT_ROWS={_DEQUANT_ENV!r}: expected a row count (a non-negative integer)")
+DEQUANT_ROWS = int(_DEQUANT_ENV)
 
 
 @triton.jit
