@@ -236,7 +236,7 @@ elif [ "$stage" = others ]; then
   n=0
   for spec in "$@"; do
     script=${spec%%:*}; args=""; [ "$spec" != "$script" ] && args=${spec#*:}
-    n=$((n + 1)); log="$out/$n-$script.log"; start=$(date +%s)
+    n=$((n + 1)); log="$out/$n-$script.log"; start=$(date +%s); mkdir -p "$out/$n-$script"
     argv=${args//,/ }; [[ "$args" == *" "* ]] && argv=$args  # spaces given: commas stay (--phases gemv,qgemv)
     OUT="$out/$n-$script" timeout "${OTHERS_LIMIT_S:-400}" env ${OTHERS_ENV:-} python3 benchmarks/$script.py $argv \
       > "$log" 2>&1
