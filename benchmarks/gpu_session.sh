@@ -179,8 +179,8 @@ elif [ "$stage" = quant ]; then
   #   online    online FP8 over random weights (batch 1)
   #   kvcache   FP8 against bf16 KV at batch 256 with 4k contexts
   #   offline   offline 1000 requests in bf16 and block-wise FP8
-  #   fp8kv     offline 1000 requests in block-wise FP8 with an FP8 KV cache, with and without
-  #             RXF_FP8_FUSED_INPUT=1 (after "offline", whose bf16 run is their reference)
+  #   fp8kv     offline 1000 requests in block-wise FP8 with an FP8 KV cache, per RXF_FP8_FUSED_INPUT
+  #             in Q_FUSED (default "0 gated 1"; after "offline", whose bf16 run is their reference)
   #   moe       Qwen3-30B-A3B shape at batch 1, bf16 and online FP8 (random weights)
   # Q_BACKEND (default triton): the attention backend of every part.
   parts=" ${Q_PARTS:-decode1 online kvcache offline} "
@@ -204,7 +204,7 @@ elif [ "$stage" = quant ]; then
     echo "offline: rc $?"; grep -E "^=== offline|req_s" "$out/q-offline.log" | tail -n 8
   fi
   if [[ $parts == *" fp8kv "* ]]; then
-    for fused in 0 1; do
+    for fused in ${Q_FUSED:-0 gated 1}; do
       RXF_FP8_FUSED_INPUT=$fused timeout "${Q_FP8KV_S:-110}" $G --quantization fp8 --phases offline \
         --offline-kv-dtype fp8_e4m3 --output "$out/q-fp8kv-$fused.json" > "$out/q-fp8kv-$fused.log" 2>&1
       echo "offline fp8 + fp8 KV, RXF_FP8_FUSED_INPUT=$fused: rc $? $(grep req_s "$out/q-fp8kv-$fused.log")"

@@ -161,18 +161,21 @@ def test_quantized_checkpoint_on_cuda_is_near_its_twin(dense_checkpoint, tmp_pat
         assert _rel(ours.cpu(), ref.logits(prompt)) < bound
 
 
+@pytest.mark.parametrize("fused", ["gated", "1"])
 @pytest.mark.parametrize("case", ["fp8", "ct-channel"])
-def test_fused_fp8_inputs_give_the_unfused_logits(dense_checkpoint, tmp_path, case, monkeypatch):
-    # RXF_FP8_FUSED_INPUT=1: SiLU·mul and the pre-norms inside the activation quantization. The codes
-    # are the unfused path's but for a last-bit difference of an exp or rsqrt now and then.
+def test_fused_fp8_inputs_give_the_unfused_logits(dense_checkpoint, tmp_path, case, fused, monkeypatch):
+    # RXF_FP8_FUSED_INPUT=gated (the default): SiLU·mul inside the activation quantization; 1: the
+    # pre-norms too. The codes are the unfused path's (0) but for a last-bit difference of an exp or
+    # rsqrt now and then.
     fmt, opts, _ = CASES[case]
     q = quantize_checkpoint(dense_checkpoint, tmp_path / "q", fmt, **opts)
     prompts = [[5, 80, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23, 42, 99, 100, 3, 7], [400, 12, 33, 2, 9, 1, 60, 61, 62]]
     config = {"runtime.device": "cuda", "model.dtype": "bfloat16"}
+    monkeypatch.setenv("RXF_FP8_FUSED_INPUT", "0")
     unfused = ModelHarness(q, "triton", **config).prefill_logits(prompts)
-    monkeypatch.setenv("RXF_FP8_FUSED_INPUT", "1")
-    fused = ModelHarness(q, "triton", **config).prefill_logits(prompts)
-    for a, b in zip(fused, unfused, strict=True):
+    monkeypatch.setenv("RXF_FP8_FUSED_INPUT", fused)
+    out = ModelHarness(q, "triton", **config).prefill_logits(prompts)
+    for a, b in zip(out, unfused, strict=True):
         assert _rel(a, b.float()) < 2e-2
 
 

@@ -107,11 +107,22 @@ def quantized_input(
     return per_token_group_quant(x2, group or width, pad_rows=pad, column_major=column_major, gated=gated)
 
 
-def _fused_inputs() -> bool:
-    # RXF_FP8_FUSED_INPUT=1: FP8 layers take SiLU·mul and the RMSNorm before them into their
-    # activation quantization. Off: on an H100 (2026-12-05, benchmarks/RESULTS.md) it made offline FP8 +
-    # FP8 KV slower, 30.90 -> 28.41 req/s.
-    return os.environ.get("RXF_FP8_FUSED_INPUT", "0") == "1"
+_FUSED_CHOICES = ("0", "gated", "1")
+
+
+def _fused_inputs() -> str:
+    # RXF_FP8_FUSED_INPUT: the launches before an FP8 layer that its activation quantization takes in:
+    # "gated" (default) the SiLU·mul before down_proj, "1" also the residual add + RMSNorm before qkv and
+    # gate_up, "0" neither. On an H100 (2026-12-05, benchmarks/RESULTS.md, `gpu_fp8_inputs.py`) SiLU·mul +
+    # quantization in one launch took 463.6 us at 16k rows against 748.2 for the two (the same codes); the
+    # fused norm took 1320.8 against 252.6 (its row went through shared memory a byte at a time, since
+    # fixed, not yet timed), and under "1" had made offline FP8 + FP8 KV slower, 30.90 -> 28.41 req/s.
+    # Timed with block-wise FP8's 128-input groups; per-token scales (online FP8, compressed-tensors) run
+    # the same kernel over a whole row per program (no register spills in its sm_90 SASS), not timed.
+    value = os.environ.get("RXF_FP8_FUSED_INPUT", "gated")
+    if value not in _FUSED_CHOICES:
+        raise ValueError(f"RXF_FP8_FUSED_INPUT={value!r}: expected one of {', '.join(_FUSED_CHOICES)}")
+    return value
 
 
 def _gemv_takes(layer: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -124,7 +135,7 @@ def quantizes_gated(layer: torch.nn.Module, x: torch.Tensor, act: torch.nn.Modul
     only (the kernel's), and not for the batches the weight-only GEMV takes (it reads `act(x)`)."""
     from rxf.plugins.models.layers.activation import SiluAndMul
 
-    return (_fused_inputs() and type(act) is SiluAndMul and x.is_cuda
+    return (x.is_cuda and _fused_inputs() != "0" and type(act) is SiluAndMul
             and not _gemv_takes(layer, x[..., : x.shape[-1] // 2]))
 
 
@@ -139,7 +150,7 @@ def quantizes_normed(
     power of two, and not for the batches the weight-only GEMV takes."""
     from rxf.plugins.models.layers.norm import GemmaRMSNorm, RMSNorm
 
-    return (_fused_inputs() and type(norm) in (RMSNorm, GemmaRMSNorm) and h.is_cuda and h.dim() == 2
+    return (h.is_cuda and _fused_inputs() == "1" and type(norm) in (RMSNorm, GemmaRMSNorm) and h.dim() == 2
             and h.dtype in (torch.float16, torch.bfloat16) and h.is_contiguous() and h.shape[1] <= _MAX_NORMED
             and residual.dtype == h.dtype and residual.is_contiguous()
             and (group is None or group & (group - 1) == 0) and not _gemv_takes(layer, h))
