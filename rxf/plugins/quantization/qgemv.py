@@ -1,11 +1,11 @@
 """When a quantized layer takes the weight-only decode GEMV (`qgemv_kernel.py`), and its tile sizes.
 
 On CUDA, a linear layer of `fp8` (online or block-wise), `compressed-tensors` FP8, `awq` or `gptq`
-whose input is bf16 / fp16 with 1 to `MAX_ROWS` rows after flattening (int4: 1 to 16, the tile's rows;
-decode at batch 1-8 or 1-16, or an extend of that few tokens) runs the GEMV: the weight is read once, in its stored form, and x is not
-quantized, even where the checkpoint asks for FP8 activations (the GEMV computes the exact product
-with the stored weight, which quantized activations only approximate). Larger batches and float32
-models keep the method's GEMM.
+whose input is bf16 / fp16 with 1 to `MAX_ROWS` rows after flattening (int4: 1 to 16, the tile's
+rows; decode at batch 1-8 or 1-16, or an extend of that few tokens) runs the GEMV: the weight is read
+once, in its stored form, and x is not quantized, even where the checkpoint asks for FP8 activations
+(the GEMV computes the exact product with the stored weight, which quantized activations only
+approximate). Larger batches and float32 models keep the method's GEMM.
 
 Which formats take it without `RXF_QGEMV` (read once per process): `BY_DEFAULT`, i.e. every format at
 batch 1 through the row kernel (word-wise dequantization, `qgemv_row_kernel.py`), and int4 at 2-16 rows
@@ -13,11 +13,13 @@ through the tile kernel too. On the H200 (2026-12-05, benchmarks/RESULTS.md, iss
 batch 1 with the sweep's per-projection row settings decoded at 345.1 tok/s in online FP8, 343.2 in
 block-wise FP8 and 327.0 in AWQ, against 220.4 in bf16 (before: the method's `torch._scaled_mm` and
 int4 GEMM gave ~1.0x and 0.74x of bf16); on an H100, AWQ with these defaults 298.8 against 169.8. At
-2-16 rows (H100, 2026-12-05, the tile kernel's dot per nibble position) the int4 tile kernel took
-1.0-1.7x less time than the int4 GEMM at every projection but gate_up at 16 rows (level), while the
-FP8 tile kernel lost to `_scaled_mm` on gate_up, so FP8 keeps the GEMM there. `RXF_QGEMV` is a comma-separated list of `FORMAT=SETTING` or `FORMAT:ROLE=SETTING`
-(the role's entry wins); `auto` takes the format's tile sizes from `DEFAULTS`, with the split over K chosen from
-the shape and the SM count (`GemvSettings.resolve`), e.g.
+2-8 rows (H100, 2026-12-05, the tile kernel's dot per nibble position) the int4 tile kernel took
+1.1-1.7x less time than the int4 GEMM at every projection, and at 16 rows as much summed over the four
+(204.5 against 205.9 us: qkv and gate_up ahead, o_proj and down 11% behind), while the FP8 tile kernel
+lost to `_scaled_mm` on gate_up, so FP8 keeps the GEMM there. `RXF_QGEMV` is a comma-separated list of
+`FORMAT=SETTING` or `FORMAT:ROLE=SETTING` (the role's entry wins); `auto` takes the format's tile
+sizes from `DEFAULTS`, with the split over K chosen from the shape and the SM count
+(`GemvSettings.resolve`), e.g.
 
     RXF_QGEMV="int4=n128k128s2st4w4,fp8:gate_up_proj=n64k256s1st4w4,fp8-block:o_proj=off"
 
@@ -104,8 +106,8 @@ BY_DEFAULT = {
              TILE_ROWS),
 }
 # The most rows an `RXF_QGEMV` entry serves: FP8 formats up to MAX_ROWS, as the dense GEMV; int4 the
-# tile kernel's whole 16-row tile, where its alternative, the int4 GEMM (`int4_kernel.py`), dequantizes
-# every code through an int-to-float conversion and lost to it at every row count timed.
+# tile kernel's whole 16-row tile, against which its alternative, the int4 GEMM (`int4_kernel.py`,
+# an int-to-float conversion per code), lost at 2-8 rows and drew level at 16 (the module docstring).
 _MOST_ROWS = {"fp8": MAX_ROWS, "fp8-block": MAX_ROWS, "int4": TILE_ROWS}
 _HALF = (torch.bfloat16, torch.float16)
 

@@ -66,6 +66,7 @@ def _rmsnorm_kernel(X, Res, W, Out, ResOut, S, N, stride_x, stride_r, stride_o, 
         g = tl.arange(0, BLOCK // GROUP)
         tl.store(S + row * stride_s_row + g * stride_s_group, scale, mask=g * GROUP < N)
 
+
 def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
     gemma: bool = False, out: torch.Tensor | None = None, res_out: torch.Tensor | None = None,
