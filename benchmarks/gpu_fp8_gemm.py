@@ -109,11 +109,19 @@ def main() -> None:
             print(f"{role:>13} {m:>6} " + " ".join(
                 f"{row[name]:9.1f}us {flops / row[name] / 1e6:5.0f}T" if name in row else f"{'-':>18}"
                 for name in _methods(x)), flush=True)
+    report(results, rows, list(_methods(torch.empty(0))), "gpu_fp8_gemm.json")
+
+
+def report(results: dict, rows: list[int], names: list[str], file: str) -> None:
+    """Per row count, each method's time summed over SHAPES as a ratio to bf16 (methods that failed at
+    some projection are left out), then `results` as JSON to $OUT/file."""
     print("\nsum over the four projections, ratio to bf16 (above 1: faster than bf16)")
     for m in rows:
-        total = {name: sum(results[r][str(m)].get(name, float("nan")) for r in SHAPES) for name in _methods(torch.empty(0))}
+        cells = [results[r][str(m)] for r in SHAPES]
+        total = {name: sum(c[name] for c in cells) for name in names
+                 if all(isinstance(c.get(name), float) for c in cells)}
         print(f"M={m:>6}: " + ", ".join(f"{name} {total['bf16'] / t:.2f}x ({t:.0f} us)" for name, t in total.items()))
-    out = Path(os.environ.get("OUT", "/tmp")) / "gpu_fp8_gemm.json"
+    out = Path(os.environ.get("OUT", "/tmp")) / file
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us": results}, indent=1))
 

@@ -17,21 +17,18 @@ per M, the four projections' summed time as a ratio to bf16. JSON to $OUT/gpu_in
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import gpu_gemv
 import torch
 import torch.nn.functional as F
+from gpu_fp8_gemm import SHAPES, report
 
 from rxf.plugins.quantization.int4 import Int4Weights, pack_int32
 from rxf.plugins.quantization.int4_kernel import int4_dequantize, int4_linear
 from rxf.plugins.quantization.int4_peers import TorchInt4Gemv
 
 DEVICE = torch.device("cuda")
-SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
 GROUP = 128
 
 
@@ -82,14 +79,7 @@ def main() -> None:
                 else f"{row[name]:>18}" for name in names), flush=True)
         del copies, dense
         torch.cuda.empty_cache()
-    print("\nsum over the four projections, ratio to bf16 (above 1: faster than bf16)")
-    for m in rows:
-        total = {name: sum(results[r][str(m)][name] for r in SHAPES) for name in names
-                 if all(isinstance(results[r][str(m)][name], float) for r in SHAPES)}
-        print(f"M={m:>6}: " + ", ".join(f"{name} {total['bf16'] / t:.2f}x ({t:.0f} us)" for name, t in total.items()))
-    out = Path(os.environ.get("OUT", "/tmp")) / "gpu_int4_gemm.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us": results}, indent=1))
+    report(results, rows, names, "gpu_int4_gemm.json")
 
 
 if __name__ == "__main__":
