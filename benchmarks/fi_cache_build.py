@@ -71,6 +71,7 @@ PYENV = Path("/root/.pyenv")
 CUDA_SYSTEM = Path("/usr/local/cuda-13.0")  # this machine's nvcc 13.0.88, from NVIDIA's wheels
 CUDA = Path("/tmp/fi-cuda")  # a copy of it with cuRAND's headers (CUTLASS's tensor_fill.h includes them)
 CURAND = "nvidia-curand==10.4.0.35"  # CUDA 13.0's
+CUBLAS = "nvidia-cublas==13.0.2.14"  # its headers: FlashInfer's norm binding includes cublasLt.h
 GPU_PY_INCLUDE = "/usr/include/python3.12"  # sysconfig's include dir of the GPU machine's python3
 TVM_FFI = "apache-tvm-ffi==0.1.15.post2"
 
@@ -120,7 +121,8 @@ def prepare() -> None:
             f"-oDir::State::Lists={APT}/lists", f"-oDir::Cache={APT}/cache", "-oDir::State::status=/dev/null",
             "-oAPT::Install-Recommends=false"]
     sh(["apt-get", *opts, "update", "-q"])
-    sh(["apt-get", *opts, "install", "-y", "-q", "--download-only", "g++-13", "libc6-dev", "coreutils", "dash"])
+    sh(["apt-get", *opts, "install", "-y", "-q", "--download-only", "g++-13", "libc6-dev", "coreutils", "dash",
+        "libffi8"])  # libffi8: pyenv's Python (ctypes) needs it inside the chroot
     CHROOT.mkdir(exist_ok=True)
     for deb in sorted(glob.glob(f"{APT}/cache/archives/*.deb")):
         sh(["dpkg", "-x", deb, str(CHROOT)])
@@ -128,6 +130,7 @@ def prepare() -> None:
                          ("usr/local/cuda", "cuda-13.0")]:
         p = CHROOT / link
         if not p.is_symlink():
+            p.parent.mkdir(parents=True, exist_ok=True)  # a fresh chroot has no usr/local
             p.symlink_to(target)
     for d in ["tmp", "dev", "proc", "root/site", "root/.pyenv", "work/main", "usr/local/cuda-13.0", str(VENV)[1:]]:
         (CHROOT / d).mkdir(parents=True, exist_ok=True)
@@ -149,8 +152,10 @@ def prepare() -> None:
         sh([str(PYENV / "versions/3.11.7/bin/python"), "-m", "venv", str(VENV)])
         sh([str(VENV / "bin/pip"), "install", "-q", "torch==2.13.0", "numpy", "filelock", "packaging", "requests",
             "tqdm", "click", "einops", "tabulate", "nvidia-ml-py", "ninja==1.13.0"])
+    # the GPU's Python is 3.12: the cp312 tvm_ffi wheel installs here only when pip is told so
     sh([str(VENV / "bin/pip"), "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade",
-        "--target", str(SITE), *whl])
+        "--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
+        "--platform", "manylinux_2_28_x86_64", "--target", str(SITE), *whl])
     sh([str(VENV / "bin/pip"), "download", "-q", "--no-deps", "--only-binary=:all:", "-d", "/tmp/fi-tvm311", TVM_FFI])
     sh(f"cd /tmp/fi-tvm311 && python3 -m zipfile -e apache_tvm_ffi-*cp311*.whl x && "
        f"cp x/tvm_ffi/core.cpython-311-x86_64-linux-gnu.so {SITE}/tvm_ffi/")
@@ -168,6 +173,8 @@ def prepare() -> None:
         sh(["cp", "-a", str(CUDA_SYSTEM), str(CUDA)])
         sh([str(VENV / "bin/pip"), "download", "-q", "--no-deps", "--only-binary=:all:", "-d", "/tmp/fi-curand", CURAND])
         sh(f"cd /tmp/fi-curand && python3 -m zipfile -e nvidia_curand-*.whl x && cp -p x/nvidia/*/include/*.h {CUDA}/include/")
+        sh([str(VENV / "bin/pip"), "download", "-q", "--no-deps", "--only-binary=:all:", "-d", "/tmp/fi-cublas", CUBLAS])
+        sh(f"cd /tmp/fi-cublas && python3 -m zipfile -e nvidia_cublas-*.whl x && cp -p x/nvidia/*/include/*.h {CUDA}/include/")
         # -lcuda needs a libcuda.so to link against (the GPU machine's stubs/ has one; --as-needed, gcc's
         # default here as in Ubuntu's, drops it when unused, as in the GPU-built modules)
         (CUDA / "lib/stubs").mkdir(parents=True, exist_ok=True)

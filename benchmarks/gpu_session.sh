@@ -178,7 +178,7 @@ elif [ "$stage" = quant ]; then
   #   decode1   batch-1 decode of bf16 and of the block-wise FP8 and AWQ checkpoints made from it
   #   online    online FP8 over random weights (batch 1)
   #   kvcache   FP8 against bf16 KV at batch 256 with 4k contexts
-  #   offline   offline 1000 requests in bf16 and block-wise FP8
+  #   offline   offline 1000 requests in bf16 and block-wise FP8 (Q_OFFLINE_QUANT: bf16 alone, say)
   #   fp8kv     offline 1000 requests in block-wise FP8 with an FP8 KV cache, per RXF_FP8_FUSED_INPUT
   #             in Q_FUSED (default "0 gated 1"; after "offline", whose bf16 run is their reference)
   #   moe       Qwen3-30B-A3B shape at batch 1, bf16 and online FP8 (random weights)
@@ -199,7 +199,7 @@ elif [ "$stage" = quant ]; then
     echo "kvcache: rc $?"; grep -E "^(auto|fp8_e4m3) " "$out/q-kvcache.log"
   fi
   if [[ $parts == *" offline "* ]]; then
-    timeout "${Q_OFFLINE_S:-200}" $G --quantization bf16,fp8 --phases offline --output "$out/q-offline.json" \
+    timeout "${Q_OFFLINE_S:-200}" $G --quantization "${Q_OFFLINE_QUANT:-bf16,fp8}" --phases offline --output "$out/q-offline.json" \
       > "$out/q-offline.log" 2>&1
     echo "offline: rc $?"; grep -E "^=== offline|req_s" "$out/q-offline.log" | tail -n 8
   fi

@@ -33,6 +33,8 @@ and that tile's scales (and zeros) before waiting for the kernel that writes x, 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +51,11 @@ _MAGIC = {torch.float16: (0x6400, 1024.0), torch.bfloat16: (0x4300, 128.0), torc
 _INT4_MASK, _INT4_MAGIC = 0x000F0000, 0x43000000
 # The tile kernel's (`_int4_nibble_dot`): a code into each half of a word; its MAGIC is `_MAGIC`'s pair.
 _PAIR_MASK = 0x000F000F
+# The int4 row kernel with half-precision x: two codes an operation in x's dtype (`_int4_pairs_fma`,
+# "1", the default) or one code an operation in float32 (`_int4_fma`, "0"); read at import.
+_PAIRS_ENV = os.environ.get("RXF_INT4_PAIRS", "1")
+if _PAIRS_ENV not in ("0", "1"):
+    raise ValueError(f"RXF_INT4_PAIRS={_PAIRS_ENV!r}: expected 1 (half2 arithmetic) or 0 (float32)")
 
 
 @triton.jit
@@ -276,12 +283,15 @@ def qgemv(
 
         assert fmt == INT4 or (weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0), (
             "the row kernel reads FP8 rows as int32 words")
-
+        # int4 with half-precision x: two codes an operation, x read as int32 words (`_int4_pairs_fma`)
+        pairs = fmt == INT4 and x.dtype != torch.float32 and x.data_ptr() % 4 == 0 and _PAIRS_ENV == "1"
+        mask, magic_arg = (_PAIR_MASK, magic | magic << 16) if pairs else (_INT4_MASK, _INT4_MAGIC)
         _qgemv_row_kernel[(n_blocks, split_k)](
             x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,
             partials, counters, n, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
-            _INT4_MASK, _INT4_MAGIC, FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
-            SCALE_ROWS=scale_rows, SCALE_K=scale_k, PDL=pdl, ASM=x.is_cuda, num_warps=num_warps, launch_pdl=pdl,
+            mask, magic_arg, FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+            SCALE_ROWS=scale_rows, SCALE_K=scale_k, PDL=pdl, ASM=x.is_cuda, PAIRS=pairs, OFFSET=offset,
+            BF16=x.dtype == torch.bfloat16, num_warps=num_warps, launch_pdl=pdl,
         )
         return out
     _qgemv_kernel[(n_blocks, split_k)](

@@ -71,6 +71,88 @@ def _fp8_fma(w, scale, x_ptrs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
     return t
 
 
+# An int4 word's dot with x in half2 arithmetic (x's dtype), for `_int4_pairs_fma`: $1 the word, $2-$5
+# x's pairs (inputs 8r + j, 8r + j + 4 for j = 0..3), $6 the pair (OFFSET + zero, OFFSET + zero), $7 MASK
+# (0x000F000F), $8 MAGIC (OFFSET's bits in both halves). A shift and a LOP3 put codes j and j + 4 into
+# the halves of OFFSET + code, exactly; the subtraction of OFFSET + zero is exact (small integers); the
+# products and their sum over the word's four pairs round in x's dtype; the two halves then add and
+# widen to float32. 17 instructions for eight weights.
+_PAIRS_ASM = """{{
+.reg .b32 c0, c1, c2, c3, d;
+.reg .b16 lo, hi;
+shr.u32 c1, $1, 4;
+shr.u32 c2, $1, 8;
+shr.u32 c3, $1, 12;
+lop3.b32 c0, $1, $7, $8, 0xEA;
+lop3.b32 c1, c1, $7, $8, 0xEA;
+lop3.b32 c2, c2, $7, $8, 0xEA;
+lop3.b32 c3, c3, $7, $8, 0xEA;
+sub{rn}.{t}x2 c0, c0, $6;
+sub{rn}.{t}x2 c1, c1, $6;
+sub{rn}.{t}x2 c2, c2, $6;
+sub{rn}.{t}x2 c3, c3, $6;
+mul{rn}.{t}x2 d, c0, $2;
+fma.rn.{t}x2 d, c1, $3, d;
+fma.rn.{t}x2 d, c2, $4, d;
+fma.rn.{t}x2 d, c3, $5, d;
+mov.b32 {{lo, hi}}, d;
+add{rn}.{t} lo, lo, hi;
+cvt.f32.{t} $0, lo;
+}}"""
+_PAIRS_BF16 = tl.constexpr(_PAIRS_ASM.format(rn=".rn", t="bf16"))  # bf16 add / sub / mul: sm_90
+_PAIRS_F16 = tl.constexpr(_PAIRS_ASM.format(rn="", t="f16"))
+
+
+@triton.jit
+def _half(bits, BF16: tl.constexpr):
+    """The low 16 bits of int32 `bits` as a float32 (the half's value)."""
+    if BF16:
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET: tl.constexpr, BF16: tl.constexpr,
+                    ASM: tl.constexpr):
+    """acc + the int4 words tile w [BLOCK_N, BLOCK_K / 8] dotted with half-precision x, two codes per
+    operation: float32 [BLOCK_N, BLOCK_K / 8]. x_ptrs [BLOCK_K / 8] point at x as int32 words, at the
+    pair (x[8r], x[8r + 1]) of the tile's word rows r; the four words from there hold inputs 8r..8r+7,
+    repaired into the pairs (8r + j, 8r + j + 4) that a word's halves hold after `(w >> 4j) & MASK`.
+
+    Against `_int4_fma` (float32, one code an operation: 4.1 instructions a weight under the GPU's
+    Triton) the word's dot runs in x's dtype two codes at a time (`_PAIRS_ASM`), then one float32 FMA
+    takes it into the accumulator with the group's scale. Half-precision products cost accuracy: each
+    rounds to x's precision (bf16: 2^-9 relative) before float32 takes over, eight products a word.
+    ASM off (Triton's interpreter) computes the same pairing in float32: the indexing, not the rounding."""
+    a = tl.load(x_ptrs)
+    b = tl.load(x_ptrs + 1)
+    c = tl.load(x_ptrs + 2)
+    d = tl.load(x_ptrs + 3)
+    x_pairs = ((a & 0xFFFF) | (c << 16), ((a >> 16) & 0xFFFF) | (c & -65536),
+               (b & 0xFFFF) | (d << 16), ((b >> 16) & 0xFFFF) | (d & -65536))
+    if BF16:
+        z = (zero.to(tl.float32) + OFFSET).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        z = (zero.to(tl.float32) + OFFSET).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    if ASM:
+        args = [w, x_pairs[0][None, :], x_pairs[1][None, :], x_pairs[2][None, :], x_pairs[3][None, :],
+                (z | (z << 16))[:, None], MASK + tl.zeros_like(w), MAGIC + tl.zeros_like(w)]
+        if BF16:
+            t = tl.inline_asm_elementwise(_PAIRS_BF16, "=r,r,r,r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True,
+                                          pack=1)
+        else:
+            t = tl.inline_asm_elementwise(_PAIRS_F16, "=r,r,r,r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True,
+                                          pack=1)
+    else:
+        zf = _half(z, BF16)[:, None]
+        t = tl.zeros_like(acc)
+        for j in tl.static_range(4):
+            codes = ((w >> (4 * j)) & MASK) | MAGIC
+            xp = x_pairs[j][None, :]
+            t += (_half(codes, BF16) - zf) * _half(xp, BF16) + (_half(codes >> 16, BF16) - zf) * _half(xp >> 16, BF16)
+    return acc + t * scale.to(tl.float32)[:, None]
+
+
 @triton.jit
 def _int4_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, BLOCK_K: tl.constexpr):
     """acc + the int4 words tile w [BLOCK_N, BLOCK_K / 8] dotted with x, word by word: float32
@@ -110,14 +192,19 @@ def _qgemv_row_kernel(
     X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om, MASK, MAGIC,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, PAIRS: tl.constexpr = False, OFFSET: tl.constexpr = 0.0, BF16: tl.constexpr = False,
 ):
     # Pointers advance by a tile's step (not rebuilt from k0): their alignment stays visible to Triton.
     pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(
         W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT, BLOCK_N, BLOCK_K, SPLIT_K, SCALE_ROWS, SCALE_K, PDL,
         FORMAT != _INT4)
     rows = tl.arange(0, BLOCK_M)
-    if FORMAT == _INT4:
+    x_step = BLOCK_K
+    if PAIRS:  # int4, half-precision x: `_int4_pairs_fma` reads x as int32 words
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        x_ptrs = X.to(tl.pointer_type(tl.int32)) + k_lo // 2 + 4 * tl.arange(0, BLOCK_K // 8)
+        x_step = BLOCK_K // 2
+    elif FORMAT == _INT4:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         x_ptrs = X + k_lo + 8 * tl.arange(0, BLOCK_K // 8)
     else:
@@ -128,11 +215,13 @@ def _qgemv_row_kernel(
         w_ptrs += w_step
         w_next, scale_next, zero_next = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0 + BLOCK_K, cols, ahead,
                                                      stride_s, FORMAT, SCALE_K, False)
-        if FORMAT == _INT4:
+        if PAIRS:
+            acc = _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET, BF16, ASM)
+        elif FORMAT == _INT4:
             acc = _int4_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, BLOCK_K)
         else:
             acc = _fp8_fma(w, scale, x_ptrs, acc, FORMAT, ASM)
-        x_ptrs += BLOCK_K
+        x_ptrs += x_step
         w, scale, zero = w_next, scale_next, zero_next
     # Column 0 of a [BLOCK_N, BLOCK_M] tile: the shape `finish` takes (its row 0 is x's only row).
     acc_t = tl.where((rows == 0)[None, :], tl.sum(acc, axis=1)[:, None], 0.0)
