@@ -71,13 +71,13 @@ def _fp8_fma(w, scale, x_ptrs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
     return t
 
 
-# An int4 word's dot with x in half2 arithmetic (x's dtype), for `_int4_pairs_fma`: $1 the word, $2-$5
-# x's pairs (inputs 8r + j, 8r + j + 4 for j = 0..3), $6 the pair (OFFSET + zero, OFFSET + zero), $7 MASK
-# (0x000F000F), $8 MAGIC (OFFSET's bits in both halves). A shift and a LOP3 put codes j and j + 4 into
-# the halves of OFFSET + code, exactly; the subtraction of OFFSET + zero is exact (small integers); the
-# products and their sum over the word's four pairs round in x's dtype; the two halves then add and
-# widen to float32. 17 instructions for eight weights.
-_PAIRS_ASM = """{{
+# An int4 word's dot with bf16 x in bf16x2 arithmetic, for `_int4_pairs_fma`: $1 the word, $2-$5 x's
+# pairs (inputs 8r + j, 8r + j + 4 for j = 0..3), $6 the pair (128 + zero, 128 + zero), $7 MASK
+# (0x000F000F), $8 MAGIC (128.0's bits in both halves). A shift and a LOP3 put codes j and j + 4 into
+# the halves of 128 + code, exactly; the subtraction of 128 + zero is exact (small integers); the
+# products and their sum over the word's four pairs round to bf16; the two halves then add and widen
+# to float32. 17 instructions for eight weights. bf16 add / sub / mul need sm_90.
+_PAIRS_BF16 = tl.constexpr("""{
 .reg .b32 c0, c1, c2, c3, d;
 .reg .b16 lo, hi;
 shr.u32 c1, $1, 4;
@@ -87,20 +87,18 @@ lop3.b32 c0, $1, $7, $8, 0xEA;
 lop3.b32 c1, c1, $7, $8, 0xEA;
 lop3.b32 c2, c2, $7, $8, 0xEA;
 lop3.b32 c3, c3, $7, $8, 0xEA;
-sub{rn}.{t}x2 c0, c0, $6;
-sub{rn}.{t}x2 c1, c1, $6;
-sub{rn}.{t}x2 c2, c2, $6;
-sub{rn}.{t}x2 c3, c3, $6;
-mul{rn}.{t}x2 d, c0, $2;
-fma.rn.{t}x2 d, c1, $3, d;
-fma.rn.{t}x2 d, c2, $4, d;
-fma.rn.{t}x2 d, c3, $5, d;
-mov.b32 {{lo, hi}}, d;
-add{rn}.{t} lo, lo, hi;
-cvt.f32.{t} $0, lo;
-}}"""
-_PAIRS_BF16 = tl.constexpr(_PAIRS_ASM.format(rn=".rn", t="bf16"))  # bf16 add / sub / mul: sm_90
-_PAIRS_F16 = tl.constexpr(_PAIRS_ASM.format(rn="", t="f16"))
+sub.rn.bf16x2 c0, c0, $6;
+sub.rn.bf16x2 c1, c1, $6;
+sub.rn.bf16x2 c2, c2, $6;
+sub.rn.bf16x2 c3, c3, $6;
+mul.rn.bf16x2 d, c0, $2;
+fma.rn.bf16x2 d, c1, $3, d;
+fma.rn.bf16x2 d, c2, $4, d;
+fma.rn.bf16x2 d, c3, $5, d;
+mov.b32 {lo, hi}, d;
+add.rn.bf16 lo, lo, hi;
+cvt.f32.bf16 $0, lo;
+}""")
 
 
 @triton.jit
@@ -117,13 +115,16 @@ def _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET: tl.constex
     """acc + the int4 words tile w [BLOCK_N, BLOCK_K / 8] dotted with half-precision x, two codes per
     operation: float32 [BLOCK_N, BLOCK_K / 8]. x_ptrs [BLOCK_K / 8] point at x as int32 words, at the
     pair (x[8r], x[8r + 1]) of the tile's word rows r; the four words from there hold inputs 8r..8r+7,
-    repaired into the pairs (8r + j, 8r + j + 4) that a word's halves hold after `(w >> 4j) & MASK`.
+    re-paired into the pairs (8r + j, 8r + j + 4) that a word's halves hold after `(w >> 4j) & MASK`.
 
-    Against `_int4_fma` (float32, one code an operation: 4.1 instructions a weight under the GPU's
-    Triton) the word's dot runs in x's dtype two codes at a time (`_PAIRS_ASM`), then one float32 FMA
-    takes it into the accumulator with the group's scale. Half-precision products cost accuracy: each
-    rounds to x's precision (bf16: 2^-9 relative) before float32 takes over, eight products a word.
-    ASM off (Triton's interpreter) computes the same pairing in float32: the indexing, not the rounding."""
+    Against `_int4_fma` (float32, one code an operation: 4.13 instructions a weight by the static count
+    at 128 x 128 / 4 warps under the GPU's Triton 3.6) the word's dot runs in bf16x2, two codes at a time
+    (`_PAIRS_BF16`: 3.18), then one float32 FMA takes it into the accumulator with the group's scale.
+    The price is rounding: each product and partial sum rounds to bf16 (2^-9 relative) before float32
+    takes over, eight products a word (~0.2% of a random GEMV's output, against bf16's own output
+    rounding of 0.1-0.2%). ASM off (Triton's interpreter, any half x) computes the same pairing in
+    float32: the CPU tests check the indexing, the GPU tests the arithmetic. fp16 x on the GPU keeps
+    `_int4_fma`: an fp16 product can overflow where x does not (|x| > 4096 at codes 15 apart)."""
     a = tl.load(x_ptrs)
     b = tl.load(x_ptrs + 1)
     c = tl.load(x_ptrs + 2)
@@ -134,15 +135,11 @@ def _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET: tl.constex
         z = (zero.to(tl.float32) + OFFSET).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     else:
         z = (zero.to(tl.float32) + OFFSET).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    if ASM:
+    if ASM:  # bf16 x (the launch sees to it)
         args = [w, x_pairs[0][None, :], x_pairs[1][None, :], x_pairs[2][None, :], x_pairs[3][None, :],
                 (z | (z << 16))[:, None], MASK + tl.zeros_like(w), MAGIC + tl.zeros_like(w)]
-        if BF16:
-            t = tl.inline_asm_elementwise(_PAIRS_BF16, "=r,r,r,r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True,
-                                          pack=1)
-        else:
-            t = tl.inline_asm_elementwise(_PAIRS_F16, "=r,r,r,r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True,
-                                          pack=1)
+        t = tl.inline_asm_elementwise(_PAIRS_BF16, "=r,r,r,r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True,
+                                      pack=1)
     else:
         zf = _half(z, BF16)[:, None]
         t = tl.zeros_like(acc)
