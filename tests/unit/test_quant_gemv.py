@@ -26,8 +26,9 @@ from rxf.plugins.quantization.int4 import Int4Weights, pack_int32  # noqa: E402
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 SPLITS = pytest.mark.parametrize("split", [1, 3], ids=lambda s: f"split{s}")
-# The tile kernel (`qgemv_kernel`) and, for one row of x, the row kernel (`qgemv_row_kernel`; label prefix r).
-FORMS = pytest.mark.parametrize("form", ["", "r"], ids=["tile", "row"])
+# The tile kernel (`qgemv_kernel`, 2 stages) and, for one row of x, the row kernel (`qgemv_row_kernel`;
+# label prefix r) with two weight tiles read ahead (st2) or one (st1, its default): (prefix, stages).
+FORMS = pytest.mark.parametrize("form", [("", 2), ("r", 2), ("r", 1)], ids=["tile", "row", "row-ahead1"])
 
 
 @pytest.fixture
@@ -65,7 +66,8 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def test_fp8_row_scales(qgemv_env, dtype, scales, m, split, form):
     """N = 40 (a partial column block of 16), K = 256 = 4 tiles of 64: split 3 gives spans of 2,
     2 and an empty one. Per tensor: one scale spread over the rows, as compressed-tensors loads it."""
-    qgemv_env(f"fp8={form}n16k64s{split}st2w4")
+    label = f"{form[0]}n16k64s{split}st{form[1]}w4"
+    qgemv_env(f"fp8={label}")
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(40, 256, generator=gen) * 0.05
     q, scale = fp8_ops.quantize_rows(w)
@@ -73,7 +75,7 @@ def test_fp8_row_scales(qgemv_env, dtype, scales, m, split, form):
         scale = scale.max().expand(40).contiguous()
         q = (w / scale[:, None]).to(fp8_ops.FP8)
     op = qgemv.fp8_rows(SimpleNamespace(weight=q, weight_scale=scale, gemv_role="o_proj"))
-    assert op is not None and op.settings.label == f"{form}n16k64s{split}st2w4"
+    assert op is not None and op.settings.label == label
     bias = torch.randn(40, generator=gen).to(dtype)
     _check(op, _x(m, 256, dtype, m), bias, fp8_ops.dequantize_rows(q, scale, torch.float64))
 
@@ -87,7 +89,7 @@ def test_fp8_block_scales(qgemv_env, dtype, n, split, form):
     reads the checkpoint's one scale per block; N = 72 (not a multiple of 32): one row of scales per
     output row. The label's k128 shrinks to the 64-input scale block. Split 4: spans of one tile and
     an empty one, whose block scales (past the table's end) must not be read."""
-    qgemv_env(f"fp8-block:qkv_proj={form}n16k128s{split}st2w4")
+    qgemv_env(f"fp8-block:qkv_proj={form[0]}n16k128s{split}st{form[1]}w4")
     gen = torch.Generator().manual_seed(n)
     q, _ = fp8_ops.quantize_rows(torch.randn(n, 192, generator=gen) * 0.05)
     blocks = torch.rand(-(-n // 32), 3, generator=gen) * 1e-3 + 1e-4  # one scale per 32 x 64 block
@@ -95,7 +97,7 @@ def test_fp8_block_scales(qgemv_env, dtype, n, split, form):
     op = qgemv.fp8_blocks(SimpleNamespace(weight=q, weight_scale_inv=scale_inv, gemv_role="qkv_proj"), 32, 64)
     assert op is not None and op.settings.block_k == 64
     assert (op.scale_rows, tuple(op.scales.shape)) == ((32, (3, 3)) if n == 96 else (1, (72, 3)))
-    _check(op, _x(1 if form else 5, 192, dtype, n), None, fp8_ops.dequantize_blocks(q, scale_inv, 64, torch.float64))
+    _check(op, _x(1 if form[0] else 5, 192, dtype, n), None, fp8_ops.dequantize_blocks(q, scale_inv, 64, torch.float64))
 
 
 def _on_fp8_grid(m: int, k: int, tile: int, gen: torch.Generator) -> torch.Tensor:
@@ -140,7 +142,7 @@ def test_int4(qgemv_env, dtype, m, group, split, form):
     """Codes in rxf's CUDA layout (int32 [K / 8, N], input 8r + j in nibble j), zero points 0..15
     and scales per group; N = 48 (a partial column block of 32), K = 256. Groups of 128 in half
     precision take the tile kernel's dot per nibble position, groups of 32 its unpacked tile."""
-    qgemv_env(f"int4={form}n32k128s{split}st2w4")
+    qgemv_env(f"int4={form[0]}n32k128s{split}st{form[1]}w4")
     k, n = 256, 48
     gen = torch.Generator().manual_seed(m + group)
     codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)

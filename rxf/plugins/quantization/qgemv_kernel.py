@@ -261,7 +261,7 @@ def qgemv(
     """`x @ dequant(weight).T + bias` in x's dtype for x `[m <= 16, K]` (contiguous rows), `weight`
     and `scales` (and int4's `zeros`) as `fmt`'s entry of the module docstring says. `counters`:
     int32, at least cdiv(N, block_n) zeros, left zeroed. row: one row of x goes through
-    `qgemv_row_kernel` (num_stages unused). fp8_x (FP8 formats, the tile kernel): x is quantized to
+    `qgemv_row_kernel` (num_stages >= 2: two weight tiles read ahead, else one). fp8_x (FP8 formats, the tile kernel): x is quantized to
     E4M3 per row and K tile, the product computed FP8 x FP8 (as the methods' GEMMs quantize x)."""
     m, k = x.shape
     n = weight.shape[1] if fmt == INT4 else weight.shape[0]
@@ -293,7 +293,7 @@ def qgemv(
             partials, counters, n, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
             mask, magic_arg, FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
             SCALE_ROWS=scale_rows, SCALE_K=scale_k, PDL=pdl, ASM=x.is_cuda, PAIRS=pairs, OFFSET=offset,
-            BF16=x.dtype == torch.bfloat16, num_warps=num_warps, launch_pdl=pdl,
+            BF16=x.dtype == torch.bfloat16, AHEAD=2 if num_stages >= 2 else 1, num_warps=num_warps, launch_pdl=pdl,
         )
         return out
     _qgemv_kernel[(n_blocks, split_k)](

@@ -190,6 +190,7 @@ def _qgemv_row_kernel(
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr, PAIRS: tl.constexpr = False, OFFSET: tl.constexpr = 0.0, BF16: tl.constexpr = False,
+    AHEAD: tl.constexpr = 1,
 ):
     # Pointers advance by a tile's step (not rebuilt from k0): their alignment stays visible to Triton.
     pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(
@@ -207,11 +208,20 @@ def _qgemv_row_kernel(
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
         x_ptrs = X + k_lo + 4 * tl.arange(0, BLOCK_K // 4)
-    for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
-        ahead = mask_n & (tl.zeros_like(cols) + k0 + BLOCK_K < k_hi)  # issued before the math
+    # AHEAD tiles are in flight while one is multiplied (the label's `st`: 1, or 2 for more bytes in
+    # flight per program); each is read as zeros past k_hi.
+    w_1, scale_1, zero_1 = w, scale, zero
+    if AHEAD == 2:
         w_ptrs += w_step
-        w_next, scale_next, zero_next = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0 + BLOCK_K, cols, ahead,
-                                                     stride_s, FORMAT, SCALE_K, False)
+        w_1, scale_1, zero_1 = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo + BLOCK_K, cols,
+                                            mask_n & (tl.zeros_like(cols) + k_lo + BLOCK_K < k_hi), stride_s, FORMAT,
+                                            SCALE_K, False)
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
+        k_next = k0 + AHEAD * BLOCK_K
+        w_ptrs += w_step
+        w_next, scale_next, zero_next = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_next, cols,
+                                                     mask_n & (tl.zeros_like(cols) + k_next < k_hi), stride_s, FORMAT,
+                                                     SCALE_K, False)  # issued before the math
         if PAIRS:
             acc = _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET, BF16, ASM)
         elif FORMAT == _INT4:
@@ -219,7 +229,11 @@ def _qgemv_row_kernel(
         else:
             acc = _fp8_fma(w, scale, x_ptrs, acc, FORMAT, ASM)
         x_ptrs += x_step
-        w, scale, zero = w_next, scale_next, zero_next
+        if AHEAD == 2:
+            w, scale, zero = w_1, scale_1, zero_1
+            w_1, scale_1, zero_1 = w_next, scale_next, zero_next
+        else:
+            w, scale, zero = w_next, scale_next, zero_next
     # Column 0 of a [BLOCK_N, BLOCK_M] tile: the shape `finish` takes (its row 0 is x's only row).
     acc_t = tl.where((rows == 0)[None, :], tl.sum(acc, axis=1)[:, None], 0.0)
     finish(acc_t, acc_t, Bias, Out, Partials, Counters, Scales, cols, rows, mask_n, 1, N, stride_om, pid_n, pid_k,
