@@ -103,10 +103,11 @@ def test_gemv_matches_the_dequantized_matmul_and_replays(fmt: str, role: str) ->
 
 
 @pytest.mark.parametrize("label", ["n32k128s4st3w4", "n64k128s0st4w4", "rn32k128s2st1w4", "rn64k128s0st1w8",
-                                   "rn128k128s0st1w4"])
+                                   "rn128k128s0st1w4", "rn64k128s0st2w4"])
 @pytest.mark.parametrize("fmt", qgemv.FORMATS)
 def test_gemv_with_a_label_from_the_environment(fmt: str, label: str, default_settings: pytest.MonkeyPatch) -> None:
-    """A label as the benchmark prints it (explicit split or split 0; the row kernel), with a bias."""
+    """A label as the benchmark prints it (explicit split or split 0; the row kernel, one or two tiles
+    read ahead), with a bias. Int4 at one row takes bf16x2 arithmetic (`RXF_INT4_PAIRS`)."""
     default_settings.setenv(qgemv.ENV, f"{ALL_AUTO},{fmt}:down_proj={label}")
     qgemv._plan.cache_clear()
     op, dense = _layer(fmt, "down_proj", torch.Generator(device=DEV).manual_seed(2))
