@@ -51,8 +51,10 @@ _MAGIC = {torch.float16: (0x6400, 1024.0), torch.bfloat16: (0x4300, 128.0), torc
 _INT4_MASK, _INT4_MAGIC = 0x000F0000, 0x43000000
 # The tile kernel's (`_int4_nibble_dot`): a code into each half of a word; its MAGIC is `_MAGIC`'s pair.
 _PAIR_MASK = 0x000F000F
-# The int4 row kernel with bf16 x: two codes an operation in bf16x2 (`_int4_pairs_fma`, "1", the
-# default) or one code an operation in float32 (`_int4_fma`, "0"); read at import.
+# The int4 row kernel with half-precision x: two codes an operation in x's dtype (`_int4_pairs_fma`,
+# "1", the default) or one code an operation in float32 (`_int4_fma`, "0"); read at import. In fp16 its
+# codes count in sixteenths (64.0's bits: OFFSET + code / 16), so no product exceeds |x|.
+_F16_SIXTEENTHS = (0x5400, 64.0)
 _PAIRS_ENV = os.environ.get("RXF_INT4_PAIRS", "1")
 if _PAIRS_ENV not in ("0", "1"):
     raise ValueError(f"RXF_INT4_PAIRS={_PAIRS_ENV!r}: expected 1 (half2 arithmetic) or 0 (float32)")
@@ -283,10 +285,11 @@ def qgemv(
 
         assert fmt == INT4 or (weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0), (
             "the row kernel reads FP8 rows as int32 words")
-        # int4 with bf16 x: two codes an operation in bf16x2, x read as int32 words (`_int4_pairs_fma`;
-        # fp16 x only under the interpreter, which checks its indexing in float32)
-        half = x.dtype == torch.bfloat16 or (x.dtype == torch.float16 and not x.is_cuda)
-        pairs = fmt == INT4 and half and x.data_ptr() % 4 == 0 and _PAIRS_ENV == "1"
+        # int4 with half-precision x: two codes an operation in x's dtype, x read as int32 words
+        # (`_int4_pairs_fma`; fp16 codes in sixteenths: 64.0's bits, offset 64)
+        pairs = fmt == INT4 and x.dtype != torch.float32 and x.data_ptr() % 4 == 0 and _PAIRS_ENV == "1"
+        if pairs and x.dtype == torch.float16:
+            magic, offset = _F16_SIXTEENTHS
         mask, magic_arg = (_PAIR_MASK, magic | magic << 16) if pairs else (_INT4_MASK, _INT4_MAGIC)
         _qgemv_row_kernel[(n_blocks, split_k)](
             x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,

@@ -101,6 +101,35 @@ cvt.f32.bf16 $0, lo;
 }""")
 
 
+# The same for fp16 x, in f16x2 arithmetic, with codes in sixteenths so that no product overflows where
+# x does not: $6 / $7 the pairs (64 + zero / 16) and (4 + zero / 16), $8 / $9 MASK and MAGIC for codes
+# at bits 0-3 of a half (0x000F000F; 64.0 = 0x5400, whose mantissa steps by 1/16), $10 / $11 for codes
+# at bits 4-7 (0x00F000F0; 4.0 = 0x4400, steps of 1/256: a code there counts 16 of them). So
+# `(w & MASK) | MAGIC` is 64 + code / 16 (4 + code / 16) exactly, one shift serves four codes, and
+# (code - zero) / 16 times x is at most |x|. 15 instructions for eight weights; fp16 rounds products to
+# 2^-11.
+_PAIRS_F16 = tl.constexpr("""{
+.reg .b32 c0, c1, c2, c3, s, d;
+.reg .b16 lo, hi;
+shr.u32 s, $1, 8;
+lop3.b32 c0, $1, $8, $9, 0xEA;
+lop3.b32 c1, $1, $10, $11, 0xEA;
+lop3.b32 c2, s, $8, $9, 0xEA;
+lop3.b32 c3, s, $10, $11, 0xEA;
+sub.f16x2 c0, c0, $6;
+sub.f16x2 c1, c1, $7;
+sub.f16x2 c2, c2, $6;
+sub.f16x2 c3, c3, $7;
+mul.f16x2 d, c0, $2;
+fma.rn.f16x2 d, c1, $3, d;
+fma.rn.f16x2 d, c2, $4, d;
+fma.rn.f16x2 d, c3, $5, d;
+mov.b32 {lo, hi}, d;
+add.f16 lo, lo, hi;
+cvt.f32.f16 $0, lo;
+}""")
+
+
 @triton.jit
 def _half(bits, BF16: tl.constexpr):
     """The low 16 bits of int32 `bits` as a float32 (the half's value)."""
@@ -118,28 +147,40 @@ def _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET: tl.constex
     re-paired into the pairs (8r + j, 8r + j + 4) that a word's halves hold after `(w >> 4j) & MASK`.
 
     Against `_int4_fma` (float32, one code an operation: 4.13 instructions a weight by the static count
-    at 128 x 128 / 4 warps under the GPU's Triton 3.6) the word's dot runs in bf16x2, two codes at a time
-    (`_PAIRS_BF16`: 3.18), then one float32 FMA takes it into the accumulator with the group's scale.
-    The price is rounding: each product and partial sum rounds to bf16 (2^-9 relative) before float32
-    takes over, eight products a word (~0.2% of a random GEMV's output, against bf16's own output
-    rounding of 0.1-0.2%). ASM off (Triton's interpreter, any half x) computes the same pairing in
-    float32: the CPU tests check the indexing, the GPU tests the arithmetic. fp16 x on the GPU keeps
-    `_int4_fma`: an fp16 product can overflow where x does not (|x| > 4096 at codes 15 apart)."""
+    at 128 x 128 / 4 warps under the GPU's Triton 3.6) the word's dot runs in x's dtype two codes at a
+    time (`_PAIRS_BF16`: 3.18; `_PAIRS_F16`), then one float32 FMA takes it into the accumulator with
+    the group's scale. The price is rounding: each product and partial sum rounds to x's precision
+    (bf16 2^-9, fp16 2^-11) before float32 takes over, eight products a word (bf16: ~0.2% of a random
+    GEMV's output, against its own output rounding of 0.1-0.2%). fp16 codes count in sixteenths
+    (OFFSET 64, UNIT 1/16; bf16: 128 and 1): `(OFFSET + code * UNIT) - (OFFSET + zero * UNIT)` is exact
+    and the 1/UNIT comes back with the scale. ASM off (Triton's interpreter) computes the same pairing
+    in float32: the CPU tests check the indexing and the units, the GPU tests the arithmetic."""
     a = tl.load(x_ptrs)
     b = tl.load(x_ptrs + 1)
     c = tl.load(x_ptrs + 2)
     d = tl.load(x_ptrs + 3)
     x_pairs = ((a & 0xFFFF) | (c << 16), ((a >> 16) & 0xFFFF) | (c & -65536),
                (b & 0xFFFF) | (d << 16), ((b >> 16) & 0xFFFF) | (d & -65536))
-    if BF16:
-        z = (zero.to(tl.float32) + OFFSET).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    else:
-        z = (zero.to(tl.float32) + OFFSET).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    if ASM:  # bf16 x (the launch sees to it)
+    if BF16:  # UNIT 1
+        z_value = zero.to(tl.float32) + OFFSET
+        z = z_value.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        unscale = scale
+    else:  # UNIT 1/16
+        z_value = zero.to(tl.float32) * 0.0625 + OFFSET
+        z = z_value.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        unscale = scale.to(tl.float32) * 16.0
+    if ASM and BF16:
         args = [w, x_pairs[0][None, :], x_pairs[1][None, :], x_pairs[2][None, :], x_pairs[3][None, :],
                 (z | (z << 16))[:, None], MASK + tl.zeros_like(w), MAGIC + tl.zeros_like(w)]
         t = tl.inline_asm_elementwise(_PAIRS_BF16, "=r,r,r,r,r,r,r,r,r", args, dtype=tl.float32, is_pure=True,
                                       pack=1)
+    elif ASM:  # codes at bits 4-7 of a half: MASK << 4, and 4.0 for 64.0 (an exponent 4 lower)
+        z_hi = (z_value - 60.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        args = [w, x_pairs[0][None, :], x_pairs[1][None, :], x_pairs[2][None, :], x_pairs[3][None, :],
+                (z | (z << 16))[:, None], (z_hi | (z_hi << 16))[:, None], MASK + tl.zeros_like(w),
+                MAGIC + tl.zeros_like(w), (MASK << 4) + tl.zeros_like(w), (MAGIC - 0x10001000) + tl.zeros_like(w)]
+        t = tl.inline_asm_elementwise(_PAIRS_F16, "=r,r,r,r,r,r,r,r,r,r,r,r", args, dtype=tl.float32,
+                                      is_pure=True, pack=1)
     else:
         zf = _half(z, BF16)[:, None]
         t = tl.zeros_like(acc)
@@ -147,7 +188,7 @@ def _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET: tl.constex
             codes = ((w >> (4 * j)) & MASK) | MAGIC
             xp = x_pairs[j][None, :]
             t += (_half(codes, BF16) - zf) * _half(xp, BF16) + (_half(codes >> 16, BF16) - zf) * _half(xp >> 16, BF16)
-    return acc + t * scale.to(tl.float32)[:, None]
+    return acc + t * unscale.to(tl.float32)[:, None]
 
 
 @triton.jit
