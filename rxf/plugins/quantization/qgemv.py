@@ -102,8 +102,20 @@ BY_DEFAULT = {
     "fp8": (QuantSettings(GemvSettings(block_n=32, block_k=256, split_k=0, num_stages=1, num_warps=4, row=True)), 1),
     "fp8-block": (QuantSettings(GemvSettings(block_n=64, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True)),
                   1),
-    "int4": (QuantSettings(GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=1, num_warps=4, row=True)),
+    "int4": (QuantSettings(GemvSettings(block_n=128, block_k=128, split_k=0, num_stages=1, num_warps=2, row=True)),
              TILE_ROWS),
+}
+# Row settings measured best end to end on the H200 for Llama-3-8B's projection shapes (fmt, N, K),
+# where `BY_DEFAULT` leaves them (benchmarks/RESULTS.md, 2026-12-05/06): on sm_90 they replace the
+# format's default for a layer of that shape, unless `RXF_QGEMV` names the format. Block-wise FP8 at
+# batch 1: 338.1 tok/s with these against 295.3 with `BY_DEFAULT` (bf16 218.1, same call); a kernel
+# sweep's fastest labels one by one gave 309.7 (the step does not follow standalone times under PDL).
+SHAPE_DEFAULTS = {
+    ("fp8", 6144, 4096): "rn32k256s4st1w4", ("fp8", 4096, 4096): "rn32k256s6st1w4",
+    ("fp8", 28672, 4096): "rn32k256s2st1w4", ("fp8", 4096, 14336): "rn32k256s6st1w4",
+    ("fp8-block", 6144, 4096): "rn64k128s6st1w4", ("fp8-block", 4096, 4096): "rn64k128s10st1w4",
+    ("fp8-block", 28672, 4096): "rn32k128s1st1w4", ("fp8-block", 4096, 14336): "rn64k128s10st1w8",
+    ("int4", 28672, 4096): "rn64k128s4st1w4",
 }
 # The most rows an `RXF_QGEMV` entry serves: FP8 formats up to MAX_ROWS, as the dense GEMV; int4 the
 # tile kernel's whole 16-row tile, against which its alternative, the int4 GEMM (`int4_kernel.py`,
@@ -194,13 +206,25 @@ class QuantGemv:
         return out.reshape(*x.shape[:-1], self.n)
 
 
+def _shape_default(fmt: str, weight: torch.Tensor) -> QuantSettings | None:
+    """`SHAPE_DEFAULTS`' settings for this weight's (N, K) on an sm_90 device, else None."""
+    if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) != (9, 0):
+        return None
+    n, k = (weight.shape[1], weight.shape[0] * 8) if fmt == "int4" else tuple(weight.shape)
+    label = SHAPE_DEFAULTS.get((fmt, n, k))
+    return None if label is None else QuantSettings.parse(label, fmt)
+
+
 def _build(layer: nn.Module, fmt: str, *tensors: torch.Tensor | None, **kw: int) -> QuantGemv | None:
     role = getattr(layer, "gemv_role", None)
     chosen = settings_for(fmt, role)
     if chosen is None:
         return None
+    settings = chosen[0]
+    if chosen is BY_DEFAULT.get(fmt):  # no RXF_QGEMV entry: a measured setting for this shape, if any
+        settings = _shape_default(fmt, tensors[0]) or settings
     try:
-        return QuantGemv(fmt, chosen[0], *tensors, max_rows=chosen[1], **kw)
+        return QuantGemv(fmt, settings, *tensors, max_rows=chosen[1], **kw)
     except ValueError as e:  # a K with no power-of-two tile >= 16 (e.g. 8 x an odd number)
         logger.info("%s %s: no decode GEMV (%s); the method's GEMM serves every batch", fmt, role or "layer", e)
         return None
