@@ -119,6 +119,28 @@ def test_gemv_with_a_label_from_the_environment(fmt: str, label: str, default_se
         assert _rel_err(op(x, bias), F.linear(x.float(), dense, bias.float())) < 1e-2, f"m={m}"
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the shape defaults are sm_90's")
+@pytest.mark.parametrize("fmt", qgemv.FORMATS)
+def test_unnamed_formats_take_the_measured_settings_of_their_shape(fmt: str, default_settings) -> None:
+    """Without an `RXF_QGEMV` entry for the format, a layer of a Llama-3-8B shape in
+    `qgemv.SHAPE_DEFAULTS` takes that label (resolved as given), other shapes `BY_DEFAULT`'s; an entry
+    for the format (here `auto`) takes precedence over both."""
+    default_settings.delenv(qgemv.ENV)
+    qgemv._plan.cache_clear()
+    for role in SHAPES:
+        op, _ = _layer(fmt, role, torch.Generator(device=DEV).manual_seed(3))
+        n, k = SHAPES[role]
+        expected = qgemv.SHAPE_DEFAULTS.get((fmt, n, k))
+        if expected is None:
+            assert op.settings.row and op.settings.num_warps == qgemv.BY_DEFAULT[fmt][0].tiles.num_warps, role
+        else:
+            assert op.label == expected, role
+    default_settings.setenv(qgemv.ENV, f"{fmt}=auto")
+    qgemv._plan.cache_clear()
+    op, _ = _layer(fmt, "qkv_proj", torch.Generator(device=DEV).manual_seed(3))
+    assert not op.settings.row, "an RXF_QGEMV entry overrides the shape defaults"
+
+
 @pytest.mark.parametrize("label", ["xn64k128s0st4w4", "xn128k256s0st3w8"])
 @pytest.mark.parametrize("role", SHAPES)
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])

@@ -110,12 +110,13 @@ BY_DEFAULT = {
 # format's default for a layer of that shape, unless `RXF_QGEMV` names the format. Block-wise FP8 at
 # batch 1: 338.1 tok/s with these against 295.3 with `BY_DEFAULT` (bf16 218.1, same call); a kernel
 # sweep's fastest labels one by one gave 309.7 (the step does not follow standalone times under PDL).
+# AWQ with these and int4's default elsewhere (2 warps): 384.4 against 338.3 with the 4-warp default.
 SHAPE_DEFAULTS = {
     ("fp8", 6144, 4096): "rn32k256s4st1w4", ("fp8", 4096, 4096): "rn32k256s6st1w4",
     ("fp8", 28672, 4096): "rn32k256s2st1w4", ("fp8", 4096, 14336): "rn32k256s6st1w4",
     ("fp8-block", 6144, 4096): "rn64k128s6st1w4", ("fp8-block", 4096, 4096): "rn64k128s10st1w4",
     ("fp8-block", 28672, 4096): "rn32k128s1st1w4", ("fp8-block", 4096, 14336): "rn64k128s10st1w8",
-    ("int4", 28672, 4096): "rn64k128s4st1w4",
+    ("int4", 4096, 4096): "rn128k128s18st1w4", ("int4", 28672, 4096): "rn64k128s4st1w4",
 }
 # The most rows an `RXF_QGEMV` entry serves: FP8 formats up to MAX_ROWS, as the dense GEMV; int4 the
 # tile kernel's whole 16-row tile, against which its alternative, the int4 GEMM (`int4_kernel.py`,
