@@ -2,7 +2,8 @@
 the preset and weight format, the method's current path vs the weight-only GEMV (`rxf.plugins.
 quantization.qgemv`) over a small sweep of its settings, with bf16 cuBLAS on the same shape beside
 them. It ends with the `RXF_QGEMV` value the figures favour. `QGEMV_FORMATS=int4,...` narrows the
-formats (default all); `QGEMV_TOP=N` times the N fastest settings at one row at 2-16 rows too (default 2);
+formats (default all); `QGEMV_TOP=N` times the N fastest settings at one row at 2-16 rows too (default 2;
+0: batch 1 only, and then the suggested value says `off` everywhere, its choice weighing every batch);
 `QGEMV_TILES=1` adds a grid of tile settings (stages, split) timed at every row count.
 
 Formats and what the method runs without the GEMV:
