@@ -9,10 +9,12 @@ approximate). Larger batches and float32 models keep the method's GEMM.
 
 Which formats take it without `RXF_QGEMV` (read once per process): `BY_DEFAULT`, i.e. every format at
 batch 1 through the row kernel (word-wise dequantization, `qgemv_row_kernel.py`), and int4 at 2-16 rows
-through the tile kernel too. On the H200 (2026-12-05, benchmarks/RESULTS.md, issue 19), Llama-3-8B at
-batch 1 with the sweep's per-projection row settings decoded at 345.1 tok/s in online FP8, 343.2 in
-block-wise FP8 and 327.0 in AWQ, against 220.4 in bf16 (before: the method's `torch._scaled_mm` and
-int4 GEMM gave ~1.0x and 0.74x of bf16); on an H100, AWQ with these defaults 298.8 against 169.8. At
+through the tile kernel too; on sm_90, layers of a shape in `SHAPE_DEFAULTS` take the settings measured
+best there. On the H200 (2026-12-05/06, benchmarks/RESULTS.md, issue 19), Llama-3-8B at batch 1 with
+those settings decoded at 345.1 tok/s in online FP8, 338.1-343.2 in block-wise FP8 and 384.4 in AWQ,
+against 218.1-220.4 in bf16 (before: the method's `torch._scaled_mm` and int4 GEMM gave ~1.0x and 0.74x
+of bf16; block-wise FP8 with `BY_DEFAULT`'s split 295.3); on an H100, AWQ with the 4-warp int4
+default 298.8 against 169.8. At
 2-8 rows (H100, 2026-12-05, the tile kernel's dot per nibble position) the int4 tile kernel took
 1.1-1.7x less time than the int4 GEMM at every projection, and at 16 rows as much summed over the four
 (204.5 against 205.9 us: qkv and gate_up ahead, o_proj and down 11% behind), while the FP8 tile kernel
