@@ -17,6 +17,12 @@ projections of Llama-3-8B at batch 1 then read at 2.6-3.4 TB/s in FP8 (1.6-1.9x 
 1.0-1.9 TB/s of codes in int4 (1.3-1.7x); the GEMV is the default at batch 1 for every format
 (`qgemv.BY_DEFAULT`). An int4 group's or FP8 block's scale multiplies a word's sum, FP8 row scales
 join in the epilogue.
+
+With half-precision x, int4 words are dotted two codes an operation in x's dtype (`_int4_pairs_fma`,
+3.2 instructions a weight at 128 x 128 / 4 warps, 3.0 at 2 warps); on the H200 (2026-12-06) the
+projections then read 1.5-2.6 TB/s of codes at 2 warps, and AWQ decoded at 1.76x bf16 (RESULTS.md).
+Each program holds one weight tile ahead of the one it multiplies, or two (`AHEAD`, a row label's
+`st`).
 """
 
 from __future__ import annotations
