@@ -137,9 +137,13 @@ def _resolve(fmt: str, settings: Any, factor: int, c: SimpleNamespace) -> Any:
     return QuantGemv(fmt, dataclasses.replace(settings, tiles=tiles), c.weight, c.scales, c.zeros, **kw)
 
 
-def _timed(fn: Callable[[Any], torch.Tensor], copies: list[Any], ref: torch.Tensor, bound: float) -> float | str:
+def _timed(fn: Callable[[Any], torch.Tensor], copies: list[Any], ref: torch.Tensor, bound: float,
+           errors: dict[str, float] | None = None, label: str = "") -> float | str:
+    """GPU time of fn per call, or why not; `errors[label]` gets its error (relative norm) if given."""
     try:
         err = ((fn(copies[0]).float() - ref).norm() / ref.norm()).item()
+        if errors is not None:
+            errors[label] = err
         us = gpu_gemv.graph_us(fn, copies)
         return round(us, 2) if err < bound else f"error {err:.2e} ({us:.1f} us)"
     except Exception as e:  # a setting Triton cannot compile here (e.g. shared memory)
@@ -162,6 +166,7 @@ def _role(fmt: str, role: str, n: int, k: int) -> dict[str, Any]:
         except ValueError as e:
             print(f"{fmt} {role}: {settings.label}: {e}", flush=True)
     rows: dict[int, dict[str, Any]] = {}
+    errors: dict[int, dict[str, float]] = {}  # rows of x -> label -> relative error against float32
     for m in BATCHES:
         x = torch.randn(m, k, device=DEVICE, generator=gen).bfloat16()
         ref = F.linear(x.float(), dense)
@@ -177,7 +182,7 @@ def _role(fmt: str, role: str, n: int, k: int) -> dict[str, Any]:
             labels += [label for label in timed if TILES and not label.startswith("r") and label not in labels]
         for label in labels:
             row[label] = _timed(lambda c, x=x, o=ops[label]: o[id(c)](x, None), copies, ref,
-                                0.1 if label.startswith("x") else 1e-2)
+                                0.1 if label.startswith("x") else 1e-2, errors.setdefault(m, {}), label)
         rows[m] = row
         gemv = {label: v for label, v in row.items() if label in ops and isinstance(v, float)}
         best = min(gemv, key=gemv.get) if gemv else None
@@ -191,7 +196,9 @@ def _role(fmt: str, role: str, n: int, k: int) -> dict[str, Any]:
             continue
         us = gemv[best]
         vs = "  ".join(f"{row[name] / us:.2f}x {name}" for name in ("current", "bf16_cublas") if isinstance(row[name], float))
-        print(f"{fmt:9s} {role:12s} m={m}: {cells}  best {best} {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s)  {vs}",
+        err = errors.get(m, {}).get(best, float("nan"))
+        print(f"{fmt:9s} {role:12s} m={m}: {cells}  best {best} {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s, error "
+              f"{err:.1e})  {vs}",
               flush=True)
     # Kernel by kernel at batch 1 (torch.profiler): where the current path's time goes.
     x1, c = torch.randn(1, k, device=DEVICE, generator=gen).bfloat16(), copies[0]
@@ -201,7 +208,8 @@ def _role(fmt: str, role: str, n: int, k: int) -> dict[str, Any]:
     if gemv1:
         op = ops[min(gemv1, key=gemv1.get)][id(c)]
         rows[1]["profiler_best_us"], rows[1]["profiler_best_kernels"] = gd.kernel_time_us(lambda: op(x1, None))
-    return {"shape": [n, k], "bytes": nbytes, "copies": len(copies), "us": rows, "choice": gpu_gemv.choose(rows, ops, "current", "off")}
+    return {"shape": [n, k], "bytes": nbytes, "copies": len(copies), "us": rows, "errors": errors,
+            "choice": gpu_gemv.choose(rows, ops, "current", "off")}
 
 
 def qgemv_phase(p: gd.Preset, results: dict[str, Any]) -> str:
