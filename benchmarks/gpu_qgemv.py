@@ -62,13 +62,14 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
     # Word-wise dequantization (since 2026-12-05) favours more rows per thread: x is read once per word
     # column a thread holds and reused over its rows (`sass_count.py`: fp8 3.5 instructions a weight
     # at 32-64 x 256, 5.7 at 16 x 256 with 8 warps; int4 4.6 at 128 x 128, 6.0 at 32 x 128; int4 in
-    # half2 arithmetic, `RXF_INT4_PAIRS`, 3.2 at 128 x 128 with 4 warps, 3.0 at 256 x 128 or 2 warps).
+    # half2 arithmetic, `RXF_INT4_PAIRS`, 3.2 at 128 x 128 with 4 warps, 3.0 at 256 x 128 or 2 warps, 2.9
+    # with 1; on the H200, 2026-12-06, 2 warps won at qkv, o_proj and down).
     # (block_n, block_k, warps, tiles read ahead: the label's st)
     rows = {"fp8": [(16, 256, 8, 1), (32, 256, 4, 1), (64, 256, 4, 1), (64, 256, 8, 1), (32, 512, 8, 1),
                     (32, 256, 4, 2), (64, 256, 4, 2)],
             "fp8-block": [(32, 128, 4, 1), (64, 128, 4, 1), (64, 128, 8, 1), (64, 128, 4, 2)],
             "int4": [(32, 128, 4, 1), (64, 128, 4, 1), (128, 128, 4, 1), (128, 128, 8, 1), (256, 128, 4, 1),
-                     (128, 128, 2, 1), (128, 128, 4, 2)]}[fmt]
+                     (128, 128, 2, 1), (128, 128, 4, 2), (64, 128, 2, 1), (128, 128, 1, 1)]}[fmt]
     row_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w, row=True)
                     for n, k, w, st in rows]
     # FP8 x FP8 on the tensor cores (label prefix x): tiles of 16-32 KB a stage, block_k capped at 128
