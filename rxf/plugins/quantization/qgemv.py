@@ -32,7 +32,8 @@ setting is `off` (the method's GEMM at every batch size), `auto` (the format's t
 rows) or a label `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as
 `benchmarks/gpu_profile.py --phases qgemv` prints it (prefix `r` and split 0 as in `RXF_GEMV`: the
 row kernel at batch 1, the tile kernel at the format's `DEFAULTS` for 2-8 rows; the split chosen
-from the shape; a row label's `st` is the weight tiles it reads ahead, 1 or 2; prefix `x`, FP8 formats and tile labels only: x is quantized to E4M3 per row and K
+from the shape; a row label's `st` is the weight tiles it reads ahead, 1 or 2; prefix `x`, FP8
+formats and tile labels only: x is quantized to E4M3 per row and K
 tile and the tile kernel's dot runs FP8 x FP8 on the tensor cores, as the methods' own GEMMs
 quantize x), or, for int4 only, a library peer (`PEERS`, `int4_peers.py`: torch's own int4 GEMM
 `torch2` / `torch4` / `torch8`) for bf16 layers at 1-8 rows. block_k shrinks to fit the format: to a divisor of K, of

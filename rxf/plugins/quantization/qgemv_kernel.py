@@ -263,8 +263,9 @@ def qgemv(
     """`x @ dequant(weight).T + bias` in x's dtype for x `[m <= 16, K]` (contiguous rows), `weight`
     and `scales` (and int4's `zeros`) as `fmt`'s entry of the module docstring says. `counters`:
     int32, at least cdiv(N, block_n) zeros, left zeroed. row: one row of x goes through
-    `qgemv_row_kernel` (num_stages >= 2: two weight tiles read ahead, else one). fp8_x (FP8 formats, the tile kernel): x is quantized to
-    E4M3 per row and K tile, the product computed FP8 x FP8 (as the methods' GEMMs quantize x)."""
+    `qgemv_row_kernel` (num_stages >= 2: two weight tiles read ahead, else one). fp8_x (FP8 formats,
+    the tile kernel): x is quantized to E4M3 per row and K tile, the product computed FP8 x FP8 (as the
+    methods' GEMMs quantize x)."""
     m, k = x.shape
     n = weight.shape[1] if fmt == INT4 else weight.shape[0]
     assert not (fp8_x and (fmt == INT4 or row or x.dtype == torch.float32)), "fp8_x: FP8 formats, half x, tile kernel"

@@ -158,10 +158,10 @@ def _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET: tl.constex
     the group's scale. The price is rounding: each product and partial sum rounds to x's precision
     (bf16 2^-9, fp16 2^-11) before float32 takes over, eight products a word (tests/gpu hold the
     GEMV within 1% relative error at every Llama-3-8B shape; `gpu_qgemv.py` records each setting's
-    error). fp16 codes count in sixteenths
-    (OFFSET 64, UNIT 1/16; bf16: 128 and 1): `(OFFSET + code * UNIT) - (OFFSET + zero * UNIT)` is exact
-    and the 1/UNIT comes back with the scale. ASM off (Triton's interpreter) computes the same pairing
-    in float32: the CPU tests check the indexing and the units, the GPU tests the arithmetic."""
+    error). fp16 codes count in sixteenths (OFFSET 64, UNIT 1/16; bf16: 128 and 1): `(OFFSET + code *
+    UNIT) - (OFFSET + zero * UNIT)` is exact and 1/UNIT comes back with the scale. ASM off (Triton's
+    interpreter) computes the same pairing in float32: the CPU tests check the indexing and the units,
+    the GPU tests the arithmetic."""
     a = tl.load(x_ptrs)
     b = tl.load(x_ptrs + 1)
     c = tl.load(x_ptrs + 2)
