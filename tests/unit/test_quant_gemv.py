@@ -157,6 +157,32 @@ def test_int4(qgemv_env, dtype, m, group, split, form):
     _check(op, _x(m, k, dtype, m), bias, dense)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
+def test_shape_defaults_where_rxf_qgemv_is_silent(qgemv_env, monkeypatch, fmt):
+    """On sm_90 (here pretended), a layer of a shape in `SHAPE_DEFAULTS` takes its measured label when
+    `RXF_QGEMV` does not name the format, any other shape `BY_DEFAULT`'s; a named format (`auto`)
+    keeps its own. The GPU twin: tests/gpu/test_quant_gemv_gpu.py."""
+    monkeypatch.setattr(qgemv, "_sm90", lambda device: True)
+    monkeypatch.setattr(qgemv, "SHAPE_DEFAULTS", {(fmt, 64, 256): "rn32k128s3st1w2"})
+
+    def build(n):
+        if fmt == "int4":
+            layer = SimpleNamespace(qweight=torch.zeros(256 // 8, n, dtype=torch.int32), scales=torch.ones(2, n).half(),
+                                    zeros=torch.zeros(2, n).half(), gemv_role="o_proj")
+            return qgemv.int4(layer, 128)
+        w = torch.zeros(n, 256).to(fp8_ops.FP8)
+        if fmt == "fp8":
+            return qgemv.fp8_rows(SimpleNamespace(weight=w, weight_scale=torch.ones(n), gemv_role="o_proj"))
+        return qgemv.fp8_blocks(SimpleNamespace(weight=w, weight_scale_inv=torch.ones(n, 2), gemv_role="o_proj"),
+                                128, 128)
+
+    qgemv_env("")
+    assert build(64).label == "rn32k128s3st1w2"
+    assert build(96).settings.num_warps == qgemv.BY_DEFAULT[fmt][0].tiles.num_warps and build(96).settings.row
+    qgemv_env(f"{fmt}=auto")
+    assert not build(64).settings.row
+
+
 def test_int4_needs_integer_zero_points(qgemv_env):
     qgemv_env("int4=auto")
     layer = SimpleNamespace(qweight=torch.zeros(8, 16, dtype=torch.int32), scales=torch.ones(1, 16).half(),

@@ -210,9 +210,13 @@ class QuantGemv:
         return out.reshape(*x.shape[:-1], self.n)
 
 
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def _shape_default(fmt: str, weight: torch.Tensor) -> QuantSettings | None:
     """`SHAPE_DEFAULTS`' settings for this weight's (N, K) on an sm_90 device, else None."""
-    if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) != (9, 0):
+    if not _sm90(weight.device):
         return None
     n, k = (weight.shape[1], weight.shape[0] * 8) if fmt == "int4" else tuple(weight.shape)
     label = SHAPE_DEFAULTS.get((fmt, n, k))
