@@ -41,6 +41,7 @@ from rxf.entrypoints.server_state import (
     server_state,
     until_disconnected,
 )
+from rxf.entrypoints.sse_lines import data_json
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ async def _all(tm: TokenizerManager, reqs: list[PreparedRequest]) -> list[dict[s
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {data_json(json.dumps(obj, ensure_ascii=False))}\n\n"
 
 
 async def _stream(tm: TokenizerManager, req: PreparedRequest) -> AsyncIterator[str]:

@@ -48,6 +48,7 @@ from rxf.entrypoints.openai.responses_protocol import (
     ResponseObject,
 )
 from rxf.entrypoints.openai.sse import to_api_error
+from rxf.entrypoints.sse_lines import data_json
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class _Events:
 
     def event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": next(self._sequence), **fields}
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {data_json(json.dumps(body, ensure_ascii=False))}\n\n"
 
     def lifecycle(self, kind: str, response: ResponseObject) -> str:
         return self.event(kind, response=response.model_dump(mode="json"))

@@ -10,6 +10,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from rxf.entrypoints.server_state import APIError, engine_api_error
+from rxf.entrypoints.sse_lines import data_json
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def to_api_error(exc: Exception) -> APIError | None:
 
 
 def event(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {data_json(payload.model_dump_json())}\n\n"
 
 
 def error_event(error: APIError) -> str:
