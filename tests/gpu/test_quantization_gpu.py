@@ -171,10 +171,15 @@ def test_fused_fp8_inputs_give_the_unfused_logits(dense_checkpoint, tmp_path, ca
     q = quantize_checkpoint(dense_checkpoint, tmp_path / "q", fmt, **opts)
     prompts = [[5, 80, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23, 42, 99, 100, 3, 7], [400, 12, 33, 2, 9, 1, 60, 61, 62]]
     config = {"runtime.device": "cuda", "model.dtype": "bfloat16"}
-    monkeypatch.setenv("RXF_FP8_FUSED_INPUT", "0")
-    unfused = ModelHarness(q, "triton", **config).prefill_logits(prompts)
-    monkeypatch.setenv("RXF_FP8_FUSED_INPUT", fused)
-    out = ModelHarness(q, "triton", **config).prefill_logits(prompts)
+    try:  # the setting is read once per process: cleared around each engine
+        monkeypatch.setenv("RXF_FP8_FUSED_INPUT", "0")
+        fp8_ops._fused_inputs.cache_clear()
+        unfused = ModelHarness(q, "triton", **config).prefill_logits(prompts)
+        monkeypatch.setenv("RXF_FP8_FUSED_INPUT", fused)
+        fp8_ops._fused_inputs.cache_clear()
+        out = ModelHarness(q, "triton", **config).prefill_logits(prompts)
+    finally:
+        fp8_ops._fused_inputs.cache_clear()
     for a, b in zip(out, unfused, strict=True):
         assert _rel(a, b.float()) < 2e-2
 

@@ -15,6 +15,7 @@ dequantize at load instead.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ def quantized_input(
 _FUSED_CHOICES = ("0", "gated", "1")
 
 
+@functools.cache  # read once per process, off the forward path (tests clear it)
 def _fused_inputs() -> str:
     # RXF_FP8_FUSED_INPUT: the launches before an FP8 layer that its activation quantization takes in:
     # "gated" (default) the SiLU·mul before down_proj, "1" also the residual add + RMSNorm before qkv and
