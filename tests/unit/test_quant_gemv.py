@@ -157,6 +157,68 @@ def test_int4(qgemv_env, dtype, m, group, split, form):
     _check(op, _x(m, k, dtype, m), bias, dense)
 
 
+def _gate_up_layer(fmt: str, dtype: torch.dtype, n_out: int, k: int, gen: torch.Generator):
+    """(a stand-in gate/up layer of `fmt` with 2 * n_out rows, its GEMV, the dense weight in float64)."""
+    if fmt == "int4":
+        codes = torch.randint(0, 16, (k, 2 * n_out), generator=gen, dtype=torch.uint8)
+        zeros = torch.randint(0, 16, (k // 128, 2 * n_out), generator=gen).float()
+        scales = (torch.rand(k // 128, 2 * n_out, generator=gen) * 0.02 + 1e-3).to(dtype)
+        layer = SimpleNamespace(qweight=pack_int32(codes, 0), scales=scales, zeros=zeros.to(dtype),
+                                gemv_role="gate_up_proj")
+        dense = Int4Weights(codes, zeros, scales, torch.arange(k) // 128).dequantize(torch.float64)
+        return layer, qgemv.int4(layer, 128), dense
+    q, scale = fp8_ops.quantize_rows(torch.randn(2 * n_out, k, generator=gen) * 0.05)
+    if fmt == "fp8":
+        layer = SimpleNamespace(weight=q, weight_scale=scale, gemv_role="gate_up_proj")
+        return layer, qgemv.fp8_rows(layer), fp8_ops.dequantize_rows(q, scale, torch.float64)
+    blocks = torch.rand(-(-2 * n_out // 32), k // 64, generator=gen) * 1e-3 + 1e-4  # 32 x 64 blocks
+    scale_inv = blocks.repeat_interleave(32, dim=0)[: 2 * n_out].contiguous()
+    layer = SimpleNamespace(weight=q, weight_scale_inv=scale_inv, gemv_role="gate_up_proj")
+    return layer, qgemv.fp8_blocks(layer, 32, 64), fp8_ops.dequantize_blocks(q, scale_inv, 64, torch.float64)
+
+
+@pytest.mark.parametrize("fused", ["act", "norm", "both"])
+@pytest.mark.parametrize("ahead_split", [(1, 1), (2, 3)], ids=["st1-split1", "st2-split3"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
+@DTYPES
+def test_row_kernel_takes_the_norm_and_silu_mul_in(qgemv_env, dtype, fmt, ahead_split, fused):
+    """`QuantGemv.fused` at one row of x: the residual add + RMSNorm before the GEMV (its x computed in
+    each program from h, the residual and the norm's weight; the sum written once) and SiLU·mul of its
+    `[gate | up]` output (each program dots a gate tile and an up tile, rows n_out on), against the
+    norm, F.linear with the dequantized weight and silu(gate) * up in float64. n_out 48 over block-wise
+    FP8's 32-row scale blocks: the up rows start inside a block (the table of one scale per block)."""
+    from rxf.plugins.models.layers.activation import SiluAndMul
+    from rxf.plugins.models.layers.norm import RMSNorm
+
+    ahead, split = ahead_split
+    qgemv_env(f"{fmt}=rn16k{128 if fmt == 'int4' else 64}s{split}st{ahead}w4")
+    k, n_out = 256, 40 if fmt == "fp8" else 48
+    gen = torch.Generator().manual_seed(split + n_out)
+    _, op, dense = _gate_up_layer(fmt, dtype, n_out, k, gen)
+    assert op is not None and op.settings.row and (fmt != "fp8-block" or op.scale_rows == 32)
+    h, r = _x(1, k, dtype, 1), _x(1, k, dtype, 2)
+    bias = torch.randn(2 * n_out, generator=gen).to(dtype)
+    norm = RMSNorm(k, eps=1e-5)
+    norm.weight.data = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    act = SiluAndMul() if fused != "norm" else None
+    with_norm = fused != "act"
+    args = (h, bias, act, norm if with_norm else None, r.clone() if with_norm else None)
+    out, residual = op.fused(*args)
+    x = h.double()
+    if with_norm:
+        s = h.double() + r.double()
+        x = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()).to(dtype).double()
+        torch.testing.assert_close(residual, s.to(dtype), rtol=0, atol=0)
+    else:
+        assert residual is None
+    y = F.linear(x, dense, bias.double())
+    expected = (F.silu(y[:, :n_out]) * y[:, n_out:] if act is not None else y).to(dtype)
+    torch.testing.assert_close(out, expected, rtol=TOL[dtype], atol=TOL[dtype])
+    assert not op.counters.any(), "every counter must be back at 0 after a launch"
+    assert torch.equal(op.fused(*args)[0], out), "the split reduction runs in a fixed order"
+    assert op.fused(_x(2, k, dtype, 3), bias, act) is None, "two rows: the tile kernel, which takes neither"
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
 def test_shape_defaults_where_rxf_qgemv_is_silent(qgemv_env, monkeypatch, fmt):
     """On sm_90 (here pretended), a layer of a shape in `SHAPE_DEFAULTS` takes its measured label when

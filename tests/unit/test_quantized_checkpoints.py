@@ -191,6 +191,42 @@ def test_layers_hand_their_activation_and_norms_to_the_projections_method(dense)
     torch.testing.assert_close(logits, ModelHarness(dense).prefill_logits(prompt)[0], rtol=0, atol=0)
 
 
+class _Activated(_GatedInput):
+    """The same, also taking the activation after gate/up into that projection's own pass (as the
+    decode GEMV does at batch 1, `QuantGemv.fused`), with the norm before it when there is one."""
+
+    name = "activated"
+    activated_calls: list[tuple[str, bool]] = []
+
+    def apply_activated(self, layer, x, act, bias, norm=None, residual=None):
+        self.activated_calls.append((layer.gemv_role, norm is not None))
+        if norm is not None:
+            x, residual = norm(x, residual)
+        return act(torch.nn.functional.linear(x, layer.weight, bias)), residual
+
+
+def test_gate_up_hands_its_activation_to_its_method(dense):
+    registry = PluginRegistry.load()
+    registry.register_plugin(_ActivatedPlugin(), "activated-plugin")
+    for calls in (_Activated.gated_calls, _Activated.normed_calls, _Activated.activated_calls):
+        calls.clear()
+    harness = ModelHarness(dense, registry=registry, **{"model.quantization": "activated"})
+    prompt = [[5, 9, 13, 2, 7]]
+    logits = harness.prefill_logits(prompt)[0]
+    layers = harness.runner.model.config.num_hidden_layers
+    # Every MLP's gate/up takes its norm (the attention block has started the residual stream) and its
+    # SiLU·mul; the down projection then reads the activation as it is.
+    assert _Activated.activated_calls == [("gate_up_proj", True)] * layers
+    assert _Activated.gated_calls == [] and _Activated.normed_calls == ["qkv_proj"] * (layers - 1)
+    torch.testing.assert_close(logits, ModelHarness(dense).prefill_logits(prompt)[0], rtol=0, atol=0)
+
+
+class _ActivatedPlugin:
+    @hookimpl
+    def rxf_register_quantization_methods(self, register):
+        register("activated", _Activated)
+
+
 # Qwen3-MoE: 4 experts of width 64 (gate and up of 64 rows fill half a 128-row FP8 block each) with
 # top 2, a dense layer (mlp_only_layers) beside a sparse one. Mixtral: its `w1/w2/w3` names.
 QWEN3_MOE = {**SHAPE, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,

@@ -53,6 +53,7 @@ from torch import nn
 from rxf.plugins.models.layers.gemv import MAX_ROWS, GemvSettings
 from rxf.plugins.models.layers.gemv import ROLES as GEMV_ROLES
 from rxf.plugins.models.layers.gemv_kernel import ROWS as TILE_ROWS
+from rxf.plugins.models.layers.gemv_kernel import GemvNorm
 from rxf.plugins.quantization import int4_peers
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,8 @@ class QuantGemv:
     def takes(self, x: torch.Tensor) -> bool:
         return x.is_cuda and x.dtype in _HALF and 0 < x.numel() // self.k <= self.max_rows
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, *, gated: bool = False,
+                 norm: GemvNorm | None = None) -> torch.Tensor:
         from rxf.plugins.quantization.qgemv_kernel import qgemv
 
         x2 = x.reshape(-1, self.k)
@@ -206,8 +208,35 @@ class QuantGemv:
         s = self.settings if x2.shape[0] == 1 else self.tile
         out = qgemv(x2, self.kind, self.weight, self.scales, self.zeros, bias, self.counters,
                     scale_rows=self.scale_rows, scale_k=self.scale_k, block_n=s.block_n, block_k=s.block_k,
-                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row, fp8_x=self.fp8_x)
-        return out.reshape(*x.shape[:-1], self.n)
+                    split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row, fp8_x=self.fp8_x,
+                    gated=gated, norm=norm)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def fused(
+        self, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module | None = None, norm: nn.Module | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(`act(self(x'))`, the residual stream) in one launch of the row kernel: x' is x, or `norm(x +
+        residual)` given an RMSNorm (the sum is then returned as the new residual stream, else None);
+        act, if given, is SiLU·mul over this layer's `[gate | up]` output. None where the row kernel
+        does not serve x (more rows than one, a tile setting) or cannot take act / norm in: the
+        caller then runs them as their own launches."""
+        from rxf.plugins.models.layers.activation import SiluAndMul
+        from rxf.plugins.models.layers.gemv_kernel import NORM_MAX_K
+        from rxf.plugins.models.layers.norm import RMSNorm
+
+        if not self.settings.row or x.numel() != self.k or (act is not None and (type(act) is not SiluAndMul
+                                                                                  or self.n % 2)):
+            return None
+        if norm is not None and not (type(norm) is RMSNorm and residual is not None and residual.shape == x.shape
+                                     and residual.dtype == x.dtype and residual.is_contiguous()
+                                     and x.is_contiguous() and self.k <= NORM_MAX_K):
+            return None
+        fused_norm = residual_out = None
+        if norm is not None:
+            residual_out = torch.empty_like(residual)
+            fused_norm = GemvNorm(residual.view(1, -1), norm.weight, norm.eps, residual_out.view(1, -1))
+        return self(x, bias, gated=act is not None, norm=fused_norm), residual_out
 
 
 def _sm90(device: torch.device) -> bool:

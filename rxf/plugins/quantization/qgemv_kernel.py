@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from rxf.core.runner.pdl import use_pdl
-from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, ROWS, finish, program_span
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, ROWS, GemvNorm, check_norm, finish, program_span
 
 FP8_ROWS, FP8_BLOCKS, INT4 = 0, 1, 2  # the weight formats (`fmt`)
 # The same, as the kernel sees them (a global read inside a kernel must be a constexpr).
@@ -58,6 +58,11 @@ _F16_SIXTEENTHS = (0x5400, 64.0)
 _PAIRS_ENV = os.environ.get("RXF_INT4_PAIRS", "1")
 if _PAIRS_ENV not in ("0", "1"):
     raise ValueError(f"RXF_INT4_PAIRS={_PAIRS_ENV!r}: expected 1 (half2 arithmetic) or 0 (float32)")
+# The row kernel under PDL: "1" asks L2 for its later weight tiles before waiting for x
+# (`qgemv_row_kernel._prefetch`), "0" (default) does not; read at import.
+_L2_ENV = os.environ.get("RXF_QGEMV_L2", "0")
+if _L2_ENV not in ("0", "1"):
+    raise ValueError(f"RXF_QGEMV_L2={_L2_ENV!r}: expected 1 (prefetch into L2) or 0")
 
 
 @triton.jit
@@ -163,10 +168,11 @@ def tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT: tl.constexp
 def first_tile(W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr,
                PDL: tl.constexpr, WORDS: tl.constexpr = False):
-    """The start both quantized GEMV kernels share: this program's span (`program_span`), its tile
-    pointers, and its first weight tile with what dequantizes it, read before the PDL wait (weights and
-    scales are fixed at load; the wait then lets the kernel read x). An empty K range (the last split
-    may be) reads zeros, scales included (its group or block would lie past the tables' end).
+    """The tile kernel's start (the row kernel's is its own, for GATED's second tile): this program's
+    span (`program_span`), its tile pointers, and its first weight tile with what dequantizes it, read
+    before the PDL wait (weights and scales are fixed at load; the wait then lets the kernel read x).
+    An empty K range (the last split may be) reads zeros, scales included (its group or block would
+    lie past the tables' end).
     Returns (pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero)."""
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
     w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS,
@@ -258,26 +264,35 @@ def qgemv(
     x: torch.Tensor, fmt: int, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     bias: torch.Tensor | None, counters: torch.Tensor, *, scale_rows: int, scale_k: int,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int, row: bool = False,
-    fp8_x: bool = False,
+    fp8_x: bool = False, gated: bool = False, norm: GemvNorm | None = None,
 ) -> torch.Tensor:
     """`x @ dequant(weight).T + bias` in x's dtype for x `[m <= 16, K]` (contiguous rows), `weight`
     and `scales` (and int4's `zeros`) as `fmt`'s entry of the module docstring says. `counters`:
     int32, at least cdiv(N, block_n) zeros, left zeroed. row: one row of x goes through
     `qgemv_row_kernel` (num_stages >= 2: two weight tiles read ahead, else one). fp8_x (FP8 formats,
     the tile kernel): x is quantized to E4M3 per row and K tile, the product computed FP8 x FP8 (as the
-    methods' GEMMs quantize x)."""
+    methods' GEMMs quantize x). The row kernel only (one row of x): gated, the weight is `[gate | up]`
+    and the result silu(gate) * up, `[1, N / 2]` (a program reads block_n / 2 rows of each); norm, the input is `norm.weight * rmsnorm(x +
+    norm.residual)` (`gemv_kernel.GemvNorm`, whose `residual_out` receives x + residual)."""
     m, k = x.shape
     n = weight.shape[1] if fmt == INT4 else weight.shape[0]
     assert not (fp8_x and (fmt == INT4 or row or x.dtype == torch.float32)), "fp8_x: FP8 formats, half x, tile kernel"
+    assert not ((gated or norm is not None) and not (row and m == 1)), "gated / norm: the row kernel, one row"
+    if norm is not None:
+        check_norm(x, norm)
     assert m <= ROWS, f"{m} rows: the GEMV takes at most {ROWS}"
     assert k % block_k == 0 and scale_k % block_k == 0, (
         f"K {k} and the scale block {scale_k} must be multiples of block_k {block_k}")
     assert (weight.shape[0] * 8 if fmt == INT4 else weight.shape[1]) == k, f"weight {tuple(weight.shape)} for K {k}"
     assert x.stride(1) == 1 and weight.stride(1) == 1 and scales.stride(-1) == 1, "x, weight and scales need contiguous rows"
-    n_blocks = triton.cdiv(n, block_n)
+    n_out = n // 2 if gated else n
+    if gated:  # block_n counts the rows a program reads, gate and up: the grid and each program's bytes
+        block_n //= 2  # stay those of the plain kernel (H100, 2026-12-06: whole tiles of each, -5% in FP8)
+    n_blocks = triton.cdiv(n_out, block_n)
     assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials = (torch.empty(n_blocks * split_k * block_n * ROWS, dtype=torch.float32, device=x.device)
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    tiles = 2 if gated else 1
+    partials = (torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=x.device)
                 if split_k > 1 else out)  # unused without a split
     magic, offset = _MAGIC[x.dtype]
     pdl = use_pdl(x)
@@ -292,12 +307,18 @@ def qgemv(
         if pairs and x.dtype == torch.float16:
             magic, offset = _F16_SIXTEENTHS
         mask, magic_arg = (_PAIR_MASK, magic | magic << 16) if pairs else (_INT4_MASK, _INT4_MAGIC)
+        res, norm_w, res_out, x_normed = x, x, x, x
+        if norm is not None:  # x_normed: the normed x, each program's K range written by it (`_norm_into`)
+            res, norm_w, res_out, x_normed = norm.residual, norm.weight, norm.residual_out, torch.empty_like(x)
         _qgemv_row_kernel[(n_blocks, split_k)](
             x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,
-            partials, counters, n, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
+            partials, counters, res, norm_w, res_out, x_normed, n_out, k, weight.stride(0),
+            scales.stride(0) if scales.dim() == 2 else 0, out.stride(0), norm.eps if norm is not None else 0.0,
             mask, magic_arg, FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
             SCALE_ROWS=scale_rows, SCALE_K=scale_k, PDL=pdl, ASM=x.is_cuda, PAIRS=pairs, OFFSET=offset,
-            BF16=x.dtype == torch.bfloat16, AHEAD=2 if num_stages >= 2 else 1, num_warps=num_warps, launch_pdl=pdl,
+            BF16=x.dtype == torch.bfloat16, AHEAD=2 if num_stages >= 2 else 1, GATED=gated, NORM=norm is not None,
+            ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16, PREFETCH=pdl and _L2_ENV == "1",
+            num_warps=num_warps, launch_pdl=pdl,
         )
         return out
     _qgemv_kernel[(n_blocks, split_k)](

@@ -23,6 +23,12 @@ With half-precision x, int4 words are dotted two codes an operation in x's dtype
 projections then read 1.5-2.6 TB/s of codes at 2 warps, and AWQ decoded at 1.76x bf16 (RESULTS.md).
 Each program holds one weight tile ahead of the one it multiplies, or two (`AHEAD`, a row label's
 `st`).
+
+As the dense row kernel does, this one takes the launches around a projection in (`qgemv.QuantGemv.fused`):
+GATED, the SiLU·mul after a `[gate | up]` projection (each program dots its gate rows' tile and its up
+rows' tile with the same x; the static count a weight is unchanged, 2.95 -> 3.01 at 128 x 128 int4 /
+2 warps, 3.53 -> 3.44 at 32 x 256 FP8), and NORM, the residual add + RMSNorm before it (`_norm_into`:
+each program normalizes its K range once, before its loop, which then runs as without NORM).
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish
-from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, first_tile
+from rxf.plugins.models.layers.gemv_kernel import program_span
+from rxf.plugins.models.layers.gemv_row_kernel import finish_row
+from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, tile_pointers
 
 # Four E4M3 values (the bytes of an int32 word, lowest first) to float32: two `cvt.rn.f16x2.e4m3x2` (each
 # one instruction on sm_90) and four half-to-float conversions, against the byte extracts and re-pairs
@@ -52,11 +59,12 @@ cvt.f32.f16 $3, e3;
 
 
 @triton.jit
-def _fp8_fma(w, scale, x_ptrs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
+def _fp8_fma(w, scale, xs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
     """acc + the FP8 tile w, int32 words `[BLOCK_N, BLOCK_K / 4]` of four inputs each, dotted with x
-    word by word: float32 `[BLOCK_N, BLOCK_K / 4]`; x_ptrs `[BLOCK_K / 4]` point at x[4r] for the
-    tile's word columns r. Block scales multiply a word's sum; row scales wait for the epilogue. ASM
-    (CUDA): `_E4M3X4` converts; else (Triton's interpreter) each byte is bitcast and converted."""
+    word by word: float32 `[BLOCK_N, BLOCK_K / 4]`; xs (`_x_words`) the four float32 `[BLOCK_K / 4]`
+    inputs 4r + j of the tile's word columns r. Block scales multiply a word's sum; row scales wait for
+    the epilogue. ASM (CUDA): `_E4M3X4` converts; else (Triton's interpreter) each byte is bitcast
+    and converted."""
     if ASM:
         f0, f1, f2, f3 = tl.inline_asm_elementwise(_E4M3X4, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4,
                                                    is_pure=True, pack=1)
@@ -66,12 +74,12 @@ def _fp8_fma(w, scale, x_ptrs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
         f2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         f3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if FORMAT == _FP8_BLOCKS:
-        t = f0 * tl.load(x_ptrs).to(tl.float32)[None, :]
+        t = f0 * xs[0][None, :]
     else:  # row scales: straight into the accumulator
-        t = acc + f0 * tl.load(x_ptrs).to(tl.float32)[None, :]
-    t += f1 * tl.load(x_ptrs + 1).to(tl.float32)[None, :]
-    t += f2 * tl.load(x_ptrs + 2).to(tl.float32)[None, :]
-    t += f3 * tl.load(x_ptrs + 3).to(tl.float32)[None, :]
+        t = acc + f0 * xs[0][None, :]
+    t += f1 * xs[1][None, :]
+    t += f2 * xs[2][None, :]
+    t += f3 * xs[3][None, :]
     if FORMAT == _FP8_BLOCKS:
         t = acc + t * scale[:, None]
     return t
@@ -145,12 +153,12 @@ def _half(bits, BF16: tl.constexpr):
 
 
 @triton.jit
-def _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET: tl.constexpr, BF16: tl.constexpr,
+def _int4_pairs_fma(w, scale, zero, x_pairs, acc, MASK, MAGIC, OFFSET: tl.constexpr, BF16: tl.constexpr,
                     ASM: tl.constexpr):
     """acc + the int4 words tile w [BLOCK_N, BLOCK_K / 8] dotted with half-precision x, two codes per
-    operation: float32 [BLOCK_N, BLOCK_K / 8]. x_ptrs [BLOCK_K / 8] point at x as int32 words, at the
-    pair (x[8r], x[8r + 1]) of the tile's word rows r; the four words from there hold inputs 8r..8r+7,
-    re-paired into the pairs (8r + j, 8r + j + 4) that a word's halves hold after `(w >> 4j) & MASK`.
+    operation: float32 [BLOCK_N, BLOCK_K / 8]. x_pairs (`_x_words`): four int32 [BLOCK_K / 8], the
+    halves (x[8r + j], x[8r + j + 4]) for the tile's word rows r, the pairs that a word's halves hold
+    after `(w >> 4j) & MASK`.
 
     Against `_int4_fma` (float32, one code an operation: 4.13 instructions a weight by the static count
     at 128 x 128 / 4 warps under the GPU's Triton 3.6) the word's dot runs in x's dtype two codes at a
@@ -162,12 +170,6 @@ def _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET: tl.constex
     UNIT) - (OFFSET + zero * UNIT)` is exact and 1/UNIT comes back with the scale. ASM off (Triton's
     interpreter) computes the same pairing in float32: the CPU tests check the indexing and the units,
     the GPU tests the arithmetic."""
-    a = tl.load(x_ptrs)
-    b = tl.load(x_ptrs + 1)
-    c = tl.load(x_ptrs + 2)
-    d = tl.load(x_ptrs + 3)
-    x_pairs = ((a & 0xFFFF) | (c << 16), ((a >> 16) & 0xFFFF) | (c & -65536),
-               (b & 0xFFFF) | (d << 16), ((b >> 16) & 0xFFFF) | (d & -65536))
     if BF16:  # UNIT 1
         z_value = zero.to(tl.float32) + OFFSET
         z = z_value.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -199,9 +201,10 @@ def _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET: tl.constex
 
 
 @triton.jit
-def _int4_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, BLOCK_K: tl.constexpr):
+def _int4_fma(w, scale, zero, xs, acc, MASK, MAGIC):
     """acc + the int4 words tile w [BLOCK_N, BLOCK_K / 8] dotted with x, word by word: float32
-    [BLOCK_N, BLOCK_K / 8]. x_ptrs [BLOCK_K / 8] point at x[8r] for the tile's word rows r.
+    [BLOCK_N, BLOCK_K / 8]. xs (`_x_words`): the eight float32 [BLOCK_K / 8] inputs 8r + j of the
+    tile's word rows r.
 
     No code is unpacked into a tile of its own and nothing is converted from an integer: code j of
     every word is moved to bits 16..19 and OR-ed into the bits of 128.0 (float32 0x43000000, whose
@@ -216,9 +219,9 @@ def _int4_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, BLOCK_K: tl.constexpr):
     uniform register that LOP3 reads directly (`benchmarks/sass_count.py`: 4.58 -> 3.88 a weight; under
     the GPU machine's Triton 3.6, 5.22 -> 4.13)."""
     t = tl.zeros_like(acc)
-    x_sum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+    x_sum = tl.zeros_like(xs[0])
     for j in tl.static_range(8):
-        x_j = tl.load(x_ptrs + j).to(tl.float32)
+        x_j = xs[j]
         if j < 4:
             moved = w << (16 - 4 * j)
         elif j == 4:
@@ -233,56 +236,178 @@ def _int4_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _x_words(X, FORMAT: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x's inputs for the tile whose first input X points at, as its word-wise dot takes them: PAIRS
+    (int4, half x) four int32 `[BLOCK_K / 8]`, the halves (x[8r + j], x[8r + j + 4]) for word rows r
+    (`_int4_pairs_fma`); int4 eight float32 `[BLOCK_K / 8]`, inputs 8r + j (`_int4_fma`); FP8 four
+    float32 `[BLOCK_K / 4]`, inputs 4r + j (`_fp8_fma`)."""
+    if PAIRS:  # x read as int32 words, two inputs each, and re-paired
+        words = X.to(tl.pointer_type(tl.int32)) + 4 * tl.arange(0, BLOCK_K // 8)
+        a = tl.load(words)
+        b = tl.load(words + 1)
+        c = tl.load(words + 2)
+        d = tl.load(words + 3)
+        xw = ((a & 0xFFFF) | (c << 16), ((a >> 16) & 0xFFFF) | (c & -65536),
+              (b & 0xFFFF) | (d << 16), ((b >> 16) & 0xFFFF) | (d & -65536))
+    elif FORMAT == _INT4:
+        offs = 8 * tl.arange(0, BLOCK_K // 8)
+        xw = (tl.load(X + offs).to(tl.float32), tl.load(X + offs + 1).to(tl.float32),
+              tl.load(X + offs + 2).to(tl.float32), tl.load(X + offs + 3).to(tl.float32),
+              tl.load(X + offs + 4).to(tl.float32), tl.load(X + offs + 5).to(tl.float32),
+              tl.load(X + offs + 6).to(tl.float32), tl.load(X + offs + 7).to(tl.float32))
+    else:
+        offs = 4 * tl.arange(0, BLOCK_K // 4)
+        xw = (tl.load(X + offs).to(tl.float32), tl.load(X + offs + 1).to(tl.float32),
+              tl.load(X + offs + 2).to(tl.float32), tl.load(X + offs + 3).to(tl.float32))
+    return xw
+
+
+@triton.jit
+def _norm_into(X, Res, NormW, ResOut, XN, K, eps, k_lo, k_hi, WRITES, ROW_BLOCK: tl.constexpr):
+    """NORM's prologue: x = `(h + r) * rstd * w` rounded to x's dtype, as the norm's own launch would
+    write it (h at X, r at Res, the norm's weight at NormW; rstd over the whole row, which every
+    program reads), stored into XN over this program's K range [k_lo, k_hi), where its K loop then
+    reads it as it reads x without NORM. Computed once here, in the row's own layout (a slice per
+    thread), rather than in the loop for each tile: there every thread holding a word column would
+    repeat the work (a 128 x 128 int4 tile at 2 warps: 2.95 -> 4.13 instructions a weight by the
+    static count, FP8 32 x 256: 3.53 -> 6.19). Programs of the same K range store the same values.
+    WRITES: this program also stores h + r, rounded, to ResOut."""
+    cols = tl.arange(0, ROW_BLOCK)
+    ok = cols < K
+    s = tl.load(X + cols, mask=ok, other=0.0).to(tl.float32) + tl.load(Res + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / K + eps)
+    if WRITES:
+        tl.store(ResOut + cols, s.to(ResOut.dtype.element_ty), mask=ok)
+    mine = (cols >= k_lo) & (cols < k_hi)
+    w = tl.load(NormW + cols, mask=mine, other=0.0).to(tl.float32)
+    tl.store(XN + cols, (s * rstd * w).to(XN.dtype.element_ty), mask=mine)
+    tl.debug_barrier()  # every thread's stores precede the loop's loads (of other threads' values)
+
+
+@triton.jit
+def _word_dot(w, scale, zero, xw, acc, MASK, MAGIC, FORMAT: tl.constexpr, PAIRS: tl.constexpr,
+              OFFSET: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+    """acc + the tile w (with its scale and zero) dotted with `_x_words`' xw, by the format's dot."""
+    if PAIRS:
+        out = _int4_pairs_fma(w, scale, zero, xw, acc, MASK, MAGIC, OFFSET, BF16, ASM)
+    elif FORMAT == _INT4:
+        out = _int4_fma(w, scale, zero, xw, acc, MASK, MAGIC)
+    else:
+        out = _fp8_fma(w, scale, xw, acc, FORMAT, ASM)
+    return out
+
+
+# One L2 prefetch (a hint: nothing returns, nothing faults) of the 128-byte line at $1, kept there over
+# other lines (evict_last); $0 is a placeholder for Triton's elementwise form.
+_PREFETCH_L2 = tl.constexpr("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;")
+
+
+@triton.jit
+def _prefetch(W, first_row, k_from, k_hi, N_ROWS, stride_w, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """Before the PDL wait (PREFETCH): ask L2 for the lines of this program's weight tiles over [k_from,
+    k_hi), holding no registers for them, so that the tiles the loop reads later arrive from L2 while
+    the kernel before this one still runs (at batch 1 a projection's programs are resident during the
+    attention or norm launch before it, whose HBM traffic is small). The tile's weight rows (int4: the
+    words' columns) are BLOCK_N from `first_row`, clamped below N_ROWS; one prefetch per 128-byte line."""
+    if FORMAT == _INT4:  # words [K / 8, N]: a word row of BLOCK_N columns is 4 * BLOCK_N bytes
+        cols = tl.minimum(first_row + 32 * tl.arange(0, (BLOCK_N + 31) // 32), N_ROWS - 1)
+        word_rows = tl.arange(0, BLOCK_K // 8)
+        for k in range(k_from, k_hi, BLOCK_K):
+            ptrs = W + (k // 8 + word_rows).to(tl.int64)[:, None] * stride_w + cols[None, :]
+            tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+    else:  # FP8 rows [N, K]: a tile row is BLOCK_K bytes
+        rows = tl.minimum(first_row + tl.arange(0, BLOCK_N), N_ROWS - 1).to(tl.int64)
+        offs = 128 * tl.arange(0, (BLOCK_K + 127) // 128)
+        for k in range(k_from, k_hi, BLOCK_K):
+            ptrs = W + rows[:, None] * stride_w + (k + offs)[None, :]
+            tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _qgemv_row_kernel(
-    X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om, MASK, MAGIC,
+    X, W, Scales, Zeros, Bias, Out, Partials, Counters, Res, NormW, ResOut, XN, N, K, stride_w, stride_s, stride_om,
+    eps, MASK, MAGIC,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr, PAIRS: tl.constexpr = False, OFFSET: tl.constexpr = 0.0, BF16: tl.constexpr = False,
-    AHEAD: tl.constexpr = 1,
+    AHEAD: tl.constexpr = 1, GATED: tl.constexpr = False, NORM: tl.constexpr = False, ROW_BLOCK: tl.constexpr = 16,
+    PREFETCH: tl.constexpr = False,
 ):
-    # Pointers advance by a tile's step (not rebuilt from k0): their alignment stays visible to Triton.
-    pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero = first_tile(
-        W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT, BLOCK_N, BLOCK_K, SPLIT_K, SCALE_ROWS, SCALE_K, PDL,
-        FORMAT != _INT4)
-    rows = tl.arange(0, BLOCK_M)
-    x_step = BLOCK_K
-    if PAIRS:  # int4, half-precision x: `_int4_pairs_fma` reads x as int32 words
+    # N: the output columns. GATED: W holds 2N rows [gate | up] (int4: 2N columns of words), the output is
+    # silu(gate) * up; each program reads its gate rows' tile and its up rows' tile (rows N + cols) and
+    # dots both with the same x. NORM: x comes from the residual add and RMSNorm (`_norm_into`, XN).
+    pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
+    w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS,
+                                           FORMAT != _INT4)
+    # Weights are fixed at load: the first tiles are read before waiting for the kernel that writes x.
+    # An empty K range (the last split may be) reads zeros, scales included. (Vector compares: Triton's
+    # interpreter rejects a mask broadcast from a scalar.)
+    first_ok = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
+    w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, first_ok, stride_s, FORMAT, SCALE_K,
+                                  False)
+    if GATED:
+        u_ptrs, _, u_s_ptrs = tile_pointers(W, Scales, cols + N, k_lo, stride_w, stride_s, FORMAT, BLOCK_K,
+                                            SCALE_ROWS, FORMAT != _INT4)
+        u, u_scale, u_zero = _weight_tile(u_ptrs, Scales, Zeros, u_s_ptrs, k_lo, cols + N, first_ok, stride_s,
+                                          FORMAT, SCALE_K, False)
+    # AHEAD tiles are in flight while one is multiplied (the label's `st`: 1, or 2 for more bytes in
+    # flight per program); each is read as zeros past k_hi. Pointers advance by a tile's step (not
+    # rebuilt from k0): their alignment stays visible to Triton.
+    w_1, scale_1, zero_1 = w, scale, zero
+    if GATED:
+        u_1, u_scale_1, u_zero_1 = u, u_scale, u_zero
+    if AHEAD == 2:  # the second tile too is read before the wait
+        k_1 = k_lo + BLOCK_K
+        ok_1 = mask_n & (tl.zeros_like(cols) + k_1 < k_hi)
+        w_ptrs += w_step
+        w_1, scale_1, zero_1 = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_1, cols, ok_1, stride_s, FORMAT,
+                                            SCALE_K, False)
+        if GATED:
+            u_ptrs += w_step
+            u_1, u_scale_1, u_zero_1 = _weight_tile(u_ptrs, Scales, Zeros, u_s_ptrs, k_1, cols + N, ok_1, stride_s,
+                                                    FORMAT, SCALE_K, False)
+    if PREFETCH:  # the tiles the loop reads after those above
+        n_rows = 2 * N if GATED else N
+        _prefetch(W, pid_n * BLOCK_N, k_lo + AHEAD * BLOCK_K, k_hi, n_rows, stride_w, FORMAT, BLOCK_N, BLOCK_K)
+        if GATED:
+            _prefetch(W, N + pid_n * BLOCK_N, k_lo + AHEAD * BLOCK_K, k_hi, n_rows, stride_w, FORMAT, BLOCK_N,
+                      BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    x_in = X
+    if NORM:  # program (0, 0) writes the residual stream
+        _norm_into(X, Res, NormW, ResOut, XN, K, eps, k_lo, k_hi, (pid_n == 0) & (pid_k == 0), ROW_BLOCK)
+        x_in = XN
+    if FORMAT == _INT4:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        x_ptrs = X.to(tl.pointer_type(tl.int32)) + k_lo // 2 + 4 * tl.arange(0, BLOCK_K // 8)
-        x_step = BLOCK_K // 2
-    elif FORMAT == _INT4:
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        x_ptrs = X + k_lo + 8 * tl.arange(0, BLOCK_K // 8)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
-        x_ptrs = X + k_lo + 4 * tl.arange(0, BLOCK_K // 4)
-    # AHEAD tiles are in flight while one is multiplied (the label's `st`: 1, or 2 for more bytes in
-    # flight per program); each is read as zeros past k_hi.
-    w_1, scale_1, zero_1 = w, scale, zero
-    if AHEAD == 2:
-        w_ptrs += w_step
-        w_1, scale_1, zero_1 = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo + BLOCK_K, cols,
-                                            mask_n & (tl.zeros_like(cols) + k_lo + BLOCK_K < k_hi), stride_s, FORMAT,
-                                            SCALE_K, False)
+    acc_up = acc
     for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
         k_next = k0 + AHEAD * BLOCK_K
+        ok_next = mask_n & (tl.zeros_like(cols) + k_next < k_hi)
         w_ptrs += w_step
-        w_next, scale_next, zero_next = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_next, cols,
-                                                     mask_n & (tl.zeros_like(cols) + k_next < k_hi), stride_s, FORMAT,
-                                                     SCALE_K, False)  # issued before the math
-        if PAIRS:
-            acc = _int4_pairs_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, OFFSET, BF16, ASM)
-        elif FORMAT == _INT4:
-            acc = _int4_fma(w, scale, zero, x_ptrs, acc, MASK, MAGIC, BLOCK_K)
-        else:
-            acc = _fp8_fma(w, scale, x_ptrs, acc, FORMAT, ASM)
-        x_ptrs += x_step
+        w_next, scale_next, zero_next = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_next, cols, ok_next, stride_s,
+                                                     FORMAT, SCALE_K, False)  # issued before the math
+        if GATED:
+            u_ptrs += w_step
+            u_next, u_scale_next, u_zero_next = _weight_tile(u_ptrs, Scales, Zeros, u_s_ptrs, k_next, cols + N,
+                                                             ok_next, stride_s, FORMAT, SCALE_K, False)
+        xw = _x_words(x_in + k0, FORMAT, PAIRS, BLOCK_K)
+        acc = _word_dot(w, scale, zero, xw, acc, MASK, MAGIC, FORMAT, PAIRS, OFFSET, BF16, ASM)
+        if GATED:
+            acc_up = _word_dot(u, u_scale, u_zero, xw, acc_up, MASK, MAGIC, FORMAT, PAIRS, OFFSET, BF16, ASM)
         if AHEAD == 2:
             w, scale, zero = w_1, scale_1, zero_1
             w_1, scale_1, zero_1 = w_next, scale_next, zero_next
+            if GATED:
+                u, u_scale, u_zero = u_1, u_scale_1, u_zero_1
+                u_1, u_scale_1, u_zero_1 = u_next, u_scale_next, u_zero_next
         else:
             w, scale, zero = w_next, scale_next, zero_next
-    # Column 0 of a [BLOCK_N, BLOCK_M] tile: the shape `finish` takes (its row 0 is x's only row).
-    acc_t = tl.where((rows == 0)[None, :], tl.sum(acc, axis=1)[:, None], 0.0)
-    finish(acc_t, acc_t, Bias, Out, Partials, Counters, Scales, cols, rows, mask_n, 1, N, stride_om, pid_n, pid_k,
-           BLOCK_N, SPLIT_K, False, HAS_BIAS, FORMAT == _FP8_ROWS)
+            if GATED:
+                u, u_scale, u_zero = u_next, u_scale_next, u_zero_next
+    finish_row(acc, acc_up, Bias, Out, Partials, Counters, Scales, cols, mask_n, N, stride_om, pid_n, pid_k, BLOCK_N,
+               SPLIT_K, GATED, HAS_BIAS, FORMAT == _FP8_ROWS)

@@ -239,6 +239,15 @@ class GemvNorm(NamedTuple):
 NORM_MAX_K = 16384  # a program holds one row of h + r in registers for the norm's sum of squares
 
 
+def check_norm(x: torch.Tensor, norm: GemvNorm) -> None:
+    """What a GEMV that takes `norm` in needs of it, for x `[m, K]`."""
+    res, res_out = norm.residual, norm.residual_out
+    assert x.shape[1] <= NORM_MAX_K, f"K {x.shape[1]}: the fused norm takes at most {NORM_MAX_K}"
+    assert res.shape == res_out.shape == x.shape and res.dtype == res_out.dtype == x.dtype, "residual like x"
+    assert res.stride(1) == 1 and res_out.stride(1) == 1 and norm.weight.is_contiguous(), "contiguous rows"
+    assert res_out.data_ptr() != res.data_ptr(), "residual_out must not be the residual read"
+
+
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
@@ -258,11 +267,7 @@ def gemv(
     n_blocks = triton.cdiv(n_out, block_n)
     assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
     if norm is not None:
-        res, res_out = norm.residual, norm.residual_out
-        assert k <= NORM_MAX_K, f"K {k}: the fused norm takes at most {NORM_MAX_K}"
-        assert res.shape == res_out.shape == x.shape and res.dtype == res_out.dtype == x.dtype, "residual like x"
-        assert res.stride(1) == 1 and res_out.stride(1) == 1 and norm.weight.is_contiguous(), "contiguous rows"
-        assert res_out.data_ptr() != res.data_ptr(), "residual_out must not be the residual read"
+        check_norm(x, norm)
     out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
     tiles = 2 if gated else 1
     pdl = use_pdl(x)

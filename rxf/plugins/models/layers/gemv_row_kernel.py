@@ -81,11 +81,21 @@ def _gemv_row_kernel(
         if GATED:
             acc_up += u.to(tl.float32) * x[None, :]
         w, u = w_next, u_next
-    # Column 0 of a [BLOCK_N, BLOCK_M] tile: the shape `finish` takes (its row 0 is x's only row).
+    finish_row(acc, acc_up, Bias, Out, Partials, Counters, Out, cols, mask_n, N_OUT, stride_om, pid_n, pid_k, BLOCK_N,
+               SPLIT_K, GATED, HAS_BIAS, False)
+
+
+@triton.jit
+def finish_row(acc, acc_up, Bias, Out, Partials, Counters, RowScale, cols, mask_n, N_OUT, stride_om, pid_n, pid_k,
+               BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ROW_SCALED: tl.constexpr):
+    """`finish` for a row kernel's float32 accumulators `[BLOCK_N, *]` (and `acc_up`, GATED): each row's
+    sum becomes column 0 of the `[BLOCK_N, BLOCK_M]` tile `finish` takes (its row 0 is x's only row)."""
+    rows = tl.arange(0, BLOCK_M)
     first = (rows == 0)[None, :]
     acc_t = tl.where(first, tl.sum(acc, axis=1)[:, None], 0.0)
     acc_up_t = acc_t
     if GATED:
         acc_up_t = tl.where(first, tl.sum(acc_up, axis=1)[:, None], 0.0)
-    finish(acc_t, acc_up_t, Bias, Out, Partials, Counters, Out, cols, rows, mask_n, 1, N_OUT, stride_om, pid_n, pid_k,
-           BLOCK_N, SPLIT_K, GATED, HAS_BIAS, False)
+    finish(acc_t, acc_up_t, Bias, Out, Partials, Counters, RowScale, cols, rows, mask_n, 1, N_OUT, stride_om, pid_n,
+           pid_k, BLOCK_N, SPLIT_K, GATED, HAS_BIAS, ROW_SCALED)
