@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 
 from rxf.core.forward import ForwardMode  # noqa: E402
 from rxf.core.runner.model_runner import ModelInput  # noqa: E402
-from rxf.plugins.quantization import fp8_ops, qgemv  # noqa: E402
+from rxf.plugins.quantization import base, fp8_ops, qgemv  # noqa: E402
 from rxf.plugins.quantization.int4 import Int4Weights, pack_int32  # noqa: E402
 from rxf.testing.checkpoints import make_tiny_checkpoint  # noqa: E402
 from rxf.testing.model_harness import ModelHarness  # noqa: E402
@@ -47,6 +47,7 @@ def default_settings(monkeypatch: pytest.MonkeyPatch):
     qgemv._plan.cache_clear()
     yield monkeypatch
     qgemv._plan.cache_clear()
+    base._gemv_fuses.cache_clear()  # (a test may set RXF_QGEMV_FUSE)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -296,7 +297,9 @@ ROW_LABELS = "fp8=rn32k128s0st1w4,fp8-block=rn32k128s0st1w4,int4=rn32k128s0st1w2
 def test_quantized_checkpoint_decodes_through_the_gemv(dense_checkpoint, tmp_path, case, settings,
                                                         monkeypatch) -> None:
     monkeypatch.setenv(qgemv.ENV, settings)
+    monkeypatch.setenv("RXF_QGEMV_FUSE", "1")
     qgemv._plan.cache_clear()
+    base._gemv_fuses.cache_clear()
     fmt, opts = CASES[case]
     q = quantize_checkpoint(dense_checkpoint, tmp_path / "q", fmt, twin=tmp_path / "twin", **opts)
     harness = ModelHarness(q, "triton", **{"runtime.device": "cuda", "model.dtype": "bfloat16"})

@@ -88,9 +88,9 @@ _FUSE_CHOICES = ("1", "act", "0")
 
 @functools.cache  # read once per process (tests clear it)
 def _gemv_fuses() -> str:
-    # RXF_QGEMV_FUSE: what the quantized decode GEMV takes into its launch at batch 1: "1" (default) the
-    # norm before qkv and gate/up and the SiLU·mul after gate/up, "act" the SiLU·mul only, "0" neither.
-    value = os.environ.get("RXF_QGEMV_FUSE", "1")
+    # RXF_QGEMV_FUSE: what the quantized decode GEMV takes into its launch at batch 1: "1" the norm before
+    # qkv and gate/up and the SiLU·mul after gate/up, "act" the SiLU·mul only, "0" (default) neither.
+    value = os.environ.get("RXF_QGEMV_FUSE", "0")
     if value not in _FUSE_CHOICES:
         raise ValueError(f"RXF_QGEMV_FUSE={value!r}: expected one of {', '.join(_FUSE_CHOICES)}")
     return value
