@@ -40,7 +40,15 @@ import triton
 import triton.language as tl
 
 from rxf.core.runner.pdl import use_pdl
-from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, ROWS, GemvNorm, check_norm, finish, program_span
+from rxf.plugins.models.layers.gemv_kernel import (
+    BLOCK_M,
+    L2_PREFETCH,
+    ROWS,
+    GemvNorm,
+    check_norm,
+    finish,
+    program_span,
+)
 
 FP8_ROWS, FP8_BLOCKS, INT4 = 0, 1, 2  # the weight formats (`fmt`)
 # The same, as the kernel sees them (a global read inside a kernel must be a constexpr).
@@ -58,11 +66,6 @@ _F16_SIXTEENTHS = (0x5400, 64.0)
 _PAIRS_ENV = os.environ.get("RXF_INT4_PAIRS", "1")
 if _PAIRS_ENV not in ("0", "1"):
     raise ValueError(f"RXF_INT4_PAIRS={_PAIRS_ENV!r}: expected 1 (half2 arithmetic) or 0 (float32)")
-# The row kernel under PDL: "1" asks L2 for its later weight tiles before waiting for x
-# (`qgemv_row_kernel._prefetch`), "0" (default) does not; read at import.
-_L2_ENV = os.environ.get("RXF_QGEMV_L2", "0")
-if _L2_ENV not in ("0", "1"):
-    raise ValueError(f"RXF_QGEMV_L2={_L2_ENV!r}: expected 1 (prefetch into L2) or 0")
 
 
 @triton.jit
@@ -317,7 +320,7 @@ def qgemv(
             mask, magic_arg, FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
             SCALE_ROWS=scale_rows, SCALE_K=scale_k, PDL=pdl, ASM=x.is_cuda, PAIRS=pairs, OFFSET=offset,
             BF16=x.dtype == torch.bfloat16, AHEAD=2 if num_stages >= 2 else 1, GATED=gated, NORM=norm is not None,
-            ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16, PREFETCH=pdl and _L2_ENV == "1",
+            ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16, PREFETCH=pdl and L2_PREFETCH == "1",
             num_warps=num_warps, launch_pdl=pdl,
         )
         return out

@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers.gemv_kernel import program_span
+from rxf.plugins.models.layers.gemv_kernel import PREFETCH_L2, prefetch_l2, program_span
 from rxf.plugins.models.layers.gemv_row_kernel import finish_row
 from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, tile_pointers
 
@@ -297,31 +297,20 @@ def _word_dot(w, scale, zero, xw, acc, MASK, MAGIC, FORMAT: tl.constexpr, PAIRS:
     return out
 
 
-# One L2 prefetch (a hint: nothing returns, nothing faults) of the 128-byte line at $1, kept there over
-# other lines (evict_last); $0 is a placeholder for Triton's elementwise form.
-_PREFETCH_L2 = tl.constexpr("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;")
-
-
 @triton.jit
 def _prefetch(W, first_row, k_from, k_hi, N_ROWS, stride_w, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
-    """Before the PDL wait (PREFETCH): ask L2 for the lines of this program's weight tiles over [k_from,
-    k_hi), holding no registers for them, so that the tiles the loop reads later arrive from L2 while
-    the kernel before this one still runs (at batch 1 a projection's programs are resident during the
-    attention or norm launch before it, whose HBM traffic is small). The tile's weight rows (int4: the
-    words' columns) are BLOCK_N from `first_row`, clamped below N_ROWS; one prefetch per 128-byte line."""
-    if FORMAT == _INT4:  # words [K / 8, N]: a word row of BLOCK_N columns is 4 * BLOCK_N bytes
+    """`gemv_kernel.prefetch_l2` (read it) for this kernel's weight layouts: FP8 rows as they are (a
+    byte an element), int4 words `[K / 8, N]`, whose word rows hold BLOCK_N columns from `first_row`
+    (4 * BLOCK_N bytes: a line per 32 columns)."""
+    if FORMAT == _INT4:
         cols = tl.minimum(first_row + 32 * tl.arange(0, (BLOCK_N + 31) // 32), N_ROWS - 1)
         word_rows = tl.arange(0, BLOCK_K // 8)
         for k in range(k_from, k_hi, BLOCK_K):
             ptrs = W + (k // 8 + word_rows).to(tl.int64)[:, None] * stride_w + cols[None, :]
-            tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-    else:  # FP8 rows [N, K]: a tile row is BLOCK_K bytes
-        rows = tl.minimum(first_row + tl.arange(0, BLOCK_N), N_ROWS - 1).to(tl.int64)
-        offs = 128 * tl.arange(0, (BLOCK_K + 127) // 128)
-        for k in range(k_from, k_hi, BLOCK_K):
-            ptrs = W + rows[:, None] * stride_w + (k + offs)[None, :]
-            tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+            tl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        prefetch_l2(W, first_row, N_ROWS, k_from, k_hi, stride_w, BLOCK_N, BLOCK_K, 128)
 
 
 @triton.jit
