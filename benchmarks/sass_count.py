@@ -2,7 +2,7 @@
 machine without a GPU: a static measure of a kernel's ALU cost while no device time is left.
 
     python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16|fp8-x|fp8-block-x|moe-gate-up|moe-down]
-        [--block-n 16 --block-k 256 --warps 8] [--experts fp8-block|fp8-row|bf16] [--gated] [--norm] [--prefetch]
+        [--block-n 16 --block-k 256 --warps 8] [--experts fp8-block|fp8-row|bf16] [--gated]
 
 fp8-x / fp8-block-x: the tile kernel (`qgemv_kernel`, 4 stages) with x quantized to E4M3 per tile and
 FP8 x FP8 dots (`RXF_QGEMV` label prefix x); its multiplies run on the tensor cores (QGMMA), so its
@@ -94,8 +94,6 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=8)
     ap.add_argument("--stages", type=int, default=0, help="pipeline stages (default: 4 for tile kernels, else 3)")
     ap.add_argument("--gated", action="store_true", help="quantized row kernels: [gate | up] and SiLU·mul")
-    ap.add_argument("--norm", action="store_true", help="quantized row kernels: x from the residual add + RMSNorm")
-    ap.add_argument("--prefetch", action="store_true", help="quantized row kernels: later tiles into L2 first")
     args = ap.parse_args()
     bn, bk = args.block_n, args.block_k
     rows = 1  # weight rows a program multiplies per output column (gate/up: two)
@@ -123,22 +121,17 @@ def main() -> None:
     else:
         fmt = {"fp8": 0, "fp8-block": 1, "int4": 2, "int4-f16": 2, "int4-f32": 2}[args.kernel]
         fn = _qgemv_row_kernel
-        sig = {**_QUANT_SIG, "Res": "*bf16", "NormW": "*bf16", "ResOut": "*bf16", "XN": "*bf16", "eps": "fp32",
-               "MASK": "i32", "MAGIC": "i32"}
-        sig = {name: sig[name] for name in ("X", "W", "Scales", "Zeros", "Bias", "Out", "Partials", "Counters", "Res",
-                                            "NormW", "ResOut", "XN", "N", "K", "stride_w", "stride_s", "stride_om", "eps",
-                                            "MASK", "MAGIC")}
+        sig = {**_QUANT_SIG, "MASK": "i32", "MAGIC": "i32"}
         if fmt == 2:
             half = "*fp16" if args.kernel == "int4-f16" else "*bf16"
-            sig.update(X=half, Bias=half, Out=half, W="*i32", Scales=half, Zeros=half, Res=half, NormW=half, ResOut=half, XN=half)
+            sig.update(X=half, Bias=half, Out=half, W="*i32", Scales=half, Zeros=half)
         # int4: two codes an operation in bf16 (the default; int4-f16: fp16 x); int4-f32: one in float32
         # (RXF_INT4_PAIRS=0)
         consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, SCALE_ROWS=1,
                       SCALE_K=128 if fmt else 4096, PDL=True, ASM=True, PAIRS=args.kernel in ("int4", "int4-f16"),
                       OFFSET=64.0 if args.kernel == "int4-f16" else 128.0, BF16=args.kernel != "int4-f16",
                       AHEAD=2 if args.stages >= 2 else 1,  # --stages 2: two weight tiles read ahead
-                      GATED=args.gated, NORM=args.norm, ROW_BLOCK=4096 if args.norm else 16,
-                      PREFETCH=args.prefetch)
+                      GATED=args.gated)
         if args.gated:  # block_n counts the rows read, gate and up (`qgemv_kernel.qgemv`)
             consts["BLOCK_N"], rows = bn // 2, 2
             bn //= 2

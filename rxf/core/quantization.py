@@ -98,20 +98,16 @@ class QuantizationMethod:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(`apply(module, norm(h + residual), bias)`, `h + residual`) for the projection that opens a
         pre-norm block (qkv, gate/up), with the residual add and the norm folded into the method's own
-        pass over its input; the sum is returned (written into `residual`, the norms' in-place contract,
-        or into a new tensor). None (the default) where the method has no such path: the norm then runs
-        as its own launch."""
+        pass over its input; the sum is written into `residual` (the norms' in-place contract). None
+        (the default) where the method has no such path: the norm then runs as its own launch."""
         return None
 
     def apply_activated(
-        self, module: nn.Module, x: torch.Tensor, act: nn.Module, bias: torch.Tensor | None,
-        norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(`act(apply(module, x', bias))`, the residual stream) for a projection whose output a gated
-        activation `act` reads (an MLP's gate/up), with `act` folded into the method's own launch; x'
-        is x, or `norm(x + residual)` given a norm (`apply_normed`'s add and norm, the sum then
-        returned as the residual stream; else None). None (the default) where the method has no
-        such path: the layer then runs the norm, `apply` and `act` as they come."""
+        self, module: nn.Module, x: torch.Tensor, act: nn.Module, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """`act(apply(module, x, bias))` for a projection whose output a gated activation `act` reads (an
+        MLP's gate/up), with `act` folded into the method's own launch; None (the default) where the
+        method has no such path: the layer then runs `apply` and `act`."""
         return None
 
     def apply_experts(

@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 
 from rxf.core.forward import ForwardMode  # noqa: E402
 from rxf.core.runner.model_runner import ModelInput  # noqa: E402
-from rxf.plugins.quantization import base, fp8_ops, qgemv  # noqa: E402
+from rxf.plugins.quantization import fp8_ops, qgemv  # noqa: E402
 from rxf.plugins.quantization.int4 import Int4Weights, pack_int32  # noqa: E402
 from rxf.testing.checkpoints import make_tiny_checkpoint  # noqa: E402
 from rxf.testing.model_harness import ModelHarness  # noqa: E402
@@ -47,7 +47,7 @@ def default_settings(monkeypatch: pytest.MonkeyPatch):
     qgemv._plan.cache_clear()
     yield monkeypatch
     qgemv._plan.cache_clear()
-    base._gemv_fuses.cache_clear()  # (a test may set RXF_QGEMV_FUSE)
+    qgemv._gated_formats.cache_clear()  # (a test may set RXF_QGEMV_GATED)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -142,50 +142,36 @@ def test_unnamed_formats_take_the_measured_settings_of_their_shape(fmt: str, def
     assert not op.settings.row, "an RXF_QGEMV entry overrides the shape defaults"
 
 
-@pytest.mark.parametrize("role", ["qkv_proj", "gate_up_proj"])
 @pytest.mark.parametrize("fmt", qgemv.FORMATS)
-def test_row_kernel_takes_the_norm_and_silu_mul_in(fmt: str, role: str, default_settings) -> None:
-    """At batch 1 with a row label (the shape's own on sm_90: `SHAPE_DEFAULTS`), `QuantGemv.fused`:
-    the residual add + RMSNorm before the projection and, for gate/up, SiLU·mul after it, in one
-    launch, against the same in float32 on the dequantized weight (< 1% relative error) and against
-    the separate launches (the norm's kernel, the GEMV, SiLU·mul); replayed from a CUDA graph: the
-    eager bits, the counters zeroed."""
+def test_row_kernel_takes_the_silu_mul_in(fmt: str, default_settings) -> None:
+    """At batch 1 with gate/up's row label (the shape's own on sm_90: `SHAPE_DEFAULTS`),
+    `QuantGemv.activated`: SiLU·mul after the projection in its launch, against the same in float32 on
+    the dequantized weight (< 1% relative error) and against the two launches (the GEMV, SiLU·mul);
+    replayed from a CUDA graph: the eager bits, the counters zeroed."""
     from rxf.plugins.models.layers.activation import SiluAndMul
-    from rxf.plugins.models.layers.norm import RMSNorm
 
     default_settings.delenv(qgemv.ENV)
+    default_settings.setenv(qgemv.GATED_ENV, fmt)
     qgemv._plan.cache_clear()
-    op, dense = _layer(fmt, role, torch.Generator(device=DEV).manual_seed(2))
+    qgemv._gated_formats.cache_clear()
+    op, dense = _layer(fmt, "gate_up_proj", torch.Generator(device=DEV).manual_seed(2))
     assert op is not None and op.settings.row, op.label
-    k = SHAPES[role][1]
-    norm = RMSNorm(k, eps=1e-5).to(DEV, BF16)
-    norm.weight.data = (torch.rand(k, device=DEV) + 0.5).to(BF16)
-    act = SiluAndMul() if role == "gate_up_proj" else None
-    h, r = _x(1, k, 5), _x(1, k, 6)
-    out, residual = op.fused(h, None, act, norm, r.clone())
-    s = h.float() + r.float()
-    x = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.float()).to(BF16)
+    n, k = SHAPES["gate_up_proj"]
+    act = SiluAndMul()
+    x = _x(1, k, 5)
+    out = op.activated(x, None, act)
     y = F.linear(x.float(), dense)
-    n_out = SHAPES[role][0] // 2 if act is not None else SHAPES[role][0]
-    expected = F.silu(y[:, :n_out]) * y[:, n_out:] if act is not None else y
-    assert out.shape == (1, n_out) and _rel_err(out, expected) < 1e-2
-    torch.testing.assert_close(residual, s.to(BF16), rtol=0, atol=0)
-    normed, summed = norm(h.clone(), r.clone())  # the separate launches
-    separate = op(normed, None)
-    separate = act(separate) if act is not None else separate
-    torch.testing.assert_close(summed, residual, rtol=0, atol=0)
-    assert _rel_err(out, separate) < 1e-2
+    assert out.shape == (1, n // 2) and _rel_err(out, F.silu(y[:, : n // 2]) * y[:, n // 2 :]) < 1e-2
+    assert _rel_err(out, act(op(x, None))) < 1e-2
     assert not op.counters.any()
-    static_h, static_r = h.clone(), r.clone()
+    static_x = x.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out, static_res = op.fused(static_h, None, act, norm, static_r)
+        static_out = op.activated(static_x, None, act)
     for seed in range(2):
-        static_h.copy_(_x(1, k, 200 + seed))
+        static_x.copy_(_x(1, k, 200 + seed))
         graph.replay()
-        eager_out, eager_res = op.fused(static_h, None, act, norm, static_r)
-        torch.testing.assert_close(static_out, eager_out, rtol=0, atol=0)
-        torch.testing.assert_close(static_res, eager_res, rtol=0, atol=0)
+        torch.testing.assert_close(static_out, op.activated(static_x, None, act), rtol=0, atol=0)
         assert not op.counters.any()
 
 
@@ -287,8 +273,8 @@ def _decode_step(harness: ModelHarness, prompts: list[list[int]]) -> tuple[torch
     return replayed, eager
 
 
-# The tile kernel at every batch (ALL_AUTO), or at batch 1 the row kernel, which takes the norm before
-# qkv and gate/up and the SiLU·mul after gate/up into its launch (`QuantGemv.fused`).
+# The tile kernel at every batch (ALL_AUTO), or at batch 1 the row kernel, which takes the SiLU·mul after
+# gate/up into its launch here in every format (`QuantGemv.activated`).
 ROW_LABELS = "fp8=rn32k128s0st1w4,fp8-block=rn32k128s0st1w4,int4=rn32k128s0st1w2"
 
 
@@ -297,9 +283,9 @@ ROW_LABELS = "fp8=rn32k128s0st1w4,fp8-block=rn32k128s0st1w4,int4=rn32k128s0st1w2
 def test_quantized_checkpoint_decodes_through_the_gemv(dense_checkpoint, tmp_path, case, settings,
                                                         monkeypatch) -> None:
     monkeypatch.setenv(qgemv.ENV, settings)
-    monkeypatch.setenv("RXF_QGEMV_FUSE", "1")
+    monkeypatch.setenv(qgemv.GATED_ENV, ",".join(qgemv.FORMATS))
     qgemv._plan.cache_clear()
-    base._gemv_fuses.cache_clear()
+    qgemv._gated_formats.cache_clear()
     fmt, opts = CASES[case]
     q = quantize_checkpoint(dense_checkpoint, tmp_path / "q", fmt, twin=tmp_path / "twin", **opts)
     harness = ModelHarness(q, "triton", **{"runtime.device": "cuda", "model.dtype": "bfloat16"})
@@ -310,7 +296,7 @@ def test_quantized_checkpoint_decodes_through_the_gemv(dense_checkpoint, tmp_pat
     calls = []
     call = qgemv.QuantGemv.__call__
     monkeypatch.setattr(qgemv.QuantGemv, "__call__", lambda self, x, bias, **kw: calls.append(
-        (x.shape, kw.get("gated", False), kw.get("norm") is not None)) or call(self, x, bias, **kw))
+        (x.shape, kw.get("gated", False))) or call(self, x, bias, **kw))
     ref = HFReference(tmp_path / "twin")
     # At most 8 prompt tokens in all, so the prefill also runs the GEMV: no FP8 activation
     # quantization anywhere in what the decode step reads.
@@ -319,10 +305,9 @@ def test_quantized_checkpoint_decodes_through_the_gemv(dense_checkpoint, tmp_pat
         prompts = [[(37 * i + 5 * j) % 390 + 5 for j in range(n)] for i, n in enumerate(lengths)]
         calls.clear()
         replayed, eager = _decode_step(harness, prompts)
-        assert any(shape == (bs, 128) for shape, _, _ in calls), "the eager decode step ran the quantized GEMV"
+        assert any(shape == (bs, 128) for shape, _ in calls), "the eager decode step ran the quantized GEMV"
         if settings == ROW_LABELS and bs == 1 and case != "gptq-desc-act":  # (its input order: unfused)
-            assert (torch.Size([1, 128]), True, True) in calls, "gate/up with its norm and SiLU·mul, one launch"
-            assert (torch.Size([1, 128]), False, True) in calls, "qkv with its norm"
+            assert (torch.Size([1, 128]), True) in calls, "gate/up and its SiLU·mul in one launch"
         torch.testing.assert_close(replayed, eager, rtol=0, atol=2e-2 * eager.abs().max().item())
         for i, prompt in enumerate(prompts):
             expected = ref.logits(prompt + [11])[-1]

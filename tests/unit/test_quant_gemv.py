@@ -177,46 +177,40 @@ def _gate_up_layer(fmt: str, dtype: torch.dtype, n_out: int, k: int, gen: torch.
     return layer, qgemv.fp8_blocks(layer, 32, 64), fp8_ops.dequantize_blocks(q, scale_inv, 64, torch.float64)
 
 
-@pytest.mark.parametrize("fused", ["act", "norm", "both"])
 @pytest.mark.parametrize("ahead_split", [(1, 1), (2, 3)], ids=["st1-split1", "st2-split3"])
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
 @DTYPES
-def test_row_kernel_takes_the_norm_and_silu_mul_in(qgemv_env, dtype, fmt, ahead_split, fused):
-    """`QuantGemv.fused` at one row of x: the residual add + RMSNorm before the GEMV (its x computed in
-    each program from h, the residual and the norm's weight; the sum written once) and SiLU·mul of its
-    `[gate | up]` output (each program dots a gate tile and an up tile, rows n_out on), against the
-    norm, F.linear with the dequantized weight and silu(gate) * up in float64. n_out 48 over block-wise
-    FP8's 32-row scale blocks: the up rows start inside a block (the table of one scale per block)."""
+def test_row_kernel_takes_the_silu_mul_in(qgemv_env, monkeypatch, dtype, fmt, ahead_split):
+    """`QuantGemv.activated` at one row of x: SiLU·mul of the `[gate | up]` output in the GEMV's launch
+    (each program dots block_n / 2 gate rows and the matching up rows, n_out on), against F.linear with
+    the dequantized weight and silu(gate) * up in float64. n_out 48 over block-wise FP8's 32-row scale
+    blocks: the up rows start inside a block (the table of one scale per block). Formats left out of
+    `RXF_QGEMV_GATED`, and two rows, keep the separate launch."""
     from rxf.plugins.models.layers.activation import SiluAndMul
-    from rxf.plugins.models.layers.norm import RMSNorm
 
+    monkeypatch.setenv(qgemv.GATED_ENV, fmt)
+    qgemv._gated_formats.cache_clear()
     ahead, split = ahead_split
-    qgemv_env(f"{fmt}=rn16k{128 if fmt == 'int4' else 64}s{split}st{ahead}w4")
+    qgemv_env(f"{fmt}=rn32k{128 if fmt == 'int4' else 64}s{split}st{ahead}w4")
     k, n_out = 256, 40 if fmt == "fp8" else 48
     gen = torch.Generator().manual_seed(split + n_out)
     _, op, dense = _gate_up_layer(fmt, dtype, n_out, k, gen)
     assert op is not None and op.settings.row and (fmt != "fp8-block" or op.scale_rows == 32)
-    h, r = _x(1, k, dtype, 1), _x(1, k, dtype, 2)
+    x = _x(1, k, dtype, 1)
     bias = torch.randn(2 * n_out, generator=gen).to(dtype)
-    norm = RMSNorm(k, eps=1e-5)
-    norm.weight.data = (torch.rand(k, generator=gen) + 0.5).to(dtype)
-    act = SiluAndMul() if fused != "norm" else None
-    with_norm = fused != "act"
-    args = (h, bias, act, norm if with_norm else None, r.clone() if with_norm else None)
-    out, residual = op.fused(*args)
-    x = h.double()
-    if with_norm:
-        s = h.double() + r.double()
-        x = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()).to(dtype).double()
-        torch.testing.assert_close(residual, s.to(dtype), rtol=0, atol=0)
-    else:
-        assert residual is None
-    y = F.linear(x, dense, bias.double())
-    expected = (F.silu(y[:, :n_out]) * y[:, n_out:] if act is not None else y).to(dtype)
+    act = SiluAndMul()
+    out = op.activated(x, bias, act)
+    y = F.linear(x.double(), dense, bias.double())
+    expected = (F.silu(y[:, :n_out]) * y[:, n_out:]).to(dtype)
+    assert out.shape == (1, n_out)
     torch.testing.assert_close(out, expected, rtol=TOL[dtype], atol=TOL[dtype])
     assert not op.counters.any(), "every counter must be back at 0 after a launch"
-    assert torch.equal(op.fused(*args)[0], out), "the split reduction runs in a fixed order"
-    assert op.fused(_x(2, k, dtype, 3), bias, act) is None, "two rows: the tile kernel, which takes neither"
+    assert torch.equal(op.activated(x, bias, act), out), "the split reduction runs in a fixed order"
+    assert op.activated(_x(2, k, dtype, 3), bias, act) is None, "two rows: the tile kernel, which does not take it"
+    monkeypatch.setenv(qgemv.GATED_ENV, "none")
+    qgemv._gated_formats.cache_clear()
+    assert op.activated(x, bias, act) is None
+    qgemv._gated_formats.cache_clear()
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])

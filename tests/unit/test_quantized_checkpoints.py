@@ -192,17 +192,18 @@ def test_layers_hand_their_activation_and_norms_to_the_projections_method(dense)
 
 
 class _Activated(_GatedInput):
-    """The same, also taking the activation after gate/up into that projection's own pass (as the
-    decode GEMV does at batch 1, `QuantGemv.fused`), with the norm before it when there is one."""
+    """The same, except that gate/up leaves its norm to the layer and takes the activation after it
+    into its own pass instead (as the int4 decode GEMV does at batch 1, `QuantGemv.activated`)."""
 
     name = "activated"
-    activated_calls: list[tuple[str, bool]] = []
+    activated_calls: list[str] = []
 
-    def apply_activated(self, layer, x, act, bias, norm=None, residual=None):
-        self.activated_calls.append((layer.gemv_role, norm is not None))
-        if norm is not None:
-            x, residual = norm(x, residual)
-        return act(torch.nn.functional.linear(x, layer.weight, bias)), residual
+    def apply_normed(self, layer, h, residual, norm, bias):
+        return None if layer.gemv_role == "gate_up_proj" else super().apply_normed(layer, h, residual, norm, bias)
+
+    def apply_activated(self, layer, x, act, bias):
+        self.activated_calls.append(layer.gemv_role)
+        return act(torch.nn.functional.linear(x, layer.weight, bias))
 
 
 def test_gate_up_hands_its_activation_to_its_method(dense):
@@ -214,9 +215,8 @@ def test_gate_up_hands_its_activation_to_its_method(dense):
     prompt = [[5, 9, 13, 2, 7]]
     logits = harness.prefill_logits(prompt)[0]
     layers = harness.runner.model.config.num_hidden_layers
-    # Every MLP's gate/up takes its norm (the attention block has started the residual stream) and its
-    # SiLU·mul; the down projection then reads the activation as it is.
-    assert _Activated.activated_calls == [("gate_up_proj", True)] * layers
+    # Every MLP's gate/up takes its SiLU·mul; the down projection then reads the activation as it is.
+    assert _Activated.activated_calls == ["gate_up_proj"] * layers
     assert _Activated.gated_calls == [] and _Activated.normed_calls == ["qkv_proj"] * (layers - 1)
     torch.testing.assert_close(logits, ModelHarness(dense).prefill_logits(prompt)[0], rtol=0, atol=0)
 

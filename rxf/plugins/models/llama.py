@@ -65,18 +65,16 @@ class LlamaMLP(nn.Module):
         if self.gate_up_act is not None and self.gate_up_act.applies(x):
             return self.down_proj(self.gate_up_act(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
         if (activated := self.gate_up_proj.forward_activated(x, self.act)) is not None:  # a quantized GEMV's
-            return self.down_proj(activated[0])
+            return self.down_proj(activated)
         return self.down_proj(self.gate_up_proj(x), act=self.act)
 
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside the gate/up
-        GEMV (`DecodeGemv.normed`), a quantized gate/up's GEMV (with the SiLU·mul: `forward_activated`)
-        or its input pass (`apply_normed`); None where none applies."""
+        GEMV (`DecodeGemv.normed`) or a quantized gate/up's input pass (`apply_normed`); None where
+        neither applies."""
         if self.gate_up_act is None:
-            if (activated := self.gate_up_proj.forward_activated(h, self.act, norm, residual)) is not None:
-                return self.down_proj(activated[0]), activated[1]
             fused = self.gate_up_proj.forward_normed(h, residual, norm)
             if fused is None:
                 return None

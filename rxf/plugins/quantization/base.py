@@ -8,8 +8,6 @@ name the projections as they store them (`q_proj`), rxf's fused layers hold seve
 
 from __future__ import annotations
 
-import functools
-import os
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -61,18 +59,18 @@ class LinearMethod(QuantizationMethod):
         module.gemv_role = name.rpartition(".")[2]
         return True
 
-    # A method whose layers carry a decode GEMV (`layer.qgemv`, a `qgemv.QuantGemv`: FP8, int4) takes
-    # the norm before it and the SiLU·mul after it into the GEMV's launch at batch 1 (its row kernel).
     def apply_activated(
-        self, layer: nn.Module, x: torch.Tensor, act: nn.Module, bias: torch.Tensor | None,
-        norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        return _gemv_fused(layer, x, bias, act, norm, residual)
+        self, layer: nn.Module, x: torch.Tensor, act: nn.Module, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """A layer whose method gave it a decode GEMV (`layer.qgemv`: the FP8 and int4 builtins) takes the
+        SiLU·mul after it into the GEMV's launch at batch 1 (`QuantGemv.activated`), unless it permutes its
+        input (act-order int4)."""
+        from rxf.plugins.quantization.qgemv import QuantGemv
 
-    def apply_normed(
-        self, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return _gemv_fused(layer, h, bias, None, norm, residual)
+        gemv = getattr(layer, "qgemv", None)
+        if not isinstance(gemv, QuantGemv) or getattr(layer, "input_order", None) is not None or not gemv.takes(x):
+            return None
+        return gemv.activated(x, bias, act)
 
     def quantizes_experts(self, name: str) -> bool:
         """Whether the method takes over the MoE experts `name` (a method without an expert
@@ -81,37 +79,6 @@ class LinearMethod(QuantizationMethod):
             f"{self.name}: quantized MoE experts ({name}) are not supported yet; the experts of a "
             f"{self.name} checkpoint cannot load (its dense layers would)"
         )
-
-
-_FUSE_CHOICES = ("1", "act", "0")
-
-
-@functools.cache  # read once per process (tests clear it)
-def _gemv_fuses() -> str:
-    # RXF_QGEMV_FUSE: what the quantized decode GEMV takes into its launch at batch 1: "1" the norm before
-    # qkv and gate/up and the SiLU·mul after gate/up, "act" the SiLU·mul only, "0" (default) neither.
-    value = os.environ.get("RXF_QGEMV_FUSE", "0")
-    if value not in _FUSE_CHOICES:
-        raise ValueError(f"RXF_QGEMV_FUSE={value!r}: expected one of {', '.join(_FUSE_CHOICES)}")
-    return value
-
-
-def _gemv_fused(
-    layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module | None, norm: nn.Module | None,
-    residual: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """`QuantGemv.fused` for the batches the layer's decode GEMV takes, as `RXF_QGEMV_FUSE` allows, or
-    None. A layer that permutes its input (act-order int4) is left out: the GEMV would have to read x
-    permuted."""
-    from rxf.plugins.quantization.qgemv import QuantGemv
-
-    gemv = getattr(layer, "qgemv", None)
-    if not isinstance(gemv, QuantGemv) or getattr(layer, "input_order", None) is not None or not gemv.takes(x):
-        return None
-    fuses = _gemv_fuses()
-    if fuses == "0" or (norm is not None and fuses != "1"):
-        return None
-    return gemv.fused(x, bias, act, norm, residual)
 
 
 def config_value(quant_config: dict[str, Any], key: str, allowed: Iterable[Any], method: str) -> Any:

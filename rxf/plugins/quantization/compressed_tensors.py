@@ -116,8 +116,6 @@ class CompressedTensorsMethod(LinearMethod):
     def apply_normed(
         self, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if (fused := super().apply_normed(layer, h, residual, norm, bias)) is not None:  # the decode GEMV's
-            return fused
         if self.weight_only or self.static_input or not fp8_ops.quantizes_normed(layer, h, residual, norm, None):
             return None
         out = fp8_ops.scaled_mm_rows(h, layer.weight, layer.weight_scale, None, bias, norm=norm, residual=residual)

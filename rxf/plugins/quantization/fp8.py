@@ -113,8 +113,6 @@ class Fp8Method(LinearMethod):
     def apply_normed(
         self, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module, bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if (fused := super().apply_normed(layer, h, residual, norm, bias)) is not None:  # the decode GEMV's
-            return fused
         if not fp8_ops.quantizes_normed(layer, h, residual, norm, None if self.online else self.block_k):
             return None
         return self._fp8_linear(layer, h, bias, norm=norm, residual=residual), residual

@@ -53,7 +53,6 @@ from torch import nn
 from rxf.plugins.models.layers.gemv import MAX_ROWS, GemvSettings
 from rxf.plugins.models.layers.gemv import ROLES as GEMV_ROLES
 from rxf.plugins.models.layers.gemv_kernel import ROWS as TILE_ROWS
-from rxf.plugins.models.layers.gemv_kernel import GemvNorm
 from rxf.plugins.quantization import int4_peers
 
 logger = logging.getLogger(__name__)
@@ -122,6 +121,12 @@ SHAPE_DEFAULTS = {
     ("fp8-block", 28672, 4096): "rn32k128s1st1w4", ("fp8-block", 4096, 14336): "rn64k128s10st1w8",
     ("int4", 4096, 4096): "rn128k128s18st1w4", ("int4", 28672, 4096): "rn64k128s4st1w4",
 }
+# Formats whose row GEMV (batch 1) of a gate/up layer computes the SiLU·mul after it in its own launch
+# (`QuantGemv.activated`), unless `RXF_QGEMV_GATED` lists others (comma-separated; "none": no format).
+# On an H100 (2026-12-06, benchmarks/RESULTS.md) AWQ Llama-3-8B at batch 1 went 337.9 -> 350.5 tok/s
+# with it, block-wise FP8 267.5 -> 245.8: FP8 keeps the separate launch.
+GATED_ENV = "RXF_QGEMV_GATED"
+GATED_BY_DEFAULT = ("int4",)
 # The most rows an `RXF_QGEMV` entry serves: FP8 formats up to MAX_ROWS, as the dense GEMV; int4 the
 # tile kernel's whole 16-row tile, against which its alternative, the int4 GEMM (`int4_kernel.py`,
 # an int-to-float conversion per code), lost at 2-8 rows and drew level at 16 (the module docstring).
@@ -149,6 +154,17 @@ def _plan() -> dict[tuple[str, str | None], QuantSettings | None]:
     return plan
 
 
+@functools.cache
+def _gated_formats() -> tuple[str, ...]:
+    value = os.environ.get(GATED_ENV)
+    if value is None:
+        return GATED_BY_DEFAULT
+    formats = tuple(f for f in (part.strip() for part in value.split(",")) if f and f != "none")
+    if any(f not in FORMATS for f in formats):
+        raise ValueError(f"{GATED_ENV}={value!r}: expected formats among {', '.join(FORMATS)}, or 'none'")
+    return formats
+
+
 def settings_for(fmt: str, role: str | None) -> tuple[QuantSettings, int] | None:
     """(settings, the most rows of x they serve) for `fmt` layers named `role`: `RXF_QGEMV`'s entry, else
     `BY_DEFAULT`'s; None: off."""
@@ -172,6 +188,7 @@ class QuantGemv:
     ) -> None:
         from rxf.plugins.quantization import qgemv_kernel
 
+        self.fmt = fmt
         self.kind = {"fp8": qgemv_kernel.FP8_ROWS, "fp8-block": qgemv_kernel.FP8_BLOCKS, "int4": qgemv_kernel.INT4}[fmt]
         int4 = self.kind == qgemv_kernel.INT4
         self.n, self.k = (weight.shape[1], weight.shape[0] * 8) if int4 else weight.shape
@@ -199,8 +216,7 @@ class QuantGemv:
     def takes(self, x: torch.Tensor) -> bool:
         return x.is_cuda and x.dtype in _HALF and 0 < x.numel() // self.k <= self.max_rows
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, *, gated: bool = False,
-                 norm: GemvNorm | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, *, gated: bool = False) -> torch.Tensor:
         from rxf.plugins.quantization.qgemv_kernel import qgemv
 
         x2 = x.reshape(-1, self.k)
@@ -209,34 +225,19 @@ class QuantGemv:
         out = qgemv(x2, self.kind, self.weight, self.scales, self.zeros, bias, self.counters,
                     scale_rows=self.scale_rows, scale_k=self.scale_k, block_n=s.block_n, block_k=s.block_k,
                     split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row, fp8_x=self.fp8_x,
-                    gated=gated, norm=norm)
+                    gated=gated)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def fused(
-        self, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module | None = None, norm: nn.Module | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(`act(self(x'))`, the residual stream) in one launch of the row kernel: x' is x, or `norm(x +
-        residual)` given an RMSNorm (the sum is then returned as the new residual stream, else None);
-        act, if given, is SiLU·mul over this layer's `[gate | up]` output. None where the row kernel
-        does not serve x (more rows than one, a tile setting) or cannot take act / norm in: the
-        caller then runs them as their own launches."""
+    def activated(self, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module) -> torch.Tensor | None:
+        """`act(self(x, bias))` in one launch of the row kernel, for a `[gate | up]` layer and `act` its
+        SiLU·mul; None where the row kernel does not serve x (more rows than one, a tile setting) or
+        the format does not take it (`GATED_ENV`): the caller then runs `act` as its own launch."""
         from rxf.plugins.models.layers.activation import SiluAndMul
-        from rxf.plugins.models.layers.gemv_kernel import NORM_MAX_K
-        from rxf.plugins.models.layers.norm import RMSNorm
 
-        if not self.settings.row or x.numel() != self.k or (act is not None and (type(act) is not SiluAndMul
-                                                                                  or self.n % 2)):
+        if (self.fmt not in _gated_formats() or not self.settings.row or x.numel() != self.k
+                or type(act) is not SiluAndMul or self.n % 2):
             return None
-        if norm is not None and not (type(norm) is RMSNorm and residual is not None and residual.shape == x.shape
-                                     and residual.dtype == x.dtype and residual.is_contiguous()
-                                     and x.is_contiguous() and self.k <= NORM_MAX_K):
-            return None
-        fused_norm = residual_out = None
-        if norm is not None:
-            residual_out = torch.empty_like(residual)
-            fused_norm = GemvNorm(residual.view(1, -1), norm.weight, norm.eps, residual_out.view(1, -1))
-        return self(x, bias, gated=act is not None, norm=fused_norm), residual_out
+        return self(x, bias, gated=True)
 
 
 def _sm90(device: torch.device) -> bool:

@@ -40,15 +40,7 @@ import triton
 import triton.language as tl
 
 from rxf.core.runner.pdl import use_pdl
-from rxf.plugins.models.layers.gemv_kernel import (
-    BLOCK_M,
-    L2_PREFETCH,
-    ROWS,
-    GemvNorm,
-    check_norm,
-    finish,
-    program_span,
-)
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, ROWS, finish, program_span
 
 FP8_ROWS, FP8_BLOCKS, INT4 = 0, 1, 2  # the weight formats (`fmt`)
 # The same, as the kernel sees them (a global read inside a kernel must be a constexpr).
@@ -267,30 +259,27 @@ def qgemv(
     x: torch.Tensor, fmt: int, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     bias: torch.Tensor | None, counters: torch.Tensor, *, scale_rows: int, scale_k: int,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int, row: bool = False,
-    fp8_x: bool = False, gated: bool = False, norm: GemvNorm | None = None,
+    fp8_x: bool = False, gated: bool = False,
 ) -> torch.Tensor:
     """`x @ dequant(weight).T + bias` in x's dtype for x `[m <= 16, K]` (contiguous rows), `weight`
     and `scales` (and int4's `zeros`) as `fmt`'s entry of the module docstring says. `counters`:
     int32, at least cdiv(N, block_n) zeros, left zeroed. row: one row of x goes through
     `qgemv_row_kernel` (num_stages >= 2: two weight tiles read ahead, else one). fp8_x (FP8 formats,
     the tile kernel): x is quantized to E4M3 per row and K tile, the product computed FP8 x FP8 (as the
-    methods' GEMMs quantize x). The row kernel only (one row of x): gated, the weight is `[gate | up]`
-    and the result silu(gate) * up, `[1, N / 2]` (a program reads block_n / 2 rows of each); norm, the input is `norm.weight * rmsnorm(x +
-    norm.residual)` (`gemv_kernel.GemvNorm`, whose `residual_out` receives x + residual)."""
+    methods' GEMMs quantize x). gated (the row kernel, one row of x): the weight is `[gate | up]` and
+    the result silu(gate) * up, `[1, N / 2]` (a program reads block_n / 2 rows of each)."""
     m, k = x.shape
     n = weight.shape[1] if fmt == INT4 else weight.shape[0]
     assert not (fp8_x and (fmt == INT4 or row or x.dtype == torch.float32)), "fp8_x: FP8 formats, half x, tile kernel"
-    assert not ((gated or norm is not None) and not (row and m == 1)), "gated / norm: the row kernel, one row"
-    if norm is not None:
-        check_norm(x, norm)
+    assert not gated or (row and m == 1), "gated: the row kernel, one row"
     assert m <= ROWS, f"{m} rows: the GEMV takes at most {ROWS}"
     assert k % block_k == 0 and scale_k % block_k == 0, (
         f"K {k} and the scale block {scale_k} must be multiples of block_k {block_k}")
     assert (weight.shape[0] * 8 if fmt == INT4 else weight.shape[1]) == k, f"weight {tuple(weight.shape)} for K {k}"
     assert x.stride(1) == 1 and weight.stride(1) == 1 and scales.stride(-1) == 1, "x, weight and scales need contiguous rows"
     n_out = n // 2 if gated else n
-    if gated:  # block_n counts the rows a program reads, gate and up: the grid and each program's bytes
-        block_n //= 2  # stay those of the plain kernel (H100, 2026-12-06: whole tiles of each, -5% in FP8)
+    if gated:  # block_n counts the rows a program reads, gate and up: the grid and a program's bytes stay
+        block_n //= 2  # the plain kernel's (H100, AWQ at batch 1: 350.5 tok/s against 341.1 with whole tiles)
     n_blocks = triton.cdiv(n_out, block_n)
     assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
@@ -310,18 +299,14 @@ def qgemv(
         if pairs and x.dtype == torch.float16:
             magic, offset = _F16_SIXTEENTHS
         mask, magic_arg = (_PAIR_MASK, magic | magic << 16) if pairs else (_INT4_MASK, _INT4_MAGIC)
-        res, norm_w, res_out, x_normed = x, x, x, x
-        if norm is not None:  # x_normed: the normed x, each program's K range written by it (`_norm_into`)
-            res, norm_w, res_out, x_normed = norm.residual, norm.weight, norm.residual_out, torch.empty_like(x)
         _qgemv_row_kernel[(n_blocks, split_k)](
             x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,
-            partials, counters, res, norm_w, res_out, x_normed, n_out, k, weight.stride(0),
-            scales.stride(0) if scales.dim() == 2 else 0, out.stride(0), norm.eps if norm is not None else 0.0,
-            mask, magic_arg, FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+            partials, counters, n_out, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0,
+            out.stride(0), mask, magic_arg, FORMAT=fmt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+            HAS_BIAS=bias is not None,
             SCALE_ROWS=scale_rows, SCALE_K=scale_k, PDL=pdl, ASM=x.is_cuda, PAIRS=pairs, OFFSET=offset,
-            BF16=x.dtype == torch.bfloat16, AHEAD=2 if num_stages >= 2 else 1, GATED=gated, NORM=norm is not None,
-            ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16, PREFETCH=pdl and L2_PREFETCH == "1",
-            num_warps=num_warps, launch_pdl=pdl,
+            BF16=x.dtype == torch.bfloat16, AHEAD=2 if num_stages >= 2 else 1, GATED=gated, num_warps=num_warps,
+            launch_pdl=pdl,
         )
         return out
     _qgemv_kernel[(n_blocks, split_k)](

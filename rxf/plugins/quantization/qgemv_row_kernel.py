@@ -24,11 +24,11 @@ projections then read 1.5-2.6 TB/s of codes at 2 warps, and AWQ decoded at 1.76x
 Each program holds one weight tile ahead of the one it multiplies, or two (`AHEAD`, a row label's
 `st`).
 
-As the dense row kernel does, this one takes the launches around a projection in (`qgemv.QuantGemv.fused`):
-GATED, the SiLU·mul after a `[gate | up]` projection (each program dots its gate rows' tile and its up
-rows' tile with the same x; the static count a weight is unchanged, 2.95 -> 3.01 at 128 x 128 int4 /
-2 warps, 3.53 -> 3.44 at 32 x 256 FP8), and NORM, the residual add + RMSNorm before it (`_norm_into`:
-each program normalizes its K range once, before its loop, which then runs as without NORM).
+GATED (`qgemv.QuantGemv.activated`): the SiLU·mul after a `[gate | up]` projection in the same launch,
+as the dense GEMV does; each program dots block_n / 2 gate rows and the matching up rows with the same
+x (the grid and a program's bytes those of the plain kernel: whole tiles of each cost FP8 5% on an
+H100). The static count a weight: 3.70 -> 3.95 at 64 x 128 int4 / 4 warps (half the rows a thread
+shares x's pairs over), 5.06 -> 4.94 at 32 x 128 FP8.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers.gemv_kernel import PREFETCH_L2, prefetch_l2, program_span
+from rxf.plugins.models.layers.gemv_kernel import program_span
 from rxf.plugins.models.layers.gemv_row_kernel import finish_row
 from rxf.plugins.quantization.qgemv_kernel import _FP8_BLOCKS, _FP8_ROWS, _INT4, _weight_tile, tile_pointers
 
@@ -236,52 +236,28 @@ def _int4_fma(w, scale, zero, xs, acc, MASK, MAGIC):
 
 
 @triton.jit
-def _x_words(X, FORMAT: tl.constexpr, PAIRS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x's inputs for the tile whose first input X points at, as its word-wise dot takes them: PAIRS
-    (int4, half x) four int32 `[BLOCK_K / 8]`, the halves (x[8r + j], x[8r + j + 4]) for word rows r
-    (`_int4_pairs_fma`); int4 eight float32 `[BLOCK_K / 8]`, inputs 8r + j (`_int4_fma`); FP8 four
-    float32 `[BLOCK_K / 4]`, inputs 4r + j (`_fp8_fma`)."""
-    if PAIRS:  # x read as int32 words, two inputs each, and re-paired
-        words = X.to(tl.pointer_type(tl.int32)) + 4 * tl.arange(0, BLOCK_K // 8)
-        a = tl.load(words)
-        b = tl.load(words + 1)
-        c = tl.load(words + 2)
-        d = tl.load(words + 3)
+def _x_words(x_ptrs, FORMAT: tl.constexpr, PAIRS: tl.constexpr):
+    """x's inputs for a tile, as its word-wise dot takes them, from `x_ptrs` (one per word column r of
+    the tile): PAIRS (int4, half x; x read as int32 words, two inputs each, pointing at inputs 8r and
+    8r + 1) four int32, the halves (x[8r + j], x[8r + j + 4]) (`_int4_pairs_fma`); int4 (pointing at
+    x[8r]) eight float32, inputs 8r + j (`_int4_fma`); FP8 (at x[4r]) four float32, inputs 4r + j
+    (`_fp8_fma`)."""
+    if PAIRS:  # re-paired from the words
+        a = tl.load(x_ptrs)
+        b = tl.load(x_ptrs + 1)
+        c = tl.load(x_ptrs + 2)
+        d = tl.load(x_ptrs + 3)
         xw = ((a & 0xFFFF) | (c << 16), ((a >> 16) & 0xFFFF) | (c & -65536),
               (b & 0xFFFF) | (d << 16), ((b >> 16) & 0xFFFF) | (d & -65536))
     elif FORMAT == _INT4:
-        offs = 8 * tl.arange(0, BLOCK_K // 8)
-        xw = (tl.load(X + offs).to(tl.float32), tl.load(X + offs + 1).to(tl.float32),
-              tl.load(X + offs + 2).to(tl.float32), tl.load(X + offs + 3).to(tl.float32),
-              tl.load(X + offs + 4).to(tl.float32), tl.load(X + offs + 5).to(tl.float32),
-              tl.load(X + offs + 6).to(tl.float32), tl.load(X + offs + 7).to(tl.float32))
+        xw = (tl.load(x_ptrs).to(tl.float32), tl.load(x_ptrs + 1).to(tl.float32),
+              tl.load(x_ptrs + 2).to(tl.float32), tl.load(x_ptrs + 3).to(tl.float32),
+              tl.load(x_ptrs + 4).to(tl.float32), tl.load(x_ptrs + 5).to(tl.float32),
+              tl.load(x_ptrs + 6).to(tl.float32), tl.load(x_ptrs + 7).to(tl.float32))
     else:
-        offs = 4 * tl.arange(0, BLOCK_K // 4)
-        xw = (tl.load(X + offs).to(tl.float32), tl.load(X + offs + 1).to(tl.float32),
-              tl.load(X + offs + 2).to(tl.float32), tl.load(X + offs + 3).to(tl.float32))
+        xw = (tl.load(x_ptrs).to(tl.float32), tl.load(x_ptrs + 1).to(tl.float32),
+              tl.load(x_ptrs + 2).to(tl.float32), tl.load(x_ptrs + 3).to(tl.float32))
     return xw
-
-
-@triton.jit
-def _norm_into(X, Res, NormW, ResOut, XN, K, eps, k_lo, k_hi, WRITES, ROW_BLOCK: tl.constexpr):
-    """NORM's prologue: x = `(h + r) * rstd * w` rounded to x's dtype, as the norm's own launch would
-    write it (h at X, r at Res, the norm's weight at NormW; rstd over the whole row, which every
-    program reads), stored into XN over this program's K range [k_lo, k_hi), where its K loop then
-    reads it as it reads x without NORM. Computed once here, in the row's own layout (a slice per
-    thread), rather than in the loop for each tile: there every thread holding a word column would
-    repeat the work (a 128 x 128 int4 tile at 2 warps: 2.95 -> 4.13 instructions a weight by the
-    static count, FP8 32 x 256: 3.53 -> 6.19). Programs of the same K range store the same values.
-    WRITES: this program also stores h + r, rounded, to ResOut."""
-    cols = tl.arange(0, ROW_BLOCK)
-    ok = cols < K
-    s = tl.load(X + cols, mask=ok, other=0.0).to(tl.float32) + tl.load(Res + cols, mask=ok, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / K + eps)
-    if WRITES:
-        tl.store(ResOut + cols, s.to(ResOut.dtype.element_ty), mask=ok)
-    mine = (cols >= k_lo) & (cols < k_hi)
-    w = tl.load(NormW + cols, mask=mine, other=0.0).to(tl.float32)
-    tl.store(XN + cols, (s * rstd * w).to(XN.dtype.element_ty), mask=mine)
-    tl.debug_barrier()  # every thread's stores precede the loop's loads (of other threads' values)
 
 
 @triton.jit
@@ -298,34 +274,16 @@ def _word_dot(w, scale, zero, xw, acc, MASK, MAGIC, FORMAT: tl.constexpr, PAIRS:
 
 
 @triton.jit
-def _prefetch(W, first_row, k_from, k_hi, N_ROWS, stride_w, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """`gemv_kernel.prefetch_l2` (read it) for this kernel's weight layouts: FP8 rows as they are (a
-    byte an element), int4 words `[K / 8, N]`, whose word rows hold BLOCK_N columns from `first_row`
-    (4 * BLOCK_N bytes: a line per 32 columns)."""
-    if FORMAT == _INT4:
-        cols = tl.minimum(first_row + 32 * tl.arange(0, (BLOCK_N + 31) // 32), N_ROWS - 1)
-        word_rows = tl.arange(0, BLOCK_K // 8)
-        for k in range(k_from, k_hi, BLOCK_K):
-            ptrs = W + (k // 8 + word_rows).to(tl.int64)[:, None] * stride_w + cols[None, :]
-            tl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        prefetch_l2(W, first_row, N_ROWS, k_from, k_hi, stride_w, BLOCK_N, BLOCK_K, 128)
-
-
-@triton.jit
 def _qgemv_row_kernel(
-    X, W, Scales, Zeros, Bias, Out, Partials, Counters, Res, NormW, ResOut, XN, N, K, stride_w, stride_s, stride_om,
-    eps, MASK, MAGIC,
+    X, W, Scales, Zeros, Bias, Out, Partials, Counters, N, K, stride_w, stride_s, stride_om, MASK, MAGIC,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr, PAIRS: tl.constexpr = False, OFFSET: tl.constexpr = 0.0, BF16: tl.constexpr = False,
-    AHEAD: tl.constexpr = 1, GATED: tl.constexpr = False, NORM: tl.constexpr = False, ROW_BLOCK: tl.constexpr = 16,
-    PREFETCH: tl.constexpr = False,
+    AHEAD: tl.constexpr = 1, GATED: tl.constexpr = False,
 ):
     # N: the output columns. GATED: W holds 2N rows [gate | up] (int4: 2N columns of words), the output is
     # silu(gate) * up; each program reads its gate rows' tile and its up rows' tile (rows N + cols) and
-    # dots both with the same x. NORM: x comes from the residual add and RMSNorm (`_norm_into`, XN).
+    # dots both with the same x.
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
     w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS,
                                            FORMAT != _INT4)
@@ -356,23 +314,21 @@ def _qgemv_row_kernel(
             u_ptrs += w_step
             u_1, u_scale_1, u_zero_1 = _weight_tile(u_ptrs, Scales, Zeros, u_s_ptrs, k_1, cols + N, ok_1, stride_s,
                                                     FORMAT, SCALE_K, False)
-    if PREFETCH:  # the tiles the loop reads after those above
-        n_rows = 2 * N if GATED else N
-        _prefetch(W, pid_n * BLOCK_N, k_lo + AHEAD * BLOCK_K, k_hi, n_rows, stride_w, FORMAT, BLOCK_N, BLOCK_K)
-        if GATED:
-            _prefetch(W, N + pid_n * BLOCK_N, k_lo + AHEAD * BLOCK_K, k_hi, n_rows, stride_w, FORMAT, BLOCK_N,
-                      BLOCK_K)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    x_in = X
-    if NORM:  # program (0, 0) writes the residual stream
-        _norm_into(X, Res, NormW, ResOut, XN, K, eps, k_lo, k_hi, (pid_n == 0) & (pid_k == 0), ROW_BLOCK)
-        x_in = XN
-    if FORMAT == _INT4:
+    # x's pointers, one per word column of the tile, advanced by a tile's step (`_x_words`)
+    x_step = BLOCK_K
+    if PAIRS:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        x_ptrs = X.to(tl.pointer_type(tl.int32)) + k_lo // 2 + 4 * tl.arange(0, BLOCK_K // 8)
+        x_step = BLOCK_K // 2
+    elif FORMAT == _INT4:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        x_ptrs = X + k_lo + 8 * tl.arange(0, BLOCK_K // 8)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
+        x_ptrs = X + k_lo + 4 * tl.arange(0, BLOCK_K // 4)
     acc_up = acc
     for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
         k_next = k0 + AHEAD * BLOCK_K
@@ -384,7 +340,8 @@ def _qgemv_row_kernel(
             u_ptrs += w_step
             u_next, u_scale_next, u_zero_next = _weight_tile(u_ptrs, Scales, Zeros, u_s_ptrs, k_next, cols + N,
                                                              ok_next, stride_s, FORMAT, SCALE_K, False)
-        xw = _x_words(x_in + k0, FORMAT, PAIRS, BLOCK_K)
+        xw = _x_words(x_ptrs, FORMAT, PAIRS)
+        x_ptrs += x_step
         acc = _word_dot(w, scale, zero, xw, acc, MASK, MAGIC, FORMAT, PAIRS, OFFSET, BF16, ASM)
         if GATED:
             acc_up = _word_dot(u, u_scale, u_zero, xw, acc_up, MASK, MAGIC, FORMAT, PAIRS, OFFSET, BF16, ASM)

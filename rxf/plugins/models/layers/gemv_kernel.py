@@ -35,7 +35,6 @@ block adds onto; `res_out` must not be r itself (the other programs still read r
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -56,39 +55,13 @@ def _mma(w, x_t, acc, IEEE: tl.constexpr):
     return tl.dot(w, x_t, acc)
 
 
-# Under PDL, whether the GEMVs ask L2 for their later weight tiles before waiting for x (`prefetch_l2`):
-# RXF_GEMV_L2 "1", or "0" (default); read at import.
-L2_PREFETCH = os.environ.get("RXF_GEMV_L2", "0")
-if L2_PREFETCH not in ("0", "1"):
-    raise ValueError(f"RXF_GEMV_L2={L2_PREFETCH!r}: expected 1 (prefetch into L2) or 0")
-# One L2 prefetch (a hint: nothing returns, nothing faults) of the 128-byte line at $1, kept there over
-# other lines (evict_last); $0 is a placeholder for Triton's elementwise form.
-PREFETCH_L2 = tl.constexpr("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;")
-
-
-@triton.jit
-def prefetch_l2(W, first_row, N_ROWS, k_from, k_hi, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                LINE: tl.constexpr):
-    """Before the PDL wait: ask L2 for the lines of a program's weight tiles over [k_from, k_hi), holding
-    no registers for them, so that the tiles its loop reads later come from L2, fetched while the
-    kernel before this one still runs (at batch 1 a projection's programs are resident during the
-    attention or norm launch before it, which leaves HBM mostly idle). W `[N, K]` with K contiguous,
-    the tile's BLOCK_N rows from `first_row` (clamped below N_ROWS), LINE elements of W a 128-byte
-    line: one prefetch a line."""
-    rows = tl.minimum(first_row + tl.arange(0, BLOCK_N), N_ROWS - 1).to(tl.int64)
-    offs = LINE * tl.arange(0, (BLOCK_K + LINE - 1) // LINE)
-    for k in range(k_from, k_hi, BLOCK_K):
-        ptrs = W + rows[:, None] * stride_w + (k + offs)[None, :]
-        tl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _gemv_kernel(
     X, W, Bias, Out, Partials, Counters, Res, NormW, ResOut, M, N_OUT, K,
     stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    NORM: tl.constexpr, ROW_BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False,
+    NORM: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N_OUT, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)  # rows of x
@@ -108,11 +81,6 @@ def _gemv_kernel(
         u = tl.load(w_ptrs + up_offset, mask=first_n[:, None], other=0.0)
     if NORM:  # the norm's weight is fixed at load too
         nw_next = tl.load(NormW + k_lo + offs_k, mask=tl.zeros_like(offs_k) + k_lo < k_hi, other=0.0)
-    if PREFETCH:  # (bf16 / fp16: 64 elements a line)
-        n_rows = 2 * N_OUT if GATED else N_OUT
-        prefetch_l2(W, pid_n * BLOCK_N, n_rows, k_lo + BLOCK_K, k_hi, stride_wn, BLOCK_N, BLOCK_K, 64)
-        if GATED:
-            prefetch_l2(W, N_OUT + pid_n * BLOCK_N, n_rows, k_lo + BLOCK_K, k_hi, stride_wn, BLOCK_N, BLOCK_K, 64)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -271,15 +239,6 @@ class GemvNorm(NamedTuple):
 NORM_MAX_K = 16384  # a program holds one row of h + r in registers for the norm's sum of squares
 
 
-def check_norm(x: torch.Tensor, norm: GemvNorm) -> None:
-    """What a GEMV that takes `norm` in needs of it, for x `[m, K]`."""
-    res, res_out = norm.residual, norm.residual_out
-    assert x.shape[1] <= NORM_MAX_K, f"K {x.shape[1]}: the fused norm takes at most {NORM_MAX_K}"
-    assert res.shape == res_out.shape == x.shape and res.dtype == res_out.dtype == x.dtype, "residual like x"
-    assert res.stride(1) == 1 and res_out.stride(1) == 1 and norm.weight.is_contiguous(), "contiguous rows"
-    assert res_out.data_ptr() != res.data_ptr(), "residual_out must not be the residual read"
-
-
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
@@ -299,7 +258,11 @@ def gemv(
     n_blocks = triton.cdiv(n_out, block_n)
     assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
     if norm is not None:
-        check_norm(x, norm)
+        res, res_out = norm.residual, norm.residual_out
+        assert k <= NORM_MAX_K, f"K {k}: the fused norm takes at most {NORM_MAX_K}"
+        assert res.shape == res_out.shape == x.shape and res.dtype == res_out.dtype == x.dtype, "residual like x"
+        assert res.stride(1) == 1 and res_out.stride(1) == 1 and norm.weight.is_contiguous(), "contiguous rows"
+        assert res_out.data_ptr() != res.data_ptr(), "residual_out must not be the residual read"
     out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
     tiles = 2 if gated else 1
     pdl = use_pdl(x)
@@ -324,7 +287,6 @@ def gemv(
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None,
         EVEN_N=n_out % block_n == 0, IEEE=x.dtype == torch.float32, PDL=pdl, NORM=norm is not None,
         ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16,
-        PREFETCH=pdl and L2_PREFETCH == "1" and weight.element_size() == 2,
         num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )
     return out

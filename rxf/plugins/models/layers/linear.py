@@ -210,16 +210,10 @@ class _TPLinear(nn.Module):
         return self.gemv.normed(h, self.weight, self.bias, residual, norm)
 
 
-    def forward_activated(
-        self, x: torch.Tensor, act: nn.Module, norm: nn.Module | None = None, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(`act(forward(x'))`, the residual stream) in the quantization method's one launch
-        (`apply_activated`): x' is x, or `norm(x + residual)` given a norm, whose sum is then returned
-        as the residual stream (else None). None where the method has no such path (a dense layer's
-        gated GEMV is the model's `decode_gemv(..., gated=True)`)."""
-        if self.quant is None:
-            return None
-        return self.quant.apply_activated(self, x, act, self.bias, norm, residual)
+    def forward_activated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor | None:
+        """`act(forward(x))` in the quantization method's one launch (`apply_activated`); None where the
+        method has none (a dense layer's gated GEMV is the model's `decode_gemv(..., gated=True)`)."""
+        return None if self.quant is None else self.quant.apply_activated(self, x, act, self.bias)
 
 
 class ColumnParallelLinear(_TPLinear):
