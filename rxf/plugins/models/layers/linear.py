@@ -209,7 +209,6 @@ class _TPLinear(nn.Module):
             return None
         return self.gemv.normed(h, self.weight, self.bias, residual, norm)
 
-
     def forward_activated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor | None:
         """`act(forward(x))` in the quantization method's one launch (`apply_activated`); None where the
         method has none (a dense layer's gated GEMV is the model's `decode_gemv(..., gated=True)`)."""
