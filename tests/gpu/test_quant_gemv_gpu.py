@@ -6,7 +6,10 @@
   and int4 in groups of 128 with zero points, against F.linear in float32 on the weight each
   format's own code dequantizes: < 1% relative error (bf16 output, float32 accumulation); then
   captured in a CUDA graph and replayed with new inputs: the eager bits, the counters left zeroed;
-- tiny quantized checkpoints through `ModelRunner` with CUDA graphs: at decode (batch 1, 3, 8, after
+- at batch 1, the row kernel of a gate/up layer with the SiLU·mul in its launch (`QuantGemv.activated`),
+  every format, against float32 and against the two launches, and replayed from a CUDA graph;
+- tiny quantized checkpoints through `ModelRunner` with CUDA graphs (tile settings, or row labels whose
+  gate/up takes its SiLU·mul at batch 1): at decode (batch 1, 3, 8, after
   prefills of at most 8 tokens, which take the GEMV too) every method's layers run the GEMV, the
   graph-replayed step gives the eager step's logits, and both are within 5% of transformers running
   the dequantized float32 twin (weight-only, so bf16 rounding is the only error: the int4 GEMM's
