@@ -7,7 +7,7 @@
 # (git-ignored, carried) and the next call restores them. benchmarks/fi_cache_build.py builds such
 # parts on the CPU box. Carried paths travel within 64 MiB in all: the cuDNN frontend wheel (11.6 MB;
 # FlashInfer imports it only if present, for cuDNN paths rxf does not use) can stay out of .whl/.
-#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|fi-tests|quant|offline-profile|pytest|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|fi-tests|quant|quant-ab|offline-profile|pytest|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -216,6 +216,20 @@ elif [ "$stage" = quant ]; then
       > "$out/q-moe.log" 2>&1
     echo "moe: rc $?"; grep -E "^decode1 |roofline" "$out/q-moe.log"
   fi
+elif [ "$stage" = quant-ab ]; then
+  # "quant-ab BASE_DIR": issue 19's figures against an older tree (`git archive COMMIT | tar -x -C DIR`) in
+  # one call: batch-1 decode of bf16, block-wise FP8 and AWQ over BASE_DIR and then this tree (`compare`,
+  # one set of checkpoints), then this tree's offline 1000 requests on the same checkpoints, the parts
+  # in QAB_OFFLINE (default "bf16 fp8kv": bf16, and block-wise FP8 with an FP8 KV cache under
+  # RXF_FP8_FUSED_INPUT=QAB_FUSED, default gated), each bounded by QAB_OFFLINE_S (default 90) seconds.
+  COMPARE_ARGS="--quantization bf16,fp8,awq" COMPARE_TAIL=12 bash benchmarks/gpu_session.sh compare "$1" decode1 \
+    | grep -E "rc |b1_graphs"
+  G="python3 benchmarks/gpu_decode.py --preset llama3-8b --model-dir /tmp/rxf-cmp-llama3-8b --backends triton --phases offline"
+  for part in ${QAB_OFFLINE-bf16 fp8kv}; do
+    if [ "$part" = bf16 ]; then args="--quantization bf16"; else args="--quantization fp8 --offline-kv-dtype fp8_e4m3"; fi
+    RXF_FP8_FUSED_INPUT=${QAB_FUSED:-gated} timeout "${QAB_OFFLINE_S:-90}" $G $args > "$out/qab-$part.log" 2>&1
+    echo "offline $part: rc $? $(grep req_s "$out/qab-$part.log")"
+  done
 elif [ "$stage" = offline-profile ]; then
   # "offline-profile [BACKEND [TAG]]": gpu_decode.py's offline phase on the Llama-3-8B shape (the
   # checkpoint `ab` uses, built if missing) with a step profile of the timed run and two kernel
