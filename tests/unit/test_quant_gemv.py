@@ -246,7 +246,7 @@ def test_int4_needs_integer_zero_points(qgemv_env):
     assert qgemv.int4(layer, 64) is None, "7.5 - a code is not exact in half precision"
 
 
-def test_settings_from_the_environment(qgemv_env):
+def test_settings_from_the_environment(qgemv_env, monkeypatch):
     weight, scale = torch.zeros(64, 512, dtype=fp8_ops.FP8), torch.ones(64)
     qgemv_env("fp8=n32k128s2st3w4, fp8:down_proj=off,int4:o_proj=auto")
     assert qgemv.settings_for("fp8", "qkv_proj")[0].label == "n32k128s2st3w4"
@@ -273,6 +273,12 @@ def test_settings_from_the_environment(qgemv_env):
     assert qgemv.settings_for("int4", "down_proj")[0].peer == "torch4"
     qgemv_env("fp8=xn64k128s0st4w4")
     assert qgemv.settings_for("fp8", None)[0] == qgemv.QuantSettings(qgemv.GemvSettings.parse("n64k128s0st4w4"), True)
+    monkeypatch.setenv(qgemv.GATED_ENV, "int4,fp16")
+    qgemv._gated_formats.cache_clear()
+    with pytest.raises(ValueError, match=qgemv.GATED_ENV):
+        qgemv.fp8_rows(SimpleNamespace(weight=weight, weight_scale=scale, gemv_role="gate_up_proj"))
+    monkeypatch.delenv(qgemv.GATED_ENV)
+    qgemv._gated_formats.cache_clear()
     for bad in ("fp8", "fp4=auto", "fp8:lm_head=auto", "int4=n48k128s1st4w4", "int4=fast", "int4=xn32k128s1st4w4",
                 "fp8=xrn16k256s0st1w8", "fp8=torch8", "int4=torch16"):
         qgemv_env(bad)

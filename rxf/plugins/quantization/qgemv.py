@@ -258,6 +258,7 @@ def _build(layer: nn.Module, fmt: str, *tensors: torch.Tensor | None, **kw: int)
     chosen = settings_for(fmt, role)
     if chosen is None:
         return None
+    _gated_formats()  # a bad RXF_QGEMV_GATED fails the load, not the first decode step
     settings = chosen[0]
     if chosen is BY_DEFAULT.get(fmt):  # no RXF_QGEMV entry: a measured setting for this shape, if any
         settings = _shape_default(fmt, tensors[0]) or settings
