@@ -41,6 +41,7 @@ def qgemv_env(monkeypatch: pytest.MonkeyPatch):
 
     yield set_env
     qgemv._plan.cache_clear()
+    qgemv._gated_formats.cache_clear()  # (a test may set RXF_QGEMV_GATED)
 
 
 def _check(op: qgemv.QuantGemv, x: torch.Tensor, bias: torch.Tensor | None, dense: torch.Tensor) -> None:
@@ -210,7 +211,6 @@ def test_row_kernel_takes_the_silu_mul_in(qgemv_env, monkeypatch, dtype, fmt, ah
     monkeypatch.setenv(qgemv.GATED_ENV, "none")
     qgemv._gated_formats.cache_clear()
     assert op.activated(x, bias, act) is None
-    qgemv._gated_formats.cache_clear()
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
