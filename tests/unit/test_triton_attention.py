@@ -25,6 +25,7 @@ from rxf.core.forward import ForwardBatch, ForwardMode  # noqa: E402
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from rxf.core.registry import PluginRegistry  # noqa: E402
 from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
+from rxf.plugins.attention.triton import decode  # noqa: E402
 from rxf.plugins.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from rxf.plugins.attention.triton.decode import decode_attention  # noqa: E402
 from rxf.plugins.attention.triton.extend import extend_attention  # noqa: E402
@@ -159,10 +160,19 @@ def test_extend_multi_block_and_odd_head_dim() -> None:
     check(case, out)
 
 
+@pytest.fixture(params=["tile", "loop"])
+def merge_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the last program merges a request's chunks: as one tile, or chunk by chunk (what a tile
+    above `decode.MERGE_TILE_LIMIT` takes)."""
+    if request.param == "loop":
+        monkeypatch.setattr(decode, "MERGE_TILE_LIMIT", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("max_splits", [1, 2, 4])
 @DTYPES
 @GQA_MHA
-def test_decode_splits(heads: int, kv_heads: int, dtype: torch.dtype, max_splits: int) -> None:
+def test_decode_splits(heads: int, kv_heads: int, dtype: torch.dtype, max_splits: int, merge_mode: str) -> None:
     # seq_lens 1 / 6 / 13: at 4 splits request 1 gets chunks of 2 and an empty fourth one.
     case = build(ForwardMode.DECODE, [0, 5, 12], [1, 1, 1], heads, kv_heads, 16, dtype)
     backend = case.triton.attn_backend
@@ -192,7 +202,7 @@ def _decode_reference(
     return out.to(q.dtype)
 
 
-def test_decode_kernel_more_splits_than_tokens_and_head_blocks() -> None:
+def test_decode_kernel_more_splits_than_tokens_and_head_blocks(merge_mode: str) -> None:
     """Split counts above some sequence lengths (empty chunks), a padded entry with seq_len 0 (zeros),
     several key blocks per chunk, and a GQA group of 32 split over two programs of 16 heads."""
     torch.manual_seed(1)

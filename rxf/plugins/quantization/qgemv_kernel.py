@@ -58,6 +58,11 @@ _F16_SIXTEENTHS = (0x5400, 64.0)
 _PAIRS_ENV = os.environ.get("RXF_INT4_PAIRS", "1")
 if _PAIRS_ENV not in ("0", "1"):
     raise ValueError(f"RXF_INT4_PAIRS={_PAIRS_ENV!r}: expected 1 (half2 arithmetic) or 0 (float32)")
+# The FP8 row kernel with half-precision x: two weights an operation in f16x2 (`_fp8_pairs_fma`, "1") or
+# one in float32 (`_fp8_fma`, "0", the default until the GPU has timed the pairs); read at import.
+_FP8_PAIRS_ENV = os.environ.get("RXF_FP8_PAIRS", "0")
+if _FP8_PAIRS_ENV not in ("0", "1"):
+    raise ValueError(f"RXF_FP8_PAIRS={_FP8_PAIRS_ENV!r}: expected 1 (f16x2 arithmetic) or 0 (float32)")
 
 
 @triton.jit
@@ -295,10 +300,12 @@ def qgemv(
             "the row kernel reads FP8 rows as int32 words")
         # int4 with half-precision x: two codes an operation in x's dtype, x read as int32 words
         # (`_int4_pairs_fma`; fp16 codes in sixteenths: 64.0's bits, offset 64)
-        pairs = fmt == INT4 and x.dtype != torch.float32 and x.data_ptr() % 4 == 0 and _PAIRS_ENV == "1"
-        if pairs and x.dtype == torch.float16:
+        int4_pairs = fmt == INT4 and x.dtype != torch.float32 and x.data_ptr() % 4 == 0 and _PAIRS_ENV == "1"
+        if int4_pairs and x.dtype == torch.float16:
             magic, offset = _F16_SIXTEENTHS
-        mask, magic_arg = (_PAIR_MASK, magic | magic << 16) if pairs else (_INT4_MASK, _INT4_MAGIC)
+        mask, magic_arg = (_PAIR_MASK, magic | magic << 16) if int4_pairs else (_INT4_MASK, _INT4_MAGIC)
+        # FP8 with half-precision x: two weights an operation in f16x2 (`_fp8_pairs_fma`)
+        pairs = int4_pairs or (fmt != INT4 and x.dtype != torch.float32 and _FP8_PAIRS_ENV == "1")
         _qgemv_row_kernel[(n_blocks, split_k)](
             x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,
             partials, counters, n_out, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0,
