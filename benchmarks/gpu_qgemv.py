@@ -65,9 +65,12 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
     # half2 arithmetic, `RXF_INT4_PAIRS`, 3.2 at 128 x 128 with 4 warps, 3.0 at 256 x 128 or 2 warps, 2.9
     # with 1; on the H200, 2026-12-06, 2 warps won at qkv, o_proj and down).
     # (block_n, block_k, warps, tiles read ahead: the label's st)
+    # FP8 in f16x2 pairs (`RXF_FP8_PAIRS=1`) saves the most where a thread holds many rows: 2 warps, or
+    # 128 rows over 4 (`sass_count.py --kernel fp8-block-pairs`: 2.8 instructions a weight against 3.8).
     rows = {"fp8": [(16, 256, 8, 1), (32, 256, 4, 1), (64, 256, 4, 1), (64, 256, 8, 1), (32, 512, 8, 1),
-                    (32, 256, 4, 2), (64, 256, 4, 2)],
-            "fp8-block": [(32, 128, 4, 1), (64, 128, 4, 1), (64, 128, 8, 1), (64, 128, 4, 2)],
+                    (32, 256, 4, 2), (64, 256, 4, 2), (64, 256, 2, 1), (128, 256, 4, 1)],
+            "fp8-block": [(32, 128, 4, 1), (64, 128, 4, 1), (64, 128, 8, 1), (64, 128, 4, 2), (64, 128, 2, 1),
+                          (128, 128, 4, 1), (128, 128, 2, 1)],
             "int4": [(32, 128, 4, 1), (64, 128, 4, 1), (128, 128, 4, 1), (128, 128, 8, 1), (256, 128, 4, 1),
                      (128, 128, 2, 1), (128, 128, 4, 2), (64, 128, 2, 1), (128, 128, 1, 1)]}[fmt]
     row_settings = [dataclasses.replace(base, block_n=n, block_k=k, num_stages=st, num_warps=w, row=True)
