@@ -57,8 +57,10 @@ def test_timings_and_counts_match_the_fake_server(backend: str) -> None:
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         stats = summary[key]
         assert stats["median"] <= stats["p99"] + 1e-9
-    # All eight at once: the run lasts about one request, and throughput is tokens / duration.
-    assert e2e <= summary["duration_s"] < e2e + 0.2
+    # All eight at once: the run lasts about one request (in turn they would take 8 x e2e, two at a time
+    # 4 x), and throughput is tokens / duration. The slack over one request absorbs a loaded machine's
+    # stall (0.60 s against 0.23 seen once in a full suite run on the 2-core box).
+    assert e2e <= summary["duration_s"] < 3 * e2e
     assert summary["output_throughput"] == pytest.approx(80 / summary["duration_s"])
     assert summary["request_throughput"] == pytest.approx(8 / summary["duration_s"])
     assert summary["usage_cache_hit_rate"] == pytest.approx(0.5)

@@ -24,13 +24,16 @@ projections then read 1.5-2.6 TB/s of codes at 2 warps, and AWQ decoded at 1.76x
 Each program holds one weight tile ahead of the one it multiplies, or two (`AHEAD`, a row label's
 `st`).
 
-FP8 words can be dotted two weights an operation too (`_fp8_pairs_fma`, `RXF_FP8_PAIRS=1`, off by
-default): 3.80 -> 2.79 instructions a weight at 64 x 128 / 2 warps, 3.83 -> 2.84 at 128 x 128 / 4 (but
-4.72 -> 5.06 at 64 x 128 / 8 warps: x's pairing is per thread and needs rows to share it). On an H100
-(2026-12-06, benchmarks/gpu_fp8_pairs.py) the block-wise FP8 projections of Llama-3-8B at batch 1 ran
-5-28% faster a label with it (the fastest: qkv 13.1 -> 10.7 us, o 9.3 -> 7.7, gate_up 45.6 -> 43.1,
-down 28.1 -> 22.4); the one end-to-end run, with those labels, decoded at 259.7 tok/s against 276.4 for
-the float32 dot at `SHAPE_DEFAULTS`' labels, which it was not run with: not yet the default.
+FP8 can be dotted two weights an operation too (`_fp8_pairs_fma`, `RXF_FP8_PAIRS=1`, off by default),
+the tile then read as int64 words of eight weights: 3.80 -> 2.65 instructions a weight at 64 x 128 /
+2 warps, 3.83 -> 2.67 at 128 x 128 / 4, 4.72 -> 4.62 at 64 x 128 / 8 warps (x's pairing is per thread:
+it pays where a thread holds many rows). On an H100 (2026-12-06, benchmarks/gpu_fp8_pairs.py) a first
+form over int32 words of four (2.79 / 2.84 / 5.06 a weight) ran the block-wise FP8 projections of
+Llama-3-8B at batch 1 5-28% faster a label (the fastest: qkv 13.1 -> 10.7 us, o 9.3 -> 7.7, gate_up 45.6
+-> 43.1, down 28.1 -> 22.4); its one end-to-end run, with those labels, decoded at 259.7 tok/s against
+276.4 for the float32 dot at `SHAPE_DEFAULTS`' labels, which it was not run with: not yet the default.
+The int64 form has run on the CPU's interpreter only (`tests/gpu/test_quant_gemv_gpu.py` has its GPU
+cases).
 
 GATED (`qgemv.QuantGemv.activated`): the SiLU·mul after a `[gate | up]` projection in the same launch,
 as the dense GEMV does; each program dots block_n / 2 gate rows and the matching up rows with the same
@@ -94,44 +97,52 @@ def _fp8_fma(w, scale, xs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
     return t
 
 
-# An FP8 word's dot with x in f16x2 arithmetic, for `_fp8_pairs_fma`: $1 the word (E4M3 bytes w0..w3, lowest
-# first), $2 / $3 x's pairs (x0, x1) / (x2, x3) in fp16, times X_UNIT. `cvt.rn.f16x2.e4m3x2` puts bytes 0
-# and 1 (2 and 3) into a pair's low and high halves, exactly; a `mul` and an `fma` dot both pairs, the
-# halves add and widen to float32. 7 instructions for four weights, against 11 through float32 (`_E4M3X4`
-# and four FMAs).
+# An FP8 word's dot with x in f16x2 arithmetic, for `_fp8_pairs_fma`: $1 the int64 word (E4M3 bytes w0..w7,
+# lowest first), $2-$5 x's pairs (x0, x1) .. (x6, x7) in fp16, times X_UNIT. `cvt.rn.f16x2.e4m3x2` puts
+# bytes 2i and 2i + 1 into a pair's low and high halves, exactly; a `mul` and three `fma` dot the four
+# pairs, the halves add and widen to float32. 10 instructions for eight weights, against 22 through
+# float32 (`_E4M3X4` and eight FMAs).
 _FP8_PAIRS_F16 = tl.constexpr("""{
-.reg .b16 lo, hi, dl, dh;
-.reg .b32 p, q, d;
-mov.b32 {lo, hi}, $1;
-cvt.rn.f16x2.e4m3x2 p, lo;
-cvt.rn.f16x2.e4m3x2 q, hi;
-mul.rn.f16x2 d, p, $2;
-fma.rn.f16x2 d, q, $3, d;
+.reg .b32 lo, hi, p0, p1, p2, p3, d;
+.reg .b16 b0, b1, b2, b3, dl, dh;
+mov.b64 {lo, hi}, $1;
+mov.b32 {b0, b1}, lo;
+mov.b32 {b2, b3}, hi;
+cvt.rn.f16x2.e4m3x2 p0, b0;
+cvt.rn.f16x2.e4m3x2 p1, b1;
+cvt.rn.f16x2.e4m3x2 p2, b2;
+cvt.rn.f16x2.e4m3x2 p3, b3;
+mul.rn.f16x2 d, p0, $2;
+fma.rn.f16x2 d, p1, $3, d;
+fma.rn.f16x2 d, p2, $4, d;
+fma.rn.f16x2 d, p3, $5, d;
 mov.b32 {dl, dh}, d;
 add.rn.f16 dl, dl, dh;
 cvt.f32.f16 $0, dl;
 }""")
-# x's scale in `_FP8_PAIRS_F16`: E4M3 values reach 448, so a product is at most 448 / 1024 |x| and a
-# word's sum 1.75 |x|, inside fp16 for any |x| below ~37,000; inputs under 2^-14 * 1024 = 1/16 become
-# fp16 subnormals, whose absolute step (2^-24 * 1024 = 6e-5) is bf16's own rounding of |x| ~ 0.03.
-X_UNIT = tl.constexpr(1.0 / 1024.0)
+# x's scale in `_FP8_PAIRS_F16`: E4M3 values reach 448, so a product is at most 448 / 2048 |x| and a
+# word's sum of eight 1.75 |x|, inside fp16 for any |x| below ~37,000; inputs under 2^-14 * 2048 = 1/8
+# become fp16 subnormals, whose absolute step (2^-24 * 2048 = 1.2e-4) is bf16's own rounding of |x| ~ 0.06.
+X_UNIT = tl.constexpr(1.0 / 2048.0)
 
 
 @triton.jit
 def _fp8_pairs_fma(w, scale, x_pairs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
-    """acc + the FP8 tile w (int32 words `[BLOCK_N, BLOCK_K / 4]`) dotted with x two weights an operation
-    in f16x2 (`_FP8_PAIRS_F16`): float32 `[BLOCK_N, BLOCK_K / 4]`. x_pairs (`_x_words`): two int32
-    `[BLOCK_K / 4]`, the fp16 pairs (x[4r], x[4r + 1]) and (x[4r + 2], x[4r + 3]) times X_UNIT; 1 / X_UNIT
-    returns with the block's scale (or alone: row scales wait for the epilogue). A word's four products
-    and their sum round to fp16 (2^-11) before float32 takes over. ASM off (Triton's interpreter) computes
-    the same pairing in float32: the CPU tests check the indexing and the unit, the GPU tests the
-    arithmetic."""
+    """acc + the FP8 tile w (int64 words of eight weights, `[BLOCK_N, BLOCK_K / 8]`) dotted with x two
+    weights an operation in f16x2 (`_FP8_PAIRS_F16`): float32 `[BLOCK_N, BLOCK_K / 8]`. x_pairs
+    (`_x_words`): four int32 `[BLOCK_K / 8]`, the fp16 pairs (x[8r + 2i], x[8r + 2i + 1]) times X_UNIT;
+    1 / X_UNIT returns with the block's scale (or alone: row scales wait for the epilogue). A word's eight
+    products and their sum round to fp16 (2^-11) before float32 takes over. ASM off (Triton's
+    interpreter) computes the same pairing in float32: the CPU tests check the indexing and the unit, the
+    GPU tests the arithmetic."""
     if ASM:
-        t = tl.inline_asm_elementwise(_FP8_PAIRS_F16, "=r,r,r,r", [w, x_pairs[0][None, :], x_pairs[1][None, :]],
-                                      dtype=tl.float32, is_pure=True, pack=1)
+        t = tl.inline_asm_elementwise(
+            _FP8_PAIRS_F16, "=r,l,r,r,r,r",
+            [w, x_pairs[0][None, :], x_pairs[1][None, :], x_pairs[2][None, :], x_pairs[3][None, :]],
+            dtype=tl.float32, is_pure=True, pack=1)
     else:
         t = tl.zeros_like(acc)
-        for j in tl.static_range(4):
+        for j in tl.static_range(8):
             f = ((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             t += f * _half(x_pairs[j // 2] >> (16 * (j % 2)), False)[None, :]
     if FORMAT == _FP8_BLOCKS:
@@ -303,9 +314,10 @@ def _x_words(x_ptrs, FORMAT: tl.constexpr, PAIRS: tl.constexpr):
     the tile): PAIRS (int4, half x; x read as int32 words, two inputs each, pointing at inputs 8r and
     8r + 1) four int32, the halves (x[8r + j], x[8r + j + 4]) (`_int4_pairs_fma`); int4 (pointing at
     x[8r]) eight float32, inputs 8r + j (`_int4_fma`); FP8 (at x[4r]) four float32, inputs 4r + j
-    (`_fp8_fma`), or with PAIRS two int32 of fp16 pairs (`_fp8_pairs_fma`)."""
-    if PAIRS and FORMAT != _INT4:  # FP8: x[4r + j] times X_UNIT in fp16, paired (j = 0, 1) and (2, 3)
-        xw = (_f16_pair(tl.load(x_ptrs), tl.load(x_ptrs + 1)), _f16_pair(tl.load(x_ptrs + 2), tl.load(x_ptrs + 3)))
+    (`_fp8_fma`), or with PAIRS (at x[8r]) four int32 of fp16 pairs (`_fp8_pairs_fma`)."""
+    if PAIRS and FORMAT != _INT4:  # FP8 (at x[8r]): x[8r + j] times X_UNIT in fp16, paired (2i, 2i + 1)
+        xw = (_f16_pair(tl.load(x_ptrs), tl.load(x_ptrs + 1)), _f16_pair(tl.load(x_ptrs + 2), tl.load(x_ptrs + 3)),
+              _f16_pair(tl.load(x_ptrs + 4), tl.load(x_ptrs + 5)), _f16_pair(tl.load(x_ptrs + 6), tl.load(x_ptrs + 7)))
     elif PAIRS:  # int4: re-paired from the words
         a = tl.load(x_ptrs)
         b = tl.load(x_ptrs + 1)
@@ -351,8 +363,10 @@ def _qgemv_row_kernel(
     # silu(gate) * up; each program reads its gate rows' tile and its up rows' tile (rows N + cols) and
     # dots both with the same x.
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
+    # FP8 words: int64 of eight weights for the f16x2 pairs, else int32 of four
+    words: tl.constexpr = 0 if FORMAT == _INT4 else (8 if PAIRS else 4)
     w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS,
-                                           FORMAT != _INT4)
+                                           words)
     # Weights are fixed at load: the first tiles are read before waiting for the kernel that writes x.
     # An empty K range (the last split may be) reads zeros, scales included. (Vector compares: Triton's
     # interpreter rejects a mask broadcast from a scalar.)
@@ -361,7 +375,7 @@ def _qgemv_row_kernel(
                                   False)
     if GATED:
         u_ptrs, _, u_s_ptrs = tile_pointers(W, Scales, cols + N, k_lo, stride_w, stride_s, FORMAT, BLOCK_K,
-                                            SCALE_ROWS, FORMAT != _INT4)
+                                            SCALE_ROWS, words)
         u, u_scale, u_zero = _weight_tile(u_ptrs, Scales, Zeros, u_s_ptrs, k_lo, cols + N, first_ok, stride_s,
                                           FORMAT, SCALE_K, False)
     # AHEAD tiles are in flight while one is multiplied (the label's `st`: 1, or 2 for more bytes in
@@ -390,6 +404,9 @@ def _qgemv_row_kernel(
         x_ptrs = X.to(tl.pointer_type(tl.int32)) + k_lo // 2 + 4 * tl.arange(0, BLOCK_K // 8)
         x_step = BLOCK_K // 2
     elif FORMAT == _INT4:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+        x_ptrs = X + k_lo + 8 * tl.arange(0, BLOCK_K // 8)
+    elif PAIRS:  # FP8 in int64 words
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         x_ptrs = X + k_lo + 8 * tl.arange(0, BLOCK_K // 8)
     else:
