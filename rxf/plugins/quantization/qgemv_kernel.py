@@ -302,7 +302,7 @@ def qgemv(
         from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
 
         # FP8 with half-precision x: eight weights a word, two an operation in f16x2 (`_fp8_pairs_fma`)
-        fp8_pairs = fmt != INT4 and x.dtype != torch.float32 and _FP8_PAIRS_ENV == "1"
+        fp8_pairs = fmt != INT4 and x.dtype != torch.float32 and x.data_ptr() % 4 == 0 and _FP8_PAIRS_ENV == "1"
         word = 8 if fp8_pairs else 4
         assert fmt == INT4 or (weight.stride(0) % word == 0 and weight.data_ptr() % word == 0), (
             f"the row kernel reads FP8 rows as {8 * word}-bit words")

@@ -25,15 +25,15 @@ Each program holds one weight tile ahead of the one it multiplies, or two (`AHEA
 `st`).
 
 FP8 can be dotted two weights an operation too (`_fp8_pairs_fma`, `RXF_FP8_PAIRS=1`, off by default),
-the tile then read as int64 words of eight weights: 3.80 -> 2.65 instructions a weight at 64 x 128 /
-2 warps, 3.83 -> 2.67 at 128 x 128 / 4, 4.72 -> 4.62 at 64 x 128 / 8 warps (x's pairing is per thread:
-it pays where a thread holds many rows). On an H100 (2026-12-06, benchmarks/gpu_fp8_pairs.py) a first
-form over int32 words of four (2.79 / 2.84 / 5.06 a weight) ran the block-wise FP8 projections of
+the tile then read as int64 words of eight weights and x as int32 words, paired in one `cvt` a pair
+(`_f16_pair`): block-wise FP8 3.80 -> 2.62 instructions a weight at 64 x 128 / 2 warps, 4.25 -> 3.50 at
+64 x 128 / 4, 4.72 -> 4.06 at 64 x 128 / 8; row scales 3.52 -> 2.81 at 32 x 256 / 4. On an H100 (2026-12-06, benchmarks/gpu_fp8_pairs.py) a first
+form over int32 words of four (2.79 / 4.14 / 5.06 a weight at those tiles) ran the block-wise FP8 projections of
 Llama-3-8B at batch 1 5-28% faster a label (the fastest: qkv 13.1 -> 10.7 us, o 9.3 -> 7.7, gate_up 45.6
 -> 43.1, down 28.1 -> 22.4); its one end-to-end run, with those labels, decoded at 259.7 tok/s against
 276.4 for the float32 dot at `SHAPE_DEFAULTS`' labels, which it was not run with: not yet the default.
-The int64 form has run on the CPU's interpreter only (`tests/gpu/test_quant_gemv_gpu.py` has its GPU
-cases).
+The committed form has run on the CPU's interpreter only, whose fallback skips the PTX
+(`tests/gpu/test_quant_gemv_gpu.py` has its GPU cases).
 
 GATED (`qgemv.QuantGemv.activated`): the SiLU·mul after a `[gate | up]` projection in the same launch,
 as the dense GEMV does; each program dots block_n / 2 gate rows and the matching up rows with the same
@@ -300,24 +300,55 @@ def _int4_fma(w, scale, zero, xs, acc, MASK, MAGIC):
     return acc + scale.to(tl.float32)[:, None] * (t - offset[:, None] * x_sum[None, :])
 
 
+# x's bf16 pair (an int32 word, low input first) to the fp16 pair of its values times X_UNIT (2^-11,
+# float32 0x3A000000): each half widened by its position, scaled, and both rounded in one cvt.
+_BF16_TO_F16_PAIR = tl.constexpr("""{
+.reg .b32 a, b;
+.reg .f32 lo, hi;
+shl.b32 a, $1, 16;
+and.b32 b, $1, 0xFFFF0000;
+mov.b32 lo, a;
+mov.b32 hi, b;
+mul.rn.f32 lo, lo, 0f3A000000;
+mul.rn.f32 hi, hi, 0f3A000000;
+cvt.rn.f16x2.f32 $0, hi, lo;
+}""")
+# The same from an fp16 pair: one packed multiply by 2^-11 (fp16 0x1000 in each half).
+_F16_SCALED_PAIR = tl.constexpr("""{
+.reg .b32 c;
+mov.b32 c, 0x10001000;
+mul.rn.f16x2 $0, $1, c;
+}""")
+
+
 @triton.jit
-def _f16_pair(lo, hi):
-    """int32 holding lo * X_UNIT and hi * X_UNIT as fp16 halves (low, high)."""
-    a = (lo.to(tl.float32) * X_UNIT).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    b = (hi.to(tl.float32) * X_UNIT).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+def _f16_pair(xw, BF16: tl.constexpr, ASM: tl.constexpr):
+    """x's int32 word xw (two bf16 or fp16 inputs, low first) as their fp16 pair times X_UNIT."""
+    if ASM:
+        return tl.inline_asm_elementwise(_BF16_TO_F16_PAIR if BF16 else _F16_SCALED_PAIR, "=r,r", [xw],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    if BF16:  # a bf16's float32 is its bits shifted up
+        lo = (xw << 16).to(tl.float32, bitcast=True)
+        hi = (xw & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = _half(xw, False)
+        hi = _half(xw >> 16, False)
+    a = (lo * X_UNIT).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    b = (hi * X_UNIT).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     return a | (b << 16)
 
 
 @triton.jit
-def _x_words(x_ptrs, FORMAT: tl.constexpr, PAIRS: tl.constexpr):
+def _x_words(x_ptrs, FORMAT: tl.constexpr, PAIRS: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
     """x's inputs for a tile, as its word-wise dot takes them, from `x_ptrs` (one per word column r of
     the tile): PAIRS (int4, half x; x read as int32 words, two inputs each, pointing at inputs 8r and
     8r + 1) four int32, the halves (x[8r + j], x[8r + j + 4]) (`_int4_pairs_fma`); int4 (pointing at
     x[8r]) eight float32, inputs 8r + j (`_int4_fma`); FP8 (at x[4r]) four float32, inputs 4r + j
-    (`_fp8_fma`), or with PAIRS (at x[8r]) four int32 of fp16 pairs (`_fp8_pairs_fma`)."""
-    if PAIRS and FORMAT != _INT4:  # FP8 (at x[8r]): x[8r + j] times X_UNIT in fp16, paired (2i, 2i + 1)
-        xw = (_f16_pair(tl.load(x_ptrs), tl.load(x_ptrs + 1)), _f16_pair(tl.load(x_ptrs + 2), tl.load(x_ptrs + 3)),
-              _f16_pair(tl.load(x_ptrs + 4), tl.load(x_ptrs + 5)), _f16_pair(tl.load(x_ptrs + 6), tl.load(x_ptrs + 7)))
+    (`_fp8_fma`), or with PAIRS (x as int32 words, at word 4r) four int32 of fp16 pairs
+    (`_fp8_pairs_fma`)."""
+    if PAIRS and FORMAT != _INT4:  # FP8 (x read as int32 words, at word 4r): x[8r + j] times X_UNIT in fp16
+        xw = (_f16_pair(tl.load(x_ptrs), BF16, ASM), _f16_pair(tl.load(x_ptrs + 1), BF16, ASM),
+              _f16_pair(tl.load(x_ptrs + 2), BF16, ASM), _f16_pair(tl.load(x_ptrs + 3), BF16, ASM))
     elif PAIRS:  # int4: re-paired from the words
         a = tl.load(x_ptrs)
         b = tl.load(x_ptrs + 1)
@@ -406,9 +437,10 @@ def _qgemv_row_kernel(
     elif FORMAT == _INT4:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         x_ptrs = X + k_lo + 8 * tl.arange(0, BLOCK_K // 8)
-    elif PAIRS:  # FP8 in int64 words
+    elif PAIRS:  # FP8 in int64 words, x in int32 words
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        x_ptrs = X + k_lo + 8 * tl.arange(0, BLOCK_K // 8)
+        x_ptrs = X.to(tl.pointer_type(tl.int32)) + k_lo // 2 + 4 * tl.arange(0, BLOCK_K // 8)
+        x_step = BLOCK_K // 2
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
         x_ptrs = X + k_lo + 4 * tl.arange(0, BLOCK_K // 4)
@@ -423,7 +455,7 @@ def _qgemv_row_kernel(
             u_ptrs += w_step
             u_next, u_scale_next, u_zero_next = _weight_tile(u_ptrs, Scales, Zeros, u_s_ptrs, k_next, cols + N,
                                                              ok_next, stride_s, FORMAT, SCALE_K, False)
-        xw = _x_words(x_ptrs, FORMAT, PAIRS)
+        xw = _x_words(x_ptrs, FORMAT, PAIRS, BF16, ASM)
         x_ptrs += x_step
         acc = _word_dot(w, scale, zero, xw, acc, MASK, MAGIC, FORMAT, PAIRS, OFFSET, BF16, ASM)
         if GATED:
