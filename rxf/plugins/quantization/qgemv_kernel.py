@@ -172,7 +172,7 @@ def tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT: tl.constexp
 @triton.jit
 def first_tile(W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_K: tl.constexpr,
-               PDL: tl.constexpr, WORDS: tl.constexpr = False):
+               PDL: tl.constexpr):
     """The tile kernel's start (the row kernel's is its own, for GATED's second tile): this program's
     span (`program_span`), its tile pointers, and its first weight tile with what dequantizes it, read
     before the PDL wait (weights and scales are fixed at load; the wait then lets the kernel read x).
@@ -181,7 +181,7 @@ def first_tile(W, Scales, Zeros, N, K, stride_w, stride_s, FORMAT: tl.constexpr,
     Returns (pid_n, pid_k, cols, mask_n, k_lo, k_hi, w_ptrs, w_step, s_ptrs, w, scale, zero)."""
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
     w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS,
-                                           WORDS)
+                                           False)
     # (vector compares: Triton's interpreter rejects a mask broadcast from a scalar)
     first_n = mask_n & (tl.zeros_like(cols) + k_lo < k_hi)
     w, scale, zero = _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k_lo, cols, first_n, stride_s, FORMAT, SCALE_K, False)
