@@ -65,8 +65,9 @@ def _sweep(fmt: str) -> list[tuple[Any, int]]:
     # half2 arithmetic, `RXF_INT4_PAIRS`, 3.2 at 128 x 128 with 4 warps, 3.0 at 256 x 128 or 2 warps, 2.9
     # with 1; on the H200, 2026-12-06, 2 warps won at qkv, o_proj and down).
     # (block_n, block_k, warps, tiles read ahead: the label's st)
-    # FP8 in f16x2 pairs (`RXF_FP8_PAIRS=1`) saves the most where a thread holds many rows: 2 warps, or
-    # 128 rows over 4 (`sass_count.py --kernel fp8-block-pairs`: 2.8 instructions a weight against 3.8).
+    # FP8 also takes many-row tiles (2 warps, or 128 rows over 4): a thread reuses x's words over more
+    # rows (block-wise 64 x 128: 3.8 instructions a weight at 2 warps against 4.25 at 4), though at
+    # 2-warp labels Llama-3-8B decoded slower end to end on an H100 (benchmarks/RESULTS.md, 2026-12-06).
     rows = {"fp8": [(16, 256, 8, 1), (32, 256, 4, 1), (64, 256, 4, 1), (64, 256, 8, 1), (32, 512, 8, 1),
                     (32, 256, 4, 2), (64, 256, 4, 2), (64, 256, 2, 1), (128, 256, 4, 1)],
             "fp8-block": [(32, 128, 4, 1), (64, 128, 4, 1), (64, 128, 8, 1), (64, 128, 4, 2), (64, 128, 2, 1),

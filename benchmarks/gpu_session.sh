@@ -7,7 +7,7 @@
 # (git-ignored, carried) and the next call restores them. benchmarks/fi_cache_build.py builds such
 # parts on the CPU box. Carried paths travel within 64 MiB in all: the cuDNN frontend wheel (11.6 MB;
 # FlashInfer imports it only if present, for cuDNN paths rxf does not use) can stay out of .whl/.
-#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|fi-tests|quant|quant-ab|fp8-pairs|offline-profile|pytest|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|tune|fi-tests|quant|quant-ab|offline-profile|pytest|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -230,18 +230,25 @@ elif [ "$stage" = quant-ab ]; then
     RXF_FP8_FUSED_INPUT=${QAB_FUSED:-gated} timeout "${QAB_OFFLINE_S:-90}" $G $args > "$out/qab-$part.log" 2>&1
     echo "offline $part: rc $? $(grep req_s "$out/qab-$part.log")"
   done
-elif [ "$stage" = fp8-pairs ]; then
-  # "fp8-pairs": issue 19's FP8 batch-1 question for `RXF_FP8_PAIRS` (f16x2 word dots), one block-wise FP8
-  # checkpoint: decode1 of bf16 and FP8 as they are, then FP8 with the pairs at the default labels and at
-  # FP8_PAIRS_Q (default: those labels with 2 warps, where the pairs save the most instructions), then the
-  # projections alone (benchmarks/gpu_fp8_pairs.py at each shape's default and the many-row tiles)
-  q=${FP8_PAIRS_Q:-fp8-block:qkv_proj=rn64k128s6st1w2,fp8-block:o_proj=rn64k128s10st1w2,fp8-block:gate_up_proj=rn64k128s2st1w2,fp8-block:down_proj=rn64k128s10st1w2}
-  VARIANT_ARGS="--quantization bf16,fp8" bash benchmarks/gpu_session.sh variants llama3-8b "RXF_FP8_PAIRS=0"
-  grep -h "^decode1" "$out/var-llama3-8b-0.log"  # bf16's line too (the next variants reuse the log names)
-  VARIANT_ARGS="--quantization fp8" bash benchmarks/gpu_session.sh variants llama3-8b "RXF_FP8_PAIRS=1" \
-    "RXF_FP8_PAIRS=1 RXF_QGEMV=$q" "RXF_FP8_PAIRS=0 RXF_QGEMV=$q"
-  timeout "${FP8_PAIRS_S:-200}" python3 benchmarks/gpu_fp8_pairs.py > "$out/fp8-pairs.log" 2>&1
-  echo "gpu_fp8_pairs: rc $?"; grep -v Warn "$out/fp8-pairs.log" | tail -n 8
+elif [ "$stage" = tune ]; then
+  # "tune PRESET": this GPU's decode GEMV settings (gpu_profile.py --phases gemv: its `suggested` and its
+  # `all triton` RXF_GEMV) and, with TUNE_MOE=1, the MoE decode blocks at 1 token (gpu_moe_decode.py),
+  # then batch-1 decode (stage variants) with the environment as it is, then with each value found.
+  preset=$1
+  timeout "${TUNE_GEMV_S:-150}" python3 benchmarks/gpu_profile.py --phases gemv --preset "$preset" > "$out/tune-gemv.log" 2>&1
+  echo "gemv sweep: rc $?"; grep -E "^(suggested|all triton|projections)" "$out/tune-gemv.log"
+  envs=("TUNE=base")
+  for kind in suggested "all triton"; do
+    gemv=$(sed -n "s/^$kind: RXF_GEMV=//p" "$out/tune-gemv.log" | tail -n 1)
+    [ -n "$gemv" ] && envs+=("RXF_GEMV=$gemv")
+  done
+  if [ "${TUNE_MOE:-0}" = 1 ]; then
+    timeout "${TUNE_MOE_S:-200}" python3 benchmarks/gpu_moe_decode.py --shape "$preset" --tokens 1 > "$out/tune-moe.log" 2>&1
+    echo "moe sweep: rc $?"; grep -vi "warn" "$out/tune-moe.log" | tail -n 8
+    moe=$(sed -n 's/^RXF_MOE_DECODE=//p' "$out/tune-moe.log" | tail -n 1)
+    [ -n "$moe" ] && envs+=("RXF_MOE_DECODE=$moe")
+  fi
+  bash benchmarks/gpu_session.sh variants "$preset" "${envs[@]}"
 elif [ "$stage" = offline-profile ]; then
   # "offline-profile [BACKEND [TAG]]": gpu_decode.py's offline phase on the Llama-3-8B shape (the
   # checkpoint `ab` uses, built if missing) with a step profile of the timed run and two kernel

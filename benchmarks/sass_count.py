@@ -86,7 +86,7 @@ def main() -> None:
     from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "fp8-pairs", "fp8-block-pairs", "int4", "int4-f16", "int4-f32", "int4-tile", "bf16", "fp8-x", "fp8-block-x",
+    ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "int4-f16", "int4-f32", "int4-tile", "bf16", "fp8-x", "fp8-block-x",
                                          "moe-gate-up", "moe-down"], default="fp8")
     ap.add_argument("--experts", choices=["fp8-block", "fp8-row", "bf16"], default="fp8-block")
     ap.add_argument("--block-n", type=int, default=16)
@@ -119,18 +119,16 @@ def main() -> None:
         consts = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, GATED=False, HAS_BIAS=False, PDL=True, NORM=False,
                       ROW_BLOCK=16)
     else:
-        fmt = {"fp8": 0, "fp8-block": 1, "fp8-pairs": 0, "fp8-block-pairs": 1, "int4": 2, "int4-f16": 2,
-               "int4-f32": 2}[args.kernel]
+        fmt = {"fp8": 0, "fp8-block": 1, "int4": 2, "int4-f16": 2, "int4-f32": 2}[args.kernel]
         fn = _qgemv_row_kernel
         sig = {**_QUANT_SIG, "MASK": "i32", "MAGIC": "i32"}
         if fmt == 2:
             half = "*fp16" if args.kernel == "int4-f16" else "*bf16"
             sig.update(X=half, Bias=half, Out=half, W="*i32", Scales=half, Zeros=half)
         # int4: two codes an operation in bf16 (the default; int4-f16: fp16 x); int4-f32: one in float32
-        # (RXF_INT4_PAIRS=0); fp8(-block)-pairs: two weights an operation in f16x2 (RXF_FP8_PAIRS=1)
+        # (RXF_INT4_PAIRS=0)
         consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, SCALE_ROWS=1,
-                      SCALE_K=128 if fmt else 4096, PDL=True, ASM=True,
-                      PAIRS=args.kernel in ("int4", "int4-f16", "fp8-pairs", "fp8-block-pairs"),
+                      SCALE_K=128 if fmt else 4096, PDL=True, ASM=True, PAIRS=args.kernel in ("int4", "int4-f16"),
                       OFFSET=64.0 if args.kernel == "int4-f16" else 128.0, BF16=args.kernel != "int4-f16",
                       AHEAD=2 if args.stages >= 2 else 1,  # --stages 2: two weight tiles read ahead
                       GATED=args.gated)

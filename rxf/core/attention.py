@@ -103,6 +103,10 @@ class AttentionContext:
     # CPU: the torch thread counts the forwards may run at (torch.compile guards on the count, and
     # Inductor's kernels are made for it); default: the count current where the context is made.
     thread_counts: tuple[int, ...] = field(default_factory=lambda: (torch.get_num_threads(),))
+    # Whether a decode batch may hold several rows of one request, each attending over the others' new
+    # tokens (a speculative verify, a draft model's catch-up: `ModelRunner._extend_rows`). Where none
+    # may, a backend can store each row's K/V inside its attention launch (the triton backend does).
+    multi_row_decode: bool = True
 
 
 class AttentionBackend(ABC):

@@ -245,41 +245,6 @@ def test_int4_gemv_in_float16(label: str, default_settings: pytest.MonkeyPatch) 
         assert out.dtype == torch.float16 and _rel_err(out, F.linear(x.float(), dense)) < 1e-2, f"m={m}"
 
 
-@pytest.mark.parametrize("label", ["rn64k128s0st1w2", "rn128k128s0st2w4", "rn32k256s3st1w4"])
-@pytest.mark.parametrize("role", SHAPES)
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
-def test_fp8_row_kernel_in_f16_pairs(fmt: str, role: str, label: str, default_settings: pytest.MonkeyPatch) -> None:
-    """`RXF_FP8_PAIRS=1`: one row of bf16 or fp16 x through `_fp8_pairs_fma`'s inline PTX (eight weights
-    a word, f16x2 products of x times `X_UNIT`) at every Llama-3-8B shape, against float32 on the
-    dequantized weight (within 1%, as the float32 dot) and within 1e-2 of the float32 dot itself; x with
-    entries up to 300 and down to 1e-4 (fp16 subnormals once scaled). Gated too, at gate/up's shape."""
-    from rxf.plugins.models.layers.activation import SiluAndMul
-    from rxf.plugins.quantization import qgemv_kernel
-
-    default_settings.setenv(qgemv.ENV, f"{ALL_AUTO},{fmt}={label}")
-    qgemv._plan.cache_clear()
-    op, dense = _layer(fmt, role, torch.Generator(device=DEV).manual_seed(6))
-    k = SHAPES[role][1]
-    scale = torch.logspace(-4, 2.5, k, device=DEV)[torch.randperm(k, device=DEV)]
-    for dtype in (BF16, torch.float16):
-        x = (_x(1, k, 7).float() * scale).to(dtype)
-        default_settings.setattr(qgemv_kernel, "_FP8_PAIRS_ENV", "0")
-        plain = op(x, None)
-        default_settings.setattr(qgemv_kernel, "_FP8_PAIRS_ENV", "1")
-        paired = op(x, None)
-        assert paired.dtype == dtype and not op.counters.any()
-        assert _rel_err(paired, F.linear(x.float(), dense)) < 1e-2, dtype
-        assert _rel_err(paired, plain) < 1e-2, dtype
-    if role == "gate_up_proj":
-        default_settings.setenv(qgemv.GATED_ENV, fmt)
-        qgemv._gated_formats.cache_clear()
-        x = _x(1, k, 8)
-        y = F.linear(x.float(), dense)
-        half = y.shape[-1] // 2
-        out = op.activated(x, None, SiluAndMul())
-        assert out is not None and _rel_err(out, F.silu(y[:, :half]) * y[:, half:]) < 1e-2
-
-
 # ---------------------------------------------------------------- quantized checkpoints at decode
 CASES = {"fp8": ("fp8", {}), "ct-channel": ("ct-channel", {}), "ct-tensor-static": ("ct-tensor", {"static": True}),
          "awq": ("awq", {}), "gptq-desc-act": ("gptq", {"desc_act": True})}

@@ -132,8 +132,9 @@ def test_mixed_batch_one_token_rows_take_the_decode_kernel(heads: int, kv_heads:
     assert not backend._counters.any()
 
 
-# RXF_DECODE_STORE: "" the K/V store's launch, then decode; "fused": the decode launch stores (backend.py).
-STORES = pytest.mark.parametrize("decode_store", ["", "fused"], ids=["store-launch", "fused-store"])
+# RXF_DECODE_STORE: "separate" the K/V store's launch, then decode; "fused": the decode launch stores
+# (backend.py; unset: fused unless a decode batch may hold several rows of one request).
+STORES = pytest.mark.parametrize("decode_store", ["separate", "fused"], ids=["store-launch", "fused-store"])
 
 
 @STORES

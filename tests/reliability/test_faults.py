@@ -81,10 +81,11 @@ def test_scheduler_killed_under_load_fails_requests_fast_and_exits_nonzero(serve
 
 def test_overflow_and_timeout(server_factory, long_context_model_dir):
     """max_running 2 + max_queued 2: four long requests fill the server; more get 503 + Retry-After
-    and no memory; the long ones then hit the 3 s request timeout (504 / an error event)."""
+    and no memory; the long ones then hit the 5 s request timeout (504 / an error event). (The 201
+    refusals took 3.3 s once on a loaded 2-core machine: the timeout leaves them room.)"""
     srv = server_factory({
         "model.path": str(long_context_model_dir), "cache.max_total_tokens": 65536,
-        "scheduler.max_running_requests": 2, "scheduler.max_queued_requests": 2, "server.request_timeout_s": 3.0,
+        "scheduler.max_running_requests": 2, "scheduler.max_queued_requests": 2, "server.request_timeout_s": 5.0,
     })
     rss_before = psutil.Process(srv.proc.pid).memory_info().rss
     results: list = []
@@ -108,7 +109,7 @@ def test_overflow_and_timeout(server_factory, long_context_model_dir):
         r = http.post("/v1/completions", json={"model": str(long_context_model_dir), "prompt": "a", "max_tokens": 2})
         stats = server_stats(srv)
     overflow_s = time.monotonic() - started
-    assert overflow_s < 3, "the overflow must be measured while the four long requests still run"
+    assert overflow_s < 5, "the overflow must be measured while the four long requests still run"
     assert set(statuses) == {503} and retry_after == {"1"}, (set(statuses), retry_after)
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
     assert stats["num_running"] + stats["num_waiting"] <= 4
@@ -124,7 +125,7 @@ def test_overflow_and_timeout(server_factory, long_context_model_dir):
     with httpx.Client(base_url=srv.url, timeout=10) as http:
         t0 = time.monotonic()
         r = http.post("/generate", json={"text": "w", "sampling_params": LONG})
-        assert r.status_code == 504 and 2.5 < time.monotonic() - t0 < 6, r.text
+        assert r.status_code == 504 and 4.5 < time.monotonic() - t0 < 8, r.text
         assert "request_timeout_s" in r.json()["error"]["message"]
         stats = _idle(srv)  # aborted at once: nothing left running, every slot accounted for
         assert _ledger_ok(stats), stats

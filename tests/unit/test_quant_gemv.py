@@ -158,37 +158,6 @@ def test_int4(qgemv_env, dtype, m, group, split, form):
     _check(op, _x(m, k, dtype, m), bias, dense)
 
 
-@pytest.mark.parametrize("ahead_split", [(1, 1), (2, 3)], ids=["st1-split1", "st2-split3"])
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_fp8_row_kernel_in_f16_pairs(qgemv_env, monkeypatch, fmt, ahead_split, gated):
-    """`RXF_FP8_PAIRS=1`: the FP8 row kernel dots a word's four weights as two f16x2 pairs with x times
-    `X_UNIT` in fp16 (`_fp8_pairs_fma`; the interpreter does the pairing in float32), 1 / X_UNIT back
-    with the block's scale or alone before the row scales; x up to 8 here and down to 1e-3 (fp16
-    subnormals once scaled). Plain and with the SiLU·mul (`activated`), against float64."""
-    from rxf.plugins.models.layers.activation import SiluAndMul
-    from rxf.plugins.quantization import qgemv_kernel
-
-    monkeypatch.setattr(qgemv_kernel, "_FP8_PAIRS_ENV", "1")
-    monkeypatch.setenv(qgemv.GATED_ENV, fmt)
-    qgemv._gated_formats.cache_clear()
-    ahead, split = ahead_split
-    qgemv_env(f"{fmt}=rn32k64s{split}st{ahead}w4")
-    k, n_out = 256, 48
-    gen = torch.Generator().manual_seed(split + 7 * gated)
-    _, op, dense = _gate_up_layer(fmt, torch.float16, n_out, k, gen)
-    x = _x(1, k, torch.float16, 5) * torch.logspace(-3, 0.9, k).half()
-    bias = torch.randn(2 * n_out, generator=gen).half()
-    y = F.linear(x.double(), dense, bias.double())
-    if gated:
-        out = op.activated(x, bias, SiluAndMul())
-        expected = (F.silu(y[:, :n_out]) * y[:, n_out:]).half()
-    else:
-        out, expected = op(x, bias), y.half()
-    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
-    assert not op.counters.any(), "every counter must be back at 0 after a launch"
-
-
 def _gate_up_layer(fmt: str, dtype: torch.dtype, n_out: int, k: int, gen: torch.Generator):
     """(a stand-in gate/up layer of `fmt` with 2 * n_out rows, its GEMV, the dense weight in float64)."""
     if fmt == "int4":

@@ -104,6 +104,30 @@ def build(
     return Case(layer, q, k, v, batch(TorchNativeBackend, kv_pool), batch(TritonAttnBackend, twin))
 
 
+# RXF_DECODE_STORE per case: the K/V store's own launch (extend, decode), or the decode launch storing.
+STORE_MODES = [(ForwardMode.EXTEND, "separate"), (ForwardMode.DECODE, "separate"), (ForwardMode.DECODE, "fused")]
+
+
+@pytest.mark.parametrize(("env", "multi_row", "fused"), [
+    ("", False, True), ("auto", True, False), ("", True, False), ("separate", False, False), ("fused", True, True),
+])
+def test_the_decode_store_is_fused_unless_a_request_may_hold_several_rows(
+    env: str, multi_row: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset (or auto), the decode launch stores the new K/V itself unless a decode batch may carry
+    several rows of one request (a speculative verify), which it could not serve: then it says so
+    (`verifies_as_decode`). RXF_DECODE_STORE=fused / separate override it; anything else is refused."""
+    monkeypatch.setenv("RXF_DECODE_STORE", env)
+    pool = TokenToKVPool(8, 1, 1, 16, torch.float32, "cpu")
+    ctx = AttentionContext(ReqToTokenPool(2, 8, "cpu"), pool, 2, 1, 16, torch.float32, torch.device("cpu"), 2, 8,
+                           multi_row_decode=multi_row)
+    backend = TritonAttnBackend(ctx)
+    assert backend.fused_decode_store is fused and backend.verifies_as_decode is not fused
+    monkeypatch.setenv("RXF_DECODE_STORE", "on")
+    with pytest.raises(ValueError, match="RXF_DECODE_STORE='on'"):
+        TritonAttnBackend(ctx)
+
+
 def fp8_exact(x: torch.Tensor, scale: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     """x rounded to the nearest FP8 value, times `scale`: a value the pool stores exactly. The Triton
     interpreter's float32 -> FP8 cast is wrong where rounding carries into the exponent (0.496 -> 0.25
@@ -429,8 +453,7 @@ def test_rope_store_kv_with_head_norms_matches_norms_then_rotary(dtype: torch.dt
     torch.testing.assert_close(k_w, k_ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize(("mode", "decode_store"), [(ForwardMode.EXTEND, ""), (ForwardMode.DECODE, ""),
-                                                   (ForwardMode.DECODE, "fused")],
+@pytest.mark.parametrize(("mode", "decode_store"), STORE_MODES,
                          ids=["extend", "decode", "decode-fused-store"])
 def test_qwen3_attention_hands_its_head_norms_to_the_fusing_backend(mode: ForwardMode, decode_store: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -465,8 +488,7 @@ def test_qwen3_attention_hands_its_head_norms_to_the_fusing_backend(mode: Forwar
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(("mode", "decode_store"), [(ForwardMode.EXTEND, ""), (ForwardMode.DECODE, ""),
-                                                   (ForwardMode.DECODE, "fused")],
+@pytest.mark.parametrize(("mode", "decode_store"), STORE_MODES,
                          ids=["extend", "decode", "decode-fused-store"])
 @DTYPES
 @ROPES
@@ -495,7 +517,7 @@ def test_rotary_fused_into_store_matches_torch_native(mode: ForwardMode, decode_
         outs.append(attn(q, k, v, batch, rotary=rope))
         if batch is case.triton and rope.cos_sin_cache is None:
             assert not batch.attn_backend.fuses_rope(rope)
-        elif batch is case.triton and decode_store:  # rotated inside the decode launch, not in place
+        elif batch is case.triton and decode_store == "fused":  # rotated inside the decode launch, not in place
             assert batch.attn_backend.fuses_rope(rope) and not batch.attn_backend.verifies_as_decode
             torch.testing.assert_close(q, qkv.split(sizes, dim=-1)[0], rtol=0, atol=0)
         elif batch is case.triton:  # the fused path rotated q in place (the torch path does not)
@@ -514,8 +536,7 @@ FP8 = pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m
 
 @FP8
 @DTYPES
-@pytest.mark.parametrize(("mode", "decode_store"), [(ForwardMode.EXTEND, ""), (ForwardMode.DECODE, ""),
-                                                   (ForwardMode.DECODE, "fused")],
+@pytest.mark.parametrize(("mode", "decode_store"), STORE_MODES,
                          ids=["extend", "decode", "decode-fused-store"])
 def test_fp8_kv_matches_torch_native(mode: ForwardMode, decode_store: str, dtype: torch.dtype, kv_dtype: torch.dtype,
                                      monkeypatch: pytest.MonkeyPatch) -> None:

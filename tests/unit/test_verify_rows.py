@@ -88,6 +88,12 @@ def test_which_extends_become_decode_rows(ckpt: Path, monkeypatch: pytest.Monkey
     assert runner._extend_rows(inp) is not None
     longer = ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 6, [7, 12], [5, 1], torch.arange(6))  # 5 > 3 drafts + 1
     assert runner._extend_rows(longer) is None
+    # A backend whose decode cannot carry several rows of one request (the triton backend storing K/V
+    # inside its decode launch) still takes an extend of one token a request as decode rows.
+    monkeypatch.setattr(runner.attn_backend, "verifies_as_decode", False)
+    assert runner._extend_rows(inp) is None
+    assert runner._extend_rows(ModelInput(ForwardMode.EXTEND, [1, 2], [1] * 2, [7, 12], [1, 1], torch.arange(2)))
+    monkeypatch.setattr(runner.attn_backend, "verifies_as_decode", True)
 
     class Compiled:
         def ready_for(self, threads: int) -> bool:
@@ -102,3 +108,11 @@ def test_which_extends_become_decode_rows(ckpt: Path, monkeypatch: pytest.Monkey
         assert runner._extend_rows(longer) is None  # no graphs for this count yet
     finally:
         torch.set_num_threads(saved)
+
+
+def test_decode_batches_hold_several_rows_of_a_request_only_when_speculating(ckpt: Path) -> None:
+    """What the runner tells its attention backend (`AttentionContext.multi_row_decode`): a target that
+    speculates verifies as decode rows; a plain one never puts two rows of a request in a decode batch."""
+    assert not ModelHarness(ckpt).runner._attention_context.multi_row_decode
+    spec = ModelHarness(ckpt, **{"speculative.method": "ngram"}).runner
+    assert spec._attention_context.multi_row_decode

@@ -218,6 +218,7 @@ class ModelRunner:
         self, config: EngineConfig, registry: PluginRegistry, model_path: str, *,
         aux_hidden_layers: tuple[int, ...] = (), draft_of: ModelRunner | None = None,
         threads: CpuThreads | None = None, thread_counts: tuple[int, ...] | None = None,
+        catches_up: bool = False,
     ) -> None:
         """`aux_hidden_layers`: the target of an EAGLE-3 head, whose forwards also give the inputs of
         these layers (`forward_with_aux`). `draft_of`: this runner holds a draft head (an EAGLE-3 head)
@@ -226,11 +227,15 @@ class ModelRunner:
         numbers, so whatever holds a slot, a request or the radix cache, holds the head's K/V too).
         `threads`: the CPU thread count chosen before each forward (else torch's, or
         `runtime.cpu_threads`, stays). `thread_counts`: without `threads`, the counts the caller
-        will run forwards at (what CPU kernels are compiled for; default: the current count)."""
+        will run forwards at (what CPU kernels are compiled for; default: the current count).
+        `catches_up`: a draft model's runner, whose short extends over the tokens a verify accepted run
+        as decode rows of one request (`_extend_rows`), as a speculative target's verifies do."""
         start = time.perf_counter()
         self.config = config
         self.draft_of = draft_of
         self.aux_hidden_layers = aux_hidden_layers
+        # Whether a decode batch may hold several rows of one request (AttentionContext.multi_row_decode)
+        self.multi_row_decode = catches_up or draft_of is not None or config.speculative.method != "none"
         self.threads = threads
         if config.runtime.cpu_threads:
             torch.set_num_threads(config.runtime.cpu_threads)
@@ -372,6 +377,7 @@ class ModelRunner:
             max_running,
             self.max_context_len,
             self.thread_counts,
+            self.multi_row_decode,
         )
 
     def _slots_from_memory(self, bytes_per_slot: int, max_running: int) -> int:
@@ -598,10 +604,10 @@ class ModelRunner:
         """An extend as DECODE rows through a captured or compiled decode forward, or None (it runs as
         the extend it is). Token t of request i becomes a row of request i's req_to_token row at
         position prefix_lens[i] + t, which attends up to itself (seq_len prefix_lens[i] + t + 1): exact
-        where the backend says `verifies_as_decode`; only the rows whose logits the extend asks for
-        get them (`_logits_rows`), auxiliary states stay per token as an extend gives them. No
-        images, no pooling, not a draft head's forward (its graphs take its own rows' states). The
-        caller writes `inp`'s row writes.
+        where the backend says `verifies_as_decode`, else only with one new token a request; only the
+        rows whose logits the extend asks for get them (`_logits_rows`), auxiliary states stay per
+        token as an extend gives them. No images, no pooling, not a draft head's forward (its graphs
+        take its own rows' states). The caller writes `inp`'s row writes.
         - CUDA: short extends (at most `speculative.num_draft_tokens` + 1 new tokens per request: a
           speculative verify, a draft model's catch-up over the tokens a verify accepted, a prompt's
           last few uncached tokens) that a graph holds: on the H200 a 9-token verify replayed costs
@@ -609,13 +615,10 @@ class ModelRunner:
         - CPU: every extend once the decode forward is compiled for this thread count: the backend's
           op reads an extend's tokens as such rows anyway (`plugins/attention/cpu.py`), and compiled,
           the forward's norms, rope and activations fuse as decode's do (issue 22)."""
-        if (
-            not self.attn_backend.verifies_as_decode
-            or self.pooling is not None
-            or inp.mm_items is not None
-            or inp.hidden is not None
-        ):
+        if self.pooling is not None or inp.mm_items is not None or inp.hidden is not None:
             return None
+        if not self.attn_backend.verifies_as_decode and max(inp.extend_lens) > 1:
+            return None  # one row a request still does (a prompt whose last token alone is uncached)
         compiled = self.compiled_decode
         compiled_rows = compiled is not None and compiled.ready_for(torch.get_num_threads())
         short = max(inp.extend_lens) <= self.config.speculative.num_draft_tokens + 1

@@ -176,7 +176,7 @@ def load_draft_model(config: EngineConfig, registry: PluginRegistry, target: Mod
 
         },
     )
-    runner = ModelRunner(draft_config, registry, spec.draft_model_path)
+    runner = ModelRunner(draft_config, registry, spec.draft_model_path, catches_up=True)
     if runner.vocab_size > target.vocab_size:
         raise ValueError(
             f"speculative.draft_model_path: its vocabulary ({runner.vocab_size}) is larger than the target's "

@@ -58,11 +58,6 @@ _F16_SIXTEENTHS = (0x5400, 64.0)
 _PAIRS_ENV = os.environ.get("RXF_INT4_PAIRS", "1")
 if _PAIRS_ENV not in ("0", "1"):
     raise ValueError(f"RXF_INT4_PAIRS={_PAIRS_ENV!r}: expected 1 (half2 arithmetic) or 0 (float32)")
-# The FP8 row kernel with half-precision x: two weights an operation in f16x2 (`_fp8_pairs_fma`, "1") or
-# one in float32 (`_fp8_fma`, "0", the default until the GPU has timed the pairs); read at import.
-_FP8_PAIRS_ENV = os.environ.get("RXF_FP8_PAIRS", "0")
-if _FP8_PAIRS_ENV not in ("0", "1"):
-    raise ValueError(f"RXF_FP8_PAIRS={_FP8_PAIRS_ENV!r}: expected 1 (f16x2 arithmetic) or 0 (float32)")
 
 
 @triton.jit
@@ -91,7 +86,7 @@ def _weight_tile(w_ptrs, Scales, Zeros, s_ptrs, k0, cols, n_ok, stride_s,
     else:
         if EVEN:
             w = tl.load(w_ptrs)
-        elif w_ptrs.dtype.element_ty.is_int():  # FP8 as int32 / int64 words (`tile_pointers`)
+        elif w_ptrs.dtype.element_ty == tl.int32:  # FP8 as int32 words of four (`tile_pointers`)
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
@@ -150,15 +145,10 @@ def tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT: tl.constexp
     """(pointers of the weight tile at K offset k_lo, their step per tile, the FP8 block scales of the
     tile's rows). Int4 words are `[K / 8, N]`: the tile's rows are output columns, loaded along N.
     WORDS (FP8, the row kernel): the tile is read as int32 words of four consecutive inputs,
-    `[BLOCK_N, BLOCK_K / 4]` (stride_w a multiple of 4); WORDS 8: as int64 words of eight, `[BLOCK_N,
-    BLOCK_K / 8]` (stride_w a multiple of 8)."""
+    `[BLOCK_N, BLOCK_K / 4]` (stride_w a multiple of 4)."""
     if FORMAT == _INT4:
         w_ptrs = W + (k_lo // 8 + tl.arange(0, BLOCK_K // 8)).to(tl.int64)[None, :] * stride_w + cols[:, None]
         w_step = (BLOCK_K // 8) * stride_w
-    elif WORDS == 8:
-        words = W.to(tl.pointer_type(tl.int64))
-        w_ptrs = words + cols.to(tl.int64)[:, None] * (stride_w // 8) + (k_lo // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
-        w_step = BLOCK_K // 8
     elif WORDS:
         words = W.to(tl.pointer_type(tl.int32))
         w_ptrs = words + cols.to(tl.int64)[:, None] * (stride_w // 4) + (k_lo // 4 + tl.arange(0, BLOCK_K // 4))[None, :]
@@ -301,18 +291,14 @@ def qgemv(
     if row and m == 1:
         from rxf.plugins.quantization.qgemv_row_kernel import _qgemv_row_kernel
 
-        # FP8 with half-precision x: eight weights a word, two an operation in f16x2 (`_fp8_pairs_fma`)
-        fp8_pairs = fmt != INT4 and x.dtype != torch.float32 and x.data_ptr() % 4 == 0 and _FP8_PAIRS_ENV == "1"
-        word = 8 if fp8_pairs else 4
-        assert fmt == INT4 or (weight.stride(0) % word == 0 and weight.data_ptr() % word == 0), (
-            f"the row kernel reads FP8 rows as {8 * word}-bit words")
+        assert fmt == INT4 or (weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0), (
+            "the row kernel reads FP8 rows as int32 words")
         # int4 with half-precision x: two codes an operation in x's dtype, x read as int32 words
         # (`_int4_pairs_fma`; fp16 codes in sixteenths: 64.0's bits, offset 64)
-        int4_pairs = fmt == INT4 and x.dtype != torch.float32 and x.data_ptr() % 4 == 0 and _PAIRS_ENV == "1"
-        if int4_pairs and x.dtype == torch.float16:
+        pairs = fmt == INT4 and x.dtype != torch.float32 and x.data_ptr() % 4 == 0 and _PAIRS_ENV == "1"
+        if pairs and x.dtype == torch.float16:
             magic, offset = _F16_SIXTEENTHS
-        mask, magic_arg = (_PAIR_MASK, magic | magic << 16) if int4_pairs else (_INT4_MASK, _INT4_MAGIC)
-        pairs = int4_pairs or fp8_pairs
+        mask, magic_arg = (_PAIR_MASK, magic | magic << 16) if pairs else (_INT4_MASK, _INT4_MAGIC)
         _qgemv_row_kernel[(n_blocks, split_k)](
             x, weight, scales, zeros if zeros is not None else scales, bias if bias is not None else out, out,
             partials, counters, n_out, k, weight.stride(0), scales.stride(0) if scales.dim() == 2 else 0,

@@ -24,16 +24,8 @@ projections then read 1.5-2.6 TB/s of codes at 2 warps, and AWQ decoded at 1.76x
 Each program holds one weight tile ahead of the one it multiplies, or two (`AHEAD`, a row label's
 `st`).
 
-FP8 can be dotted two weights an operation too (`_fp8_pairs_fma`, `RXF_FP8_PAIRS=1`, off by default),
-the tile then read as int64 words of eight weights and x as int32 words, paired in one `cvt` a pair
-(`_f16_pair`): block-wise FP8 3.80 -> 2.62 instructions a weight at 64 x 128 / 2 warps, 4.25 -> 3.50 at
-64 x 128 / 4, 4.72 -> 4.06 at 64 x 128 / 8; row scales 3.52 -> 2.81 at 32 x 256 / 4. On an H100 (2026-12-06, benchmarks/gpu_fp8_pairs.py) a first
-form over int32 words of four (2.79 / 4.14 / 5.06 a weight at those tiles) ran the block-wise FP8 projections of
-Llama-3-8B at batch 1 5-28% faster a label (the fastest: qkv 13.1 -> 10.7 us, o 9.3 -> 7.7, gate_up 45.6
--> 43.1, down 28.1 -> 22.4); its one end-to-end run, with those labels, decoded at 259.7 tok/s against
-276.4 for the float32 dot at `SHAPE_DEFAULTS`' labels, which it was not run with: not yet the default.
-The committed form has run on the CPU's interpreter only, whose fallback skips the PTX
-(`tests/gpu/test_quant_gemv_gpu.py` has its GPU cases).
+An f16x2 dot of FP8 words (two weights an operation) was tried and lost end to end on an H100
+(benchmarks/RESULTS.md, 2026-12-06, "FP8 words in f16x2, end to end"), so FP8 stays in float32.
 
 GATED (`qgemv.QuantGemv.activated`): the SiLU·mul after a `[gate | up]` projection in the same launch,
 as the dense GEMV does; each program dots block_n / 2 gate rows and the matching up rows with the same
@@ -95,59 +87,6 @@ def _fp8_fma(w, scale, xs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
     if FORMAT == _FP8_BLOCKS:
         t = acc + t * scale[:, None]
     return t
-
-
-# An FP8 word's dot with x in f16x2 arithmetic, for `_fp8_pairs_fma`: $1 the int64 word (E4M3 bytes w0..w7,
-# lowest first), $2-$5 x's pairs (x0, x1) .. (x6, x7) in fp16, times X_UNIT. `cvt.rn.f16x2.e4m3x2` puts
-# bytes 2i and 2i + 1 into a pair's low and high halves, exactly; a `mul` and three `fma` dot the four
-# pairs, the halves add and widen to float32. 10 instructions for eight weights, against 22 through
-# float32 (`_E4M3X4` and eight FMAs).
-_FP8_PAIRS_F16 = tl.constexpr("""{
-.reg .b32 lo, hi, p0, p1, p2, p3, d;
-.reg .b16 b0, b1, b2, b3, dl, dh;
-mov.b64 {lo, hi}, $1;
-mov.b32 {b0, b1}, lo;
-mov.b32 {b2, b3}, hi;
-cvt.rn.f16x2.e4m3x2 p0, b0;
-cvt.rn.f16x2.e4m3x2 p1, b1;
-cvt.rn.f16x2.e4m3x2 p2, b2;
-cvt.rn.f16x2.e4m3x2 p3, b3;
-mul.rn.f16x2 d, p0, $2;
-fma.rn.f16x2 d, p1, $3, d;
-fma.rn.f16x2 d, p2, $4, d;
-fma.rn.f16x2 d, p3, $5, d;
-mov.b32 {dl, dh}, d;
-add.rn.f16 dl, dl, dh;
-cvt.f32.f16 $0, dl;
-}""")
-# x's scale in `_FP8_PAIRS_F16`: E4M3 values reach 448, so a product is at most 448 / 2048 |x| and a
-# word's sum of eight 1.75 |x|, inside fp16 for any |x| below ~37,000; inputs under 2^-14 * 2048 = 1/8
-# become fp16 subnormals, whose absolute step (2^-24 * 2048 = 1.2e-4) is bf16's own rounding of |x| ~ 0.06.
-X_UNIT = tl.constexpr(1.0 / 2048.0)
-
-
-@triton.jit
-def _fp8_pairs_fma(w, scale, x_pairs, acc, FORMAT: tl.constexpr, ASM: tl.constexpr):
-    """acc + the FP8 tile w (int64 words of eight weights, `[BLOCK_N, BLOCK_K / 8]`) dotted with x two
-    weights an operation in f16x2 (`_FP8_PAIRS_F16`): float32 `[BLOCK_N, BLOCK_K / 8]`. x_pairs
-    (`_x_words`): four int32 `[BLOCK_K / 8]`, the fp16 pairs (x[8r + 2i], x[8r + 2i + 1]) times X_UNIT;
-    1 / X_UNIT returns with the block's scale (or alone: row scales wait for the epilogue). A word's eight
-    products and their sum round to fp16 (2^-11) before float32 takes over. ASM off (Triton's
-    interpreter) computes the same pairing in float32: the CPU tests check the indexing and the unit, the
-    GPU tests the arithmetic."""
-    if ASM:
-        t = tl.inline_asm_elementwise(
-            _FP8_PAIRS_F16, "=r,l,r,r,r,r",
-            [w, x_pairs[0][None, :], x_pairs[1][None, :], x_pairs[2][None, :], x_pairs[3][None, :]],
-            dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        t = tl.zeros_like(acc)
-        for j in tl.static_range(8):
-            f = ((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            t += f * _half(x_pairs[j // 2] >> (16 * (j % 2)), False)[None, :]
-    if FORMAT == _FP8_BLOCKS:
-        return acc + t * (scale.to(tl.float32) * (1.0 / X_UNIT))[:, None]
-    return acc + t * (1.0 / X_UNIT)
 
 
 # An int4 word's dot with bf16 x in bf16x2 arithmetic, for `_int4_pairs_fma`: $1 the word, $2-$5 x's
@@ -300,56 +239,14 @@ def _int4_fma(w, scale, zero, xs, acc, MASK, MAGIC):
     return acc + scale.to(tl.float32)[:, None] * (t - offset[:, None] * x_sum[None, :])
 
 
-# x's bf16 pair (an int32 word, low input first) to the fp16 pair of its values times X_UNIT (2^-11,
-# float32 0x3A000000): each half widened by its position, scaled, and both rounded in one cvt.
-_BF16_TO_F16_PAIR = tl.constexpr("""{
-.reg .b32 a, b;
-.reg .f32 lo, hi;
-shl.b32 a, $1, 16;
-and.b32 b, $1, 0xFFFF0000;
-mov.b32 lo, a;
-mov.b32 hi, b;
-mul.rn.f32 lo, lo, 0f3A000000;
-mul.rn.f32 hi, hi, 0f3A000000;
-cvt.rn.f16x2.f32 $0, hi, lo;
-}""")
-# The same from an fp16 pair: one packed multiply by 2^-11 (fp16 0x1000 in each half).
-_F16_SCALED_PAIR = tl.constexpr("""{
-.reg .b32 c;
-mov.b32 c, 0x10001000;
-mul.rn.f16x2 $0, $1, c;
-}""")
-
-
 @triton.jit
-def _f16_pair(xw, BF16: tl.constexpr, ASM: tl.constexpr):
-    """x's int32 word xw (two bf16 or fp16 inputs, low first) as their fp16 pair times X_UNIT."""
-    if ASM:
-        return tl.inline_asm_elementwise(_BF16_TO_F16_PAIR if BF16 else _F16_SCALED_PAIR, "=r,r", [xw],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    if BF16:  # a bf16's float32 is its bits shifted up
-        lo = (xw << 16).to(tl.float32, bitcast=True)
-        hi = (xw & -65536).to(tl.float32, bitcast=True)
-    else:
-        lo = _half(xw, False)
-        hi = _half(xw >> 16, False)
-    a = (lo * X_UNIT).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    b = (hi * X_UNIT).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    return a | (b << 16)
-
-
-@triton.jit
-def _x_words(x_ptrs, FORMAT: tl.constexpr, PAIRS: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+def _x_words(x_ptrs, FORMAT: tl.constexpr, PAIRS: tl.constexpr):
     """x's inputs for a tile, as its word-wise dot takes them, from `x_ptrs` (one per word column r of
     the tile): PAIRS (int4, half x; x read as int32 words, two inputs each, pointing at inputs 8r and
     8r + 1) four int32, the halves (x[8r + j], x[8r + j + 4]) (`_int4_pairs_fma`); int4 (pointing at
     x[8r]) eight float32, inputs 8r + j (`_int4_fma`); FP8 (at x[4r]) four float32, inputs 4r + j
-    (`_fp8_fma`), or with PAIRS (x as int32 words, at word 4r) four int32 of fp16 pairs
-    (`_fp8_pairs_fma`)."""
-    if PAIRS and FORMAT != _INT4:  # FP8 (x read as int32 words, at word 4r): x[8r + j] times X_UNIT in fp16
-        xw = (_f16_pair(tl.load(x_ptrs), BF16, ASM), _f16_pair(tl.load(x_ptrs + 1), BF16, ASM),
-              _f16_pair(tl.load(x_ptrs + 2), BF16, ASM), _f16_pair(tl.load(x_ptrs + 3), BF16, ASM))
-    elif PAIRS:  # int4: re-paired from the words
+    (`_fp8_fma`)."""
+    if PAIRS:  # re-paired from the words
         a = tl.load(x_ptrs)
         b = tl.load(x_ptrs + 1)
         c = tl.load(x_ptrs + 2)
@@ -371,9 +268,7 @@ def _x_words(x_ptrs, FORMAT: tl.constexpr, PAIRS: tl.constexpr, BF16: tl.constex
 def _word_dot(w, scale, zero, xw, acc, MASK, MAGIC, FORMAT: tl.constexpr, PAIRS: tl.constexpr,
               OFFSET: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
     """acc + the tile w (with its scale and zero) dotted with `_x_words`' xw, by the format's dot."""
-    if PAIRS and FORMAT != _INT4:
-        out = _fp8_pairs_fma(w, scale, xw, acc, FORMAT, ASM)
-    elif PAIRS:
+    if PAIRS:
         out = _int4_pairs_fma(w, scale, zero, xw, acc, MASK, MAGIC, OFFSET, BF16, ASM)
     elif FORMAT == _INT4:
         out = _int4_fma(w, scale, zero, xw, acc, MASK, MAGIC)
@@ -394,10 +289,8 @@ def _qgemv_row_kernel(
     # silu(gate) * up; each program reads its gate rows' tile and its up rows' tile (rows N + cols) and
     # dots both with the same x.
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N, K, BLOCK_N, BLOCK_K, SPLIT_K)
-    # FP8 words: int64 of eight weights for the f16x2 pairs, else int32 of four
-    words: tl.constexpr = 0 if FORMAT == _INT4 else (8 if PAIRS else 4)
     w_ptrs, w_step, s_ptrs = tile_pointers(W, Scales, cols, k_lo, stride_w, stride_s, FORMAT, BLOCK_K, SCALE_ROWS,
-                                           words)
+                                           FORMAT != _INT4)
     # Weights are fixed at load: the first tiles are read before waiting for the kernel that writes x.
     # An empty K range (the last split may be) reads zeros, scales included. (Vector compares: Triton's
     # interpreter rejects a mask broadcast from a scalar.)
@@ -406,7 +299,7 @@ def _qgemv_row_kernel(
                                   False)
     if GATED:
         u_ptrs, _, u_s_ptrs = tile_pointers(W, Scales, cols + N, k_lo, stride_w, stride_s, FORMAT, BLOCK_K,
-                                            SCALE_ROWS, words)
+                                            SCALE_ROWS, FORMAT != _INT4)
         u, u_scale, u_zero = _weight_tile(u_ptrs, Scales, Zeros, u_s_ptrs, k_lo, cols + N, first_ok, stride_s,
                                           FORMAT, SCALE_K, False)
     # AHEAD tiles are in flight while one is multiplied (the label's `st`: 1, or 2 for more bytes in
@@ -430,17 +323,13 @@ def _qgemv_row_kernel(
         tl.extra.cuda.gdc_wait()
     # x's pointers, one per word column of the tile, advanced by a tile's step (`_x_words`)
     x_step = BLOCK_K
-    if PAIRS and FORMAT == _INT4:
+    if PAIRS:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         x_ptrs = X.to(tl.pointer_type(tl.int32)) + k_lo // 2 + 4 * tl.arange(0, BLOCK_K // 8)
         x_step = BLOCK_K // 2
     elif FORMAT == _INT4:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
         x_ptrs = X + k_lo + 8 * tl.arange(0, BLOCK_K // 8)
-    elif PAIRS:  # FP8 in int64 words, x in int32 words
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-        x_ptrs = X.to(tl.pointer_type(tl.int32)) + k_lo // 2 + 4 * tl.arange(0, BLOCK_K // 8)
-        x_step = BLOCK_K // 2
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.float32)
         x_ptrs = X + k_lo + 4 * tl.arange(0, BLOCK_K // 4)
@@ -455,7 +344,7 @@ def _qgemv_row_kernel(
             u_ptrs += w_step
             u_next, u_scale_next, u_zero_next = _weight_tile(u_ptrs, Scales, Zeros, u_s_ptrs, k_next, cols + N,
                                                              ok_next, stride_s, FORMAT, SCALE_K, False)
-        xw = _x_words(x_ptrs, FORMAT, PAIRS, BF16, ASM)
+        xw = _x_words(x_ptrs, FORMAT, PAIRS)
         x_ptrs += x_step
         acc = _word_dot(w, scale, zero, xw, acc, MASK, MAGIC, FORMAT, PAIRS, OFFSET, BF16, ASM)
         if GATED:

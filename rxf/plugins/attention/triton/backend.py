@@ -117,10 +117,14 @@ class TritonAttnBackend(AttentionBackend):
         self._store = store_kv
         self._rope_store = rope_store_kv
         self._decode_store = DecodeStore
-        # RXF_DECODE_STORE=fused: decode stores the new K/V inside the attention launch (one launch a
-        # layer fewer; `decode.DecodeStore`). A row then stores only its own token before it attends,
-        # so decode rows can no longer carry a speculative verify (`verifies_as_decode`).
-        self.fused_decode_store = os.environ.get("RXF_DECODE_STORE", "") == "fused"
+        # The decode launch stores the new K/V itself (one launch a layer fewer; `decode.DecodeStore`)
+        # unless a decode batch may hold several rows of one request: a row stores only its own token
+        # before it attends, so decode rows can then no longer carry a speculative verify
+        # (`verifies_as_decode`). RXF_DECODE_STORE=fused / separate overrides (benchmarks, tests).
+        store = os.environ.get("RXF_DECODE_STORE", "") or "auto"
+        if store not in ("auto", "fused", "separate"):
+            raise ValueError(f"RXF_DECODE_STORE={store!r}: expected auto, fused or separate")
+        self.fused_decode_store = store == "fused" or (store == "auto" and not ctx.multi_row_decode)
         if self.fused_decode_store:
             self.verifies_as_decode = False
         group = ctx.num_heads // ctx.num_kv_heads
