@@ -235,17 +235,17 @@ elif [ "$stage" = tune ]; then
   # `all triton` RXF_GEMV) and, with TUNE_MOE=1, the MoE decode blocks at 1 token (gpu_moe_decode.py),
   # then batch-1 decode (stage variants) with the environment as it is, then with each value found.
   preset=$1
-  timeout "${TUNE_GEMV_S:-150}" python3 benchmarks/gpu_profile.py --phases gemv --preset "$preset" > "$out/tune-gemv.log" 2>&1
-  echo "gemv sweep: rc $?"; grep -E "^(suggested|all triton|projections)" "$out/tune-gemv.log"
+  timeout "${TUNE_GEMV_S:-150}" python3 benchmarks/gpu_profile.py --phases gemv --preset "$preset" > "$out/tune-gemv-$preset.log" 2>&1
+  echo "gemv sweep: rc $?"; grep -E "^(suggested|all triton|projections)" "$out/tune-gemv-$preset.log"
   envs=("TUNE=base")
   for kind in suggested "all triton"; do
-    gemv=$(sed -n "s/^$kind: RXF_GEMV=//p" "$out/tune-gemv.log" | tail -n 1)
+    gemv=$(sed -n "s/^$kind: RXF_GEMV=//p" "$out/tune-gemv-$preset.log" | tail -n 1)
     [ -n "$gemv" ] && envs+=("RXF_GEMV=$gemv")
   done
   if [ "${TUNE_MOE:-0}" = 1 ]; then
-    timeout "${TUNE_MOE_S:-200}" python3 benchmarks/gpu_moe_decode.py --shape "$preset" --tokens 1 > "$out/tune-moe.log" 2>&1
-    echo "moe sweep: rc $?"; grep -vi "warn" "$out/tune-moe.log" | tail -n 8
-    moe=$(sed -n 's/^RXF_MOE_DECODE=//p' "$out/tune-moe.log" | tail -n 1)
+    timeout "${TUNE_MOE_S:-200}" python3 benchmarks/gpu_moe_decode.py --shape "$preset" --tokens 1 > "$out/tune-moe-$preset.log" 2>&1
+    echo "moe sweep: rc $?"; grep -vi "warn" "$out/tune-moe-$preset.log" | tail -n 8
+    moe=$(sed -n 's/^RXF_MOE_DECODE=//p' "$out/tune-moe-$preset.log" | tail -n 1)
     [ -n "$moe" ] && envs+=("RXF_MOE_DECODE=$moe")
   fi
   bash benchmarks/gpu_session.sh variants "$preset" "${envs[@]}"
