@@ -30,7 +30,7 @@ An f16x2 dot of FP8 words (two weights an operation) was tried and lost end to e
 GATED (`qgemv.QuantGemv.activated`): the SiLU·mul after a `[gate | up]` projection in the same launch,
 as the dense GEMV does; each program dots block_n / 2 gate rows and the matching up rows with the same
 x, so the grid and a program's bytes are the plain kernel's (on an H100, 2026-12-06, AWQ decoded at
-350.5 tok/s so against 341.1 with whole tiles of each, 337.9 unfused). The static count a weight: 3.59
+350.5 tok/s against 341.1 with whole tiles of each, 337.9 unfused). The static count a weight: 3.59
 -> 3.84 at 64 x 128 int4 / 4 warps (half the rows a thread shares x's pairs over), 4.72 -> 4.78 at
 32 x 128 FP8.
 """

@@ -402,7 +402,7 @@ def _merge_shape(group: int, block_h: int, grid_splits: int) -> dict[str, int]:
     tile holds MERGE_H x MERGE_S x head_dim float32 values in registers, so it is taken only while
     MERGE_H * MERGE_S <= MERGE_TILE_LIMIT (128 registers a thread at head_dim 128 over 4 warps). On an
     H100 at batch 1 (benchmarks/gpu_attn_decode.py, the backend's split counts, 3-16 chunks) the tile
-    took a launch from 5.3-14.0 us to 4.8-10.6 us (the loop's chunk loads wait on one another), and 128
+    took a launch from 5.3-13.1 us to 4.8-10.1 us (the loop's chunk loads wait on one another), and 128
     values merged as fast as 64."""
     merge_h = min(block_h, triton.next_power_of_2(group))
     merge_s = triton.next_power_of_2(grid_splits)
