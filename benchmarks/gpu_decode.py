@@ -30,7 +30,7 @@ and each frees its GPU memory before the next:
              the HF workload (128 prompt + 128 new tokens, end to end) at batch 1 and 64. Timed
              spans cover whole scheduler steps (schedule, forward, sample, outputs), between
              torch.cuda.synchronize() calls.
-  decode1    batch 1 and 16 with CUDA graphs only, on an engine of 16 requests: the quick A/B of a
+  decode1    batch 1, 4, 8 and 16 with CUDA graphs only, on an engine of 16 requests: the quick A/B of a
              kernel setting (run it once per setting, e.g. RXF_PDL=0 and 1)
   kvcache    per backend, decode throughput at long contexts with `cache.kv_dtype` = auto (bf16) and
              fp8_e4m3, each pool sized from the same memory (cache.mem_fraction_static): 256 requests of
@@ -460,12 +460,13 @@ def decode_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quanti
 
 
 def decode1_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quantization: str | None = None) -> None:
-    """The quick A/B of a kernel setting: batch 1 (and 16) with CUDA graphs only, an engine of 16
-    requests (few graphs to capture)."""
+    """The quick A/B of a kernel setting: batch 1 (and 4, 8, 16: the decode GEMV serves up to 8 rows)
+    with CUDA graphs only, an engine of 16 requests (few graphs to capture)."""
     sched = _engine(model_dir, backend, 16, 16 * 512 + 4096, not p.on_disk, quantization=quantization)
     decode_rate(sched, 1, 16, p.vocab, graphs=True)  # first-use compilation out of the figures
-    out = {"b1_graphs": decode_rate(sched, 1, 256, p.vocab, graphs=True),
-           "b16_graphs": decode_rate(sched, 16, 64, p.vocab, graphs=True)}
+    out = {"b1_graphs": decode_rate(sched, 1, 256, p.vocab, graphs=True)}
+    for bs in (4, 8, 16):
+        out[f"b{bs}_graphs"] = decode_rate(sched, bs, 64, p.vocab, graphs=True)
     RESULTS[f"decode1_{backend}{tag}"] = out
     print(f"decode1 {backend}{tag}: {json.dumps(out)}", flush=True)
 

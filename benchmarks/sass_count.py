@@ -35,8 +35,7 @@ _QUANT_SIG = {"X": "*bf16", "W": "*fp8e4nv", "Scales": "*fp32", "Zeros": "*fp32"
               "Partials": "*fp32", "Counters": "*i32", "N": "i32", "K": "i32", "stride_w": "i32", "stride_s": "i32",
               "stride_om": "i32"}
 _DENSE_SIG = {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Out": "*bf16", "Partials": "*fp32", "Counters": "*i32",
-              "Res": "*bf16", "NormW": "*bf16", "ResOut": "*bf16", "N_OUT": "i32", "K": "i32", "stride_wn": "i32",
-              "stride_om": "i32", "eps": "fp32"}
+              "N_OUT": "i32", "K": "i32", "stride_wn": "i32", "stride_om": "i32"}
 
 
 def loop_instructions(fn, signature: dict[str, str], constants: dict, warps: int, stages: int = 3) -> list[str]:
@@ -116,8 +115,7 @@ def main() -> None:
                                             "N", "K", "stride_xm", "stride_w", "stride_s", "stride_om", "MASK", "MAGIC")}
     elif args.kernel == "bf16":
         fn, sig = _gemv_row_kernel, _DENSE_SIG
-        consts = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, GATED=False, HAS_BIAS=False, PDL=True, NORM=False,
-                      ROW_BLOCK=16)
+        consts = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, GATED=False, HAS_BIAS=False, PDL=True)
     else:
         fmt = {"fp8": 0, "fp8-block": 1, "int4": 2, "int4-f16": 2, "int4-f32": 2}[args.kernel]
         fn = _qgemv_row_kernel

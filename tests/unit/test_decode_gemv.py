@@ -20,7 +20,6 @@ pytest.importorskip("triton")
 from rxf.plugins.models.layers import gemv as gemv_mod  # noqa: E402
 from rxf.plugins.models.layers.gemv import GemvSettings  # noqa: E402
 from rxf.plugins.models.layers.gemv_kernel import gemv  # noqa: E402
-from rxf.testing.norm_reference import rmsnorm_reference  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -106,7 +105,14 @@ def test_settings_labels_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
         assert gemv_mod.decode_gemv("o_proj", weight) is not None
         assert gemv_mod.decode_gemv("lm_head", weight) is None and gemv_mod.decode_gemv("down_proj", weight) is None
         assert not qkv.applies(torch.empty(1, 128)), "CPU tensors keep the torch path"
-        for bad in ("qkv=triton", "o_proj", "o_proj=n64"):
+        monkeypatch.setenv(gemv_mod.ENV, "cublas,o_proj=rn16k64s1st1w4")  # a bare setting: every role not named
+        gemv_mod._from_env.cache_clear()
+        assert gemv_mod.decode_gemv("qkv_proj", weight) is None and gemv_mod.decode_gemv("lm_head", weight) is None
+        assert gemv_mod.decode_gemv("o_proj", weight).settings.label == "rn16k64s1st1w4"
+        monkeypatch.delenv(gemv_mod.ENV)  # unset: by device, and a CPU weight's is cuBLAS
+        gemv_mod._from_env.cache_clear()
+        assert all(gemv_mod.decode_gemv(role, weight) is None for role in gemv_mod.ROLES)
+        for bad in ("qkv=triton", "o_proj=n64", "n64", "cublas=o_proj"):
             monkeypatch.setenv(gemv_mod.ENV, bad)
             gemv_mod._from_env.cache_clear()
             with pytest.raises(ValueError, match=gemv_mod.ENV):
@@ -115,74 +121,22 @@ def test_settings_labels_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
         gemv_mod._from_env.cache_clear()
 
 
-def _norm_case(m: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(7 * m + k)
-    h = torch.randn(m, k, generator=gen).to(dtype)
-    r = (3 * torch.randn(m, k, generator=gen)).to(dtype)
-    norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
-    return h, r, norm_w
-
-
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize(("m", "split_k"), [(1, 1), (1, 3), (3, 2), (8, 1)])
-@DTYPES
-def test_norm_taken_into_the_gemv(dtype: torch.dtype, m: int, split_k: int, gated: bool) -> None:
-    """x = norm(h + r) read inside the GEMV equals the norm kernel's numerics (`rmsnorm_reference`) fed
-    to F.linear, and the residual stream h + r comes out rounded as the norm kernel writes it (K = 160: 5 tiles of 32, so
-    split 3 gives the programs 2, 2 and 1 tiles)."""
-    from rxf.plugins.models.layers.gemv_kernel import GemvNorm
-
-    k, n_out = 160, 40
-    h, r, norm_w = _norm_case(m, k, dtype)
-    _, w, b = _data(m, 2 * n_out if gated else n_out, k, dtype, bias=True)
-    res_out = torch.full_like(r, float("nan"))
-    out, counters = _run(h, w, b, split_k, gated=gated, norm=GemvNorm(r, norm_w, 1e-5, res_out))
-    normed, stream = rmsnorm_reference(h, norm_w, 1e-5, r)
-    expected = F.linear(normed.double(), w.double(), b.double())
-    if gated:
-        gate, up = expected.chunk(2, dim=-1)
-        expected = F.silu(gate) * up
-    torch.testing.assert_close(out, expected.to(dtype), rtol=TOL[dtype], atol=TOL[dtype])
-    assert torch.equal(res_out, stream), "the residual stream is h + r rounded once"
-    assert torch.equal(h, _norm_case(m, k, dtype)[0]) and torch.equal(r, _norm_case(m, k, dtype)[1]), "inputs kept"
-    assert not counters.any()
-    plain, _ = _run(normed, w, b, split_k, gated=gated)
-    torch.testing.assert_close(out, plain, rtol=TOL[dtype], atol=TOL[dtype])
-
-
-def test_norm_refuses_to_overwrite_the_residual_it_reads() -> None:
-    from rxf.plugins.models.layers.gemv_kernel import GemvNorm
-
-    h, r, norm_w = _norm_case(1, 64, torch.float32)
-    _, w, _ = _data(1, 32, 64, torch.float32, bias=False)
-    with pytest.raises(AssertionError, match="must not be the residual"):
-        _run(h, w, None, 1, norm=GemvNorm(r, norm_w, 1e-5, r))
-
-
-@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 @pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
 @pytest.mark.parametrize("split_k", [1, 3], ids=lambda s: f"split{s}")
 @DTYPES
-def test_row_kernel_matches_the_tile_kernel(dtype: torch.dtype, split_k: int, gated: bool, norm: bool) -> None:
-    """Batch 1 through `gemv_row_kernel` (`row=True`) against F.linear (and the norm's numerics), with
-    a K split over uneven spans (K = 160: 5 tiles of 32, split 3 gives 2, 2, 1), the partial column
-    block of N = 40, SiLU·mul, the residual add + norm, and float32 output."""
-    from rxf.plugins.models.layers.gemv_kernel import GemvNorm
-
+def test_row_kernel_matches_the_tile_kernel(dtype: torch.dtype, split_k: int, gated: bool) -> None:
+    """Batch 1 through `gemv_row_kernel` (`row=True`) against F.linear, with a K split over uneven spans
+    (K = 160: 5 tiles of 32, split 3 gives 2, 2, 1), the partial column block of N = 40, SiLU·mul and
+    float32 output."""
     n_out, k = 40, 160
-    h, r, norm_w = _norm_case(1, k, dtype)
     _, w, b = _data(1, 2 * n_out if gated else n_out, k, dtype, bias=True)
-    res_out = torch.full_like(r, float("nan"))
-    fused = GemvNorm(r, norm_w, 1e-5, res_out) if norm else None
-    out, counters = _run(h, w, b, split_k, gated=gated, norm=fused, row=True)
-    x, stream = rmsnorm_reference(h, norm_w, 1e-5, r) if norm else (h, None)
-    expected = F.linear(x.double(), w.double(), b.double())
+    h = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    out, counters = _run(h, w, b, split_k, gated=gated, row=True)
+    expected = F.linear(h.double(), w.double(), b.double())
     if gated:
         gate, up = expected.chunk(2, dim=-1)
         expected = F.silu(gate) * up
     torch.testing.assert_close(out, expected.to(dtype), rtol=TOL[dtype], atol=TOL[dtype])
-    if norm:
-        assert torch.equal(res_out, stream)
     assert not counters.any()
     wide, _ = _run(h, w, None, 2, out_dtype=torch.float32, row=True)
     torch.testing.assert_close(wide, F.linear(h.double(), w.double()).float(), rtol=TOL[dtype], atol=TOL[dtype])

@@ -57,7 +57,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype=dtype)
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype=dtype)
-        # Where RXF_GEMV asks for it, small batches get gate_up and SiLU·mul in one GEMV launch.
+        # Where the decode GEMV serves gate_up (`layers/gemv.py`), small batches get it and SiLU·mul in one launch.
         self.gate_up_act = self.gate_up_proj.decode_gemv("gate_up_proj", gated=True)
         self.down_proj.use_decode_gemv("down_proj")
 
@@ -71,20 +71,13 @@ class LlamaMLP(nn.Module):
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside the gate/up
-        GEMV (`DecodeGemv.normed`) or a quantized gate/up's input pass (`apply_normed`); None where
-        neither applies."""
-        if self.gate_up_act is None:
-            fused = self.gate_up_proj.forward_normed(h, residual, norm)
-            if fused is None:
-                return None
-            gate_up, residual = fused
-            return self.down_proj(gate_up, act=self.act), residual
-        fused = self.gate_up_act.normed(h, self.gate_up_proj.weight, self.gate_up_proj.bias, residual, norm)
+        """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside a quantized
+        gate/up's input pass (`apply_normed`); None where that does not apply."""
+        fused = self.gate_up_proj.forward_normed(h, residual, norm)
         if fused is None:
             return None
-        act, residual = fused
-        return self.down_proj(act), residual
+        gate_up, residual = fused
+        return self.down_proj(gate_up, act=self.act), residual
 
 
 class LlamaAttention(nn.Module):
@@ -123,8 +116,8 @@ class LlamaAttention(nn.Module):
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside the qkv
-        GEMV (`DecodeGemv.normed`); None where that does not apply."""
+        """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside a quantized
+        qkv's input pass (`apply_normed`); None where that does not apply."""
         fused = self.qkv_proj.forward_normed(h, residual, norm)
         if fused is None:
             return None
@@ -162,8 +155,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Pre-norm blocks; the residual stream is carried separately so each norm fuses its add.
         # Each block may take the residual add and its norm into its first launch (`forward_normed`:
-        # the decode GEMV of qkv or gate/up, MixtralMoE's routing); None: it does not here, and the
-        # norm runs as its own launch.
+        # a quantized qkv or gate/up's input pass, MixtralMoE's routing); None: it does not here, and
+        # the norm runs as its own launch.
         if residual is None:  # first layer: the residual stream starts as the embeddings
             residual = x
             x = self.self_attn(self.input_layernorm(x), batch)

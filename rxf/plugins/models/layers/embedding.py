@@ -62,8 +62,8 @@ class VocabEmbedding(nn.Module):
 class LogitsHead(VocabEmbedding):
     """hidden `[n, hidden]` -> float32 logits `[n, vocab]` (every rank gets all of them). Only the
     rows whose logits are returned should reach it: the vocab projection is the widest matmul of a
-    decode step. `use_decode_gemv()`: small CUDA batches through the Triton GEMV when `RXF_GEMV`
-    asks for it for `lm_head`, writing float32 directly at tp_size 1 (no separate cast)."""
+    decode step. `use_decode_gemv()`: small CUDA batches through the Triton GEMV where `layers/gemv.py`
+    gives `lm_head` one (by default on Hopper), writing float32 directly at tp_size 1 (no separate cast)."""
 
     gemv: DecodeGemv | None = None
     # A quantization method may serve the head once its dense weight is loaded (`after_load` in

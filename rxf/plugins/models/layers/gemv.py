@@ -7,18 +7,23 @@ read once per process: a comma-separated list of `role=setting`, e.g.
     RXF_GEMV="qkv_proj=n32k256s2st4w4,o_proj=n32k256s4st4w4,gate_up_proj=cublas"
 
 Roles: `qkv_proj`, `o_proj`, `gate_up_proj` (the GEMV then also applies SiLU·mul, one launch),
-`down_proj`, `lm_head` (then writes float32 logits directly). A setting is `cublas` (the default for
-every role), `triton` (default tile sizes, split over K to fill the GPU), or a label
+`down_proj`, `lm_head` (then writes float32 logits directly). A setting without a role (`RXF_GEMV=cublas`)
+is every role's unless the list names that role too. A setting is `cublas`, `triton` (default tile sizes,
+split over K to fill the GPU), or a label
 `n{block_n}k{block_k}s{split_k}st{num_stages}w{num_warps}` as the benchmark prints it (prefix `r`: batch 1
 through the row kernel, `gemv_row_kernel.py`, and larger batches through the tl.dot one at `triton`'s
 settings; split 0: chosen from the shape as `triton` does). The GEMV runs
 only on CUDA, in bf16 or fp16, for at most `MAX_ROWS` rows (decode at batch 1-8, or an extend of that few tokens);
 larger batches keep cuBLAS.
 
-A GEMV that opens a pre-norm block (qkv_proj, gate_up_proj) also takes in the residual add and the
-RMSNorm before it for up to `NORM_MAX_ROWS` rows (`DecodeGemv.normed`; NORM in `gemv_kernel.py`): one
-launch and one kernel-to-kernel hand-off fewer per norm (measured on the H200 with PDL: Llama-3-8B
-batch 1 217.2 -> 218.2 tok/s, within what two runs differ by; benchmarks/RESULTS.md, 2026-12-05).
+A role the variable leaves out gets `triton` on Hopper (compute capability 9.x: the H100 and H200, where
+it was measured: with programmatic dependent launch, `rxf/core/runner/pdl.py`, batch-1 decode of the
+Llama-3-8B, Qwen3-30B-A3B and Qwen3-8B shapes ran 5.3%, 5.9% and 8.9% faster than on cuBLAS without it,
+batches of 4 and 8 1-8% faster; benchmarks/RESULTS.md 2026-12-06) and `cublas` on other GPUs, whose
+tiles nobody has measured.
+
+The norm before a pre-norm block's projection runs as its own launch: taken into the GEMV it was
+slower (`gemv_kernel`'s docstring).
 """
 
 from __future__ import annotations
@@ -27,18 +32,11 @@ import functools
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
-
-if TYPE_CHECKING:
-    from rxf.plugins.models.layers.gemv_kernel import GemvNorm
 
 ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 MAX_ROWS = 8  # batch sizes the GEMV serves; the kernel's tile holds up to 16 rows
-# Rows whose norm the GEMV takes in: every program reads its rows' h and r one row after another.
-NORM_MAX_ROWS = 4
 ENV = "RXF_GEMV"
 _HALF = (torch.bfloat16, torch.float16)
 _LABEL = re.compile(r"(r?)n(\d+)k(\d+)s(\d+)st(\d+)w(\d+)")
@@ -95,18 +93,26 @@ class GemvSettings:
         return GemvSettings(self.block_n, block_k, split_k, self.num_stages, self.num_warps, self.row)
 
 
+_BY_DEVICE = "by device"  # a role the variable leaves out: `triton` on Hopper, else cuBLAS
+
+
+def _setting(text: str) -> GemvSettings | None:
+    return None if text == "cublas" else GemvSettings() if text == "triton" else GemvSettings.parse(text)
+
+
 @functools.cache
-def _from_env() -> dict[str, GemvSettings | None]:
-    plan: dict[str, GemvSettings | None] = dict.fromkeys(ROLES)
-    for item in filter(None, (part.strip() for part in os.environ.get(ENV, "").split(","))):
+def _from_env() -> dict[str, GemvSettings | None | str]:
+    items = [part.strip() for part in os.environ.get(ENV, "").split(",") if part.strip()]
+    plan: dict[str, GemvSettings | None | str] = dict.fromkeys(ROLES, _BY_DEVICE)
+    for item in sorted(items, key=lambda item: "=" in item):  # a bare setting first: roles named override it
         role, sep, setting = item.partition("=")
-        if not sep or role not in ROLES:
-            raise ValueError(f"{ENV}: {item!r} is not ROLE=SETTING with ROLE one of {', '.join(ROLES)}")
+        if sep and role not in ROLES:
+            raise ValueError(f"{ENV}: {item!r} is not SETTING or ROLE=SETTING with ROLE one of {', '.join(ROLES)}")
         try:
-            plan[role] = None if setting == "cublas" else GemvSettings() if setting == "triton" else (
-                GemvSettings.parse(setting))
+            value = _setting(setting if sep else item)
         except ValueError as e:
-            raise ValueError(f"{ENV}: {role}: {e}") from None
+            raise ValueError(f"{ENV}: {role if sep else 'every role'}: {e}") from None
+        plan.update({role: value} if sep else dict.fromkeys(ROLES, value))
     return plan
 
 
@@ -136,36 +142,23 @@ class DecodeGemv:
         return (x.is_cuda and x.dtype in _HALF and x.dim() == 2 and x.shape[0] <= MAX_ROWS
                 and x.stride(-1) == 1)
 
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: GemvNorm | None = None
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from rxf.plugins.models.layers.gemv_kernel import gemv
 
         s = self.settings if x.shape[0] == 1 else self.tile
         return gemv(x, weight, bias, self.counters, s.block_n, s.block_k, s.split_k, s.num_stages, s.num_warps,
-                    gated=self.gated, out_dtype=self.out_dtype, norm=norm, row=s.row)
-
-    def normed(
-        self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(this projection of `norm(h + residual)`, `h + residual`) in one launch, or None where the
-        GEMV does not serve h or cannot take `norm` in (then the caller runs the norm itself)."""
-        from rxf.plugins.models.layers.gemv_kernel import NORM_MAX_K, GemvNorm
-        from rxf.plugins.models.layers.norm import RMSNorm
-
-        if not (self.applies(h) and h.shape[0] <= NORM_MAX_ROWS and h.shape[1] <= NORM_MAX_K
-                and type(norm) is RMSNorm and residual.shape == h.shape and residual.dtype == h.dtype
-                and residual.stride(-1) == 1):
-            return None
-        residual_out = torch.empty_like(residual)
-        return self(h, weight, bias, GemvNorm(residual, norm.weight, norm.eps, residual_out)), residual_out
+                    gated=self.gated, out_dtype=self.out_dtype, row=s.row)
 
 
 def decode_gemv(
     role: str, weight: torch.Tensor, *, gated: bool = False, out_dtype: torch.dtype | None = None
 ) -> DecodeGemv | None:
-    """The GEMV `RXF_GEMV` asks for `role` over `weight`, or None (cuBLAS)."""
+    """The GEMV `RXF_GEMV` (or the device, where it leaves `role` out) gives `role` over `weight`, or
+    None (cuBLAS)."""
     if role not in ROLES:
         raise ValueError(f"unknown GEMV role {role!r} (roles: {', '.join(ROLES)})")
     settings = _from_env()[role]
+    if settings is _BY_DEVICE:
+        hopper = weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] == 9
+        settings = GemvSettings() if hopper and weight.dtype in _HALF else None
     return None if settings is None else DecodeGemv(settings, weight, gated=gated, out_dtype=out_dtype)

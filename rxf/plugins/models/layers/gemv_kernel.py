@@ -22,20 +22,14 @@ program), and the last program reads the partials with `.cg` loads (from L2, not
 GATED (for `[gate | up]` weights of 2 * n_out rows): each program streams the gate rows of its
 columns and the matching up rows (offset n_out), and the epilogue writes silu(gate) * up.
 
-NORM (a pre-norm block's residual add and RMSNorm, `norm.RMSNorm`'s, taken into the projection after
-it, which saves a launch and its hand-off per norm at batch 1): x is the block's output h, and the
-GEMV's input is `norm(h + r)`. After the PDL wait each program reads its rows of h and r whole (one
-row at a time, M loads in series), for rstd = rsqrt(mean(s^2) + eps) of s = h + r in float32; its x
-tiles are then `s * rstd * w` rounded once, as `rmsnorm_kernel` rounds (only the order of the row's
-float32 sum of squares differs). The tiles' loads run one K tile ahead of their use: loads that feed
-arithmetic before the `tl.dot` are not in Triton's software pipeline, and waited for in the loop they
-stall the weight stream. Program (0, 0) writes s rounded to `res_out`, the residual stream the next
-block adds onto; `res_out` must not be r itself (the other programs still read r).
+The pre-norm block's residual add and RMSNorm once went into the projection after it (each program
+read its rows of h and r whole for the row's rstd, then normed its x tiles): one launch a norm fewer,
+yet on an H100 every call was slower than the norm kernel and the GEMV apart (Llama-3-8B's qkv 2.8 us
+at 1 row, 4.9 at 4; batch-1 decode 0.8% (Llama-3-8B) and 2.2% (Qwen3-8B) faster without it;
+benchmarks/RESULTS.md 2026-12-06), so it was removed.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -57,11 +51,9 @@ def _mma(w, x_t, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    X, W, Bias, Out, Partials, Counters, Res, NormW, ResOut, M, N_OUT, K,
-    stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
+    X, W, Bias, Out, Partials, Counters, M, N_OUT, K, stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    NORM: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N_OUT, K, BLOCK_N, BLOCK_K, SPLIT_K)
     rows = tl.arange(0, BLOCK_M)  # rows of x
@@ -79,36 +71,17 @@ def _gemv_kernel(
     w = tl.load(w_ptrs, mask=first_n[:, None], other=0.0)
     if GATED:
         u = tl.load(w_ptrs + up_offset, mask=first_n[:, None], other=0.0)
-    if NORM:  # the norm's weight is fixed at load too
-        nw_next = tl.load(NormW + k_lo + offs_k, mask=tl.zeros_like(offs_k) + k_lo < k_hi, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    if NORM:
-        r_ptrs = Res + rows[:, None] * stride_rm + (k_lo + offs_k)[None, :]
-        rstd = row_rstd(X, Res, ResOut, M, K, stride_xm, stride_rm, stride_rom, eps, rows,
-                         (pid_n == 0) & (pid_k == 0), ROW_BLOCK)
-        first_k = (rows < M)[:, None] & (tl.zeros_like(offs_k) + k_lo < k_hi)[None, :]
-        h_next = tl.load(x_ptrs, mask=first_k, other=0.0)
-        r_next = tl.load(r_ptrs, mask=first_k, other=0.0)
-        x_t, h_next, r_next, nw_next = _normed_tile(h_next, r_next, nw_next, rstd, x_ptrs, r_ptrs, NormW, k_lo,
-                                                    k_hi, offs_k, rows, M, BLOCK_K)
-    else:
-        x_t = tl.trans(tl.load(x_ptrs, mask=((rows < M) & (tl.zeros_like(rows) + k_lo < k_hi))[:, None], other=0.0))
+    x_t = tl.trans(tl.load(x_ptrs, mask=((rows < M) & (tl.zeros_like(rows) + k_lo < k_hi))[:, None], other=0.0))
     acc = _mma(w, x_t, acc, IEEE)
     if GATED:
         acc_up = _mma(u, x_t, acc_up, IEEE)
     w_ptrs += BLOCK_K
     x_ptrs += BLOCK_K
-    if NORM:
-        r_ptrs += BLOCK_K
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
-        if NORM:  # this tile from the loads of the last iteration; the next tile's loads issued
-            x_t, h_next, r_next, nw_next = _normed_tile(h_next, r_next, nw_next, rstd, x_ptrs, r_ptrs, NormW, k0,
-                                                        k_hi, offs_k, rows, M, BLOCK_K)
-            r_ptrs += BLOCK_K
-        else:
-            x_t = tl.trans(tl.load(x_ptrs, mask=(rows < M)[:, None], other=0.0))
+    for _ in range(k_lo + BLOCK_K, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
+        x_t = tl.trans(tl.load(x_ptrs, mask=(rows < M)[:, None], other=0.0))
         if EVEN_N:
             w = tl.load(w_ptrs)
         else:
@@ -126,35 +99,6 @@ def _gemv_kernel(
     # (Out stands in for the row scales, which a dense weight does not have.)
     finish(acc, acc_up, Bias, Out, Partials, Counters, Out, cols, rows, mask_n, M, N_OUT, stride_om, pid_n, pid_k,
            BLOCK_N, SPLIT_K, GATED, HAS_BIAS, False)
-
-
-@triton.jit
-def row_rstd(X, Res, ResOut, M, K, stride_xm, stride_rm, stride_rom, eps, rows, WRITES, ROW_BLOCK: tl.constexpr):
-    """[BLOCK_M] rsqrt(mean(s^2) + eps) of each row's s = h + r in float32 (0 past M); WRITES: this
-    program also stores s, rounded, to ResOut."""
-    cols = tl.arange(0, ROW_BLOCK)
-    col_ok = cols < K
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for m in range(0, M):
-        s = (tl.load(X + m * stride_xm + cols, mask=col_ok, other=0.0).to(tl.float32)
-             + tl.load(Res + m * stride_rm + cols, mask=col_ok, other=0.0).to(tl.float32))
-        rstd = tl.where(rows == m, tl.math.rsqrt(tl.sum(s * s, axis=0) / K + eps), rstd)
-        if WRITES:
-            tl.store(ResOut + m * stride_rom + cols, s.to(ResOut.dtype.element_ty), mask=col_ok)
-    return rstd
-
-
-@triton.jit
-def _normed_tile(h, r, nw, rstd, x_ptrs, r_ptrs, NormW, k0, k_hi, offs_k, rows, M, BLOCK_K: tl.constexpr):
-    """The x tile at k0 (transposed for tl.dot), `(h + r) * rstd * w` from the loads made for it, and
-    the loads of the next tile (masked past k_hi)."""
-    x = ((h.to(tl.float32) + r.to(tl.float32)) * rstd[:, None] * nw.to(tl.float32)[None, :]).to(h.dtype)
-    ahead = tl.zeros_like(offs_k) + (k0 + BLOCK_K) < k_hi
-    mask = (rows < M)[:, None] & ahead[None, :]
-    h_next = tl.load(x_ptrs + BLOCK_K, mask=mask, other=0.0)
-    r_next = tl.load(r_ptrs + BLOCK_K, mask=mask, other=0.0)
-    nw_next = tl.load(NormW + k0 + BLOCK_K + offs_k, mask=ahead, other=0.0)
-    return tl.trans(x), h_next, r_next, nw_next
 
 
 @triton.jit
@@ -226,28 +170,15 @@ def _epilogue(acc, acc_up, Bias, Out, RowScale, cols, rows, mask_n, M, N_OUT, st
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=(rows < M)[None, :] & mask_n[:, None])
 
 
-class GemvNorm(NamedTuple):
-    """The residual add + RMSNorm a GEMV takes in (NORM in the module docstring): the GEMV's x is the
-    block output h, its input norm(h + residual); `residual_out` receives h + residual."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    residual_out: torch.Tensor
-
-
-NORM_MAX_K = 16384  # a program holds one row of h + r in registers for the norm's sum of squares
-
-
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
-    gated: bool = False, out_dtype: torch.dtype | None = None, norm: GemvNorm | None = None, row: bool = False,
+    gated: bool = False, out_dtype: torch.dtype | None = None, row: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for x [m <= 16, K] (contiguous rows), weight [N, K] (K contiguous), in
     out_dtype (default x's); gated: weight is `[gate | up]` and the result silu(gate) * up, [m, N / 2];
-    norm: the input is `norm.weight * rmsnorm(x + norm.residual)` instead of x (see GemvNorm); row: one
-    row of x goes through `gemv_row_kernel` (num_stages unused), more rows through this module's kernel.
+    row: one row of x goes through `gemv_row_kernel` (num_stages unused), more rows through this module's
+    kernel.
     `counters`: int32, at least cdiv(N_out, block_n) zeros, left zeroed (see the module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
@@ -257,36 +188,25 @@ def gemv(
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight need contiguous rows"
     n_blocks = triton.cdiv(n_out, block_n)
     assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
-    if norm is not None:
-        res, res_out = norm.residual, norm.residual_out
-        assert k <= NORM_MAX_K, f"K {k}: the fused norm takes at most {NORM_MAX_K}"
-        assert res.shape == res_out.shape == x.shape and res.dtype == res_out.dtype == x.dtype, "residual like x"
-        assert res.stride(1) == 1 and res_out.stride(1) == 1 and norm.weight.is_contiguous(), "contiguous rows"
-        assert res_out.data_ptr() != res.data_ptr(), "residual_out must not be the residual read"
     out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
     tiles = 2 if gated else 1
     pdl = use_pdl(x)
     partials = (torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=x.device)
                 if split_k > 1 else out)  # unused without a split
-    res, norm_w, res_out = (norm.residual, norm.weight, norm.residual_out) if norm is not None else (x, x, x)
     if row and m == 1:
         from rxf.plugins.models.layers.gemv_row_kernel import _gemv_row_kernel
 
         _gemv_row_kernel[(n_blocks, split_k)](
-            x, weight, bias if bias is not None else out, out, partials, counters, res, norm_w, res_out, n_out, k,
-            weight.stride(0), out.stride(0), norm.eps if norm is not None else 0.0,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None, PDL=pdl,
-            NORM=norm is not None, ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16,
-            num_warps=num_warps, launch_pdl=pdl,
+            x, weight, bias if bias is not None else out, out, partials, counters, n_out, k, weight.stride(0),
+            out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None,
+            PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         )
         return out
     _gemv_kernel[(n_blocks, split_k)](
-        x, weight, bias if bias is not None else out, out, partials, counters, res, norm_w, res_out, m, n_out, k,
-        x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0),
-        norm.eps if norm is not None else 0.0,
+        x, weight, bias if bias is not None else out, out, partials, counters, m, n_out, k,
+        x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, GATED=gated, HAS_BIAS=bias is not None,
-        EVEN_N=n_out % block_n == 0, IEEE=x.dtype == torch.float32, PDL=pdl, NORM=norm is not None,
-        ROW_BLOCK=triton.next_power_of_2(k) if norm is not None else 16,
+        EVEN_N=n_out % block_n == 0, IEEE=x.dtype == torch.float32, PDL=pdl,
         num_stages=num_stages, num_warps=num_warps, launch_pdl=pdl,
     )
     return out

@@ -12,8 +12,8 @@ memory system sees their loads in flight together. Which kernel serves a project
 qkv 15.8 -> 15.1 us, gate_up 65.0 -> 61.7, down 32.5 -> 29.1), yet not in a whole batch-1 step under
 PDL (218.0 vs 218.1 tok/s), so no default uses it.
 
-Grid, K split, split-K hand-off and epilogue are `gemv_kernel`'s (`program_span`, `finish`), as are
-GATED and NORM; only M == 1.
+Grid, K split, split-K hand-off and epilogue are `gemv_kernel`'s (`program_span`, `finish`), as is
+GATED; only M == 1.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, program_span, row_rstd
+from rxf.plugins.models.layers.gemv_kernel import BLOCK_M, finish, program_span
 
 
 @triton.jit
@@ -38,25 +38,12 @@ def _tile(w_ptrs, up_offset, k0, k_hi, mask_n, GATED: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk(X, Res, NormW, offs, rstd, NORM: tl.constexpr):
-    """x's row at `offs` (inside K) in float32; NORM: (h + r) * rstd * w rounded to x's dtype, as the
-    norm writes it."""
-    x = tl.load(X + offs)
-    if NORM:
-        s = x.to(tl.float32) + tl.load(Res + offs).to(tl.float32)
-        x = (s * rstd * tl.load(NormW + offs).to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _gemv_row_kernel(
-    X, W, Bias, Out, Partials, Counters, Res, NormW, ResOut, N_OUT, K,
-    stride_wn, stride_om, eps,
+    X, W, Bias, Out, Partials, Counters, N_OUT, K, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n, pid_k, cols, mask_n, k_lo, k_hi = program_span(N_OUT, K, BLOCK_N, BLOCK_K, SPLIT_K)
-    rows = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     up_offset = N_OUT.to(tl.int64) * stride_wn
@@ -65,17 +52,13 @@ def _gemv_row_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    rstd = 1.0
-    if NORM:  # [BLOCK_M] with row 0's in lane 0; program (0, 0) writes the residual stream
-        rstd = tl.sum(row_rstd(X, Res, ResOut, 1, K, 0, 0, 0, eps, rows, (pid_n == 0) & (pid_k == 0), ROW_BLOCK),
-                      axis=0)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     x_offs = k_lo + offs_k
     for k0 in range(k_lo, k_hi, BLOCK_K):  # K is a multiple of BLOCK_K (the wrapper checks)
         w_ptrs += BLOCK_K
         w_next, u_next = _tile(w_ptrs, up_offset, k0 + BLOCK_K, k_hi, mask_n, GATED)  # issued before the math
-        x = _x_chunk(X, Res, NormW, x_offs, rstd, NORM)
+        x = tl.load(X + x_offs).to(tl.float32)
         x_offs += BLOCK_K
         acc += w.to(tl.float32) * x[None, :]
         if GATED:

@@ -79,8 +79,8 @@ def _narrow(t: torch.Tensor, dim: int, start: int, n: int, pack: int, what: str)
 class _TPLinear(nn.Module):
     """`y = x @ weight.T + bias` with weight `[out_per_rank, in_per_rank]`; subclasses define
     `weight_loader`, which says how a full checkpoint tensor maps onto this rank's slice.
-    `use_decode_gemv(role)` lets small CUDA batches go through rxf's Triton GEMV when `RXF_GEMV`
-    asks for it (`layers/gemv.py`); cuBLAS otherwise."""
+    `use_decode_gemv(role)` lets small CUDA batches go through rxf's Triton GEMV where `layers/gemv.py`
+    gives `role` one (by default on Hopper; `RXF_GEMV` overrides); cuBLAS otherwise."""
 
     def __init__(
         self,
@@ -123,11 +123,11 @@ class _TPLinear(nn.Module):
         return param
 
     def decode_gemv(self, role: str, gated: bool = False) -> DecodeGemv | None:
-        """The GEMV `RXF_GEMV` gives `role` over this layer's dense weight (None for a quantized one)."""
+        """The GEMV `decode_gemv` gives `role` over this layer's dense weight (None for a quantized one)."""
         return None if self.quant_pending or self.quant is not None else decode_gemv(role, self.weight, gated=gated)
 
     def use_decode_gemv(self, role: str) -> None:
-        """Serve small CUDA batches with the GEMV that `RXF_GEMV` gives `role` (if any)."""
+        """Serve small CUDA batches with the GEMV that `decode_gemv` gives `role` (if any)."""
         self.gemv = self.decode_gemv(role)
 
     def pack_for_device(self) -> None:
@@ -200,14 +200,12 @@ class _TPLinear(nn.Module):
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside the decode
-        GEMV's launch (`DecodeGemv.normed`) or a quantized layer's input pass (`apply_normed`); None
-        where that does not apply."""
-        if self.quant is not None:
-            return self.quant.apply_normed(self, h, residual, norm, self.bias)
-        if self.gemv is None:
+        """(`forward(norm(h + residual))`, `h + residual`) with the add and the norm inside a quantized
+        layer's input pass (`apply_normed`); None where that does not apply (a dense layer: the decode
+        GEMV taking the norm in was slower than the norm's own launch, `gemv_kernel`'s docstring)."""
+        if self.quant is None:
             return None
-        return self.gemv.normed(h, self.weight, self.bias, residual, norm)
+        return self.quant.apply_normed(self, h, residual, norm, self.bias)
 
     def forward_activated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor | None:
         """`act(forward(x))` in the quantization method's one launch (`apply_activated`); None where the
