@@ -1,5 +1,5 @@
 """Build FlashInfer 0.6.6's JIT kernel modules for an H200 (sm_90a) on a CPU-only machine, so that a
-GPU call restores them (`cat .fi-parts/fi-cache.tgz.part-* | tar xzf -`) and skips the nvcc compiles.
+GPU call restores them (`gpu_session.sh` unpacks .fi-parts/fi-cache.txz.part-*) and skips the nvcc compiles.
 
 FlashInfer runs ninja on every module it loads (`JitSpec.build_and_load`: no AOT package), so the
 restored objects must be up to date in ninja's eyes on the GPU machine: the same build.ninja (its
@@ -34,9 +34,8 @@ chroot calls FlashInfer's own generators (`flashinfer.jit.*gen_*_module(...)`) a
 Status (2026-12-06): all 17 modules below built here in ~37 min (an fa3 prefill module ~3.5-4 min on
 2 cores, an fa2 one ~1 min), and on an H100 ninja found every restored module up to date ("no work to
 do", `gpu_session.sh fi-tests`); the 44 FlashInfer cases of tests/gpu/test_attention_features_gpu.py
-then passed in 12 s (benchmarks/RESULTS.md). The packed parts of all 17 come to 48.6 MB, which with
-.whl/ (17 MB) and the tree passes the 64 MiB a call may carry; that run left the jit group's two fa3
-modules (d64 and d128 without window or cap, 7.4 MB) out of the parts (`tar --exclude`).
+then passed in 12 s (benchmarks/RESULTS.md). All 17 pack into 8.1 MB with xz (48.6 MB with gzip, which
+with .whl/ and the tree passed the 64 MiB a call may carry: that run left two fa3 modules out).
 
 MODULES: what tests/gpu/test_attention_features_gpu.py (flashinfer cases), gpu_decode.py's jit
 phase (presets llama3-8b and tiny) and rxf's layers (norm, rope, silu / gelu_tanh and mul) load on
@@ -267,7 +266,8 @@ def inner(only: list[str], force: bool, dry: bool) -> None:
 
 def pack(out: Path) -> None:
     """A snapshot of the work tree (a build may still run): a module without its .so keeps only its
-    build.ninja (no half-written objects), then `tar czf - .fi-cache | split -b 15M`."""
+    build.ninja (no half-written objects), then `tar cf - .fi-cache | xz | split -b 15M` (xz: 6x smaller
+    than gzip on these modules)."""
     stage = Path("/tmp/fi-stage")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
@@ -279,9 +279,9 @@ def pack(out: Path) -> None:
                     f.unlink()
             print("not built:", d.name)
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("fi-cache.tgz.part-*"):
+    for old in out.glob("fi-cache.t?z.part-*"):
         old.unlink()
-    sh(f"cd {stage} && tar czf - .fi-cache | split -b 15M - {out}/fi-cache.tgz.part- && ls -la {out}")
+    sh(f"cd {stage} && tar cf - .fi-cache | xz -T2 -6 | split -b 15M - {out}/fi-cache.txz.part- && ls -la {out}")
 
 
 def main() -> None:

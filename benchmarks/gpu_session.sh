@@ -32,9 +32,26 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 # Once per call: a nested stage must not unpack over a cache that a background stage is writing.
-if [ -z "${RXF_CACHE_RESTORED:-}" ] && ls .fi-parts/fi-cache.tgz.part-* > /dev/null 2>&1; then
-  cat .fi-parts/fi-cache.tgz.part-* | tar xzf - && echo "JIT cache restored"
+# xz parts (fi_cache_build.py's, or a call's where xz is installed) unpack through Python's lzma, so
+# they need no xz binary here: xz packs FlashInfer's modules 6x smaller than gzip (their kernels
+# repeat across modules, past gzip's 32 KB window), 17 modules in 8 MB against 49.
+if [ -z "${RXF_CACHE_RESTORED:-}" ]; then
+  if ls .fi-parts/fi-cache.txz.part-* > /dev/null 2>&1; then
+    cat .fi-parts/fi-cache.txz.part-* \
+      | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+      | tar xf - && echo "JIT cache restored"
+  elif ls .fi-parts/fi-cache.tgz.part-* > /dev/null 2>&1; then
+    cat .fi-parts/fi-cache.tgz.part-* | tar xzf - && echo "JIT cache restored"
+  fi
 fi
+return_cache() {  # the JIT cache as parts under 15 MB in $out, for .fi-parts/ of the next call
+  if command -v xz > /dev/null; then
+    tar cf - .fi-cache | xz -T0 -6 | split -b 15M - "$out/fi-cache.txz.part-"
+  else
+    tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-"
+  fi
+  ls -la "$out"
+}
 export RXF_CACHE_RESTORED=1
 if [ "$stage" = tests ]; then
   start=$(date +%s)
@@ -42,7 +59,7 @@ if [ "$stage" = tests ]; then
   python3 benchmarks/gpu_decode.py --preset tiny --phases jit > "$out/jit-tiny.log" 2>&1 &
   wait; echo "jit: $(( $(date +%s) - start )) s"; tail -n 2 "$out"/jit-*.log
   python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} -ra 2>&1 | tee "$out/gpu-tests.log" | tail -40
-  tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
+  return_cache
   [ $# -gt 0 ] && bash benchmarks/gpu_session.sh others "$@"  # then the named benchmarks, if any
 elif [ "$stage" = split ]; then
   # "split [benchmark specs]": GPU_TESTS_BG (FlashInfer-heavy: their JIT compiles are CPU work) run in
@@ -61,7 +78,7 @@ elif [ "$stage" = split ]; then
   [ -n "${FRONT_STAGE:-}" ] && bash benchmarks/gpu_session.sh $FRONT_STAGE  # e.g. "compare bench-base decode"
   [ $# -gt 0 ] && bash benchmarks/gpu_session.sh others "$@"
   wait $bg; echo "background tests: rc $? at $(( $(date +%s) - start )) s"; tail -n 30 "$out/gpu-tests-bg.log"
-  tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"
+  return_cache
 elif [ "$stage" = suite ]; then
   # "suite [pytest args]": every GPU test (GPU_TESTS, default tests/gpu) in one pytest run over
   # SUITE_WORKERS (default 8) xdist workers on the one GPU, work-stealing, so FlashInfer's JIT compiles
@@ -84,12 +101,12 @@ elif [ "$stage" = suite ]; then
     > "$out/suite.log" 2>&1
   echo "suite: rc $? at $(( $(date +%s) - start )) s"
   grep -E "^(FAILED|ERROR)|Error:|^E  " "$out/suite.log" | head -n 60; tail -n 8 "$out/suite.log"
-  [ "${SUITE_CACHE:-1}" = 0 ] || { tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-" && ls -la "$out"; }
+  [ "${SUITE_CACHE:-1}" = 0 ] || return_cache
 elif [ "$stage" = profile ]; then
   python3 benchmarks/gpu_decode.py --preset llama3-8b --phases jit > "$out/jit-8b.log" 2>&1 &
   python3 benchmarks/gpu_profile.py --phases gemv 2>&1 | tee "$out/profile-gemv.log"
   wait; tail -n 2 "$out/jit-8b.log"
-  tar czf - .fi-cache | split -b 15M - "$out/fi-cache.tgz.part-"
+  return_cache
   python3 benchmarks/gpu_profile.py --phases step,attn "$@" 2>&1 | tee "$out/profile.log"
 elif [ "$stage" = gemv ]; then
   python3 benchmarks/gpu_profile.py --phases gemv "$@" 2>&1 | tee "$out/gemv.log"
