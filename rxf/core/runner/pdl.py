@@ -12,8 +12,8 @@ load) and writes nothing; `gdc_wait()` returns once the previous kernel has comp
 is visible, which (each kernel waiting in turn) means every earlier kernel of the stream. Kernels
 launched without PDL (cuBLAS, torch's own) keep the stream's plain ordering around them.
 
-On by default on compute capability 9.0 and later; `RXF_PDL=0` turns it off (any value but 0 and 1
-is refused). On the H200 batch-1 decode of the Llama-3-8B shape went 207.6 -> 217.8 tok/s with it
+On by default on compute capability 9.0 and later; `RXF_PDL=0` turns it off (any value but 0, 1 and
+empty is refused). On the H200 batch-1 decode of the Llama-3-8B shape went 207.6 -> 217.8 tok/s with it
 (2026-12-03); with the Triton GEMV for every projection (the default on Hopper since, `layers/gemv.py`)
 it is the fastest batch-1 setting measured. It was opt-in until the GPU suite had passed under it:
 the bf16 greedy tests of tests/gpu/test_cuda_graph_gpu.py needed `rmsnorm_kernel` to take
@@ -38,7 +38,7 @@ ENV = "RXF_PDL"
 
 @functools.cache
 def _supported(index: int) -> bool:
-    value = os.environ.get(ENV, "1")
+    value = os.environ.get(ENV) or "1"  # unset or empty: the default
     if value not in ("0", "1"):
         raise ValueError(f"{ENV}={value!r}: 1 (the default on compute capability 9.0 and later) or 0 (off)")
     return value == "1" and torch.cuda.get_device_capability(index)[0] >= 9
