@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from gpu_gemv import graph_us
 
 
 @triton.jit
@@ -65,20 +66,9 @@ def chain_us(kernels: int, programs: int, handoff: bool, pdl: bool, reps: int) -
             _hop[(programs,)](bufs[i % 2], bufs[(i + 1) % 2], partials, counter, PROGRAMS=programs, BLOCK=block,
                               HANDOFF=handoff, PDL=pdl, launch_pdl=pdl)
 
-    run()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
+    us = graph_us(lambda _: run(), [counter], reps)  # one chain per replay; compiled before the capture
     assert not counter.any(), "every hand-off resets its counter"
-    return start.elapsed_time(end) * 1e3 / (reps * kernels)
+    return us / kernels
 
 
 def main() -> None:
