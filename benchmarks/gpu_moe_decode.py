@@ -198,16 +198,17 @@ def main() -> None:
                  for name, f in variants.items()}
         results["per_token_count"][m]["norm_and_routing_us"] = times
         print(f"norm + routing, {m} token(s): " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()), flush=True)
-    # The one launch's shape at the fewest tokens: K per program (SPLIT_K = hidden / chunk) x warps.
+    # The one launch's shape at the fewest tokens: experts per program x warps.
     shapes = {}
-    for chunk in (64, 128, 256, 512):
-        for warps in (2, 4, 8):
-            def call(s, c=chunk, w=warps, r=residuals[m0]):
-                return norm_route_cuda(s[0], r, norm_w, 1e-6, router, None, p.top_k, True, chunk_k=c, num_warps=w)
+    for per_program in (1, 2, 4, 8):
+        for warps in (1, 2, 4):
+            def call(s, e=per_program, w=warps, r=residuals[m0]):
+                return norm_route_cuda(s[0], r, norm_w, 1e-6, router, None, p.top_k, True, experts_per_program=e,
+                                       num_warps=w)
             try:
-                shapes[f"chunk{chunk}w{warps}"] = time_per_call(call, sets[m0], cuda) * 1e6
+                shapes[f"e{per_program}w{warps}"] = time_per_call(call, sets[m0], cuda) * 1e6
             except Exception as e:  # noqa: BLE001 - a shape that does not compile (registers) is skipped
-                shapes[f"chunk{chunk}w{warps}"] = f"failed: {type(e).__name__}"
+                shapes[f"e{per_program}w{warps}"] = f"failed: {type(e).__name__}"
     results["router_shapes_us"] = shapes
     print(f"norm + routing shapes, {m0} token(s): " + ", ".join(
         f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in shapes.items()), flush=True)

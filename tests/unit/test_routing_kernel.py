@@ -44,7 +44,7 @@ def assert_same_routing(logits: torch.Tensor, weights: torch.Tensor, ids: torch.
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "dtype"),
                          [(5, 128, 8, torch.bfloat16), (9, 60, 4, torch.float32), (1, 8, 2, torch.float16),
                           (3, 16, 16, torch.float32), (40, 128, 8, torch.float32),
-                          (2, 256, 8, torch.float32)])  # above RANK_MAX_EXPERTS: top-k round by round
+                          (2, 256, 8, torch.float32)])  # 256 experts: keys over two lanes a thread
 def test_matches_select_experts(tokens: int, experts: int, top_k: int, dtype, renormalize: bool) -> None:
     gen = torch.Generator().manual_seed(tokens * experts)
     logits = (torch.randn(tokens, experts, generator=gen) * 3).to(dtype)
@@ -82,6 +82,20 @@ def test_fused_router_routes_as_the_projection_then_select_experts(tokens, exper
     logits = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float()).to(dtype)
     for _ in range(2):
         assert_same_routing(logits, *route_cuda(x, weight, b, top_k, renormalize=True), top_k, renormalize=True)
+
+
+@pytest.mark.parametrize(("experts_per_program", "num_warps"), [(1, 1), (4, 2), (64, 4)])  # 64: one program
+def test_fused_router_launch_shapes_route_alike(experts_per_program: int, num_warps: int) -> None:
+    """Every launch shape `benchmarks/gpu_route_parts.py` sweeps gives the routing of the default one,
+    down to the weights' bits (the logits are rounded to x's dtype before any routing)."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 512, generator=gen).to(torch.float16)
+    weight = (torch.randn(64, 512, generator=gen) * 512**-0.5).to(torch.float16)
+    logits = torch.nn.functional.linear(x.float(), weight.float()).to(torch.float16)
+    got = route_cuda(x, weight, None, 6, True, experts_per_program=experts_per_program, num_warps=num_warps)
+    assert_same_routing(logits, *got, 6, renormalize=True)
+    want = route_cuda(x, weight, None, 6, True)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
 @pytest.mark.parametrize(("tokens", "experts", "hidden", "top_k", "dtype"), [

@@ -9,7 +9,11 @@ streams its first weight tiles, every kernel hides its launch and start-up.
 Invariant of every kernel compiled with `PDL` (and launched with `launch_pdl=PDL`): before
 `gdc_wait()` it reads nothing that an earlier kernel writes (only weights and other tensors fixed at
 load) and writes nothing; `gdc_wait()` returns once the previous kernel has completed and its memory
-is visible, which (each kernel waiting in turn) means every earlier kernel of the stream. Kernels
+is visible, which (each kernel waiting in turn) means every earlier kernel of the stream. The one
+exception is a pair that says so: a kernel that calls `gdc_launch_dependents()` only after its own
+`gdc_wait()` lets the next one start only once every kernel before it has completed, so that next
+kernel may read their outputs (past L1, `.cg`) before its wait (the MoE decode kernels,
+`fused_moe_decode.py`: the down kernel reads the routing's expert ids). Kernels
 launched without PDL (cuBLAS, torch's own) keep the stream's plain ordering around them.
 
 On by default on compute capability 9.0 and later; `RXF_PDL=0` turns it off (any value but 0, 1 and

@@ -27,8 +27,12 @@ Each kernel has two forms, chosen by the fifth element of its blocks (ROW):
 FP8 weights are upcast in registers and scaled as `fused_moe` describes (block scales shrink the
 K tiles to the scale block when it is smaller).
 
-With programmatic dependent launch (`rxf/core/runner/pdl.py`) both kernels wait first: every weight
-they read is picked by an expert id the routing kernel writes, so nothing is fixed before the wait.
+With programmatic dependent launch (`rxf/core/runner/pdl.py`) the gate/up kernel waits first (every
+weight it reads is picked by an expert id the routing kernel writes) and only then lets the down
+kernel start, so that the down kernel may read its expert id (the routing kernel's, written and
+visible by then; read past L1) and, in the ROW form, its first weight tile before its own wait, for
+act: its weights stream while the gate/up kernel runs. On an H100 that took Qwen3-30B-A3B's batch 1
+from 277.1 to 285.7 tok/s (benchmarks/RESULTS.md, 2026-12-06).
 
 Counters: one int32 buffer per device (`launch_counters`), shared by every layer and by the fused
 router (`routing_kernel.route_cuda`). Invariant between launches: all zero (each launch resets the
@@ -117,21 +121,30 @@ def _first_column(acc):
 
 
 @triton.jit
-def _row_stream(W, a_rows, b_rows, x_row, K, n_ok, s_a, s_b, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
+def _row_first(W, a_rows, b_rows, K, n_ok, TWO: tl.constexpr, BLOCK_K: tl.constexpr):
+    """ROW: the first K tile of the weight rows at offsets `a_rows` (and `b_rows` when TWO), for
+    `_row_stream`; apart so that a kernel can read it before its PDL wait."""
+    ks = tl.arange(0, BLOCK_K)
+    wa = tl.load(W + a_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+    wb = wa
+    if TWO:
+        wb = tl.load(W + b_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+    return wa, wb
+
+
+@triton.jit
+def _row_stream(W, a_rows, b_rows, wa, wb, x_row, K, n_ok, s_a, s_b, TWO: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr):
     """ROW: ([BLOCK_N] float32 dots of the weight rows at offsets `a_rows` (and `b_rows` when TWO) with
-    the activation row at `x_row`, over K; BLOCK_SCALED: each K tile's products times its scale block's
-    scales (`s_a`, `s_b`: the rows' first scales)."""
+    the activation row at `x_row`, over K, from their first tiles `wa`, `wb` (`_row_first`'s);
+    BLOCK_SCALED: each K tile's products times its scale block's scales (`s_a`, `s_b`: the rows'
+    first scales)."""
     ks = tl.arange(0, BLOCK_K)
     acc_a = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_b = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     # Pointers advance by BLOCK_K per tile (not rebuilt from k0): their alignment stays visible to Triton.
     a_ptrs = W + a_rows + ks[None, :]
     b_ptrs = W + b_rows + ks[None, :]
-    wa = tl.load(a_ptrs, mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
-    wb = wa
-    if TWO:
-        wb = tl.load(b_ptrs, mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         ahead = n_ok[:, None] & (k0 + BLOCK_K + ks < K)[None, :]
         a_ptrs += BLOCK_K
@@ -163,8 +176,8 @@ def _gate_up_kernel(
     PDL: tl.constexpr, ROW: tl.constexpr,
 ):
     if PDL:  # the routing kernel writes the expert ids that pick every weight read (rxf/core/runner/pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # after the wait: the down kernel reads the ids before its own
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
     expert = tl.load(TopkIds + pair).to(tl.int64)
@@ -179,8 +192,9 @@ def _gate_up_kernel(
     s_up = s_gate + N * stride_sn
     if ROW:
         rows = expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-        gate, up = _row_stream(W13, rows, rows + N * stride_wn, X + token * stride_xt, K, col_ok, s_gate, s_up, True,
-                               BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK)
+        wa, wb = _row_first(W13, rows, rows + N * stride_wn, K, col_ok, True, BLOCK_K)
+        gate, up = _row_stream(W13, rows, rows + N * stride_wn, wa, wb, X + token * stride_xt, K, col_ok, s_gate, s_up,
+                               True, BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK)
     else:
         acc_gate = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
@@ -217,25 +231,30 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr, ROW_SCALED: tl.constexpr, BLOCK_SCALED: tl.constexpr, SCALE_BK: tl.constexpr,
     PDL: tl.constexpr, ROW: tl.constexpr,
 ):
-    if PDL:  # the gate/up kernel writes act; the expert ids pick every weight read
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    """Under PDL the gate/up kernel before this one let it start only after its own wait, so the
+    routing kernel's expert ids are written and visible (read past L1): the id and, in the ROW form,
+    the first weight tile are read before the wait, which act needs (see the module docstring)."""
     block = tl.program_id(0)  # token * n_blocks + column block
     j = tl.program_id(1)
     n_blocks = tl.cdiv(N, BLOCK_N)
     token = block // n_blocks
     pair = token * TOP_K + j
-    expert = tl.load(TopkIds + pair).to(tl.int64)
     cols = (block % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    expert = tl.load(TopkIds + pair, cache_modifier=".cg").to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     lanes = tl.arange(0, ROWS)
     w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     s_ptrs = S2 + expert * stride_se + cols.to(tl.int64) * stride_sn
+    rows = expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     if ROW:
-        rows = expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-        part, _ = _row_stream(W2, rows, rows, Act + pair.to(tl.int64) * stride_ap, K, col_ok, s_ptrs, s_ptrs, False,
-                              BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK)
+        wa, _ = _row_first(W2, rows, rows, K, col_ok, False, BLOCK_K)
+    if PDL:  # act is the gate/up kernel's
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    if ROW:
+        part, _ = _row_stream(W2, rows, rows, wa, wa, Act + pair.to(tl.int64) * stride_ap, K, col_ok, s_ptrs, s_ptrs,
+                              False, BLOCK_N, BLOCK_K, BLOCK_SCALED, SCALE_BK)
     else:
         acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):

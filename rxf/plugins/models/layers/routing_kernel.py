@@ -7,19 +7,28 @@ batch-1 decode cost more than the routing itself. Under programmatic dependent l
 
 `route_cuda` goes one launch further for decode batches (at most `ROUTE_MAX_TOKENS` tokens): the
 router projection itself, x @ W^T (+ bias), is computed by the same kernel, so a MoE layer's routing
-is one launch instead of a GEMV and the kernel above. Grid (tokens, SPLIT_K): program (t, s) takes
-the dot products of token t with every expert's weight row over its K range, in float32, and writes
-them to `partials`; the last of a token's SPLIT_K programs to arrive (`fused_moe_decode`'s counter
-hand-off: stores, a CTA barrier, an acq_rel atomic, `.cg` loads) sums them in split order, adds the
-bias, rounds the logits to x's dtype (the `F.linear` output that `select_experts` would get) and
-routes them as above. Under PDL it waits first (x comes from the norm before it).
+is one launch instead of a GEMV and the kernel above. Grid (tokens, cdiv(E, BLOCK_P)): program (t, p)
+takes the dot products of token t with experts [p * BLOCK_P, (p + 1) * BLOCK_P) over all of K, in
+float32, and writes those logits to `logits`; the last of a token's programs to arrive
+(`fused_moe_decode`'s counter hand-off: stores, a CTA barrier, an acq_rel atomic, `.cg` loads) reads
+all E of them, adds the bias, rounds them to x's dtype (the `F.linear` output that `select_experts`
+would get) and routes them as above. Splitting over experts rather than K leaves the last program
+E logits to read, not a partial sum per split. Under PDL the weights' first K tile (at Qwen3-30B-A3B's
+shapes all of a program's weights) is read before the wait (x comes from the kernel before).
 
 `norm_route_cuda` also takes that norm in: given the attention block's output h and the residual
-stream r, every program reads its token's whole rows for the mean square of s = h + r (float32),
-then, over its own K range, writes s rounded (the new residual) and x = s * rsqrt(mean(s^2) + eps) * w
-rounded once (`rmsnorm_kernel`'s rounding: the norm of the unrounded sum) to fresh tensors, and dots
-that rounded x with the router rows. The experts read x after this launch; the residual add and the
-post-attention norm are then no launch of their own.
+stream r, every program reads its token's whole rows, s = h + r (float32), x = s * rsqrt(mean(s^2) +
+eps) * w rounded once (`rmsnorm_kernel`'s rounding: the norm of the unrounded sum), and dots that
+rounded x with its router rows; program 0 writes s rounded (the new residual) and x to fresh
+tensors. The experts read x after this launch; the residual add and the post-attention norm are
+then no launch of their own.
+
+Choosing the top k: each probability's float32 bits (it is >= 0, so they order as integers) above
+the complement of its expert id form one int64 key, and each of the k rounds is one max over the
+keys (the largest probability, the lower id among equal ones). On an H100 the earlier way, every
+expert's place counted at once over a [E, E] comparison in 4 warps, took 6.9 us a launch at E = 128
+against 0.9 at E = 8 (benchmarks/gpu_route_parts.py, 2026-12-06): most of a Qwen3-30B-A3B layer's
+routing.
 """
 
 from __future__ import annotations
@@ -32,51 +41,40 @@ from rxf.core.runner.pdl import use_pdl
 from rxf.plugins.models.layers.fused_moe_decode import launch_counters
 
 ROUTE_MAX_TOKENS = 16  # larger batches: the router GEMM (cuBLAS) and then the routing kernel
-_ROUTE_TILE = 16384  # weights per tile of the fused router (BLOCK_E x TILE_K, in registers)
-_ROUTE_SPLIT_CHUNK = 128  # K per program of the fused router (SPLIT_K = cdiv(K, 128)): short loads in series
-RANK_MAX_EXPERTS = tl.constexpr(128)  # `_route_store` ranks all experts at once up to this many
+# The fused router's launch shape (`benchmarks/gpu_route_parts.py` sweeps it): experts per program and
+# warps; a program holds BLOCK_P x TILE_K weights in registers, TILE_K up to _TILE_PER_WARP / BLOCK_P a warp.
+ROUTER_EXPERTS_PER_PROGRAM = 2
+ROUTER_WARPS = 1
+_TILE_PER_WARP = 4096
 
 
 @triton.jit
 def _route_store(logits, Weights, Ids, token, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Softmax of one token's float32 `logits` [BLOCK_E] over its num_experts lanes, the TOP_K largest
-    (descending, the lower id among equals), optionally renormalised, stored at row `token`.
-
-    Up to RANK_MAX_EXPERTS experts, each expert's place in that order is counted at once, as the
-    experts before it (a larger probability, or an equal one and a lower id), over a [BLOCK_E, BLOCK_E]
-    comparison: one reduction instead of TOP_K rounds of two (a max and an argmin), each a round of
-    cross-warp exchanges; the last program of `_router_topk_kernel` runs this after its loads, alone."""
+    (descending, the lower id among equals; see the module docstring), optionally renormalised, stored
+    at row `token`."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     logits = tl.where(valid, logits, -float("inf"))
     exp = tl.exp(logits - tl.max(logits, axis=0))
-    probs = tl.where(valid, exp / tl.sum(exp, axis=0), -1.0)  # padding lanes are never chosen
-    if BLOCK_E <= RANK_MAX_EXPERTS:
-        p_i, p_j = probs[:, None], probs[None, :]
-        before = (p_j > p_i) | ((p_j == p_i) & (experts[None, :] < experts[:, None]))
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        chosen = rank < TOP_K
-        w = probs
-        if RENORMALIZE:
-            w = probs / tl.sum(tl.where(chosen, probs, 0.0), axis=0)
-        tl.store(Weights + token * TOP_K + rank, w, mask=chosen)
-        tl.store(Ids + token * TOP_K + rank, experts.to(tl.int64), mask=chosen)
-    else:
-        slots = tl.arange(0, BLOCK_K)
-        top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        top_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(probs, axis=0)
-            pick = tl.min(tl.where(probs == best, experts, BLOCK_E), axis=0)
-            top_w = tl.where(slots == j, best, top_w)
-            top_i = tl.where(slots == j, pick.to(tl.int64), top_i)
-            probs = tl.where(experts == pick, -1.0, probs)
-        if RENORMALIZE:
-            top_w = top_w / tl.sum(top_w, axis=0)  # lanes past TOP_K hold 0
-        keep = slots < TOP_K
-        tl.store(Weights + token * TOP_K + slots, top_w, mask=keep)
-        tl.store(Ids + token * TOP_K + slots, top_i, mask=keep)
+    probs = tl.where(valid, exp / tl.sum(exp, axis=0), -1.0)  # padding lanes: negative keys, never chosen
+    low = (BLOCK_E - 1 - experts).to(tl.int64)  # the lower id, the larger key among equal probabilities
+    keys = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low
+    slots = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    top_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)
+        pick = BLOCK_E - 1 - (best & 0xFFFFFFFF)
+        top_w = tl.where(slots == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), top_w)
+        top_i = tl.where(slots == j, pick, top_i)
+        keys = tl.where(low == (best & 0xFFFFFFFF), -1, keys)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)  # lanes past TOP_K hold 0
+    keep = slots < TOP_K
+    tl.store(Weights + token * TOP_K + slots, top_w, mask=keep)
+    tl.store(Ids + token * TOP_K + slots, top_i, mask=keep)
 
 
 @triton.jit
@@ -95,73 +93,59 @@ def _softmax_topk_kernel(
 
 
 @triton.jit
-def _routed_x(X, Res, NormW, XOut, ResOut, token, stride_xt, stride_rt, K, cols, ok, inv_rms, NORM: tl.constexpr):
-    """Token `token`'s x at `cols` (masked by `ok`) in float32; NORM: s = h + r there, s rounded stored
-    to ResOut, and x = s * inv_rms * w rounded once, stored to XOut, is what it returns."""
-    x = tl.load(X + token * stride_xt + cols, mask=ok, other=0.0).to(tl.float32)
-    if NORM:
-        x += tl.load(Res + token * stride_rt + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(ResOut + token * K + cols, x.to(ResOut.dtype.element_ty), mask=ok)
-        x = (x * inv_rms * tl.load(NormW + cols, mask=ok, other=0.0).to(tl.float32)).to(XOut.dtype.element_ty)
-        tl.store(XOut + token * K + cols, x, mask=ok)
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
 def _router_topk_kernel(
-    X, W, Bias, Partials, Counters, Weights, Ids, Res, NormW, XOut, ResOut, stride_xt, stride_rt, num_experts, K,
+    X, W, Bias, Logits, Counters, Weights, Ids, Res, NormW, XOut, ResOut, stride_xt, stride_rt, num_experts, K,
     norm_eps,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TILE_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, CHUNK_K: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    TILE_K: tl.constexpr, PROGRAMS: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """NORM: X is the attention output h and Res the residual; the routed x is norm(h + r) (see the
-    module docstring), written with h + r to XOut / ResOut (rows of K, contiguous). The first weight
-    tile (at Qwen3-30B-A3B's 128 experts the program's whole K range) is read before the PDL wait."""
+    """Program (t, p): experts [p * BLOCK_P, (p + 1) * BLOCK_P) of token t over all of K (see the module
+    docstring). NORM: X is the attention output h and Res the residual; the routed x is norm(h + r),
+    which needs the whole rows at once, so TILE_K >= K there (the launch sees to it)."""
     token = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    experts = tl.arange(0, BLOCK_E)
-    valid = experts < num_experts
+    p = tl.program_id(1)
+    rows = p * BLOCK_P + tl.arange(0, BLOCK_P)
+    rows_ok = rows < num_experts
     ks = tl.arange(0, TILE_K)
-    k_lo = split * CHUNK_K
-    end = tl.minimum(k_lo + CHUNK_K, K)
-    w_rows = W + experts[:, None].to(tl.int64) * K + ks[None, :]
-    w = tl.load(w_rows + k_lo, mask=valid[:, None] & (k_lo + ks < end)[None, :], other=0.0)
+    w_ptrs = W + rows[:, None].to(tl.int64) * K + ks[None, :]
+    w = tl.load(w_ptrs, mask=rows_ok[:, None] & (ks < K)[None, :], other=0.0)
+    if NORM:
+        norm_w = tl.load(NormW + ks, mask=ks < K, other=0.0)
     if PDL:  # the kernel before writes x (or h)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    inv_rms = 0.0
+    x = tl.load(X + token * stride_xt + ks, mask=ks < K, other=0.0).to(tl.float32)
     if NORM:
-        cols = tl.arange(0, BLOCK_H)
-        row = tl.load(X + token * stride_xt + cols, mask=cols < K, other=0.0).to(tl.float32)
-        row += tl.load(Res + token * stride_rt + cols, mask=cols < K, other=0.0).to(tl.float32)
-        inv_rms = tl.math.rsqrt(tl.sum(row * row, axis=0) / K + norm_eps)
-    x = _routed_x(X, Res, NormW, XOut, ResOut, token, stride_xt, stride_rt, K, k_lo + ks, k_lo + ks < end, inv_rms,
-                  NORM)
+        x += tl.load(Res + token * stride_rt + ks, mask=ks < K, other=0.0).to(tl.float32)
+        first = ks < tl.where(p == 0, K, 0)  # program 0 writes the new residual and x
+        tl.store(ResOut + token * K + ks, x.to(ResOut.dtype.element_ty), mask=first)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + norm_eps)
+        x = (x * inv_rms * norm_w.to(tl.float32)).to(XOut.dtype.element_ty)
+        tl.store(XOut + token * K + ks, x, mask=first)
+        x = x.to(tl.float32)
     acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    for k0 in range(k_lo + TILE_K, end, TILE_K):
-        k_ok = k0 + ks < end
-        x = _routed_x(X, Res, NormW, XOut, ResOut, token, stride_xt, stride_rt, K, k0 + ks, k_ok, inv_rms, NORM)
-        w = tl.load(w_rows + k0, mask=valid[:, None] & k_ok[None, :], other=0.0)
+    for k0 in range(TILE_K, K, TILE_K):  # K past the first tile (never with NORM)
+        k_ok = k0 + ks < K
+        x = tl.load(X + token * stride_xt + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if SPLIT_K > 1:
-        first = Partials + token * (SPLIT_K * BLOCK_E)
-        tl.store(first + split * BLOCK_E + experts, acc)
-        tl.debug_barrier()  # every thread's partial stores precede the counter update
+    experts = tl.arange(0, BLOCK_E)
+    if PROGRAMS > 1:
+        tl.store(Logits + token * BLOCK_E + rows, acc, mask=rows_ok)
+        tl.debug_barrier()  # every thread's logit stores precede the counter update
         arrived = tl.atomic_add(Counters + token, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last of the token's programs sums them, in split order
-            acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
-            for i in tl.static_range(SPLIT_K):
-                acc += tl.load(first + i * BLOCK_E + experts, cache_modifier=".cg")
+        if arrived == PROGRAMS - 1:  # the last of the token's programs routes them all
+            total = tl.load(Logits + token * BLOCK_E + experts, mask=experts < num_experts, other=0.0,
+                            cache_modifier=".cg")
             tl.store(Counters + token, 0)
             if HAS_BIAS:
-                acc += tl.load(Bias + experts, mask=valid, other=0.0).to(tl.float32)
-            logits = acc.to(X.dtype.element_ty).to(tl.float32)
+                total += tl.load(Bias + experts, mask=experts < num_experts, other=0.0).to(tl.float32)
+            logits = total.to(X.dtype.element_ty).to(tl.float32)
             _route_store(logits, Weights, Ids, token, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
-    else:
+    else:  # one program holds every expert (BLOCK_P == BLOCK_E)
         if HAS_BIAS:
-            acc += tl.load(Bias + experts, mask=valid, other=0.0).to(tl.float32)
+            acc += tl.load(Bias + experts, mask=experts < num_experts, other=0.0).to(tl.float32)
         logits = acc.to(X.dtype.element_ty).to(tl.float32)
         _route_store(logits, Weights, Ids, token, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
 
@@ -177,40 +161,41 @@ def softmax_topk_cuda(router_logits: torch.Tensor, top_k: int, renormalize: bool
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     pdl = use_pdl(logits)
+    block_e = triton.next_power_of_2(num_experts)
     _softmax_topk_kernel[(num_tokens,)](
         logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        PDL=pdl, launch_pdl=pdl,
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+        PDL=pdl, num_warps=1 if block_e <= 512 else 4, launch_pdl=pdl,  # one warp: no cross-warp rounds
     )
     return weights, ids
 
 
 def route_cuda(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+    *, experts_per_program: int = ROUTER_EXPERTS_PER_PROGRAM, num_warps: int = ROUTER_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_experts(F.linear(x, weight, bias), top_k, renormalize)` in one launch for at most
     `ROUTE_MAX_TOKENS` tokens of x `[T, K]` (last dimension contiguous) and a contiguous router
-    weight `[E, K]` of x's dtype."""
-    return _route(x, weight, bias, top_k, renormalize, None)[:2]
+    weight `[E, K]` of x's dtype. experts_per_program (a power of two) and num_warps: the launch's
+    shape, for `benchmarks/gpu_route_parts.py`'s sweep."""
+    return _route(x, weight, bias, top_k, renormalize, None, experts_per_program, num_warps)[:2]
 
 
 def norm_route_cuda(
     h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, *,
-    chunk_k: int = _ROUTE_SPLIT_CHUNK, num_warps: int = 4,
+    experts_per_program: int = ROUTER_EXPERTS_PER_PROGRAM, num_warps: int = ROUTER_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(routing weights, expert ids, x, h + residual) with x = RMSNorm(h + residual) as `rmsnorm_kernel`
     computes it, routed as `route_cuda` routes it: the residual add, the norm and the routing in one
-    launch. h and residual `[T, K]` (rows contiguous), norm_weight `[K]`; x and the sum are new tensors.
-    chunk_k (a power of two; SPLIT_K = cdiv(K, chunk_k)) and num_warps: the launch's shape, for
-    `benchmarks/gpu_moe_decode.py`'s sweep."""
+    launch. h and residual `[T, K]` (rows contiguous), norm_weight `[K]`; x and the sum are new tensors."""
     assert residual.shape == h.shape and residual.stride(-1) == 1 and norm_weight.shape == (h.shape[1],)
-    return _route(h, weight, bias, top_k, renormalize, (residual, norm_weight, eps), chunk_k, num_warps)
+    return _route(h, weight, bias, top_k, renormalize, (residual, norm_weight, eps), experts_per_program, num_warps)
 
 
 def _route(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None, chunk_k: int = _ROUTE_SPLIT_CHUNK, num_warps: int = 4,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None, experts_per_program: int, num_warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     num_tokens, k = x.shape
     num_experts = weight.shape[0]
@@ -228,16 +213,21 @@ def _route(
     if num_tokens == 0:
         return weights, ids, x_out, res_out
     block_e = triton.next_power_of_2(num_experts)
-    assert chunk_k & (chunk_k - 1) == 0 and chunk_k >= 16, f"chunk_k {chunk_k}: a power of two >= 16"
-    split_k = triton.cdiv(k, chunk_k)
-    partials = torch.empty(num_tokens * split_k * block_e, dtype=torch.float32, device=x.device)
+    block_p = min(experts_per_program, block_e)
+    assert block_p & (block_p - 1) == 0, f"experts_per_program {experts_per_program}: a power of two"
+    programs = triton.cdiv(num_experts, block_p)
+    tile_k = triton.next_power_of_2(k)
+    if norm is None:  # long rows go in several tiles
+        tile_k = max(16, min(tile_k, _TILE_PER_WARP * num_warps // block_p))
+    else:  # the norm needs whole rows in one tile: more warps rather than more registers a thread
+        num_warps = max(num_warps, min(8, block_p * tile_k // _TILE_PER_WARP))
+    logits = torch.empty(num_tokens * block_e, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
-    _router_topk_kernel[(num_tokens, split_k)](
-        x, weight, bias if bias is not None else weight, partials, launch_counters(x.device, num_tokens),
+    _router_topk_kernel[(num_tokens, programs)](
+        x, weight, bias if bias is not None else weight, logits, launch_counters(x.device, num_tokens),
         weights, ids, res, norm_w, x_out, res_out, x.stride(0), res.stride(0), num_experts, k, eps, TOP_K=top_k,
-        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), TILE_K=min(chunk_k, max(16, _ROUTE_TILE // block_e)),
-        SPLIT_K=split_k, CHUNK_K=chunk_k, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
-        NORM=norm is not None, BLOCK_H=triton.next_power_of_2(k) if norm is not None else 16, PDL=pdl,
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_P=block_p, TILE_K=tile_k, PROGRAMS=programs,
+        HAS_BIAS=bias is not None, RENORMALIZE=renormalize, NORM=norm is not None, PDL=pdl,
         num_warps=num_warps, launch_pdl=pdl,
     )
     return weights, ids, x_out, res_out
