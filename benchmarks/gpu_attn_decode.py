@@ -5,7 +5,9 @@
 For the Llama-3-8B head shape (32 query heads, 8 KV heads) and Qwen3-30B-A3B's (32 over 4), each batch and
 context: rxf's triton decode kernel at the split count the backend picks and at 1, 2, 4, 8, 16 splits,
 with the last program merging the chunks one by one (`loop`: `decode.MERGE_TILE_LIMIT` 0) or all at once
-(`tile`: the limit 128, the default). Two times per setting, microseconds:
+(`tile`: the limit 128, the default); then at the backend's split count with the tile merge, the chain
+time without a store and with the launch storing the new K/V (`store`: plain, rotated, rotated with
+Qwen3's head norms), as the backend runs it by default. Two times per setting, microseconds:
 `kernel` (GPU time of one launch, torch.profiler) and `chain` (a CUDA graph of 32 launches replayed, per
 launch: what a layer's attention costs between the kernels around it, launch latency and, under
 RXF_PDL=1, the dependent launch's overlap included). Every output is checked against torch_native.
@@ -34,6 +36,39 @@ MODES = {"loop": 0, "tile": 128}  # name: decode.MERGE_TILE_LIMIT
 def chain_us(call: Any, launches: int = 32) -> float:
     """GPU time per launch of `call` captured `launches` times in one CUDA graph."""
     return gpu_gemv.graph_us(lambda _: call(), list(range(launches)), reps=20)
+
+
+def store_variants_us(decode: Any, case: Any, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                      splits: int) -> dict[str, float]:
+    """Chain time per launch at the backend's split count (tile merge) without a store, with the new
+    tokens' K/V stored by the launch (`decode.DecodeStore`, as the backend runs it by default), rotated,
+    and rotated with Qwen3's head norms: what the launch's extra work costs at batch 1. Timing only:
+    the tests check these outputs (the store makes them differ from the plain attention's)."""
+    from rxf.core.attention import HeadNorm
+
+    b, bs, hd = case.batch, q.shape[0], q.shape[-1]
+    positions = b.seq_lens.long() - 1
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, hd, 2, device="cuda", dtype=torch.float32) / hd))
+    angles = torch.outer(torch.arange(int(positions.max()) + 1, device="cuda", dtype=torch.float32), inv_freq)
+    table = torch.cat((angles.cos(), angles.sin()), dim=-1)  # the fused kernels' cos | sin layout
+    norm = HeadNorm(torch.ones(hd, device="cuda", dtype=q.dtype), torch.ones(hd, device="cuda", dtype=q.dtype), 1e-6)
+    k, v = case.k.view(bs, -1, hd), case.v.view(bs, -1, hd)
+    stores = {"none": None, "kv": decode.DecodeStore(k, v, b.out_cache_loc),
+              "kv_rope": decode.DecodeStore(k, v, b.out_cache_loc, (positions, table)),
+              "kv_rope_norm": decode.DecodeStore(k, v, b.out_cache_loc, (positions, table), norm)}
+    nsplit = torch.full((bs,), splits, dtype=torch.int32, device="cuda")
+    mid_o = torch.empty(bs, q.shape[1], splits, hd, device="cuda")
+    mid_lse = torch.empty(bs, q.shape[1], splits, device="cuda")
+    counters = torch.zeros(decode.counters_needed(bs, q.shape[1], k.shape[1]), dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    times = {}
+    for name, store in stores.items():
+        call = functools.partial(
+            decode.decode_attention, q, k_buf, v_buf, out, b.req_to_token_pool.req_to_token, b.req_pool_indices,
+            b.seq_lens, nsplit, splits, mid_o, mid_lse, counters, case.layer.scaling, store=store)
+        call()
+        times[name] = round(chain_us(call), 2)
+    return times
 
 
 def main() -> None:
@@ -84,6 +119,11 @@ def main() -> None:
                                 continue
                             kernel, _ = gd.kernel_time_us(call, iters=10)
                             row[key] = {"kernel": round(kernel, 2), "chain": round(chain_us(call), 2)}
+                decode.MERGE_TILE_LIMIT = MODES["tile"]
+                try:  # first GPU run pending: a failure here keeps the rows above
+                    row["store"] = store_variants_us(decode, case, q, k_buf, v_buf, policy)
+                except Exception as e:  # noqa: BLE001
+                    row["store"] = f"failed: {type(e).__name__}: {e}"[:300]
                 label = f"{shape} b{bs} ctx{ctx}"
                 results[label] = row
                 print(label, json.dumps(row), flush=True)

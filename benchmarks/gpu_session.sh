@@ -7,7 +7,7 @@
 # (git-ignored, carried) and the next call restores them. benchmarks/fi_cache_build.py builds such
 # parts on the CPU box. Carried paths travel within 64 MiB in all: the cuDNN frontend wheel (11.6 MB;
 # FlashInfer imports it only if present, for cuDNN paths rxf does not use) can stay out of .whl/.
-#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|tune|fi-tests|quant|quant-ab|offline-profile|pytest|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|tune|fi-tests|quant|quant-ab|offline-profile|pytest|h200|others [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -278,6 +278,21 @@ elif [ "$stage" = offline-profile ]; then
   echo "offline-profile $tag: rc $?"; grep -v "Loading weights" "$out/offline-$tag.log" | tail -n 12
   for f in "$prof"/*/dp0-tp0/summary.txt; do echo "== $f"; head -n 16 "$f"; done
   tar czf "$out/profiles-$tag.tgz" -C /tmp "rxf-profiles-$tag"
+elif [ "$stage" = h200 ]; then
+  # "h200 [BASE_DIR]": the H200 figures issues 17 and 18 ask, for a call that may land on either card
+  # (most land on an H100): on anything but an H200 it prints the card and stops (exit 4), so that a
+  # caller can run something else. Each part bounded: Qwen3-30B-A3B's decode phase (batch 1, overlap
+  # off, 16, 64, 256) and Qwen3-8B's and gpt-oss-20b's batch 1 (random weights), then, with BASE_DIR
+  # (`git archive 899bfac`), issue 17's compare on the Llama-3-8B shape (bandwidth, decode).
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200"; exit 4; }
+  for preset in qwen3-30b-a3b qwen3-8b gpt-oss-20b; do
+    phases=decode1; [ "$preset" = qwen3-30b-a3b ] && phases=decode
+    timeout "${H200_PART_S:-110}" python3 benchmarks/gpu_decode.py --preset "$preset" --random-weights \
+      --phases build,bandwidth,$phases --backends triton --output "$out/h200-$preset.json" > "$out/h200-$preset.log" 2>&1
+    echo "$preset: rc $?"; grep -E "^decode1|roofline|b1_graphs|b64_graphs|b256_graphs" "$out/h200-$preset.log" | head -n 8
+  done
+  [ $# -gt 0 ] && COMPARE_LIMIT_S=${COMPARE_LIMIT_S:-150} COMPARE_TAIL=${COMPARE_TAIL:-30} \
+    bash benchmarks/gpu_session.sh compare "$1" bandwidth,decode
 elif [ "$stage" = others ]; then
   # "others SCRIPT[:ARGS] ...": each benchmark bounded to OTHERS_LIMIT_S (default 400), e.g. others
   # gpu_moe gpu_tp:--tp=1 (commas separate ARGS, unless ARGS has a space: "gpu_profile:--phases gemv,qgemv"

@@ -66,10 +66,10 @@ def test_ties_take_the_lower_expert_and_strided_logits() -> None:
 
 
 @pytest.mark.parametrize(("tokens", "experts", "hidden", "top_k", "dtype", "bias"), [
-    (1, 128, 2048, 8, torch.float32, False),  # Qwen3-30B-A3B's router: 16 splits of K
+    (1, 128, 2048, 8, torch.float32, False),  # Qwen3-30B-A3B's router: 64 programs of 2 experts
     (3, 32, 2880, 4, torch.float32, True),  # gpt-oss-20b's, with its bias; K not a multiple of the tile
     (16, 60, 300, 4, torch.float16, False),  # the most tokens it takes; experts not a power of two
-    (2, 8, 64, 2, torch.float32, True),  # one split: no hand-off
+    (2, 8, 64, 2, torch.float32, True),  # Mixtral-like: 4 programs, with a bias
 ])
 def test_fused_router_routes_as_the_projection_then_select_experts(tokens, experts, hidden, top_k, dtype, bias) -> None:
     """The logits are x @ W^T + b rounded to x's dtype, as `F.linear` hands them to `select_experts`
@@ -84,7 +84,7 @@ def test_fused_router_routes_as_the_projection_then_select_experts(tokens, exper
         assert_same_routing(logits, *route_cuda(x, weight, b, top_k, renormalize=True), top_k, renormalize=True)
 
 
-@pytest.mark.parametrize(("experts_per_program", "num_warps"), [(1, 1), (4, 2), (64, 4)])  # 64: one program
+@pytest.mark.parametrize(("experts_per_program", "num_warps"), [(1, 1), (4, 2), (64, 4)])  # 64: one program, no hand-off
 def test_fused_router_launch_shapes_route_alike(experts_per_program: int, num_warps: int) -> None:
     """Every launch shape `benchmarks/gpu_route_parts.py` sweeps gives the routing of the default one,
     down to the weights' bits (the logits are rounded to x's dtype before any routing)."""
