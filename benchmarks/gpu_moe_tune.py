@@ -345,9 +345,11 @@ def main() -> None:
     results = tune(p, tokens, budget, min(args.workers, 2) if args.tiny else args.workers, args.tiny)
     written = {m: r["config"] for m, r in results.items() if r["written"]}
     if written:
+        output.parent.mkdir(parents=True, exist_ok=True)
         fused_moe_table.write_entries(key, written, output)
     out_dir = os.environ.get("OUT")
     if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
         if output.is_file() and output.resolve() != (Path(out_dir) / "fused_moe_tuned.json").resolve():
             shutil.copy(output, Path(out_dir) / "fused_moe_tuned.json")
         report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
