@@ -246,8 +246,8 @@ def _down_kernel(
     lanes = tl.arange(0, ROWS)
     w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
     s_ptrs = S2 + expert * stride_se + cols.to(tl.int64) * stride_sn
-    rows = expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     if ROW:
+        rows = expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
         wa, _ = _row_first(W2, rows, rows, K, col_ok, False, BLOCK_K)
     if PDL:  # act is the gate/up kernel's
         tl.extra.cuda.gdc_launch_dependents()

@@ -66,15 +66,24 @@ def _route_store(logits, Weights, Ids, token, num_experts, TOP_K: tl.constexpr, 
     top_i = tl.zeros((BLOCK_K,), dtype=tl.int64)
     for j in tl.static_range(TOP_K):
         best = tl.max(keys, axis=0)
-        pick = BLOCK_E - 1 - (best & 0xFFFFFFFF)
+        best_low = best & 0xFFFFFFFF
         top_w = tl.where(slots == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), top_w)
-        top_i = tl.where(slots == j, pick, top_i)
-        keys = tl.where(low == (best & 0xFFFFFFFF), -1, keys)
+        top_i = tl.where(slots == j, BLOCK_E - 1 - best_low, top_i)
+        keys = tl.where(low == best_low, -1, keys)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=0)  # lanes past TOP_K hold 0
     keep = slots < TOP_K
     tl.store(Weights + token * TOP_K + slots, top_w, mask=keep)
     tl.store(Ids + token * TOP_K + slots, top_i, mask=keep)
+
+
+@triton.jit
+def _rounded_logits(acc, Bias, experts, num_experts, dtype, HAS_BIAS: tl.constexpr):
+    """The router's float32 sums `acc` [BLOCK_E] plus the bias, rounded to x's dtype as `F.linear`
+    returns them, back in float32 for `_route_store`."""
+    if HAS_BIAS:
+        acc += tl.load(Bias + experts, mask=experts < num_experts, other=0.0).to(tl.float32)
+    return acc.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -139,14 +148,10 @@ def _router_topk_kernel(
             total = tl.load(Logits + token * BLOCK_E + experts, mask=experts < num_experts, other=0.0,
                             cache_modifier=".cg")
             tl.store(Counters + token, 0)
-            if HAS_BIAS:
-                total += tl.load(Bias + experts, mask=experts < num_experts, other=0.0).to(tl.float32)
-            logits = total.to(X.dtype.element_ty).to(tl.float32)
+            logits = _rounded_logits(total, Bias, experts, num_experts, X.dtype.element_ty, HAS_BIAS)
             _route_store(logits, Weights, Ids, token, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
     else:  # one program holds every expert (BLOCK_P == BLOCK_E)
-        if HAS_BIAS:
-            acc += tl.load(Bias + experts, mask=experts < num_experts, other=0.0).to(tl.float32)
-        logits = acc.to(X.dtype.element_ty).to(tl.float32)
+        logits = _rounded_logits(acc, Bias, experts, num_experts, X.dtype.element_ty, HAS_BIAS)
         _route_store(logits, Weights, Ids, token, num_experts, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
 
 
