@@ -8,7 +8,9 @@ streams its first weight tiles, every kernel hides its launch and start-up.
 
 Invariant of every kernel compiled with `PDL` (and launched with `launch_pdl=PDL`): before
 `gdc_wait()` it reads nothing that an earlier kernel writes (only weights and other tensors fixed at
-load) and writes nothing; `gdc_wait()` returns once the previous kernel has completed and its memory
+load, and the forward's batch metadata: sequence lengths, pool rows and slots, positions, split
+counts, which the host and kernels launched without PDL write before the forward's first PDL launch,
+so before any PDL kernel of it starts) and writes nothing; `gdc_wait()` returns once the previous kernel has completed and its memory
 is visible, which (each kernel waiting in turn) means every earlier kernel of the stream. The one
 exception is a pair that says so: a kernel that calls `gdc_launch_dependents()` only after its own
 `gdc_wait()` lets the next one start only once every kernel before it has completed, so that next

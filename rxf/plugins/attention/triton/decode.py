@@ -61,7 +61,13 @@ import triton.language as tl
 from rxf.core.attention import HeadNorm
 from rxf.core.kv_pool import is_fp8
 from rxf.core.runner.pdl import use_pdl
-from rxf.plugins.attention.triton.extend import attend_pool, feature_args, kv_scale_args, kv_scales
+from rxf.plugins.attention.triton.extend import (
+    attend_pool,
+    feature_args,
+    kv_scale_args,
+    kv_scales,
+    pool_slots,
+)
 from rxf.plugins.attention.triton.store_kv import _head_normed, _to_pool, pool_scales
 
 _M_INIT = -1.0e30  # finite running-max start: fully masked steps give weights 0, never NaN
@@ -150,20 +156,17 @@ def _rope_normed(x, xp, first, cos, sin, inv, w, wp, dtype, HEAD_NORM: tl.conste
 
 
 @triton.jit
-def _store_new_kv(KNew, VNew, KBuf, VBuf, Loc, Positions, CosSin, KNormW, KScale, VScale, req, kv_head, norm_eps,
+def _store_new_kv(KNew, VNew, KBuf, VBuf, slot, cos, sin, KNormW, KScale, VScale, req, kv_head, norm_eps,
                   stride_kn, stride_kh, stride_vn, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-                  stride_cs, offs_d, partner, first, mask_d, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                  offs_d, partner, first, mask_d, HEAD_DIM: tl.constexpr,
                   ROTATE: tl.constexpr, HEAD_NORM: tl.constexpr, KV_FP8: tl.constexpr, FMAX: tl.constexpr):
-    """Request `req`'s new k (rotated by its position, ROTATE; head-normalised first, HEAD_NORM) and v
-    for `kv_head` into the pool at Loc[req], as `store_kv.rope_store_kv` would store them."""
-    slot = tl.load(Loc + req).to(tl.int64)
+    """Request `req`'s new k (rotated by its position's `cos` / `sin` lanes, ROTATE; head-normalised
+    first, HEAD_NORM) and v for `kv_head` into the pool at `slot`, as `store_kv.rope_store_kv` would
+    store them."""
     k_scale, v_scale = pool_scales(KScale, VScale, KV_FP8)
     k_row = KNew + req * stride_kn + kv_head * stride_kh
     k = tl.load(k_row + offs_d, mask=mask_d, other=0.0)
     if ROTATE:
-        pos = tl.load(Positions + req).to(tl.int64)
-        cos = tl.load(CosSin + pos * stride_cs + offs_d % HALF, mask=mask_d, other=0.0)
-        sin = tl.load(CosSin + pos * stride_cs + HALF + offs_d % HALF, mask=mask_d, other=0.0)
         kf = k.to(tl.float32)
         inv = 1.0
         if HEAD_NORM:
@@ -194,9 +197,6 @@ def _decode_kernel(
     STORE: tl.constexpr, ROTATE: tl.constexpr, HEAD_NORM: tl.constexpr, FMAX: tl.constexpr,
     MERGE_H: tl.constexpr, MERGE_S: tl.constexpr,
 ):
-    if PDL:  # the previous kernel writes this one's inputs (rxf/core/runner/pdl.py)
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     req = tl.program_id(0)
     if HAS_Q_ROWS:  # the decode rows of an extend batch: the request's row in q and out
         row = tl.load(QRows + req).to(tl.int64)
@@ -220,11 +220,23 @@ def _decode_kernel(
     half = HEAD_DIM // 2
     partner = (offs_d + half) % HEAD_DIM  # the lane a rotation pairs with each lane
     first = offs_d < half
+    offs_n = tl.arange(0, BLOCK_N)
+    row_base = ReqToToken + tl.load(req_pool_indices + req).to(tl.int64) * stride_r2t
+    slots = pool_slots(row_base, start, end, offs_n)
+    cos = tl.zeros([BLOCK_D], tl.float32)
+    sin = cos
+    if ROTATE:  # the request's position's angles, for its new k and its query heads
+        pos = tl.load(Positions + req).to(tl.int64)
+        cos = tl.load(CosSin + pos * stride_cs + offs_d % half, mask=mask_d, other=0.0)
+        sin = tl.load(CosSin + pos * stride_cs + half + offs_d % half, mask=mask_d, other=0.0)
+    if PDL:  # the batch's metadata above is fixed for the forward; q, k, v are the kernel before's
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if STORE:  # the chunk that holds the new token (split 0 for seq_len 0) stores it first
         if split == tl.maximum(non_empty - 1, 0):
-            _store_new_kv(KNew, VNew, KBuf, VBuf, Loc, Positions, CosSin, KNormW, KScale, VScale, req, kv_head,
-                          norm_eps, stride_kn, stride_kh, stride_vn, stride_vh, stride_kbs, stride_kbh, stride_vbs,
-                          stride_vbh, stride_cs, offs_d, partner, first, mask_d, HEAD_DIM, half, ROTATE, HEAD_NORM,
+            _store_new_kv(KNew, VNew, KBuf, VBuf, tl.load(Loc + req).to(tl.int64), cos, sin, KNormW, KScale, VScale,
+                          req, kv_head, norm_eps, stride_kn, stride_kh, stride_vn, stride_vh, stride_kbs, stride_kbh,
+                          stride_vbs, stride_vbh, offs_d, partner, first, mask_d, HEAD_DIM, ROTATE, HEAD_NORM,
                           KV_FP8, FMAX)
             # The stores precede this program's own reads of the slot (a CTA barrier orders global
             # memory within the block); other head blocks of the chunk store the same bytes themselves.
@@ -235,20 +247,15 @@ def _decode_kernel(
         return
     qk_scale, v_scale = kv_scales(qk_scale, KScale, VScale, KV_FP8)
 
-    offs_n = tl.arange(0, BLOCK_N)
-    row_base = ReqToToken + tl.load(req_pool_indices + req).to(tl.int64) * stride_r2t
     q_rows = Q + row * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + offs_d[None, :], mask=mask_hd, other=0.0)
     if ROTATE:  # the query heads as the store kernel would have rotated them (rounded to q's dtype)
-        pos = tl.load(Positions + req).to(tl.int64)
-        cos = tl.load(CosSin + pos * stride_cs + offs_d % half, mask=mask_d, other=0.0)[None, :]
-        sin = tl.load(CosSin + pos * stride_cs + half + offs_d % half, mask=mask_d, other=0.0)[None, :]
         qf = q.to(tl.float32)
         inv = tl.full([BLOCK_H, 1], 1.0, tl.float32)
         if HEAD_NORM:
             inv = tl.math.rsqrt(tl.sum(qf * qf, axis=1) / HEAD_DIM + norm_eps)[:, None]
         q = _rope_normed(qf, tl.load(q_rows + partner[None, :], mask=mask_hd, other=0.0).to(tl.float32),
-                         first[None, :], cos, sin, inv,
+                         first[None, :], cos[None, :], sin[None, :], inv,
                          tl.load(QNormW + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :],
                          tl.load(QNormW + partner, mask=mask_d, other=0.0).to(tl.float32)[None, :],
                          Q.dtype.element_ty, HEAD_NORM).to(Q.dtype.element_ty)
@@ -262,7 +269,7 @@ def _decode_kernel(
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)
         qk_scale = 1.0
     # The chunk lies inside the window: no per-row mask (every head row is the same query position).
-    m_i, l_i, acc = attend_pool(q, m_i, l_i, acc, row_base, start, end, KBuf, VBuf, kv_head,
+    m_i, l_i, acc = attend_pool(q, m_i, l_i, acc, row_base, slots, start, end, KBuf, VBuf, kv_head,
                                 stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, offs_d < HEAD_DIM,
                                 qk_scale, cap_log2, m_i, False, HAS_CAP, BLOCK_N, IEEE)
     # The chunk is non-empty, so l_i > 0 for every head row.

@@ -136,23 +136,32 @@ def online_step(q, k, v, mask, m_i, l_i, acc, qk_scale, cap_log2, HAS_CAP: tl.co
 
 
 @triton.jit
-def attend_pool(q, m_i, l_i, acc, row_base, start, end, KBuf, VBuf, kv_head,
+def pool_slots(row_base, start, end, offs_n):
+    """The pool slots of positions start + offs_n (those before `end`; 0 past it) of a request's
+    req_to_token row: `attend_pool`'s first block, which a caller may read early."""
+    cols = start + offs_n
+    return tl.load(row_base + cols, mask=cols < end, other=0).to(tl.int64)
+
+
+@triton.jit
+def attend_pool(q, m_i, l_i, acc, row_base, slots, start, end, KBuf, VBuf, kv_head,
                 stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d, qk_scale, cap_log2,
                 row_first, ROW_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK_N: tl.constexpr,
                 IEEE: tl.constexpr):
     """Fold the pooled keys of positions [start, end) of one request (slots read through its
-    req_to_token row `row_base`, KV head `kv_head`) into every query row's running state; with
-    ROW_WINDOW, row r sees only keys at positions >= row_first[r]. Shared by extend (the cached
-    prefix) and decode (one split of the context)."""
+    req_to_token row `row_base`, KV head `kv_head`; `slots`: the first block's, `pool_slots`') into
+    every query row's running state; with ROW_WINDOW, row r sees only keys at positions >= row_first[r].
+    Each block's K/V loads issue the next block's slot loads before its math. Shared by extend (the
+    cached prefix) and decode (one split of the context)."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < end
-        slots = tl.load(row_base + cols, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(KBuf + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
         v = tl.load(VBuf + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
+        slots = pool_slots(row_base, start_n + BLOCK_N, end, offs_n)
         mask = mask_n[None, :]
         if ROW_WINDOW:
             mask = mask & (cols[None, :] >= row_first[:, None])
@@ -210,7 +219,8 @@ def _extend_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0)
     # Cached prefix, slots through req_to_token.
-    m_i, l_i, acc = attend_pool(q, m_i, l_i, acc, row_base, lo, prefix_len, KBuf, VBuf, kv_head,
+    m_i, l_i, acc = attend_pool(q, m_i, l_i, acc, row_base, pool_slots(row_base, lo, prefix_len, offs_n), lo,
+                                prefix_len, KBuf, VBuf, kv_head,
                                 stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d,
                                 qk_scale, cap_log2, first_key, HAS_WINDOW, HAS_CAP, BLOCK_N, IEEE)
 
