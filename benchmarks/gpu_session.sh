@@ -282,10 +282,11 @@ elif [ "$stage" = h200 ]; then
   # "h200 [BASE_DIR]": the H200 figures issues 17 and 18 ask, for a call that may land on either card
   # (most land on an H100): on anything but an H200 it prints the card and stops (exit 4), so that a
   # caller can run something else. Each part bounded: Qwen3-30B-A3B's decode phase (batch 1, overlap
-  # off, 16, 64, 256) and Qwen3-8B's and gpt-oss-20b's batch 1 (random weights), then, with BASE_DIR
-  # (`git archive 899bfac`), issue 17's compare on the Llama-3-8B shape (bandwidth, decode).
+  # off, 16, 64, 256) and Qwen3-8B's and gpt-oss-20b's batch 1 (random weights; H200_PRESETS names
+  # others, in order: llama3-8b, say), then, with BASE_DIR (`git archive 899bfac`), issue 17's compare
+  # on the Llama-3-8B shape (bandwidth, decode).
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200"; exit 4; }
-  for preset in qwen3-30b-a3b qwen3-8b gpt-oss-20b; do
+  for preset in ${H200_PRESETS:-qwen3-30b-a3b qwen3-8b gpt-oss-20b}; do
     phases=decode1; [ "$preset" = qwen3-30b-a3b ] && phases=decode
     timeout "${H200_PART_S:-110}" python3 benchmarks/gpu_decode.py --preset "$preset" --random-weights \
       --phases build,bandwidth,$phases --backends triton --output "$out/h200-$preset.json" > "$out/h200-$preset.log" 2>&1

@@ -251,20 +251,21 @@ def test_decode_kernel_more_splits_than_tokens_and_head_blocks(merge_mode: str) 
 def test_decode_with_its_own_store_matches_the_store_then_decode(kind: str) -> None:
     """`decode_attention(store=...)` = `rope_store_kv` (or `store_kv`) then `decode_attention`: the same
     output and the same pool. A GQA group of 32 over two programs of 16 heads (both store the token),
-    a padded entry with seq_len 0 (its split 0 stores), split counts above some lengths, head_dim 24
-    (the rotation's halves of 12, masked lanes), an FP8 pool with scales."""
+    a padded entry with seq_len 0 (its split 0 stores), split counts above some lengths, one chunk of
+    three key blocks (the new token, stored by the launch, read back in the last),
+    head_dim 24 (the rotation's halves of 12, masked lanes), an FP8 pool with scales."""
     from rxf.core.attention import HeadNorm
     from rxf.plugins.attention.triton.decode import DecodeStore
     from rxf.plugins.attention.triton.store_kv import rope_store_kv, store_kv
     from rxf.plugins.models.layers import RotaryEmbedding
 
     torch.manual_seed(2)
-    heads, kv_heads, head_dim, slots, bs = 64, 2, 24, 4 * MAX_CONTEXT + 1, 4
+    heads, kv_heads, head_dim, slots, bs = 64, 2, 24, 5 * MAX_CONTEXT + 1, 5
     kv_dtype = torch.float8_e4m3fn if kind == "fp8" else torch.float32
     scales = (torch.tensor(2.0), torch.tensor(0.5)) if kind == "fp8" else (None, None)
-    seq_lens = torch.tensor([1, 0, 40, 3], dtype=torch.int32)
-    rows = torch.tensor([3, 0, 2, 1])
-    req_to_token = torch.randperm(slots - 1)[: 4 * MAX_CONTEXT].add_(1).to(torch.int32).view(4, MAX_CONTEXT)
+    seq_lens = torch.tensor([1, 0, 40, 3, 37], dtype=torch.int32)
+    rows = torch.tensor([3, 0, 2, 1, 4])
+    req_to_token = torch.randperm(slots - 1)[: 5 * MAX_CONTEXT].add_(1).to(torch.int32).view(5, MAX_CONTEXT)
     loc = torch.stack([req_to_token[r, max(int(n) - 1, 0)] for r, n in zip(rows, seq_lens, strict=True)]).long()
     positions = (seq_lens - 1).clamp(min=0).long()
     pool = torch.randn(2, slots, kv_heads, head_dim)
@@ -294,7 +295,7 @@ def test_decode_with_its_own_store_matches_the_store_then_decode(kind: str) -> N
         out = torch.full_like(q, float("nan"))
         mid_o, mid_lse = torch.empty(bs, heads, 4, head_dim), torch.empty(bs, heads, 4)
         counters = torch.zeros(bs * kv_heads * 2, dtype=torch.int32)
-        decode_attention(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, torch.tensor([4, 2, 3, 4], dtype=torch.int32),
+        decode_attention(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, torch.tensor([4, 2, 3, 4, 1], dtype=torch.int32),
                          4, mid_o, mid_lse, counters, 0.25, block_h=16, block_n=16, k_scale=scales[0],
                          v_scale=scales[1], store=store)
         assert not counters.any()

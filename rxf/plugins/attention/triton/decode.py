@@ -156,28 +156,29 @@ def _rope_normed(x, xp, first, cos, sin, inv, w, wp, dtype, HEAD_NORM: tl.conste
 
 
 @triton.jit
-def _store_new_kv(KNew, VNew, KBuf, VBuf, slot, cos, sin, KNormW, KScale, VScale, req, kv_head, norm_eps,
+def _store_new_kv(KNew, VNew, KBuf, VBuf, slot, cos, sin, kw, kwp, KScale, VScale, req, kv_head, norm_eps,
                   stride_kn, stride_kh, stride_vn, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
                   offs_d, partner, first, mask_d, HEAD_DIM: tl.constexpr,
                   ROTATE: tl.constexpr, HEAD_NORM: tl.constexpr, KV_FP8: tl.constexpr, FMAX: tl.constexpr):
     """Request `req`'s new k (rotated by its position's `cos` / `sin` lanes, ROTATE; head-normalised
-    first, HEAD_NORM) and v for `kv_head` into the pool at `slot`, as `store_kv.rope_store_kv` would
-    store them."""
+    first by the weights `kw` / `kwp` at the lanes and their partners, HEAD_NORM) and v for `kv_head`
+    into the pool at `slot`, as `store_kv.rope_store_kv` would store them. k, its partner lanes and v
+    are all loaded before the first store, so their reads overlap."""
     k_scale, v_scale = pool_scales(KScale, VScale, KV_FP8)
     k_row = KNew + req * stride_kn + kv_head * stride_kh
     k = tl.load(k_row + offs_d, mask=mask_d, other=0.0)
+    kp = k
+    if ROTATE:
+        kp = tl.load(k_row + partner, mask=mask_d, other=0.0)
+    v = tl.load(VNew + req * stride_vn + kv_head * stride_vh + offs_d, mask=mask_d, other=0.0)
     if ROTATE:
         kf = k.to(tl.float32)
         inv = 1.0
         if HEAD_NORM:
             inv = tl.math.rsqrt(tl.sum(kf * kf, axis=0) / HEAD_DIM + norm_eps)
-        k = _rope_normed(kf, tl.load(k_row + partner, mask=mask_d, other=0.0).to(tl.float32), first, cos, sin, inv,
-                         tl.load(KNormW + offs_d, mask=mask_d, other=0.0).to(tl.float32),
-                         tl.load(KNormW + partner, mask=mask_d, other=0.0).to(tl.float32), KNew.dtype.element_ty,
-                         HEAD_NORM)
+        k = _rope_normed(kf, kp.to(tl.float32), first, cos, sin, inv, kw, kwp, KNew.dtype.element_ty, HEAD_NORM)
     tl.store(KBuf + slot * stride_kbs + kv_head * stride_kbh + offs_d,
              _to_pool(k, k_scale, KBuf.dtype.element_ty, FMAX, KV_FP8), mask=mask_d)
-    v = tl.load(VNew + req * stride_vn + kv_head * stride_vh + offs_d, mask=mask_d, other=0.0)
     tl.store(VBuf + slot * stride_vbs + kv_head * stride_vbh + offs_d,
              _to_pool(v, v_scale, VBuf.dtype.element_ty, FMAX, KV_FP8), mask=mask_d)
 
@@ -225,19 +226,38 @@ def _decode_kernel(
     slots = pool_slots(row_base, start, end, offs_n)
     cos = tl.zeros([BLOCK_D], tl.float32)
     sin = cos
+    qw = cos
+    qwp = cos
+    kw = cos
+    kwp = cos
     if ROTATE:  # the request's position's angles, for its new k and its query heads
         pos = tl.load(Positions + req).to(tl.int64)
         cos = tl.load(CosSin + pos * stride_cs + offs_d % half, mask=mask_d, other=0.0)
         sin = tl.load(CosSin + pos * stride_cs + half + offs_d % half, mask=mask_d, other=0.0)
-    if PDL:  # the batch's metadata above is fixed for the forward; q, k, v are the kernel before's
-        tl.extra.cuda.gdc_launch_dependents()
+        if HEAD_NORM:  # the layer's head-norm weights at each lane and at its partner
+            qw = tl.load(QNormW + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            qwp = tl.load(QNormW + partner, mask=mask_d, other=0.0).to(tl.float32)
+            kw = tl.load(KNormW + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            kwp = tl.load(KNormW + partner, mask=mask_d, other=0.0).to(tl.float32)
+    slot = 0
+    if STORE:
+        slot = tl.load(Loc + req).to(tl.int64)
+    if PDL:  # the batch's metadata and the layer's weights above are fixed for the forward; q, k, v are
+        tl.extra.cuda.gdc_launch_dependents()  # the kernel before's
         tl.extra.cuda.gdc_wait()
+    # q's loads are issued before the new K/V's store, so that their reads overlap (no measurable gain
+    # on an H100, Qwen3-30B-A3B batch 1 309.2 -> 309.7 tok/s; nor from asking L2 for the chunk's first
+    # K/V rows before the wait: 310.0; benchmarks/RESULTS.md 2026-12-06).
+    q_rows = Q + row * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=mask_hd, other=0.0)
+    qp = q
+    if ROTATE:
+        qp = tl.load(q_rows + partner[None, :], mask=mask_hd, other=0.0)
     if STORE:  # the chunk that holds the new token (split 0 for seq_len 0) stores it first
         if split == tl.maximum(non_empty - 1, 0):
-            _store_new_kv(KNew, VNew, KBuf, VBuf, tl.load(Loc + req).to(tl.int64), cos, sin, KNormW, KScale, VScale,
-                          req, kv_head, norm_eps, stride_kn, stride_kh, stride_vn, stride_vh, stride_kbs, stride_kbh,
-                          stride_vbs, stride_vbh, offs_d, partner, first, mask_d, HEAD_DIM, ROTATE, HEAD_NORM,
-                          KV_FP8, FMAX)
+            _store_new_kv(KNew, VNew, KBuf, VBuf, slot, cos, sin, kw, kwp, KScale, VScale, req, kv_head, norm_eps,
+                          stride_kn, stride_kh, stride_vn, stride_vh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+                          offs_d, partner, first, mask_d, HEAD_DIM, ROTATE, HEAD_NORM, KV_FP8, FMAX)
             # The stores precede this program's own reads of the slot (a CTA barrier orders global
             # memory within the block); other head blocks of the chunk store the same bytes themselves.
             tl.debug_barrier()
@@ -247,18 +267,13 @@ def _decode_kernel(
         return
     qk_scale, v_scale = kv_scales(qk_scale, KScale, VScale, KV_FP8)
 
-    q_rows = Q + row * stride_qb + heads[:, None] * stride_qh
-    q = tl.load(q_rows + offs_d[None, :], mask=mask_hd, other=0.0)
     if ROTATE:  # the query heads as the store kernel would have rotated them (rounded to q's dtype)
         qf = q.to(tl.float32)
         inv = tl.full([BLOCK_H, 1], 1.0, tl.float32)
         if HEAD_NORM:
             inv = tl.math.rsqrt(tl.sum(qf * qf, axis=1) / HEAD_DIM + norm_eps)[:, None]
-        q = _rope_normed(qf, tl.load(q_rows + partner[None, :], mask=mask_hd, other=0.0).to(tl.float32),
-                         first[None, :], cos[None, :], sin[None, :], inv,
-                         tl.load(QNormW + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :],
-                         tl.load(QNormW + partner, mask=mask_d, other=0.0).to(tl.float32)[None, :],
-                         Q.dtype.element_ty, HEAD_NORM).to(Q.dtype.element_ty)
+        q = _rope_normed(qf, qp.to(tl.float32), first[None, :], cos[None, :], sin[None, :], inv,
+                         qw[None, :], qwp[None, :], Q.dtype.element_ty, HEAD_NORM).to(Q.dtype.element_ty)
     m_i = tl.full([BLOCK_H], M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -270,7 +285,7 @@ def _decode_kernel(
         qk_scale = 1.0
     # The chunk lies inside the window: no per-row mask (every head row is the same query position).
     m_i, l_i, acc = attend_pool(q, m_i, l_i, acc, row_base, slots, start, end, KBuf, VBuf, kv_head,
-                                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, offs_d < HEAD_DIM,
+                                stride_kbs, stride_kbh, stride_vbs, stride_vbh, offs_n, offs_d, mask_d,
                                 qk_scale, cap_log2, m_i, False, HAS_CAP, BLOCK_N, IEEE)
     # The chunk is non-empty, so l_i > 0 for every head row.
     o = acc * (v_scale / l_i)[:, None]
