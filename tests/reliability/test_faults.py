@@ -81,8 +81,9 @@ def test_scheduler_killed_under_load_fails_requests_fast_and_exits_nonzero(serve
 
 def test_overflow_and_timeout(server_factory, long_context_model_dir):
     """max_running 2 + max_queued 2: four long requests fill the server; more get 503 + Retry-After
-    and no memory; the long ones then hit the 5 s request timeout (504 / an error event). (The 201
-    refusals took 3.3 s once on a loaded 2-core machine: the timeout leaves them room.)"""
+    and no memory; the long ones then hit the 5 s request timeout (504 / an error event). (201 refusals
+    took 3.3 s once on a loaded 2-core machine, and 5.2 s with the wait for the four streams on
+    2026-12-06: now 101, which still show the queue bounded and the server's memory flat.)"""
     srv = server_factory({
         "model.path": str(long_context_model_dir), "cache.max_total_tokens": 65536,
         "scheduler.max_running_requests": 2, "scheduler.max_queued_requests": 2, "server.request_timeout_s": 5.0,
@@ -102,7 +103,7 @@ def test_overflow_and_timeout(server_factory, long_context_model_dir):
         time.sleep(0.02)
     statuses, retry_after = [], set()
     with httpx.Client(base_url=srv.url, timeout=10) as http:
-        for i in range(200):
+        for i in range(100):
             r = http.post("/generate", json={"text": f"z{i}", "sampling_params": {"max_new_tokens": 4}})
             statuses.append(r.status_code)
             retry_after.add(r.headers.get("retry-after"))
@@ -114,7 +115,7 @@ def test_overflow_and_timeout(server_factory, long_context_model_dir):
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
     assert stats["num_running"] + stats["num_waiting"] <= 4
     rss_growth = psutil.Process(srv.proc.pid).memory_info().rss - rss_before
-    print(f"\noverflow: 201 refused with 503 + Retry-After in {overflow_s:.2f} s; running+waiting "
+    print(f"\noverflow: 101 refused with 503 + Retry-After in {overflow_s:.2f} s; running+waiting "
           f"{stats['num_running'] + stats['num_waiting']}; server RSS growth {rss_growth / 2**20:.1f} MiB")
     assert rss_growth < 64 * 2**20
 
