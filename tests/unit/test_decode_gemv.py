@@ -155,3 +155,15 @@ def test_split_zero_in_a_label_is_chosen_from_the_shape() -> None:
     assert s.resolve(16, 1024, torch.device("cpu")).split_k == 4  # at most one K tile a program
     assert s.resolve(16, 4096, torch.device("cpu")).split_k == 5
     assert GemvSettings.parse("n16k256s0st1w8").resolve(16, 4096, torch.device("cpu")).split_k == 2
+
+
+def test_device_default_by_shape() -> None:
+    """Hopper: the measured label for a shape in SHAPE_DEFAULTS (each one a valid row setting that
+    divides its K), `triton`'s tiles for other shapes; half precision only; other GPUs: cuBLAS."""
+    for (n, k), label in gemv_mod.SHAPE_DEFAULTS.items():
+        s = gemv_mod.device_default((n, k), torch.bfloat16, hopper=True)
+        assert s is not None and s.label == label and s.row and k % s.block_k == 0
+        assert gemv_mod.device_default((n, k), torch.float16, hopper=True) == s
+        assert gemv_mod.device_default((n, k), torch.float32, hopper=True) is None
+        assert gemv_mod.device_default((n, k), torch.bfloat16, hopper=False) is None
+    assert gemv_mod.device_default((6144, 4096), torch.bfloat16, hopper=True) == GemvSettings()  # Llama-3-8B's qkv

@@ -19,8 +19,8 @@ larger batches keep cuBLAS.
 A role the variable leaves out gets `triton` on Hopper (compute capability 9.x: the H100 and H200, where
 it was measured: with programmatic dependent launch, `rxf/core/runner/pdl.py`, batch-1 decode of the
 Llama-3-8B, Qwen3-30B-A3B and Qwen3-8B shapes ran 5.3%, 5.9% and 8.9% faster than on cuBLAS without it,
-batches of 4 and 8 1-8% faster; benchmarks/RESULTS.md 2026-12-06) and `cublas` on other GPUs, whose
-tiles nobody has measured.
+batches of 4 and 8 1-8% faster; benchmarks/RESULTS.md 2026-12-06), or there the label `SHAPE_DEFAULTS`
+holds for its weight's shape, and `cublas` on other GPUs, whose tiles nobody has measured.
 
 The norm before a pre-norm block's projection runs as its own launch: taken into the GEMV it was
 slower (`gemv_kernel`'s docstring).
@@ -94,6 +94,20 @@ class GemvSettings:
 
 
 _BY_DEVICE = "by device"  # a role the variable leaves out: `triton` on Hopper, else cuBLAS
+# Settings measured faster than `triton`'s for a weight shape [N, K] (half precision, Hopper), by the
+# H100's sweep for Qwen3-30B-A3B (qkv, o_proj, lm_head; `gpu_profile.py --phases gemv`): its batch 1
+# went 279.0 -> 283.2 tok/s with these three against `triton` for each (benchmarks/RESULTS.md,
+# 2026-12-06). Llama-3-8B's shapes keep `triton`: its sweep's picks were slower end to end.
+SHAPE_DEFAULTS = {(5120, 2048): "rn16k256s2st2w4", (2048, 4096): "rn16k512s2st2w8", (151936, 2048): "rn16k256s1st2w4"}
+
+
+def device_default(shape: tuple[int, int], dtype: torch.dtype, hopper: bool) -> GemvSettings | None:
+    """The setting a role that `RXF_GEMV` leaves out gets for a weight of this shape and dtype: on Hopper
+    `SHAPE_DEFAULTS`' label or `triton`'s tiles (half precision only), elsewhere cuBLAS (None)."""
+    if not hopper or dtype not in _HALF:
+        return None
+    label = SHAPE_DEFAULTS.get(tuple(shape))
+    return GemvSettings.parse(label) if label else GemvSettings()
 
 
 def _setting(text: str) -> GemvSettings | None:
@@ -160,5 +174,5 @@ def decode_gemv(
     settings = _from_env()[role]
     if settings is _BY_DEVICE:
         hopper = weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] == 9
-        settings = GemvSettings() if hopper and weight.dtype in _HALF else None
+        settings = device_default(tuple(weight.shape), weight.dtype, hopper)
     return None if settings is None else DecodeGemv(settings, weight, gated=gated, out_dtype=out_dtype)
