@@ -283,14 +283,20 @@ elif [ "$stage" = h200 ]; then
   # (most land on an H100): on anything but an H200 it prints the card and stops (exit 4), so that a
   # caller can run something else. Each part bounded: Qwen3-30B-A3B's decode phase (batch 1, overlap
   # off, 16, 64, 256) and Qwen3-8B's and gpt-oss-20b's batch 1 (random weights; H200_PRESETS names
-  # others, in order: llama3-8b, say), then, with BASE_DIR (`git archive 899bfac`), issue 17's compare
-  # on the Llama-3-8B shape (bandwidth, decode).
+  # others, in order: llama3-8b, say), Qwen3-30B-A3B's batch 1 once more with every GEMV at `triton`
+  # (RXF_GEMV=triton: the A/B of its shape defaults, `gemv.SHAPE_DEFAULTS`; H200_GEMV_AB=0 skips it),
+  # then, with BASE_DIR (`git archive 899bfac`), issue 17's compare on the Llama-3-8B shape (bandwidth,
+  # decode).
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200"; exit 4; }
-  for preset in ${H200_PRESETS:-qwen3-30b-a3b qwen3-8b gpt-oss-20b}; do
-    phases=decode1; [ "$preset" = qwen3-30b-a3b ] && phases=decode
-    timeout "${H200_PART_S:-110}" python3 benchmarks/gpu_decode.py --preset "$preset" --random-weights \
-      --phases build,bandwidth,$phases --backends triton --output "$out/h200-$preset.json" > "$out/h200-$preset.log" 2>&1
-    echo "$preset: rc $?"; grep -E "^decode1|roofline|b1_graphs|b64_graphs|b256_graphs" "$out/h200-$preset.log" | head -n 8
+  runs=(${H200_PRESETS:-qwen3-30b-a3b qwen3-8b gpt-oss-20b})
+  [ "${H200_GEMV_AB:-1}" = 1 ] && runs+=(qwen3-30b-a3b:triton)
+  for run in "${runs[@]}"; do
+    preset=${run%%:*}; gemv=${run#"$preset"}; gemv=${gemv#:}; tag=$preset${gemv:+-$gemv}
+    phases=decode1; [ "$run" = qwen3-30b-a3b ] && phases=decode
+    env ${gemv:+RXF_GEMV=$gemv} timeout "${H200_PART_S:-110}" python3 benchmarks/gpu_decode.py --preset "$preset" \
+      --random-weights --phases build,bandwidth,$phases --backends triton --output "$out/h200-$tag.json" \
+      > "$out/h200-$tag.log" 2>&1
+    echo "$tag: rc $?"; grep -E "^decode1|roofline|b1_graphs|b64_graphs|b256_graphs" "$out/h200-$tag.log" | head -n 8
   done
   [ $# -gt 0 ] && COMPARE_LIMIT_S=${COMPARE_LIMIT_S:-150} COMPARE_TAIL=${COMPARE_TAIL:-30} \
     bash benchmarks/gpu_session.sh compare "$1" bandwidth,decode
