@@ -93,7 +93,7 @@ class GemvSettings:
         return GemvSettings(self.block_n, block_k, split_k, self.num_stages, self.num_warps, self.row)
 
 
-_BY_DEVICE = "by device"  # a role the variable leaves out: `triton` on Hopper, else cuBLAS
+_BY_DEVICE = "by device"  # a role the variable leaves out: `device_default` decides
 # Settings measured faster than `triton`'s for a weight shape [N, K] (half precision, Hopper), by the
 # H100's sweep for Qwen3-30B-A3B (qkv, o_proj, lm_head; `gpu_profile.py --phases gemv`): its batch 1
 # went 279.0 -> 283.2 tok/s with these three against `triton` for each (benchmarks/RESULTS.md,
