@@ -116,6 +116,30 @@ def _gemv_case(role: str, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     return x, w, ref
 
 
+@pytest.mark.parametrize("shape", list(gemv_mod.SHAPE_DEFAULTS), ids=lambda s: f"{s[0]}x{s[1]}")
+def test_shape_defaults_match_linear_at_their_shapes(shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each `SHAPE_DEFAULTS` label, as `decode_gemv` picks it on a Hopper GPU with `RXF_GEMV` unset, at
+    its own weight shape (lm_head's with float32 output), 1-8 rows, against the float32 product."""
+    monkeypatch.delenv(gemv_mod.ENV, raising=False)
+    gemv_mod._from_env.cache_clear()
+    n, k = shape
+    gen = torch.Generator(device=DEV).manual_seed(n)
+    w = (torch.randn(n, k, device=DEV, generator=gen) / k**0.5).to(BF16)
+    try:
+        op = gemv_mod.decode_gemv("lm_head", w, out_dtype=torch.float32)
+    finally:
+        gemv_mod._from_env.cache_clear()
+    if torch.cuda.get_device_capability()[0] != 9:
+        assert op is None  # cuBLAS off Hopper
+        return
+    assert op.settings.label == gemv_mod.SHAPE_DEFAULTS[shape]  # (each label names its split)
+    for m in (1, 2, 8):
+        x = torch.randn(m, k, device=DEV, generator=gen).to(BF16)
+        out = op(x, w, None)
+        assert out.dtype == torch.float32 and _rel_err(out, F.linear(x.float(), w.float())) < 1e-2, f"m={m}"
+        assert not op.counters.any()
+
+
 @pytest.mark.parametrize("label", ["triton", "n32k256s1st4w4", "n64k128s4st4w4", "rn16k512s2st2w8", "rn32k256s1st2w8"])
 @pytest.mark.parametrize("role", SHAPES)
 def test_gemv_matches_linear_at_8b_shapes(role: str, label: str) -> None:
