@@ -248,11 +248,13 @@ def _decode_kernel(
     # q's loads are issued before the new K/V's store, so that their reads overlap (no measurable gain
     # on an H100, Qwen3-30B-A3B batch 1 309.2 -> 309.7 tok/s; nor from asking L2 for the chunk's first
     # K/V rows before the wait: 310.0; benchmarks/RESULTS.md 2026-12-06).
+    # (An empty chunk's program reads none of it: its loads are masked off.)
     q_rows = Q + row * stride_qb + heads[:, None] * stride_qh
-    q = tl.load(q_rows + offs_d[None, :], mask=mask_hd, other=0.0)
+    q_mask = mask_hd & ((start + tl.zeros_like(in_group)) < end)[:, None]
+    q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
     qp = q
     if ROTATE:
-        qp = tl.load(q_rows + partner[None, :], mask=mask_hd, other=0.0)
+        qp = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
     if STORE:  # the chunk that holds the new token (split 0 for seq_len 0) stores it first
         if split == tl.maximum(non_empty - 1, 0):
             _store_new_kv(KNew, VNew, KBuf, VBuf, slot, cos, sin, kw, kwp, KScale, VScale, req, kv_head, norm_eps,
