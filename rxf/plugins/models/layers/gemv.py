@@ -95,10 +95,14 @@ class GemvSettings:
 
 _BY_DEVICE = "by device"  # a role the variable leaves out: `device_default` decides
 # Settings measured faster than `triton`'s for a weight shape [N, K] (half precision, Hopper), by the
-# H100's sweep for Qwen3-30B-A3B (qkv, o_proj, lm_head; `gpu_profile.py --phases gemv`): its batch 1
-# went 279.0 -> 283.2 tok/s with these three against `triton` for each (benchmarks/RESULTS.md,
-# 2026-12-06). Llama-3-8B's shapes keep `triton`: its sweep's picks were slower end to end.
-SHAPE_DEFAULTS = {(5120, 2048): "rn16k256s2st2w4", (2048, 4096): "rn16k512s2st2w8", (151936, 2048): "rn16k256s1st2w4"}
+# H100's sweeps (`gpu_profile.py --phases gemv`), each set then measured end to end at batch 1 against
+# `triton` (benchmarks/RESULTS.md, 2026-12-06): Qwen3-30B-A3B's qkv, o_proj and lm_head (279.0 -> 283.2
+# tok/s; 307.3 -> 313.2 on the later kernels of that day), Qwen3-8B's gate_up, down and lm_head (170.8
+# -> 174.0). Llama-3-8B's shapes keep `triton`: its sweep's picks were slower end to end.
+SHAPE_DEFAULTS = {
+    (5120, 2048): "rn16k256s2st2w4", (2048, 4096): "rn16k512s2st2w8", (151936, 2048): "rn16k256s1st2w4",
+    (24576, 4096): "rn16k256s1st2w4", (4096, 12288): "n64k256s2st4w4", (151936, 4096): "n64k256s1st4w4",
+}
 
 
 def device_default(shape: tuple[int, int], dtype: torch.dtype, hopper: bool) -> GemvSettings | None:

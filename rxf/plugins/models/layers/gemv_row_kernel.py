@@ -11,7 +11,7 @@ memory system sees their loads in flight together. Which kernel serves a project
 (2026-12-05, benchmarks/RESULTS.md) its best settings beat the tile kernel's default alone (Llama-3-8B
 qkv 15.8 -> 15.1 us, gate_up 65.0 -> 61.7, down 32.5 -> 29.1), yet not in a whole batch-1 step under
 PDL (218.0 vs 218.1 tok/s); at Qwen3-30B-A3B's narrower shapes it did (H100, 279.0 -> 283.2 tok/s),
-so those shapes take it by default (`gemv.SHAPE_DEFAULTS`).
+so those shapes take it by default (`gemv.SHAPE_DEFAULTS`), and Qwen3-8B's gate_up.
 
 Grid, K split, split-K hand-off and epilogue are `gemv_kernel`'s (`program_span`, `finish`), as is
 GATED; only M == 1.
