@@ -282,13 +282,14 @@ elif [ "$stage" = h200 ]; then
   # "h200 [BASE_DIR]": the H200 figures issues 17 and 18 ask, for a call that may land on either card
   # (most land on an H100): on anything but an H200 it prints the card and stops (exit 4), so that a
   # caller can run something else. Each part bounded: Qwen3-30B-A3B's decode phase (batch 1, overlap
-  # off, 16, 64, 256) and Qwen3-8B's and gpt-oss-20b's batch 1 (random weights; H200_PRESETS names
-  # others, in order: llama3-8b, say), Qwen3-30B-A3B's batch 1 once more with every GEMV at `triton`
+  # off, 16, 64, 256) and Qwen3-8B's, Llama-3-8B's (Qwen3-8B's bar: the same share of the roofline,
+  # in the same call) and gpt-oss-20b's batch 1 (random weights; H200_PRESETS names others, in
+  # order), Qwen3-30B-A3B's batch 1 once more with every GEMV at `triton`
   # (RXF_GEMV=triton: the A/B of its shape defaults, `gemv.SHAPE_DEFAULTS`; H200_GEMV_AB=0 skips it),
   # then, with BASE_DIR (`git archive 899bfac`), issue 17's compare on the Llama-3-8B shape (bandwidth,
   # decode).
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200"; exit 4; }
-  runs=(${H200_PRESETS:-qwen3-30b-a3b qwen3-8b gpt-oss-20b})
+  runs=(${H200_PRESETS:-qwen3-30b-a3b qwen3-8b llama3-8b gpt-oss-20b})
   [ "${H200_GEMV_AB:-1}" = 1 ] && runs+=(qwen3-30b-a3b:triton)
   for run in "${runs[@]}"; do
     preset=${run%%:*}; gemv=${run#"$preset"}; gemv=${gemv#:}; tag=$preset${gemv:+-$gemv}
