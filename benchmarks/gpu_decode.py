@@ -30,8 +30,9 @@ and each frees its GPU memory before the next:
              the HF workload (128 prompt + 128 new tokens, end to end) at batch 1 and 64. Timed
              spans cover whole scheduler steps (schedule, forward, sample, outputs), between
              torch.cuda.synchronize() calls.
-  decode1    batch 1, 4, 8 and 16 with CUDA graphs only, on an engine of 16 requests: the quick A/B of a
-             kernel setting (run it once per setting, e.g. RXF_PDL=0 and 1)
+  decode1    batch 1, 4, 8 and 16 (`--decode1-batches`) with CUDA graphs only, on an engine of 16 requests
+             (or the largest batch): the quick A/B of a kernel setting (run it once per setting, e.g.
+             RXF_PDL=0 and 1)
   kvcache    per backend, decode throughput at long contexts with `cache.kv_dtype` = auto (bf16) and
              fp8_e4m3, each pool sized from the same memory (cache.mem_fraction_static): 256 requests of
              4096-token prompts are queued, and once every admitted request decodes, 64 decode steps are
@@ -459,13 +460,16 @@ def decode_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quanti
     print(json.dumps(out, indent=1))
 
 
-def decode1_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quantization: str | None = None) -> None:
-    """The quick A/B of a kernel setting: batch 1 (and 4, 8, 16: the decode GEMV serves up to 8 rows)
-    with CUDA graphs only, an engine of 16 requests (few graphs to capture)."""
-    sched = _engine(model_dir, backend, 16, 16 * 512 + 4096, not p.on_disk, quantization=quantization)
+def decode1_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quantization: str | None = None,
+                  batches: tuple[int, ...] = (4, 8, 16)) -> None:
+    """The quick A/B of a kernel setting: batch 1 (and `batches`: by default 4, 8, 16, the decode GEMV
+    serving up to 8 rows) with CUDA graphs only, an engine of 16 requests or the largest batch (few
+    graphs to capture)."""
+    size = max((16, *batches))
+    sched = _engine(model_dir, backend, size, size * 512 + 4096, not p.on_disk, quantization=quantization)
     decode_rate(sched, 1, 16, p.vocab, graphs=True)  # first-use compilation out of the figures
     out = {"b1_graphs": decode_rate(sched, 1, 256, p.vocab, graphs=True)}
-    for bs in (4, 8, 16):
+    for bs in batches:
         out[f"b{bs}_graphs"] = decode_rate(sched, bs, 64, p.vocab, graphs=True)
     RESULTS[f"decode1_{backend}{tag}"] = out
     print(f"decode1 {backend}{tag}: {json.dumps(out)}", flush=True)
@@ -793,11 +797,13 @@ def main() -> None:
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="offline: profile the timed run's steps and trace two kernel windows into this folder")
     ap.add_argument("--offline-kv-dtype", default="auto", help="offline: the KV pool's dtype (auto, fp8_e4m3)")
+    ap.add_argument("--decode1-batches", default="4,8,16", help="decode1: the batch sizes after batch 1")
     ap.add_argument("--random-weights", action="store_true",
                     help="no checkpoint written: the decode phase draws the weights at load, as for presets too large for the disk")
     ap.add_argument("--quantization", default="bf16",
                     help=f"comma-separated: bf16 and/or {', '.join(QUANT_FORMATS)}; decode and offline run per format")
     args = ap.parse_args()
+    decode1_batches = tuple(int(b) for b in args.decode1_batches.split(",") if b)
     formats = args.quantization.split(",")
     unknown = sorted(set(formats) - {"bf16", *QUANT_FORMATS})
     if unknown:
@@ -839,7 +845,7 @@ def main() -> None:
         for name, tag in runs:
             for backend in backends:
                 phase(f"decode1 {backend} {name}",
-                      lambda b=backend, n=name, t=tag: decode1_phase(p, dirs[n], b, t, online.get(n)))
+                      lambda b=backend, n=name, t=tag: decode1_phase(p, dirs[n], b, t, online.get(n), decode1_batches))
     if "kvcache" in phases:
         for backend in backends:
             phase(f"kvcache {backend}", lambda b=backend: kvcache_phase(p, model_dir, b))

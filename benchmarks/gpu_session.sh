@@ -279,25 +279,35 @@ elif [ "$stage" = offline-profile ]; then
   for f in "$prof"/*/dp0-tp0/summary.txt; do echo "== $f"; head -n 16 "$f"; done
   tar czf "$out/profiles-$tag.tgz" -C /tmp "rxf-profiles-$tag"
 elif [ "$stage" = h200 ]; then
-  # "h200 [BASE_DIR]": the H200 figures issues 17 and 18 ask, for a call that may land on either card
+  # "h200 [BASE_DIR]": issue 18's H200 figures in one call, for a call that may land on either card
   # (most land on an H100): on anything but an H200 it prints the card and stops (exit 4), so that a
-  # caller can run something else. Each part bounded: Qwen3-30B-A3B's decode phase (batch 1, overlap
-  # off, 16, 64, 256) and Qwen3-8B's, Llama-3-8B's (Qwen3-8B's bar: the same share of the roofline,
-  # in the same call) and gpt-oss-20b's batch 1 (random weights; H200_PRESETS names others, in
-  # order), Qwen3-30B-A3B's batch 1 once more with every GEMV at `triton`
-  # (RXF_GEMV=triton: the A/B of its shape defaults, `gemv.SHAPE_DEFAULTS`; H200_GEMV_AB=0 skips it),
-  # then, with BASE_DIR (`git archive 899bfac`), issue 17's compare on the Llama-3-8B shape (bandwidth,
-  # decode).
+  # caller can run something else. First the MoE table's H200 entry (`gpu_moe_tune.py`, written into
+  # the tree, so the figures after it use it; a copy comes back in $OUT: put it in
+  # rxf/plugins/models/layers/; H200_TUNE=0 skips it), then each part bounded by H200_PART_S:
+  # Qwen3-30B-A3B's decode phase (batch 1, overlap off, 16, 64, 256), then batch 1, 4, 8, 16 and 64
+  # (decode1) of Qwen3-8B, Llama-3-8B (Qwen3-8B's bar: the same share of the roofline, in the same
+  # call) and gpt-oss-20b (random weights; H200_PRESETS names others, in order), Qwen3-30B-A3B's
+  # batch 1 once more with every GEMV at `triton` (RXF_GEMV=triton: the A/B of its shape defaults,
+  # `gemv.SHAPE_DEFAULTS`; H200_GEMV_AB=1 runs it), then, with BASE_DIR (`git archive 899bfac`),
+  # issue 17's compare on the Llama-3-8B shape (bandwidth, decode). ~450 s with the tune on an H200.
+  # Issue 18's H200 tests need a second call: `SUITE_CACHE=0 GPU_TESTS="tests/gpu/test_attention_features_gpu.py
+  # tests/gpu/test_qwen3_gpu.py tests/gpu/test_gemma_gpu.py tests/gpu/test_gpt_oss_gpu.py" ... suite`
+  # (~300 s on an H100).
   nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200"; exit 4; }
+  if [ "${H200_TUNE:-1}" = 1 ]; then
+    start=$(date +%s); timeout "${H200_TUNE_S:-130}" python3 benchmarks/gpu_moe_tune.py --budget-s 95 > "$out/h200-tune.log" 2>&1
+    echo "tune: rc $? in $(( $(date +%s) - start )) s"; tail -n 16 "$out/h200-tune.log"
+  fi
   runs=(${H200_PRESETS:-qwen3-30b-a3b qwen3-8b llama3-8b gpt-oss-20b})
-  [ "${H200_GEMV_AB:-1}" = 1 ] && runs+=(qwen3-30b-a3b:triton)
+  [ "${H200_GEMV_AB:-0}" = 1 ] && runs+=(qwen3-30b-a3b:triton)
   for run in "${runs[@]}"; do
     preset=${run%%:*}; gemv=${run#"$preset"}; gemv=${gemv#:}; tag=$preset${gemv:+-$gemv}
-    phases=decode1; [ "$run" = qwen3-30b-a3b ] && phases=decode
-    env ${gemv:+RXF_GEMV=$gemv} timeout "${H200_PART_S:-110}" python3 benchmarks/gpu_decode.py --preset "$preset" \
-      --random-weights --phases build,bandwidth,$phases --backends triton --output "$out/h200-$tag.json" \
+    phases="decode1 --decode1-batches 4,8,16,64"; [ "$run" = qwen3-30b-a3b ] && phases=decode
+    env ${gemv:+RXF_GEMV=$gemv} timeout "${H200_PART_S:-100}" python3 benchmarks/gpu_decode.py --preset "$preset" \
+      --random-weights --backends triton --output "$out/h200-$tag.json" --phases build,bandwidth,$phases \
       > "$out/h200-$tag.log" 2>&1
     echo "$tag: rc $?"; grep -E "^decode1|roofline|b1_graphs|b64_graphs|b256_graphs" "$out/h200-$tag.log" | head -n 8
+    rm -f "$out/h200-$tag.json"  # (the log has every figure; $OUT returns 8 files at most)
   done
   [ $# -gt 0 ] && COMPARE_LIMIT_S=${COMPARE_LIMIT_S:-150} COMPARE_TAIL=${COMPARE_TAIL:-30} \
     bash benchmarks/gpu_session.sh compare "$1" bandwidth,decode
