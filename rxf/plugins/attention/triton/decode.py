@@ -247,7 +247,9 @@ def _decode_kernel(
         tl.extra.cuda.gdc_wait()
     # q's loads are issued before the new K/V's store, so that their reads overlap (no measurable gain
     # on an H100, Qwen3-30B-A3B batch 1 309.2 -> 309.7 tok/s; nor from asking L2 for the chunk's first
-    # K/V rows before the wait: 310.0; benchmarks/RESULTS.md 2026-12-06).
+    # K/V rows before the wait: 310.0; benchmarks/RESULTS.md 2026-12-06). Asking L2 here for the
+    # layer's o_proj weights (bulk prefetches, so that o_proj would read what HBM brought in while this
+    # latency-bound launch left it idle) was 2.3% slower after the wait, no faster before it (same day).
     # (An empty chunk's program reads none of it: its loads are masked off.)
     q_rows = Q + row * stride_qb + heads[:, None] * stride_qh
     q_mask = mask_hd & ((start + tl.zeros_like(in_group)) < end)[:, None]
