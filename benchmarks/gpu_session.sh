@@ -111,7 +111,8 @@ elif [ "$stage" = profile ]; then
 elif [ "$stage" = gemv ]; then
   python3 benchmarks/gpu_profile.py --phases gemv "$@" 2>&1 | tee "$out/gemv.log"
 elif [ "$stage" = compare ]; then
-  # COMPARE_PRESET (default llama3-8b) and COMPARE_ARGS (e.g. --random-weights) pick the model;
+  # COMPARE_PRESET (default llama3-8b) and COMPARE_ARGS (e.g. --random-weights) pick the model,
+  # COMPARE_BACKENDS the attention backends (default triton; the offline phase uses the last);
   # BASE_ENV / NEW_ENV (VAR=value ...) apply to the base tree's run / this tree's run only.
   base=$1; phases=${2:-bandwidth,decode,offline}; preset=${COMPARE_PRESET:-llama3-8b}; dir=/tmp/rxf-cmp-$preset
   python3 benchmarks/gpu_decode.py --preset "$preset" --phases build --model-dir "$dir" ${COMPARE_ARGS:-} \
@@ -121,7 +122,7 @@ elif [ "$stage" = compare ]; then
     start=$(date +%s)
     tree_env=${NEW_ENV:-}; [ "$tree" = . ] || tree_env=${BASE_ENV:-}  # e.g. each tree's best RXF_GEMV
     (cd "$tree" && PYTHONPATH=$HOME/site:$PWD timeout "${COMPARE_LIMIT_S:-400}" env $tree_env python3 benchmarks/gpu_decode.py \
-      --preset "$preset" --model-dir "$dir" --phases "$phases" --backends triton ${COMPARE_ARGS:-} \
+      --preset "$preset" --model-dir "$dir" --phases "$phases" --backends "${COMPARE_BACKENDS:-triton}" ${COMPARE_ARGS:-} \
       --output "$out/$name.json") > "$out/$name.log" 2>&1
     echo "$name: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$out/$name.log" | tail -n "${COMPARE_TAIL:-40}"
   done
