@@ -60,7 +60,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     # server (torch, transformers, FastAPI: seconds); until serve() takes over, a SIGTERM or Ctrl-C
     # stops them too. The cyclic collector stays off until the engine is taken (the server's
     # `_start_engine` turns it back on and freezes the heap): the imports' millions of long-lived
-    # objects made its passes ~15% of start-up CPU.
+    # objects made its passes ~20% of start-up CPU.
     gc.disable()
     stop = threading.Event()
     loaders: list[EngineLoader] = []

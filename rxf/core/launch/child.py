@@ -79,7 +79,7 @@ class _ReadyChannel:
     """The ready channel as the target gets it: the cyclic garbage collector is off from the
     child's start until the target's first report on it (ready, or the error it could not start
     with). Start-up imports torch and transformers — millions of long-lived objects that each
-    collection pass would walk again, ~15% of a child's start-up CPU on the demo; they are frozen
+    collection pass would walk again, ~20% of a child's start-up CPU on the demo; they are frozen
     (`gc.freeze`: never walked again) when the collector comes back on."""
 
     def __init__(self, conn: Connection) -> None:

@@ -10,8 +10,9 @@ device (`StepBatch.prev_rows`) without waiting for the host to see them.
 
 Speculative decoding: a request with draft tokens (`StepBatch.drafts`) is an extend of its newest
 token and its drafts over its cached prefix; every one of those positions is sampled like a decode
-row of the history before it (`rxf/core/speculative/accept.py` says why this verifies them). Such a
-batch runs eagerly (no CUDA graph); plain decode batches keep theirs.
+row of the history before it (`rxf/core/speculative/accept.py` says why this verifies them). Where
+a decode graph holds such a batch it replays as DECODE rows (`ModelRunner._extend_rows`), else it
+runs as an eager extend.
 
 Faults: a forward that raises fails its step (`StepResult.error`); sampling that raises is retried
 row by row, so that only the requests at fault fail (`StepResult.row_errors`).
