@@ -10,8 +10,10 @@ What is timed (greedy, N new tokens forced, the same prompt token ids for both e
            directory: fetching and converting the demo model, then starting the engine.
   rxf      1 request (`rt.generate`), the same request streamed (TTFT = first chunk; decode rate =
            tokens after the first / time after the first), B requests in one batch call.
-  hf       `AutoModelForCausalLM.generate` (fp32, CPU, do_sample=False, min_new_tokens=N) on the
-           same checkpoint directory: batch 1 (TTFT from a streamer) and batch B (left padding).
+  hf       `AutoModelForCausalLM.generate` (--hf-dtype, default float32; CPU, do_sample=False,
+           min_new_tokens=N) on the same checkpoint directory: batch 1 (TTFT from a streamer) and
+           batch B (left padding). rxf runs in the config's `model.dtype` (the demo's: bfloat16), so
+           the ratios compare the two dtypes unless --hf-dtype names rxf's; the report states both.
 
 With --quantization, rxf alone: 1 request (plain and streamed) for each `model.quantization` in
 turn (a fresh engine each, every round in the same order), with decode rates as ratios to the first.
@@ -304,7 +306,7 @@ class HfBench:
         self.threads = torch.get_num_threads()
         print(f"[hf] torch threads: {self.threads}", flush=True)
         start = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.hf_dtype)).eval()
         self.load_s = time.perf_counter() - start
         config = self.model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
@@ -413,6 +415,7 @@ def report(results: dict[str, Any]) -> str:
             lines.append(f"| {label} | {fmt(rxf, digits)} | {fmt(hf, digits) if hf else '–'} | {ratio} | {paired} |")
         lines.append("")
         lines.append(f"torch threads: rxf scheduler {results['rxf_torch_threads']}, HF {results.get('hf_torch_threads')}")
+        lines.append(f"dtypes: rxf {results['settings']['rxf_dtype']} (model.dtype), HF {results['settings']['hf_dtype']}")
     if "load_s" in s:
         lines.append(f"rxf warm load (from_config) s: {fmt(s['load_s'], 2)}")
     if "cold" in results:
@@ -441,10 +444,14 @@ def run_rounds(args: argparse.Namespace, results: dict[str, Any], model_path: st
     """The decode measurements: `args.rounds` rounds of (every rxf call, then every HF call)."""
     from transformers import AutoTokenizer
 
+    from rxf.core.config import load_config
+
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = chat_prompt_ids(tokenizer)
     single, batch = prompts[args.bs1_prompt], prompts[: args.batch]
     results["settings"]["prompt_tokens"] = {"bs1": len(single), "batch": [len(p) for p in batch]}
+    results["settings"]["rxf_dtype"] = load_config(args.config).model.dtype
+    results["settings"]["hf_dtype"] = args.hf_dtype
 
     rxf = RxfBench(args, single, batch)
     hf = None
@@ -565,6 +572,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     ap.add_argument("--cold", action="store_true", help="also time one first-use start with an empty cache")
     ap.add_argument("--skip-hf", action="store_true", help="rxf only, no reference")
+    ap.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the reference's dtype (rxf runs in the config's model.dtype)")
     ap.add_argument("--quiet-cores", type=float, default=0.15, help="wait until others use less CPU than this")
     ap.add_argument("--max-wait", type=float, default=300, help="give up waiting for quiet after this many s")
     ap.add_argument("--max-other-cores", type=float, default=0.25, help="repeat a call if others used more")
