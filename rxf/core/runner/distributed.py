@@ -31,10 +31,6 @@ def set_tp_group(group: dist.ProcessGroup | None, cpu_group: dist.ProcessGroup |
     _cpu_group = cpu_group if cpu_group is not None else group
 
 
-def tp_group() -> dist.ProcessGroup | None:
-    return _group
-
-
 def tp_size() -> int:
     return 1 if _group is None else dist.get_world_size(_group)
 
