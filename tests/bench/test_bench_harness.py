@@ -45,15 +45,16 @@ def test_timings_and_counts_match_the_fake_server(backend: str) -> None:
     assert all(r.output_len == N_OUT for r in results)
     assert summary["output_tokens"] == 8 * N_OUT and summary["input_tokens"] == 8 * 4
     assert all(len(r.itl) == N_OUT - 1 for r in results)
-    # TTFT and E2E: the server's schedule plus connection/HTTP overhead (a loose upper bound: the
-    # test machine may be shared). After the first token the schedule is exact, so the decode
-    # part (ITL, TPOT, E2E - TTFT) is held to a few ms.
+    # TTFT and E2E: the server's schedule plus connection/HTTP overhead (a loose upper bound: on a
+    # loaded 2-core machine the first connection once took 0.33 s more). After the first token the
+    # schedule is exact, so the decode part (ITL, TPOT, E2E - TTFT) is held to a few ms: that pins
+    # TTFT to the first token, not to the request's send or its last token.
     e2e = FIRST_S + (N_OUT - 1) * GAP_S
-    assert FIRST_S <= summary["ttft_ms"]["mean"] / 1000 < FIRST_S + 0.15
+    assert FIRST_S <= summary["ttft_ms"]["mean"] / 1000 < FIRST_S + 1.0
     assert abs(summary["itl_ms"]["mean"] / 1000 - GAP_S) < 0.006
     assert abs(summary["tpot_ms"]["mean"] / 1000 - GAP_S) < 0.006
     assert all(abs(r.e2e - r.ttft - (N_OUT - 1) * GAP_S) < 0.015 for r in results)
-    assert e2e <= summary["e2e_ms"]["mean"] / 1000 < e2e + 0.15
+    assert e2e <= summary["e2e_ms"]["mean"] / 1000 < e2e + 1.0
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         stats = summary[key]
         assert stats["median"] <= stats["p99"] + 1e-9
