@@ -42,7 +42,9 @@ phase (presets llama3-8b and tiny) and rxf's layers (norm, rope, silu / gelu_tan
 an H200, all bf16 with int32 indptr and no positional encoding: ragged and paged prefill wrappers
 take fa3 on sm90 (`determine_attention_backend`), the tensor-core decode wrapper (query heads / KV
 heads >= 4) the fa2 prefill module, the plain decode wrapper the batch_decode module, and the sink
-wrapper the fa3 `batch_prefill_attention_sink` module (its URI has no head_dim: 64 here).
+wrapper the fa3 `batch_prefill_attention_sink` module (its URI has no head_dim: 64 here); and the
+FP8 block-scale GEMM module (`RXF_FP8_BLOCK_GEMM=deepgemm`, 62 s here; its DeepGEMM kernels compile
+per shape at run time, or come from benchmarks/deepgemm_cubins.py).
 """
 
 from __future__ import annotations
@@ -74,10 +76,15 @@ CURAND = "nvidia-curand==10.4.0.35"  # CUDA 13.0's
 CUBLAS = "nvidia-cublas==13.0.2.14"  # its headers: FlashInfer's norm binding includes cublasLt.h
 GPU_PY_INCLUDE = "/usr/include/python3.12"  # sysconfig's include dir of the GPU machine's python3
 TVM_FFI = "apache-tvm-ffi==0.1.15.post2"
+NVRTC = "nvidia-cuda-nvrtc==13.0.88"  # CUDA 13.0's
+# driver functions FlashInfer's modules call (`nm -D --undefined-only` of the built .so): the stub libcuda defines them
+DRIVER_FUNCTIONS = ["cuGetErrorString", "cuKernelGetName", "cuLibraryEnumerateKernels", "cuLibraryGetKernelCount",
+                    "cuLibraryLoadData", "cuLibraryUnload"]
 
 # (priority group, kind, args): kind "prefill" = gen_batch_prefill_module(backend, hd, swa, cap),
 # "decode" = gen_batch_decode_module(hd, swa, cap), "sink" = gen_customize_batch_prefill_module with
-# the sink wrapper's jit_args (backend, hd, swa), "norm" / "rope" / "act" (name).
+# the sink wrapper's jit_args (backend, hd, swa), "norm" / "rope" / "act" (name), "gemm" (the one
+# FlashInfer GEMM module built here, named for the reader).
 MODULES: list[tuple[str, str, tuple]] = [
     # test_attention_features_gpu.py: ragged / paged prefill (fa3) at d128 and d256, windows and caps
     ("features", "prefill", ("fa3", 128, True, False)),
@@ -104,6 +111,8 @@ MODULES: list[tuple[str, str, tuple]] = [
     ("jit", "prefill", ("fa3", 64, False, False)),
     # rxf's GeluAndMul (Gemma)
     ("layers", "act", ("gelu_tanh",)),
+    # gpu_fp8_gemm.py's FlashInfer column: TensorRT-LLM's DeepGEMM block-scaled FP8 GEMM for sm90
+    ("fp8", "gemm", ("fp8_blockscale_sm90",)),
 ]
 
 
@@ -175,13 +184,23 @@ def prepare() -> None:
         sh(f"cd /tmp/fi-curand && python3 -m zipfile -e nvidia_curand-*.whl x && cp -p x/nvidia/*/include/*.h {CUDA}/include/")
         sh([str(VENV / "bin/pip"), "download", "-q", "--no-deps", "--only-binary=:all:", "-d", "/tmp/fi-cublas", CUBLAS])
         sh(f"cd /tmp/fi-cublas && python3 -m zipfile -e nvidia_cublas-*.whl x && cp -p x/nvidia/*/include/*.h {CUDA}/include/")
-        # -lcuda needs a libcuda.so to link against (the GPU machine's stubs/ has one; --as-needed, gcc's
-        # default here as in Ubuntu's, drops it when unused, as in the GPU-built modules)
-        (CUDA / "lib/stubs").mkdir(parents=True, exist_ok=True)
-        (CHROOT / "tmp/empty.c").write_text("\n")
-        sh(["chroot", str(CHROOT), "/opt/gcc/bin/gcc", "-shared", "-Wl,-soname,libcuda.so.1", "-o", "/tmp/libcuda.so",
-            "/tmp/empty.c"])
-        shutil.copy2(CHROOT / "tmp/libcuda.so", CUDA / "lib/stubs/libcuda.so")
+        # nvrtc.h: the DeepGEMM sources of the FP8 block-scale GEMM module include it; its link line
+        # names -lnvrtc (no symbol of it is used: --as-needed drops it again)
+        sh([str(VENV / "bin/pip"), "download", "-q", "--no-deps", "--only-binary=:all:", "-d", "/tmp/fi-nvrtc", NVRTC])
+        sh(f"cd /tmp/fi-nvrtc && python3 -m zipfile -e nvidia_cuda_nvrtc-*.whl x && cp -p x/nvidia/*/include/nvrtc.h {CUDA}/include/"
+           f" && cp -p x/nvidia/*/lib/libnvrtc.so.13 {CUDA}/lib64/ && ln -sf libnvrtc.so.13 {CUDA}/lib64/libnvrtc.so")
+    # -lcuda needs a libcuda.so to link against (the GPU machine's stubs/ has one). --as-needed, gcc's
+    # default here as in Ubuntu's, drops it from a module that calls no driver function, as in the
+    # GPU-built modules, and keeps it where one does: so the stub defines the driver functions the
+    # modules call (the FP8 block-scale GEMM module's cuLibrary* calls), or the module loads with
+    # them unresolved ("undefined symbol: cuLibraryLoadData" on the GPU).
+    for stubs in ("lib/stubs", "lib64/stubs"):
+        (CUDA / stubs).mkdir(parents=True, exist_ok=True)
+    (CHROOT / "tmp/libcuda_stub.c").write_text("".join(f"void {name}(void) {{}}\n" for name in DRIVER_FUNCTIONS))
+    sh(["chroot", str(CHROOT), "/opt/gcc/bin/gcc", "-shared", "-Wl,-soname,libcuda.so.1", "-o", "/tmp/libcuda.so",
+        "/tmp/libcuda_stub.c"])
+    for stubs in ("lib/stubs", "lib64/stubs"):
+        shutil.copy2(CHROOT / "tmp/libcuda.so", CUDA / stubs / "libcuda.so")
 
 
 def enter(args: list[str]) -> None:
@@ -233,6 +252,10 @@ def specs(only: list[str]):
             spec = norm.gen_norm_module()
         elif kind == "rope":
             spec = rope.gen_rope_module()
+        elif kind == "gemm":
+            from flashinfer.jit.gemm import gen_fp8_blockscale_gemm_sm90_module
+
+            spec = gen_fp8_blockscale_gemm_sm90_module()
         else:
             spec = activation.gen_act_and_mul_module(a[0])
         if not only or any(s in spec.name for s in only):
