@@ -43,8 +43,8 @@ an H200, all bf16 with int32 indptr and no positional encoding: ragged and paged
 take fa3 on sm90 (`determine_attention_backend`), the tensor-core decode wrapper (query heads / KV
 heads >= 4) the fa2 prefill module, the plain decode wrapper the batch_decode module, and the sink
 wrapper the fa3 `batch_prefill_attention_sink` module (its URI has no head_dim: 64 here); and the
-FP8 block-scale GEMM module (`RXF_FP8_BLOCK_GEMM=deepgemm`, 62 s here; its DeepGEMM kernels compile
-per shape at run time, or come from benchmarks/deepgemm_cubins.py).
+FP8 block-scale GEMM module (TensorRT-LLM's DeepGEMM port: gpu_fp8_gemm.py's `flashinfer` peer; 62 s
+here, and its kernels compile per shape with the GPU machine's nvcc at run time).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ MODULES: list[tuple[str, str, tuple]] = [
     ("jit", "prefill", ("fa3", 64, False, False)),
     # rxf's GeluAndMul (Gemma)
     ("layers", "act", ("gelu_tanh",)),
-    # gpu_fp8_gemm.py's FlashInfer column: TensorRT-LLM's DeepGEMM block-scaled FP8 GEMM for sm90
+    # gpu_fp8_gemm.py's `flashinfer` peer: TensorRT-LLM's DeepGEMM block-scaled FP8 GEMM for sm90
     ("fp8", "gemm", ("fp8_blockscale_sm90",)),
 ]
 

@@ -10,8 +10,10 @@ call per rotating weight copy, >= 256 MB of weights in flight so L2 holds none a
   cublas_rows the same with a 1 x 128 scale per weight row and block
   rowwise     per-token quantization + torch._scaled_mm with per-row weight scales (online FP8)
   flashinfer  the `cublas` quantization + FlashInfer's `fp8_blockscale_gemm_sm90` (TensorRT-LLM's
-              DeepGEMM port: kernels compiled per shape by NVRTC on first use, 128 x 128 weight
-              blocks; Hopper only, its module from the restored JIT cache)
+              port of DeepGEMM, 128 x 128 weight blocks; Hopper only): a peer. Its module comes
+              built from the CPU box (fi_cache_build.py); it compiles a kernel per (N, K) and config
+              with the machine's nvcc on first use (~1.4 s each; 39 cover Llama-3-8B's projections
+              at 1-16k rows)
   quant       the 128-group activation quantization alone
 Every GEMM's output is checked against the float32 matmul of the dequantized operands first. The
 table gives microseconds and TFLOP/s; the summary, per M, the four projections' summed time as a

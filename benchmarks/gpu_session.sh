@@ -28,9 +28,6 @@ if [ -z "${RXF_INSTALLED:-}" ]; then  # a second stage in the same call skips th
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
 fi
 export PYTHONPATH=$HOME/site:$PWD RXF_INSTALLED=1
-# DeepGEMM kernels compiled on the CPU box (benchmarks/deepgemm_cubins.py; carried .dg-cache/), where
-# FlashInfer's SM90 FP8 block-scale GEMM looks before compiling one itself
-[ -d .dg-cache ] && export TRTLLM_DG_CACHE_DIR=$PWD/.dg-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
 out=${OUT:-/tmp/out}; mkdir -p "$out"

@@ -103,30 +103,6 @@ def test_block_fp8_through_cublas_matches_the_dequantized_matmul(m, n, k, choice
     assert _rel(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("m", [8, 65, 300, 2050])
-@pytest.mark.parametrize(("n", "k"), [*SHAPES, (4160, 4096)])
-def test_block_fp8_through_deepgemm_matches_the_dequantized_matmul(m, n, k, monkeypatch):
-    """`RXF_FP8_BLOCK_GEMM=deepgemm`: FlashInfer's SM90 DeepGEMM above 64 rows of x (m 65: one row past
-    the per-row form, 2050: rows not a multiple of 4), cuBLAS's per-row scales below; n 4160 (rows not
-    in whole blocks) and cards other than Hopper keep cuBLAS."""
-    monkeypatch.setenv("RXF_FP8_BLOCK_GEMM", "deepgemm")
-    w_q, w_rows = fp8_ops.quantize_rows(torch.randn(n, k, device=CUDA) * 0.02)
-    blocks = (torch.rand(-(-n // 128), k // 128, device=CUDA) + 0.5) * w_rows.mean()
-    w_scale = blocks.repeat_interleave(128, 0)[:n]
-    scale_b = fp8_ops.cublas_block_scales(w_q, w_scale, 128, 128)
-    if scale_b is None:
-        pytest.skip("no block-scaled FP8 in this cuBLAS / PyTorch")
-    hopper = torch.cuda.get_device_capability()[0] == 9
-    assert (scale_b.deepgemm is not None) == (hopper and n % 128 == 0)
-    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
-    out = fp8_ops.block_fp8_linear(x, w_q, w_scale, 128, None, scale_b)
-    xq, xs = fp8_ops.quantize_per_token(x, 128)
-    ref = fp8_ops.dequantize_blocks(xq, xs, 128, torch.float32) @ fp8_ops.dequantize_blocks(
-        w_q, w_scale, 128, torch.float32).t()
-    assert out.shape == (m, n)
-    assert _rel(out, ref) < 1e-2
-
-
 @pytest.mark.parametrize("m", [16, 300])
 def test_fp8_down_projection_computes_silu_mul_inside_its_quantization(m):
     from rxf.plugins.models.layers.activation import SiluAndMul

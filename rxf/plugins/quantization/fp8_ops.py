@@ -117,8 +117,11 @@ def _fused_inputs() -> str:
     # "gated" (default) the SiLU·mul before down_proj, "1" also the residual add + RMSNorm before qkv and
     # gate_up, "0" neither. On an H100 (2026-12-05, benchmarks/RESULTS.md, `gpu_fp8_inputs.py`) SiLU·mul +
     # quantization in one launch took 463.6 us at 16k rows against 748.2 for the two (the same codes); the
-    # fused norm took 1320.8 against 252.6 (its row went through shared memory a byte at a time, since
-    # fixed, not yet timed), and under "1" had made offline FP8 + FP8 KV slower, 30.90 -> 28.41 req/s.
+    # fused norm took 1320.8 against 252.6 (its row went through shared memory a byte at a time) and
+    # under "1" made offline FP8 + FP8 KV slower, 30.90 -> 28.41 req/s. With that fixed, "1" against
+    # "gated" on an H100 (2026-12-06, alternating runs of one call): 31.27 / 31.12 against 29.93 / 30.92
+    # req/s, +2.5% on the means, inside the 3.3% that "gated" moved between its own two runs: not enough
+    # to change the default.
     # Timed with block-wise FP8's 128-input groups; per-token scales (online FP8, compressed-tensors) run
     # the same kernel over a whole row per program (no register spills in its sm_90 SASS), not timed.
     value = os.environ.get("RXF_FP8_FUSED_INPUT", "gated")
@@ -168,9 +171,11 @@ CUBLAS_BLOCK = 128  # cuBLAS's block scaling: 1 x 128 activation groups, 128 x 1
 ROW_SCALES_MAX_ROWS = 64
 # RXF_FP8_BLOCK_GEMM: "cublas" (default: both forms, by row count as above), "cublas-blocks" (128 x 128
 # weight blocks wherever each block's rows share their scales), "cublas-rows" (a scale per row and
-# block always), "triton" (rxf's kernel), "deepgemm" (as "cublas" up to ROW_SCALES_MAX_ROWS rows, then
-# FlashInfer's SM90 port of DeepGEMM over the 128 x 128 blocks, where the card is a Hopper).
-_GEMM_CHOICES = ("cublas", "cublas-blocks", "cublas-rows", "triton", "deepgemm")
+# block always), "triton" (rxf's kernel). FlashInfer's SM90 port of DeepGEMM was a fifth choice and
+# is gone: on an H100 (2026-12-06, benchmarks/RESULTS.md) the four Llama-3-8B projections took 3-8%
+# more time in it than in cuBLAS's 128 x 128 blocks from 1k rows on (less only on down_proj at 16k
+# rows), and offline FP8 + FP8 KV ran no faster with it.
+_GEMM_CHOICES = ("cublas", "cublas-blocks", "cublas-rows", "triton")
 _cublas_works: dict[tuple[str, bool], bool] = {}
 
 
@@ -182,9 +187,6 @@ class CublasScales:
 
     rows: torch.Tensor | None
     blocks: torch.Tensor | None
-    # [N / 128, K / 128] contiguous: the weight blocks for DeepGEMM (`RXF_FP8_BLOCK_GEMM=deepgemm`),
-    # which takes x of more than ROW_SCALES_MAX_ROWS rows
-    deepgemm: torch.Tensor | None = None
 
     def pick(self, m: int) -> torch.Tensor:
         """The form for an x of `m` rows: per row up to ROW_SCALES_MAX_ROWS rows, blocks above."""
@@ -218,24 +220,9 @@ def cublas_block_scales(w: torch.Tensor, w_scale: torch.Tensor, block_n: int, bl
         key = (str(w.device), square)
         if form is not None and key not in _cublas_works:
             _cublas_works[key] = _probe(w.device, square)
-    deepgemm = blocks if choice == "deepgemm" and blocks is not None and n % 64 == 0 and _deepgemm_runs(w.device) else None
     blocks = blocks.t() if blocks is not None and _cublas_works[str(w.device), True] else None
     rows = rows if rows is not None and _cublas_works[str(w.device), False] else None
-    return None if blocks is None and rows is None else CublasScales(rows, blocks, deepgemm)
-
-
-@functools.cache
-def _deepgemm_runs(device: torch.device) -> bool:
-    """Whether FlashInfer's SM90 FP8 block-scale GEMM (DeepGEMM) imports and the card is a Hopper."""
-    if torch.cuda.get_device_capability(device)[0] != 9:
-        logger.info("RXF_FP8_BLOCK_GEMM=deepgemm: %s is no Hopper; cuBLAS serves", torch.cuda.get_device_name(device))
-        return False
-    try:
-        from flashinfer.gemm import fp8_blockscale_gemm_sm90  # noqa: F401
-    except ImportError as exc:
-        logger.info("RXF_FP8_BLOCK_GEMM=deepgemm: FlashInfer's SM90 block-scale GEMM unavailable (%s)", exc)
-        return False
-    return True
+    return None if blocks is None and rows is None else CublasScales(rows, blocks)
 
 
 def _probe(device: torch.device, square_blocks: bool) -> bool:
@@ -271,13 +258,7 @@ def block_fp8_linear(
         return x.new_empty(*shape[:-1], w.shape[0])
     # cuBLAS wants the activation scales' leading dimension (rows) a multiple of 4 (16 bytes).
     xq, xs = quantized_input(x2, block_k, cublas_scale is not None, gated=gated, norm=norm, residual=residual)
-    if cublas_scale is not None and cublas_scale.deepgemm is not None and x2.shape[0] > ROW_SCALES_MAX_ROWS:
-        from flashinfer.gemm import fp8_blockscale_gemm_sm90
-
-        # DeepGEMM reads xs as cuBLAS does ([K / 128, M rounded up to 4], rows contiguous); the
-        # padding rows' outputs are dropped.
-        out = fp8_blockscale_gemm_sm90(xq, w, xs, cublas_scale.deepgemm)[: x2.shape[0]]
-    elif cublas_scale is not None:
+    if cublas_scale is not None:
         scale_b = cublas_scale.pick(x2.shape[0])
         out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)[: x2.shape[0]]
     else:
