@@ -107,14 +107,14 @@ def main() -> None:
     ap.add_argument("--rows", default="8,64,256,1024,4096,16384")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    results: dict[str, dict[str, dict[str, float]]] = {}
+    results: dict[str, dict[str, dict[str, float | str]]] = {}  # a failed method: its error
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     print(f"{'projection':>13} {'M':>6} " + " ".join(f"{m:>18}" for m in _methods(torch.empty(0))))
     for role, (n, k) in SHAPES.items():
         ws = _weights(n, k)
         for m in rows:
             x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-            row: dict[str, float] = {}
+            row: dict[str, float | str] = {}
             for name, fn in _methods(x).items():
                 if name.startswith("cublas") and ws[0][name] is None:
                     continue
