@@ -186,15 +186,14 @@ def prepare() -> None:
         shutil.copytree(CHROOT / "usr/include/x86_64-linux-gnu/c++", INCLUDE / "x86_64-linux-gnu/c++", symlinks=True)
     if not CUDA.exists():
         sh(["cp", "-a", str(CUDA_SYSTEM), str(CUDA)])
-        sh([str(VENV / "bin/pip"), "download", "-q", "--no-deps", "--only-binary=:all:", "-d", "/tmp/fi-curand", CURAND])
-        sh(f"cd /tmp/fi-curand && python3 -m zipfile -e nvidia_curand-*.whl x && cp -p x/nvidia/*/include/*.h {CUDA}/include/")
-        sh([str(VENV / "bin/pip"), "download", "-q", "--no-deps", "--only-binary=:all:", "-d", "/tmp/fi-cublas", CUBLAS])
-        sh(f"cd /tmp/fi-cublas && python3 -m zipfile -e nvidia_cublas-*.whl x && cp -p x/nvidia/*/include/*.h {CUDA}/include/")
+        _wheel_files(CURAND, "include/*.h", "include")
+        _wheel_files(CUBLAS, "include/*.h", "include")
         # nvrtc.h: the DeepGEMM sources of the FP8 block-scale GEMM module include it; its link line
         # names -lnvrtc (no symbol of it is used: --as-needed drops it again)
-        sh([str(VENV / "bin/pip"), "download", "-q", "--no-deps", "--only-binary=:all:", "-d", "/tmp/fi-nvrtc", NVRTC])
-        sh(f"cd /tmp/fi-nvrtc && python3 -m zipfile -e nvidia_cuda_nvrtc-*.whl x && cp -p x/nvidia/*/include/nvrtc.h {CUDA}/include/"
-           f" && cp -p x/nvidia/*/lib/libnvrtc.so.13 {CUDA}/lib64/ && ln -sf libnvrtc.so.13 {CUDA}/lib64/libnvrtc.so")
+        _wheel_files(NVRTC, "include/nvrtc.h", "include")
+        _wheel_files(NVRTC, "lib/libnvrtc.so.13", "lib64")
+        (CUDA / "lib64/libnvrtc.so").unlink(missing_ok=True)
+        (CUDA / "lib64/libnvrtc.so").symlink_to("libnvrtc.so.13")
     # -lcuda needs a libcuda.so to link against (the GPU machine's stubs/ has one). --as-needed, gcc's
     # default here as in Ubuntu's, drops it from a module that calls no driver function, as in the
     # GPU-built modules, and keeps it where one does: so the stub defines the driver functions the
@@ -207,6 +206,15 @@ def prepare() -> None:
         "/tmp/libcuda_stub.c"])
     for stubs in ("lib/stubs", "lib64/stubs"):
         shutil.copy2(CHROOT / "tmp/libcuda.so", CUDA / stubs / "libcuda.so")
+
+
+def _wheel_files(spec: str, pattern: str, dest: str) -> None:
+    """Copy the files matching `pattern` under an NVIDIA wheel's nvidia/<pkg>/ into CUDA/`dest`."""
+    tmp = Path("/tmp/fi-wheels") / spec.split("==")[0]
+    if not tmp.exists():
+        sh([str(VENV / "bin/pip"), "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(tmp), spec])
+        sh(f"cd {tmp} && python3 -m zipfile -e *.whl x")
+    sh(f"cp -p {tmp}/x/nvidia/*/{pattern} {CUDA}/{dest}/")
 
 
 def enter(args: list[str]) -> None:
