@@ -444,18 +444,23 @@ def decode_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quanti
         print(f"{backend}: {len(graphs.sizes)} graphs captured in {graphs.capture_s:.1f}s "
               f"(first-use warm-up {graphs.warm_up_s:.1f}s)")
     out: dict[str, float] = {}
+
+    def record(key: str, value: float) -> None:  # printed as it comes: a bounded run keeps what it measured
+        out[key] = value
+        print(f"decode {backend}{tag} {key}: {value:.1f}", flush=True)
+
     decode_rate(sched, 1, 16, p.vocab, graphs=True)  # first-use compilation out of the figures
-    out["b1_graphs"] = decode_rate(sched, 1, 256, p.vocab, graphs=True)
+    record("b1_graphs", decode_rate(sched, 1, 256, p.vocab, graphs=True))
     if getattr(sched.runner, "overlap", False):  # the same with overlap scheduling off
         sched.runner.overlap = False
-        out["b1_graphs_no_overlap"] = decode_rate(sched, 1, 256, p.vocab, graphs=True)
-        out["b64_graphs_no_overlap"] = decode_rate(sched, 64, 64, p.vocab, graphs=True)
+        record("b1_graphs_no_overlap", decode_rate(sched, 1, 256, p.vocab, graphs=True))
+        record("b64_graphs_no_overlap", decode_rate(sched, 64, 64, p.vocab, graphs=True))
         sched.runner.overlap = True
-    out["b1_eager"] = decode_rate(sched, 1, 64, p.vocab, graphs=False)
+    record("b1_eager", decode_rate(sched, 1, 64, p.vocab, graphs=False))
     for bs in p.decode_batches:
-        out[f"b{bs}_graphs"] = decode_rate(sched, bs, 64, p.vocab, graphs=True)
+        record(f"b{bs}_graphs", decode_rate(sched, bs, 64, p.vocab, graphs=True))
     for bs in p.hf_batches:
-        out[f"e2e_b{bs}"] = end_to_end_rate(sched, bs, p.hf_tokens, p.vocab)
+        record(f"e2e_b{bs}", end_to_end_rate(sched, bs, p.hf_tokens, p.vocab))
     RESULTS[f"decode_{backend}{tag}"] = out
     print(json.dumps(out, indent=1))
 
@@ -469,6 +474,7 @@ def decode1_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quant
     sched = _engine(model_dir, backend, size, size * 512 + 4096, not p.on_disk, quantization=quantization)
     decode_rate(sched, 1, 16, p.vocab, graphs=True)  # first-use compilation out of the figures
     out = {"b1_graphs": decode_rate(sched, 1, 256, p.vocab, graphs=True)}
+    print(f"decode1 {backend}{tag} b1_graphs: {out['b1_graphs']:.1f}", flush=True)  # kept if a bound stops the rest
     for bs in batches:
         out[f"b{bs}_graphs"] = decode_rate(sched, bs, 64, p.vocab, graphs=True)
     RESULTS[f"decode1_{backend}{tag}"] = out

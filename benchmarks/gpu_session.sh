@@ -308,7 +308,7 @@ elif [ "$stage" = h200 ]; then
     env ${gemv:+RXF_GEMV=$gemv} timeout "${H200_PART_S:-100}" python3 benchmarks/gpu_decode.py --preset "$preset" \
       --random-weights --backends triton --output "$out/h200-$tag.json" --phases build,bandwidth,$phases \
       > "$out/h200-$tag.log" 2>&1
-    echo "$tag: rc $?"; grep -E "^decode1|roofline|b1_graphs|b64_graphs|b256_graphs" "$out/h200-$tag.log" | head -n 8
+    echo "$tag: rc $?"; grep -E "^decode|roofline" "$out/h200-$tag.log" | head -n 16
     rm -f "$out/h200-$tag.json"  # (the log has every figure; $OUT returns 8 files at most)
   done
   [ $# -gt 0 ] && COMPARE_LIMIT_S=${COMPARE_LIMIT_S:-150} COMPARE_TAIL=${COMPARE_TAIL:-30} \
