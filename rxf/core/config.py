@@ -163,7 +163,7 @@ class ServerConfig(_Section):
     )
     responses_store_ttl_s: float = Field(3600.0, gt=0, description="a stored response is forgotten this long after it ended")
     responses_store_max_mb: int = Field(
-        256, gt=0, description="stored conversations' text (image data URLs too), in millions of characters"
+        256, gt=0, description="stored conversations' text (image data URLs too) and responses' JSON, in millions of characters"
     )
 
 

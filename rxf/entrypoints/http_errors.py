@@ -4,6 +4,7 @@ Anthropic's under /v1/messages), the API-key check and the body size limit."""
 from __future__ import annotations
 
 import hmac
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -78,6 +79,8 @@ def _body_parse_error(cause: BaseException) -> str:
         return f"the request body is not valid UTF-8 (byte {cause.start}): send JSON encoded as UTF-8"
     if isinstance(cause, RecursionError):
         return "the request body nests JSON arrays or objects too deeply"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):  # Python's digit limit
+        return f"the request body holds an integer of over {sys.get_int_max_str_digits()} digits"
     return f"the request body could not be read as JSON: {type(cause).__name__}"
 
 

@@ -81,6 +81,7 @@ _DEFAULT_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     504: "timeout_error",
     503: "service_unavailable",

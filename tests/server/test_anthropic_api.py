@@ -180,6 +180,10 @@ def test_count_tokens(claude, client, model):
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "server tools"),
         ({"tools": [{"name": "t", "input_schema": {"type": "string"}}]}, 400, "input_schema"),
         ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, 400, "'nope'"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}]},
+         400, "'toolu_x' answers no tool_use block"),
+        ({"tool_choice": {"type": "any"}}, 400, "tool_choice: 'any' asks for a tool call, but the request has no tools"),
+        ({"tool_choice": {"type": "tool", "name": "f"}}, 400, "tool_choice: 'tool' asks for a tool call"),
     ],
 )
 def test_errors_in_anthropic_shape(server, model, change, status, says):

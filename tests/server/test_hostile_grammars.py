@@ -132,6 +132,34 @@ def test_an_ambiguous_grammar_ends_with_an_error_once_matching_it_gets_slow(http
     assert elapsed < FINISH_S
 
 
+@pytest.mark.parametrize("params", [{"regex": "[^\\s\\S]"}, {"ebnf": "root ::= root"}], ids=["regex", "ebnf"])
+def test_a_constraint_no_text_matches_is_400_before_it_runs(http, before, params):
+    # Each compiles, but its first mask allows no token (not even a stop): sampled, it used to end in
+    # the engine's GrammarViolation and a 500.
+    r, _ = _generate(http, params, 4)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "no text matches it" in error["message"] and error["param"] == f"sampling_params.{next(iter(params))}"
+
+
+def test_a_constraint_that_dies_mid_output_ends_as_a_client_error(http, before):
+    # Satisfiable up to a point: a JSON string whose pattern no text matches (its opening quote is
+    # allowed, then nothing is), found only while sampling. OpenAI's route answers 400 naming the field;
+    # /generate ends the request with an abort saying why, as its other aborts do.
+    schema = json.dumps({"type": "string", "pattern": "[^\\s\\S]"})
+    r, elapsed = _generate(http, {"json_schema": schema}, 8)
+    assert r.status_code == 200, r.text
+    finish = r.json()["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "allows no token" in finish["message"], finish
+    assert finish["message"].startswith("sampling_params.json_schema:"), finish
+    body = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": json.loads(schema)}}}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and "allows no token" in r.json()["error"]["message"]
+    assert elapsed < FINISH_S
+
+
 def test_the_server_is_unchanged_after_the_hostile_requests(server, http, before):
     assert _normal(http) == before["answer"]
     growth_mb = (_scheduler(server).memory_info().rss - before["rss"]) / 2**20

@@ -145,9 +145,24 @@ def test_logprobs(http):
     for (lp, tid), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
         assert top[0][1] == tid and top[0][0] == pytest.approx(lp, abs=1e-4)
     assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
-    final = stream(http, **body)[-2]
+    chunks = stream(http, **body)[:-1]
+    final = chunks[-1]
     assert [tid for _, tid in final["meta_info"]["output_token_logprobs"]] == out["output_ids"]
     assert len(final["meta_info"]["output_top_logprobs"]) == 5
+    # Cumulative chunks: each one's lists start with the previous one's, and the last one's are the
+    # whole result's (the prompt's logprobs, sent once by the engine, are in every chunk from the first).
+    for prev, cur in zip(chunks, chunks[1:], strict=False):
+        for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
+            assert cur["meta_info"][key][: len(prev["meta_info"][key])] == prev["meta_info"][key], key
+    for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
+        assert _numbers(final["meta_info"][key]) == pytest.approx(_numbers(meta[key]), abs=1e-3, nan_ok=True), key
+
+
+def _numbers(value) -> list:
+    """The numbers of nested lists, flat (None as nan, equal to nan under nan_ok)."""
+    if isinstance(value, list):
+        return [x for item in value for x in _numbers(item)]
+    return [float("nan") if value is None else value]
 
 
 @pytest.mark.parametrize(
@@ -266,6 +281,9 @@ def test_abort_request(http):
     assert rest[-2]["meta_info"]["completion_tokens"] < LONG
     assert http.post("/abort_request", json={"rid": "nobody"}).json()["found"] is False
     assert_error(http.post("/abort_request", json={}), 400, "rid")
+    r = http.post("/abort_request", json={"rid": "r" * 100_000})  # longer than any running request's: not echoed
+    assert_error(r, 400, "rid")
+    assert len(r.content) < 2000
     wait_idle(http)
 
 

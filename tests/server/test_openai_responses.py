@@ -247,6 +247,7 @@ def test_retrieve_and_delete(client, model):
             {"type": "function_call_output", "call_id": "c", "output": "x"},
             {"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input[2].content[0]"),
         ({"input": None}, "input"),
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0]"),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])

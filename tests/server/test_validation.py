@@ -7,6 +7,7 @@ server serves on."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import httpx
@@ -120,8 +121,13 @@ def test_a_tool_schema_that_is_no_json_schema_is_400_under_auto(client, model):
          "messages[1].tool_calls[0].function.arguments", "not JSON"),
         ([*CHAT, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "get_weather", "arguments": "[1]"}}]}],
          "messages[1].tool_calls[0].function.arguments", "object"),
+        ([*CHAT, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+          {"role": "tool", "tool_call_id": "call_other", "content": "sunny"}],
+         "messages", "messages[2].tool_call_id: 'call_other' answers no tool call of an earlier assistant message"),
+        ([*CHAT, {"role": "tool", "tool_call_id": CALL["id"], "content": "sunny"}], "messages", "answers no tool call"),
     ],
-    ids=["no-messages", "no-tool-call-id", "arguments-not-json", "arguments-not-an-object"],
+    ids=["no-messages", "no-tool-call-id", "arguments-not-json", "arguments-not-an-object", "unknown-call-id",
+         "result-before-its-call"],
 )
 def test_bad_conversations_are_400_naming_the_field(client, model, http, messages, param, words):
     body = _chat_error(client, model, messages=messages)
@@ -165,4 +171,27 @@ def test_a_1mb_rid_is_refused_and_not_echoed(http):
     r = http.post("/generate", json={"text": "hi", "rid": "r" * 1_000_000, "sampling_params": {"max_new_tokens": 1}})
     message = assert_400(r, "rid", "at most 256 characters")
     assert len(r.content) < 1000, message[:300]
+    assert_serving(http)
+
+
+def test_a_batch_past_the_server_capacity_is_refused_before_it_is_tokenized(http, model):
+    # Counted first: its first prompt's out-of-vocabulary id would be the error of a batch that was
+    # prepared (tokenized, validated) before the count, which 300,000 text prompts made take 11 s.
+    scheduler = http.get("/get_server_info").json()["config"]["scheduler"]
+    limit = scheduler["max_running_requests"] + scheduler["max_queued_requests"]  # dp 1
+    r = http.post("/generate", json={"input_ids": [[10**6]] + [[1, 2]] * limit, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and f"needs {limit + 1} generations" in r.json()["error"]["message"], r.text[:300]
+    body = {"model": model, "prompt": [[10**6]] + [[1, 2]] * (limit // 2), "n": 2, "max_tokens": 1}
+    r = http.post("/v1/completions", json=body)
+    want = 2 * (limit // 2 + 1)
+    assert r.status_code == 400 and f"needs {want} generations" in r.json()["error"]["message"], r.text[:300]
+    assert_serving(http)
+
+
+def test_an_integer_past_pythons_digit_limit_is_400_saying_so(http):
+    digits = sys.get_int_max_str_digits() + 700  # the client's json module cannot write it: sent as text
+    body = '{"text": "hi", "sampling_params": {"top_k": ' + "9" * digits + "}}"
+    r = http.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    assert f"an integer of over {sys.get_int_max_str_digits()} digits" in r.json()["error"]["message"]
     assert_serving(http)

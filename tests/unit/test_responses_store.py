@@ -49,15 +49,28 @@ def test_zero_entries_stores_nothing():
     assert store.get("a") is None and len(store) == 0
 
 
-def test_conversations_are_bounded_by_their_characters():
-    store = ResponseStore(max_entries=10, ttl_s=100, max_chars=100, clock=Clock())
+def test_entries_are_bounded_by_their_characters():
+    own = len(response("a").model_dump_json())  # the response object's JSON counts too
+    store = ResponseStore(max_entries=10, ttl_s=100, max_chars=2 * own + 100, clock=Clock())
     turn = {"role": "user", "content": "x" * 36}  # 4 + 4 + 7 + 36 = 51 characters
     store.put(response("a"), [turn])
-    store.put(response("b"), [turn])  # 102 > 100: "a" goes
+    store.put(response("b"), [turn])  # 2 * own + 102 > 2 * own + 100: "a" goes
     assert store.get("a") is None and store.get("b") is not None
-    store.put(response("big"), [turn, turn])  # larger than the whole store: not kept, nothing dropped
+    store.put(response("big"), [turn] * (own // 51 + 3))  # larger than the whole store: not kept, nothing dropped
     assert store.get("big") is None and store.get("b") is not None
     assert store.delete("b")
     store.put(response("c"), [turn])
     store.put(response("d"), [{"role": "user", "content": "y"}])
     assert store.get("c") is not None and store.get("d") is not None  # the deleted entry's count went back
+
+
+def test_what_the_request_sent_beside_the_conversation_counts():
+    # A 7 MB `user` (or instructions, a tool's description, a schema) on a one-token answer was stored
+    # uncounted: 100 such requests held 700 MB against a 256 MB bound.
+    store = ResponseStore(max_entries=10, ttl_s=100, max_chars=10_000, clock=Clock())
+    store.put(response("small"), [])
+    store.put(response("a").model_copy(update={"user": "u" * 20_000}), [])
+    assert store.get("a") is None and store.get("small") is not None
+    for i in range(4):
+        store.put(response(f"r{i}").model_copy(update={"instructions": "i" * 3_000}), [])
+    assert store.get("small") is None and store.get("r0") is None and store.get("r3") is not None

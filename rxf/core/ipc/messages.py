@@ -158,11 +158,13 @@ ABORT_REQUESTED = "aborted"
 
 class FinishReason(msgspec.Struct, array_like=True, gc=False):
     """Why a request ended. type: "stop" (EOS, a stop token or a stop string), "length" or "abort"
-    (`message` says why: ABORT_REQUESTED, or the failure)."""
+    (`message` says why: ABORT_REQUESTED, or the failure; `status`: 400 when the request's own input
+    caused the failure, e.g. a grammar that no output can satisfy, else None, an internal error)."""
 
     type: str
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str | None = None
+    status: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type}

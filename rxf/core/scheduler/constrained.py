@@ -87,7 +87,7 @@ class ConstrainedDecoding:
                 compiled = future.result()
             except Exception as exc:
                 kind = req.sampling_params.grammar[0]
-                req.finished_reason = FinishReason("abort", message=f"sampling_params.{kind}: {exc}")
+                req.finished_reason = FinishReason("abort", message=f"sampling_params.{kind}: {exc}", status=400)
                 waiting.remove(req)
                 failed.append(req)
                 continue
@@ -163,6 +163,10 @@ class ConstrainedDecoding:
         start = time.perf_counter()
         token = req.output_ids[-1]
         if not req.grammar.accept_token(token):
+            if self._dead_end(req):
+                return FinishReason("abort", status=400, message=(
+                    f"sampling_params.{req.sampling_params.grammar[0]}: no text matching it continues this output: "
+                    f"after {len(req.output_ids) - 1 - req.grammar_start} tokens it allows no token, not even a stop"))
             raise GrammarViolation(f"token {token} is not allowed by the request's grammar")
         reason = self.stop.check(req)
         if reason is None and req.grammar.is_terminated():
@@ -174,10 +178,20 @@ class ConstrainedDecoding:
             # An ambiguous grammar (`x ::= x x | "a"`) costs more per token the longer its output:
             # it ends here rather than slow every step of its neighbours further.
             kind = req.sampling_params.grammar[0]
-            reason = FinishReason("abort", message=(
+            reason = FinishReason("abort", status=400, message=(
                 f"sampling_params.{kind}: the grammar took {spent * 1e3:.0f} ms to match one step's output, "
                 f"over grammar.max_match_ms = {self.max_match_s * 1e3:g}"))
         return reason
+
+    def _dead_end(self, req: Req) -> bool:
+        """Whether the request's grammar allows no token where it stands: its mask was empty, so the
+        sampler had nothing to pick (the front door refuses a grammar that is dead from the start,
+        `xgrammar_backend`'s sandbox; one that is satisfiable only up to a point, a JSON string of a
+        pattern no text matches, dies mid-output). Checked only when a token was refused: a refused
+        token in a live grammar is a sampler bug."""
+        bitmask = self.backend.allocate_bitmask(1)
+        req.grammar.fill_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
 
     # ---- jump-forward ----
     def _jump(self, req: Req) -> bool:

@@ -17,6 +17,7 @@ import json
 import uuid
 from typing import Any
 
+from rxf.core.echo import echo
 from rxf.core.frontend.outputs import GenerateOutput
 from rxf.entrypoints.anthropic.protocol import (
     BlockOut,
@@ -57,6 +58,9 @@ def chat_request(req: MessagesRequest | CountTokensRequest, takes_media: bool) -
             for t in req.tools
         ]
         body |= _tool_choice(req.tool_choice, counting)
+    elif isinstance(req.tool_choice, ToolChoiceAny | ToolChoiceTool):  # "auto" and "none" mean no call either way
+        raise APIError(400, f"tool_choice: {req.tool_choice.type!r} asks for a tool call, but the request has no tools",
+                       param="tool_choice")
     if req.thinking is None or req.thinking.type != "adaptive":
         body["chat_template_kwargs"] = {"enable_thinking": isinstance(req.thinking, ThinkingEnabled)}
     if isinstance(req, MessagesRequest):
@@ -86,14 +90,16 @@ def _messages(req: MessagesRequest | CountTokensRequest, takes_media: bool) -> l
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _parts(_numbered(req.system), "system", takes_media)})
+    called: set[str] = set()  # the tool_use ids so far: each tool_result answers one of them
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}]"
         if msg.role == "assistant":
             out.append(_assistant(msg.content, where))
+            called.update(call["id"] for call in out[-1].get("tool_calls") or ())
         elif msg.role == "system" or isinstance(msg.content, str):
             out.append({"role": msg.role, "content": _parts(_numbered(msg.content), where, takes_media)})
         else:
-            out += _user(msg.content, where, takes_media)
+            out += _user(msg.content, where, takes_media, called)
     return out
 
 
@@ -125,7 +131,7 @@ def _parts(content: str | list[tuple[int, Any]], where: str, takes_media: bool) 
     return parts
 
 
-def _user(blocks: list[Any], where: str, takes_media: bool) -> list[dict[str, Any]]:
+def _user(blocks: list[Any], where: str, takes_media: bool, called: set[str]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     pending: list[tuple[int, Any]] = []  # the blocks since the last tool result: one user message
 
@@ -136,6 +142,9 @@ def _user(blocks: list[Any], where: str, takes_media: bool) -> list[dict[str, An
 
     for j, block in enumerate(blocks):
         if isinstance(block, ToolResultBlock):
+            if block.tool_use_id not in called:
+                raise _bad(f"{where}.content[{j}]: tool_use_id {echo(block.tool_use_id)} answers no tool_use block "
+                           f"of an earlier assistant message")
             flush()
             out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, f"{where}.content[{j}]")})
         else:  # text and images (`_parts` refuses any other block)

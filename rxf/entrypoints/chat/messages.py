@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rxf.core.echo import echo
 from rxf.entrypoints.chat import ChatInputError
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
 from rxf.plugins.chat_templates.tools import HermesSyntax
@@ -19,10 +20,14 @@ def template_messages(
     "developer" role as the "system" role it replaces. Media parts are refused unless `images` /
     `videos` are given (the model takes them): then each image becomes an `image_url` part with its
     URL appended to `images`, each video (a file URL or a list of frame URLs) a `video` part with
-    it appended to `videos`, in prompt order."""
+    it appended to `videos`, in prompt order. A tool message must answer a call of an earlier
+    assistant message, by its id (as OpenAI's API requires; a conversation with a call that has no
+    id is taken as it is)."""
     out = []
+    called: set[str] | None = set()  # the ids of the calls so far (None: a call without one)
     for i, msg in enumerate(messages):
         item = {key: value for key, value in msg.items() if value is not None}
+        called = _check_tool_result(item, i, called)
         if isinstance(item.get("content"), list):
             parts = item["content"] = list(item["content"])
             for j, part in enumerate(parts):
@@ -41,6 +46,20 @@ def template_messages(
             item["role"] = "system"
         out.append(item)
     return out
+
+
+def _check_tool_result(item: dict[str, Any], i: int, called: set[str] | None) -> set[str] | None:
+    """`called` with the ids of message i's calls; refuses a tool result that answers none before it."""
+    for call in item.get("tool_calls") or ():
+        call_id = call.get("id") if isinstance(call, dict) else None
+        if not call_id:
+            return None
+        if called is not None:
+            called.add(call_id)
+    if item.get("role") == "tool" and called is not None and item.get("tool_call_id") not in called:
+        raise ChatInputError(f"messages[{i}].tool_call_id: {echo(item.get('tool_call_id'))} answers no tool call "
+                             f"of an earlier assistant message", "messages")
+    return called
 
 
 def _video(part: dict[str, Any], where: str) -> str | list[str]:

@@ -86,6 +86,8 @@ def _reply_start(items: list[dict[str, Any]]) -> str:
             "continue_final_message needs the last message to be an assistant's text, without tool calls or media",
             "messages",
         )
+    if len(items) == 1:  # the conversation it continues would be empty, which no template renders
+        raise ChatInputError("continue_final_message needs a message before the assistant's final one", "messages")
     return PART_SEPARATOR.join(p if isinstance(p, str) else str(p.get("text", "")) for p in parts)
 
 

@@ -3,8 +3,9 @@
 
 An abort that was asked for (`/abort_request`, the drain of a shutdown) ends its choice with
 finish_reason "abort", as vLLM's do: the answer so far, marked as cut short. An abort that reports a
-failure (an internal error, a request the scheduler cannot run) is an error: a 500 (non-streaming)
-or an error event (streaming) carrying the engine's message.
+failure is an error: a 400 where the request's own input caused it (a grammar no further output can
+satisfy, `FinishReason.status`), else a 500 (an internal error, a request the scheduler cannot run);
+streaming, an error event carrying the engine's message.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from rxf.entrypoints.server_state import APIError
 
 def _abort_error(finish: FinishReason) -> APIError:
     message = finish.message or "aborted"
+    if finish.status is not None:  # the request's own input failed it (its grammar): the message names the field
+        return APIError(finish.status, message, code="request_aborted")
     return APIError(
         500, f"the request was aborted by the engine: {message}", type="server_error", code="request_aborted"
     )

@@ -1,10 +1,12 @@
 """The stored responses of `/v1/responses` (`store: true`): what `GET /v1/responses/{id}` answers and
 what `previous_response_id` continues, kept in the server's memory.
 
-Bounded three ways: at most `server.responses_store_entries` responses, their conversations'
-text (images' data URLs included) at most `server.responses_store_max_mb` in all (the oldest go
-first, and one larger on its own is not kept), and each for `server.responses_store_ttl_s` seconds
-after it was stored. A response's conversation is the previous one's list plus its own messages:
+Bounded three ways: at most `server.responses_store_entries` responses, their size at most
+`server.responses_store_max_mb` in all (the oldest go first, and one larger on its own is not kept),
+and each for `server.responses_store_ttl_s` seconds after it was stored. An entry's size is its
+conversation's text (images' data URLs included) plus its response object as JSON, which holds what
+the request sent beside the conversation (`user`, `instructions`, `tools`, `text.format`'s schema,
+metadata) and the output's logprobs: any of them may be megabytes. A response's conversation is the previous one's list plus its own messages:
 the message dicts are shared between the entries of one conversation, not copied; each entry is
 counted with its whole conversation, so the count is an upper bound of the memory held.
 """
@@ -39,7 +41,7 @@ class StoredResponse:
     response: ResponseObject
     conversation: list[dict[str, Any]]  # chat messages: the input (without instructions) and the output
     stored_at: float
-    size: int  # the conversation's characters
+    size: int  # characters: the conversation's text and the response's JSON
 
 
 class ResponseStore:
@@ -65,10 +67,11 @@ class ResponseStore:
 
     def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
         self._expire()
-        size = text_size(conversation)
-        if self.max_entries == 0 or size > self.max_chars:
-            if self.max_entries:
-                logger.warning("response %s not stored: its conversation (%d characters) exceeds the store", response.id, size)
+        if self.max_entries == 0:
+            return
+        size = text_size(conversation) + len(response.model_dump_json())
+        if size > self.max_chars:
+            logger.warning("response %s not stored: its %d characters exceed the store", response.id, size)
             return
         self._entries[response.id] = StoredResponse(response, conversation, self.clock(), size)
         self._chars += size

@@ -182,8 +182,12 @@ async def create_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
+    # Counted before tokenizing: a batch of 300,000 prompts is refused at once, not after seconds of
+    # work (n range-checked first; plan_completion checks the fields again, a few comparisons).
+    check_completion(body)
+    tm.check_capacity(len(_prompt_list(body.prompt)) * body.n)
     plan = await prepare(request, plan_completion, body, tm.preparer, off_loop=slow_to_plan(body))
-    tm.check_capacity(len(plan.reqs))
+    tm.check_capacity(len(plan.reqs))  # again: requests may have started while this one was prepared
     if plan.n > 1:
         await warm_prefixes(tm, plan.prompts)
     token_str = token_str_fn(state.tokenizer)

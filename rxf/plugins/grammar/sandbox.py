@@ -207,13 +207,24 @@ def _serve() -> None:
         except EOFError:  # the parent closed the channel (or is gone)
             return
         try:
-            compile_constraint(compiler, kind, text)
-            verdict = None
+            verdict = dead_start(compile_constraint(compiler, kind, text), kind)
         except GrammarError as exc:  # xgrammar reports its std::bad_alloc as the reason
             verdict = "memory" if "bad_alloc" in str(exc) else str(exc)
         except MemoryError:
             verdict = "memory"
         send.send(verdict)
+
+
+def dead_start(compiled: Any, kind: str) -> str | None:
+    """Why no output can satisfy a compiled constraint from its start (its first mask allows no token,
+    not even a stop: `[^\\s\\S]`, `root ::= root`), else None. A request with one would only fail
+    once sampled (`rxf.core.scheduler.constrained`'s dead end); here it is a 400 before it is queued."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return None if bitmask.any() else f"invalid {kind}: no text matches it (it allows no first token)"
 
 
 def _exit_with_parent(parent_pid: int) -> None:
