@@ -348,6 +348,9 @@ class MultimodalConfig(_Section):
     max_image_bytes: int = Field(20 * 2**20, gt=0, description="encoded size of one image (or video frame)")
     max_image_pixels: int = Field(40_000_000, gt=0, description="decoded width x height of one image")
     max_items_per_request: int = Field(16, gt=0, description="images + videos in one request")
+    max_request_pixels: int = Field(
+        160_000_000, gt=0, description="decoded width x height of a request's images and video frames together"
+    )
     max_video_frames: int = Field(64, gt=0)
     video_num_frames: int = Field(
         16, gt=0, description="frames sampled evenly from a video file (at most max_video_frames; all if fewer)"

@@ -74,9 +74,12 @@ def fill_random_weights(model: nn.Module, seed: int) -> None:
 
 def _stream(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     total = 0
-    for path in files:  # headers only: cheap, and gives the bar a total
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            total += len(f.keys())
+    for path in files:  # headers only: cheap, and gives the bar a total; a truncated or corrupt file fails here
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                total += len(f.keys())
+        except Exception as exc:  # safetensors' SafetensorError names no file
+            raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
     with tqdm(total=total, desc="Loading weights", unit="tensor", dynamic_ncols=True) as bar:
         for path in files:
             bar.set_postfix_str(path.name, refresh=False)

@@ -35,7 +35,7 @@ _DONE_MARKER = ".rxf-converted"
 def resolve_model_path(path: str) -> str:
     """The Hugging Face directory to load: the demo model (prepared on first use) or `path` itself."""
     if path != DEMO_NAME:
-        if not Path(path).is_dir():
+        if not path or not Path(path).is_dir():  # ("" is the working directory to Path)
             raise FileNotFoundError(
                 f"model.path: {path!r} is not a directory (give a Hugging Face model directory, or 'demo')"
             )

@@ -13,6 +13,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rxf.core.config import EngineConfig
@@ -48,6 +49,8 @@ def load_engine(config: EngineConfig, cancel: threading.Event) -> LoadedEngine:
     # children load the model.
     model_path = resolve_model_path(config.model.path)
     tokenizer_path = config.model.tokenizer_path or model_path
+    if not Path(tokenizer_path).is_dir():  # else transformers takes it for a hub repository's name
+        raise FileNotFoundError(f"model.tokenizer_path: {tokenizer_path!r} is not a directory (give a tokenizer's directory)")
     with ThreadPoolExecutor(1, thread_name_prefix="rxf-tokenizer-load") as pool:
         frontend = pool.submit(load_frontend, config, tokenizer_path)
         engine = EngineProcesses(config, model_path, cancel=cancel)

@@ -46,6 +46,7 @@ class Runtime:
         self.engine, front = loaded.engine, loaded.frontend
         self.registry, self.tokenizer, self.chat_template = front.registry, front.tokenizer, front.chat_template
         self.tool_parser, self.reasoning_parser = front.tool_parser, front.reasoning_parser
+        self._shut_down = False
         try:
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="rxf-runtime-loop", daemon=True)
@@ -91,6 +92,7 @@ class Runtime:
         naming the field, before anything runs.
         """
         reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, n, options)
+        self._check_batch(len(reqs) * n)
         prepared = [self.tokenizer_manager.preparer.prepare(r) for r in reqs]  # in this thread
         if stream:
             return self._iterate(self._stream(prepared, n))
@@ -106,12 +108,14 @@ class Runtime:
         model's pooling config says), rid, cache_salt, priority. Bad input raises ValueError naming
         the field."""
         reqs, batched = self._embed_requests(prompt, input_ids, options)
+        self._check_batch(len(reqs))
         prepared = [self.tokenizer_manager.preparer.prepare(r) for r in reqs]
         results = self._call(self._gather(prepared, 1))
         return results if batched else results[0]
 
     async def async_embed(self, prompt: Prompt = None, *, input_ids: Any = None, **options: Any) -> Any:
         reqs, batched = self._embed_requests(prompt, input_ids, options)
+        self._check_batch(len(reqs))
         prepared = [await self.tokenizer_manager.preparer.prepare_async(r) for r in reqs]
         results = await self._await(self._gather(prepared, 1))
         return results if batched else results[0]
@@ -165,6 +169,7 @@ class Runtime:
         n: int = 1, stream: bool = False, **options: Any,
     ) -> Any:
         reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, n, options)
+        self._check_batch(len(reqs) * n)
         prepared = [await self.tokenizer_manager.preparer.prepare_async(r) for r in reqs]
         if stream:
             return self._aiterate(self._stream(prepared, n))
@@ -189,10 +194,11 @@ class Runtime:
 
     # ---- lifetime ----
     def shutdown(self) -> None:
-        if getattr(self, "_loop", None) is not None and self._loop.is_running():
+        if getattr(self, "_loop", None) is not None and self._loop.is_running() and not self._shut_down:
             self._call(self.tokenizer_manager.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
+        self._shut_down = True
         self.engine.shutdown()
 
     def __enter__(self) -> Runtime:
@@ -214,6 +220,9 @@ class Runtime:
             batched = isinstance(prompt, list)
             items = [{"text": p} for p in (prompt if batched else [prompt])]
         else:
+            if not isinstance(input_ids, list):  # a tensor, an array or a generator: its truth value misleads
+                raise ValueError(f"input_ids: expected a list of ints or a list of such lists, got {type(input_ids).__name__}"
+                                 " (a tensor's or array's .tolist() gives one)")
             batched = bool(input_ids) and isinstance(input_ids[0], list)
             items = [{"input_ids": ids} for ids in (input_ids if batched else [input_ids])]
         if stream and batched:
@@ -287,13 +296,26 @@ class Runtime:
             await warm_prefixes(self.tokenizer_manager, prompts)
         return reqs
 
+    def _check_batch(self, generations: int) -> None:
+        """A batch larger than the engine ever holds fails before any of it is tokenized, with a
+        RequestError (a ValueError) rather than the OverloadedError of a full engine: retrying it
+        could never succeed."""
+        self.tokenizer_manager.check_capacity(generations)
+
+    def _submit(self, coro: Any) -> Future[Any]:
+        """`coro` scheduled on the runtime loop; RuntimeError once `shutdown` stopped it (a call would
+        otherwise wait forever on a loop that never runs it)."""
+        if self._shut_down:
+            coro.close()
+            raise RuntimeError("this Runtime is shut down: create a new one")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     async def _await(self, coro: Any) -> Any:
         """`coro` run on the runtime loop, awaited from the caller's loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return await asyncio.wrap_future(self._submit(coro))
 
     def _call(self, coro: Any) -> Any:
-        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return fut.result()
+        return self._submit(coro).result()
 
     def _iterate(self, agen: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         """Drive an async generator on the runtime loop, handing its items to this thread."""
@@ -308,7 +330,7 @@ class Runtime:
             finally:
                 items.put(_DONE)
 
-        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        task = self._submit(pump())
         try:
             while (item := items.get()) is not _DONE:
                 if isinstance(item, BaseException):
@@ -336,7 +358,7 @@ class Runtime:
             finally:
                 post(_DONE)
 
-        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        task = self._submit(pump())
         try:
             while (item := await items.get()) is not _DONE:
                 if isinstance(item, BaseException):

@@ -18,6 +18,7 @@ from rxf.plugins.multimodal.tiny import make_llava_checkpoint
 
 PROMPT = "<|im_start|>user\n<image>\nWhat is in the picture?<|im_end|>\n<|im_start|>assistant\n"
 MAX_IMAGE_BYTES = 20_000
+MAX_REQUEST_PIXELS = 2_400  # one 40 x 60 image, or three 28 x 28 ones (784 pixels each), not four
 
 
 def png(h: int, w: int, seed: int) -> bytes:
@@ -38,7 +39,8 @@ def llava_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mm_server(module_server_factory, llava_dir):
-    return module_server_factory({"model.path": str(llava_dir), "multimodal.max_image_bytes": MAX_IMAGE_BYTES})
+    return module_server_factory({"model.path": str(llava_dir), "multimodal.max_image_bytes": MAX_IMAGE_BYTES,
+                                  "multimodal.max_request_pixels": MAX_REQUEST_PIXELS})
 
 
 def hf_greedy(path, image_bytes: bytes, n: int) -> list[int]:
@@ -140,3 +142,17 @@ def test_placeholder_without_image_is_400_and_text_only_prompts_work(mm_server) 
         assert resp.status_code == 400 and "0 images for 1 image placeholders" in resp.text
         resp = http.post("/generate", json={"text": "just text", "sampling_params": {"max_new_tokens": 2}})
         assert resp.status_code == 200 and resp.json()["meta_info"]["completion_tokens"] == 2
+
+
+def test_a_request_past_its_pixel_budget_is_400_at_the_image_that_crosses_it(mm_server) -> None:
+    # Each image within its own limits; together past multimodal.max_request_pixels (16 images of
+    # 40M pixels each took 5 GB of the server's memory before this budget).
+    prompt = PROMPT.replace("<image>", "<image>" * 4)
+    images = [data_url(png(28, 28, seed)) for seed in range(4)]
+    with mm_server.client() as http:
+        resp = http.post("/generate", json={"text": prompt, "image_data": images, "sampling_params": {"max_new_tokens": 1}})
+        assert resp.status_code == 400, resp.text
+        assert "image_data[3]: the request's images and video frames exceed 2400 decoded pixels" in resp.text
+        three = PROMPT.replace("<image>", "<image>" * 3)
+        resp = http.post("/generate", json={"text": three, "image_data": images[:3], "sampling_params": {"max_new_tokens": 1}})
+        assert resp.status_code == 200, resp.text

@@ -127,3 +127,19 @@ def test_native_bad_video_file_is_400_and_the_server_stays_healthy(ov_server) ->
         ok = http.post("/generate", json={"text": PROMPT, "video_data": [VIDEO_URL],
                                           "sampling_params": {"max_new_tokens": 2}})
         assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+
+
+def test_two_videos_of_different_lengths_in_one_request(ov_server) -> None:
+    # Shorter than video_num_frames, each keeps all its frames: 2 and 3 here. The stand-in processor
+    # stacked the clips into one tensor and refused them ("image_data: preprocessing failed").
+    prompt = PROMPT.replace("<video>", "<video><video>")
+    body = {"text": prompt, "video_data": [FRAMES[:2], FRAMES[:3]], "sampling_params": {"max_new_tokens": 2}}
+    with ov_server.client() as http:
+        both = http.post("/generate", json=body)
+        assert both.status_code == 200, both.text
+        one = http.post("/generate", json={**body, "text": PROMPT, "video_data": [FRAMES[:2]]})
+        other = http.post("/generate", json={**body, "text": PROMPT, "video_data": [FRAMES[:3]]})
+    both_n, two_n, three_n = (r.json()["meta_info"]["prompt_tokens"] for r in (both, one, other))
+    # A video of f frames is f runs of a frame's pooled tokens + 1 (transformers' rule): the second
+    # video adds 3 frames' tokens + 1, and one frame's tokens are what 3 frames add over 2.
+    assert both_n - two_n == 3 * (three_n - two_n) + 1, (both_n, two_n, three_n)

@@ -178,3 +178,22 @@ def test_local_paths_do_not_reveal_which_files_exist(tmp_path: Path):
             media_bytes(str(path), config, "image_data[0]")
         errors.append(str(err.value).replace(echo(str(path)), "PATH"))
     assert len(set(errors)) == 1, errors  # one message whether the file exists, is outside, or is absent
+
+
+def test_bare_base64_of_a_jpeg_is_data_not_a_path(tmp_path: Path):
+    # Every JPEG's base64 starts with "/9j/" (bytes FF D8 FF): it was taken for an absolute path and
+    # refused under allow_local_paths = false (or opened as a file under true).
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (30, 30), (200, 10, 10)).save(buf, format="JPEG")
+    jpeg = buf.getvalue()
+    text = base64.b64encode(jpeg).decode()
+    assert text.startswith("/9j/")
+    for allow in (False, True):
+        assert media_bytes(text, MultimodalConfig(allow_local_paths=allow), "image_data[0]") == jpeg
+    with pytest.raises(MediaError, match="local image paths are not allowed"):  # a path is still a path
+        media_bytes(str(tmp_path / "x.jpg"), MultimodalConfig(allow_local_paths=False), "image_data[0]")

@@ -170,6 +170,14 @@ def test_directory_without_weights(ckpt: Path, tmp_path: Path) -> None:
         ModelRunner(make_config(), registry(), str(empty))
 
 
+def test_a_truncated_weights_file_is_named(ckpt: Path, tmp_path: Path) -> None:
+    cut = Path(shutil.copytree(ckpt, tmp_path / "truncated"))
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"truncated/model.safetensors: not a readable safetensors file"):
+        ModelRunner(make_config(), registry(), str(cut))
+
+
 def test_random_load_format_needs_no_weights(ckpt: Path, tmp_path: Path) -> None:
     """`model.load_format = "random"`: the config alone; parameters drawn (norms at 1), logits finite,
     and the same seed draws the same model."""
@@ -220,3 +228,31 @@ def test_sharded_checkpoint_follows_its_index(ckpt: Path, tmp_path: Path) -> Non
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
         ModelRunner(make_config(**{"cache.max_total_tokens": 16}), registry(), str(sharded))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [({"cache.max_total_tokens": 10**12}, "cache.max_total_tokens"),
+     ({"scheduler.max_running_requests": 10**9}, "scheduler.max_running_requests")],
+    ids=["slots", "rows"],
+)
+def test_pools_past_the_machines_memory_are_refused_naming_the_setting(ckpt: Path, overrides, words) -> None:
+    # 10**12 slots are 256 TB of K/V here; 10**9 request rows of 128 tokens 512 GB: each was
+    # allocated (and zero-filled) until the kernel killed the process, or failed in torch's allocator.
+    config = make_config(**{"model.context_length": 128, "cache.max_total_tokens": 1000, **overrides})
+    with pytest.raises(RuntimeError, match=r"GiB of cpu memory is available; lower them") as err:
+        ModelRunner(config, registry(), str(ckpt))
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["model.path", "model.tokenizer_path"])
+def test_a_model_or_tokenizer_path_that_is_no_directory_fails_naming_it(tmp_path: Path, key: str) -> None:
+    # "" was the working directory; a missing tokenizer directory went to transformers' hub code
+    # ("Repo id must use alphanumeric chars").
+    import threading
+
+    from rxf.entrypoints.engine_loader import load_engine
+
+    settings = {"model.path": ""} if key == "model.path" else {"model.path": str(tmp_path), key: str(tmp_path / "nope")}
+    with pytest.raises(FileNotFoundError, match=rf"{key}: .* is not a directory"):
+        load_engine(load_config(None, **settings), threading.Event())

@@ -15,7 +15,7 @@ from PIL import Image
 
 from rxf.core.config import MultimodalConfig
 from rxf.plugins.multimodal import video
-from rxf.plugins.multimodal.media import MediaError
+from rxf.plugins.multimodal.media import MediaError, PixelBudget
 from rxf.plugins.multimodal.video import load_video, sample_indices
 from rxf.testing.videos import frame_colour, frame_index, make_video
 
@@ -143,3 +143,18 @@ def test_frame_lists_work_as_before() -> None:
         load_video(frames, MultimodalConfig(max_video_frames=2), "v")
     with pytest.raises(MediaError, match=r"^v: expected video bytes or a string, got int"):
         load_video(7, LIMITS, "v")
+
+
+def test_a_request_pixel_budget_stops_a_video_at_the_frame_that_crosses_it() -> None:
+    # 40 x 30 frames, 16 sampled: 19,200 pixels. A budget of 10,000 holds 8 frames; the 9th fails,
+    # charged before it is converted (and a frame list is charged before each frame is decoded).
+    data = make_video(24, width=40, height=30)
+    limits = MultimodalConfig(max_request_pixels=10_000)
+    with pytest.raises(MediaError, match=r"video_data\[0\]: the request's images and video frames exceed 10000"):
+        load_video(data, limits, "video_data[0]", PixelBudget(limits))
+    assert len(load_video(data, MultimodalConfig(), "video_data[0]", PixelBudget(MultimodalConfig()))) == 16
+    budget = PixelBudget(limits)
+    budget.charge(9_000, 1, "image_data[0]")  # an image earlier in the request
+    frames = [Image.new("RGB", (30, 30))] * 2
+    with pytest.raises(MediaError, match=r"video_data\[0\]\[1\]"):
+        load_video(frames, limits, "video_data[0]", budget)

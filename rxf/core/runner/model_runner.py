@@ -362,6 +362,10 @@ class ModelRunner:
             # Tree drafts attend through scratch rows: one per verified node (`path_rows`).
             spec = self.config.speculative
             scratch = spec.max_batch_size * spec.num_draft_tokens if spec.tree_topk > 1 else 0
+            self._check_pool_memory(
+                self.max_total_tokens * 2 * num_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize,
+                (max_running + scratch) * self.max_context_len * 4,
+            )
             self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device, scratch)
         self.token_to_kv_pool = TokenToKVPool(
             self.max_total_tokens, num_layers, num_kv_heads, head_dim, self.kv_dtype, self.device
@@ -379,6 +383,24 @@ class ModelRunner:
             self.thread_counts,
             self.multi_row_decode,
         )
+
+    def _check_pool_memory(self, kv_bytes: int, row_bytes: int) -> None:
+        """Refuse, naming the settings, pools the device cannot hold (a `cache.max_total_tokens` set
+        past the machine's memory was zero-filled on a CPU until the kernel killed the scheduler,
+        and the launch said only "EOFError")."""
+        if self.device.type == "cuda":
+            available = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            available = _cpu_available_bytes()
+            if available is None:  # not Linux: nothing to read it from
+                return
+        if kv_bytes + row_bytes > available:
+            raise RuntimeError(
+                f"the KV cache needs {kv_bytes / 2**30:.1f} GiB ({self.max_total_tokens} slots: "
+                f"cache.max_total_tokens) and its request rows {row_bytes / 2**30:.1f} GiB "
+                f"(scheduler.max_running_requests x the {self.max_context_len}-token context), but "
+                f"{available / 2**30:.1f} GiB of {self.device.type} memory is available; lower them"
+            )
 
     def _slots_from_memory(self, bytes_per_slot: int, max_running: int) -> int:
         cache = self.config.cache
@@ -749,3 +771,15 @@ class ModelRunner:
         if wanted is not logits_rows:
             logits = logits[:1]
         return logits, batch.aux_hidden
+
+
+def _cpu_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what the kernel could hand out without swapping), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -21,7 +21,7 @@ from typing import Any
 from rxf.core.config import MultimodalConfig
 from rxf.core.ipc.messages import MultimodalItem
 from rxf.plugins.multimodal.llava import content_hash, pad_ids
-from rxf.plugins.multimodal.media import MediaError, load_image
+from rxf.plugins.multimodal.media import MediaError, PixelBudget, load_image
 
 _MAX_NEWLINES = 32  # newline runs up to this long are looked up as single tokens
 
@@ -64,7 +64,8 @@ class Gemma3Processor:
             raise MediaError(f"image_data: {len(images)} images for {n_img} image placeholders in the prompt")
         if not images:
             return input_ids, []
-        pil_images = [load_image(s, self.limits, f"image_data[{i}]") for i, s in enumerate(images)]
+        budget = PixelBudget(self.limits)
+        pil_images = [load_image(s, self.limits, f"image_data[{i}]", budget) for i, s in enumerate(images)]
         out = _Splicer(self)
         next_image = iter(pil_images)
         piece: list[int] = []

@@ -18,7 +18,7 @@ import torch
 from rxf.core.config import MultimodalConfig
 from rxf.core.ipc.messages import MultimodalItem
 from rxf.plugins.models.llava_features import grid_shape
-from rxf.plugins.multimodal.media import MediaError, load_image
+from rxf.plugins.multimodal.media import MediaError, PixelBudget, load_image
 from rxf.plugins.multimodal.onevision_lite import OnevisionLiteProcessor, needs_lite
 from rxf.plugins.multimodal.video import load_video
 
@@ -73,8 +73,9 @@ class LlavaProcessor:
         self, input_ids: list[int], images: list[Any] | None, videos: list[Any] | None
     ) -> tuple[list[int], list[MultimodalItem]]:
         images, videos = list(images or []), list(videos or [])
+        media_fields = " and ".join(f for f, items in (("image_data", images), ("video_data", videos)) if items)
         if len(images) + len(videos) > self.limits.max_items_per_request:
-            raise MediaError(f"image_data: at most {self.limits.max_items_per_request} images and videos per request")
+            raise MediaError(f"{media_fields}: at most {self.limits.max_items_per_request} images and videos per request")
         placeholders = [t for t in input_ids if t in self.tokens]
         n_img = placeholders.count(self.image_token_id)
         n_vid = len(placeholders) - n_img
@@ -84,14 +85,15 @@ class LlavaProcessor:
             raise MediaError(f"video_data: {len(videos)} videos for {n_vid} video placeholders in the prompt")
         if not placeholders:
             return input_ids, []
-        pil_images = [load_image(s, self.limits, f"image_data[{i}]") for i, s in enumerate(images)]
-        frames = [load_video(s, self.limits, f"video_data[{i}]") for i, s in enumerate(videos)]
+        budget = PixelBudget(self.limits)
+        pil_images = [load_image(s, self.limits, f"image_data[{i}]", budget) for i, s in enumerate(images)]
+        frames = [load_video(s, self.limits, f"video_data[{i}]", budget) for i, s in enumerate(videos)]
         # The placeholders alone, separated by a word so that each expands into a run of its own.
         text = " a ".join(self.tokens[t] for t in placeholders)
         try:
             out = self.hf(text=text, images=pil_images or None, videos=frames or None, return_tensors="pt")
         except Exception as exc:  # the HF processor rejects e.g. degenerate sizes with various types
-            raise MediaError(f"image_data: preprocessing failed: {exc}") from None
+            raise MediaError(f"{media_fields}: preprocessing failed: {exc}") from None
         runs = _runs(out["input_ids"][0].tolist(), set(self.tokens))
         assert [t for t, _ in runs] == placeholders, "the processor reordered the placeholders"
         per_item = self._item_data(out, len(pil_images), len(frames))

@@ -31,6 +31,8 @@ class MediaError(ValueError):
 
 # The config field bounding each kind's encoded size, and the file names read as local paths.
 _MAX_BYTES = {"image": "max_image_bytes", "video": "max_video_bytes"}
+# Bare base64 of a JPEG (bytes FF D8 FF) starts with a slash, like an absolute path; no path starts so.
+_JPEG_BASE64 = "/9j/"
 _PATH_NAME = {
     "image": re.compile(r"^[\w.-]+\.(png|jpe?g|gif|bmp|webp|tiff?)$", re.I),
     "video": re.compile(r"^[\w.-]+\.(mp4|m4v|mov|webm|mkv|avi|ts|flv|mpe?g)$", re.I),
@@ -83,6 +85,8 @@ def media_bytes(spec: Any, limits: MultimodalConfig, field: str, kind: str = "im
         data = _fetch_url(spec, limits, field, kind, max_bytes)
     elif spec.startswith("file://"):
         data = _read_path(spec.removeprefix("file://"), limits, field, kind, max_bytes)
+    elif spec.startswith(_JPEG_BASE64):
+        data = _b64decode(spec, field, kind, max_bytes)
     elif spec.startswith(("/", "./", "~")) or _PATH_NAME[kind].match(spec):
         data = _read_path(str(Path(spec).expanduser()), limits, field, kind, max_bytes)
     elif re.match(r"^[a-z][a-z0-9+.-]*://", spec, re.I):
@@ -103,10 +107,30 @@ def _b64decode(text: str, field: str, kind: str, max_bytes: int) -> bytes:
         raise MediaError(f"{field}: not a valid base64 {kind} (nor an allowed URL or path)") from None
 
 
-def load_image(spec: Any, limits: MultimodalConfig, field: str) -> Image.Image:
-    """An RGB image, decoded in full (a corrupt file fails here, not in the scheduler)."""
+class PixelBudget:
+    """The decoded pixels one request's images and video frames may hold together
+    (`multimodal.max_request_pixels`; the per-image limit alone let 16 images of 40M pixels take
+    5 GB). Each is charged from its header, before it is decoded, so a request past the budget
+    fails at the item that crosses it, having decoded no more than the budget."""
+
+    def __init__(self, limits: MultimodalConfig) -> None:
+        self.limit = limits.max_request_pixels
+        self.used = 0
+
+    def charge(self, width: int, height: int, field: str) -> None:
+        self.used += width * height
+        if self.used > self.limit:
+            raise MediaError(f"{field}: the request's images and video frames exceed {self.limit} decoded pixels "
+                             "together (multimodal.max_request_pixels)")
+
+
+def load_image(spec: Any, limits: MultimodalConfig, field: str, budget: PixelBudget | None = None) -> Image.Image:
+    """An RGB image, decoded in full (a corrupt file fails here, not in the scheduler), charged to
+    the request's `budget` before it is decoded."""
     if isinstance(spec, Image.Image):
         img = spec
+        if budget is not None:
+            budget.charge(img.width, img.height, field)
     else:
         data = media_bytes(spec, limits, field)
         try:
@@ -115,6 +139,8 @@ def load_image(spec: Any, limits: MultimodalConfig, field: str) -> Image.Image:
                 raise MediaError(
                     f"{field}: the image is {img.width}x{img.height}; at most {limits.max_image_pixels} pixels"
                 )
+            if budget is not None:
+                budget.charge(img.width, img.height, field)
             img.load()
         except MediaError:
             raise

@@ -74,7 +74,9 @@ class OnevisionLiteProcessor:
         video_counts = []
         if videos:
             clips = [self.image_processor([frames], return_tensors="pt")["pixel_values"][:, 0] for frames in videos]
-            out["pixel_values_videos"] = torch.stack(clips)
+            # Stacked as the real processor's output where the clips agree; videos shorter than
+            # `video_num_frames` keep all their frames, so two of them may differ in length: a list.
+            out["pixel_values_videos"] = torch.stack(clips) if len({c.shape for c in clips}) == 1 else clips
             video_counts = [c.shape[0] for c in clips]
         ids: list[int] = []
         images_left, videos_left = iter(counts), iter(video_counts)

@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from rxf.core.config import MultimodalConfig
-from rxf.plugins.multimodal.media import MediaError, load_image, media_bytes
+from rxf.plugins.multimodal.media import MediaError, PixelBudget, load_image, media_bytes
 
 # Demuxers FFmpeg may pick for the data. Others are refused before they run: some (hls, concat)
 # would open further files or URLs that a playlist names.
@@ -30,16 +30,17 @@ _CONTAINERS = "mp4/mov, webm/mkv, avi, mpeg-ps/ts or flv"
 _MAX_TIMELINE = 1_000_000
 
 
-def load_video(spec: Any, limits: MultimodalConfig, field: str) -> list[Image.Image]:
+def load_video(spec: Any, limits: MultimodalConfig, field: str, budget: PixelBudget | None = None) -> list[Image.Image]:
     """A video given as a non-empty list of frames (each as `load_image` takes it), or as one video
-    file (bytes, base64, a data: URL, or a URL / path where allowed)."""
+    file (bytes, base64, a data: URL, or a URL / path where allowed); each frame charged to the
+    request's `budget` before it is decoded."""
     if isinstance(spec, (list, tuple)):
         if not spec:
             raise MediaError(f"{field}: a video is a video file or a non-empty list of frames (images)")
         if len(spec) > limits.max_video_frames:
             raise MediaError(f"{field}: {len(spec)} frames; at most {limits.max_video_frames}")
-        return [load_image(frame, limits, f"{field}[{i}]") for i, frame in enumerate(spec)]
-    return decode_video(media_bytes(spec, limits, field, "video"), limits, field)
+        return [load_image(frame, limits, f"{field}[{i}]", budget) for i, frame in enumerate(spec)]
+    return decode_video(media_bytes(spec, limits, field, "video"), limits, field, budget)
 
 
 def sample_indices(total: int, n: int) -> list[int]:
@@ -50,7 +51,7 @@ def sample_indices(total: int, n: int) -> list[int]:
     return np.linspace(0, total - 1, n).round().astype(int).tolist()
 
 
-def decode_video(data: bytes, limits: MultimodalConfig, field: str) -> list[Image.Image]:
+def decode_video(data: bytes, limits: MultimodalConfig, field: str, budget: PixelBudget | None = None) -> list[Image.Image]:
     """The sampled frames of the encoded video `data`, as RGB images."""
     import av  # on first use: plugins load in every process, and only this one decodes
 
@@ -61,14 +62,14 @@ def decode_video(data: bytes, limits: MultimodalConfig, field: str) -> list[Imag
         raise MediaError(f"{field}: cannot decode the video as {_CONTAINERS} ({exc})") from None
     try:
         with container:
-            return _sample(container, limits, field)
+            return _sample(container, limits, field, budget)
     except MediaError:
         raise
     except Exception as exc:
         raise MediaError(f"{field}: cannot decode the video: {exc}") from None
 
 
-def _sample(container, limits: MultimodalConfig, field: str) -> list[Image.Image]:
+def _sample(container, limits: MultimodalConfig, field: str, budget: PixelBudget | None) -> list[Image.Image]:
     if not container.streams.video:
         raise MediaError(f"{field}: the file holds no video stream")
     stream = container.streams.video[0]
@@ -95,6 +96,8 @@ def _sample(container, limits: MultimodalConfig, field: str) -> list[Image.Image
                 )
             if frame.pts is not None and frame.pts >= pts[index]:
                 _check_pixels(frame.width, frame.height, limits, field)
+                if budget is not None:
+                    budget.charge(frame.width, frame.height, field)
                 frames.append(frame.to_image())
                 break
         else:
