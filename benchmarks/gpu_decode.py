@@ -1,7 +1,7 @@
 """GPU decode benchmark (issues 4, 18): one script for one call on the GPU machine.
 
     python benchmarks/gpu_decode.py [--preset llama3-8b|qwen3-8b|qwen3-30b-a3b|gpt-oss-20b|tiny] [--num-requests 1000]
-        [--phases jit,build,bandwidth,decode,decode1,kvcache,kernels,offline,hf] [--model-dir DIR] [--output FILE]
+        [--phases jit,build,bandwidth,decode,decode1,eager,kvcache,kernels,offline,hf] [--model-dir DIR] [--output FILE]
 
 A preset is a transformers config (architecture + fields): `llama3-8b` (Llama-3-8B), `qwen3-8b` and
 `qwen3-30b-a3b` (Qwen/Qwen3-8B's and Qwen/Qwen3-30B-A3B's config.json: 36 layers, head_dim 128; 48
@@ -33,6 +33,8 @@ and each frees its GPU memory before the next:
   decode1    batch 1, 4, 8 and 16 (`--decode1-batches`) with CUDA graphs only, on an engine of 16 requests
              (or the largest batch): the quick A/B of a kernel setting (run it once per setting, e.g.
              RXF_PDL=0 and 1)
+  eager      batch 1 and 4 with CUDA graphs off (an engine that captures none), then a cProfile of 16
+             batch-1 steps: the host functions with the most time of their own (what eager steps pay)
   kvcache    per backend, decode throughput at long contexts with `cache.kv_dtype` = auto (bf16) and
              fp8_e4m3, each pool sized from the same memory (cache.mem_fraction_static): 256 requests of
              4096-token prompts are queued, and once every admitted request decodes, 64 decode steps are
@@ -342,11 +344,11 @@ def bandwidth() -> None:
 # ---------------------------------------------------------------- decode (in-process engine)
 def _engine(
     model_dir: Path, backend: str, max_running: int, slots: int | None, random_load: bool = False,
-    kv_dtype: str = "auto", quantization: str | None = None,
+    kv_dtype: str = "auto", quantization: str | None = None, graphs: bool = True,
 ) -> Any:
     """An in-process Scheduler + ModelRunner on `model_dir` (`random_load`: no checkpoint read,
     `model.load_format = "random"`; `slots` None: the pool sized from memory; `quantization`:
-    `model.quantization`)."""
+    `model.quantization`; `graphs` False: no CUDA graphs captured)."""
     from transformers import AutoTokenizer
 
     from rxf.core.config import load_config
@@ -363,7 +365,7 @@ def _engine(
         "cache": {"max_total_tokens": slots, "kv_dtype": kv_dtype},
         # Each bucket's first-use kernel compiles (e.g. the MoE blocks tuned per token count) count
         # toward the capture budget; every bucket is to be captured here, as a server would after warm-up.
-        "cuda_graph": {"capture_budget_s": 300},
+        "cuda_graph": {"capture_budget_s": 300, "enabled": graphs},
     })
     start = time.perf_counter()
     runner = ModelRunner(config, PluginRegistry.load(), str(model_dir))
@@ -479,6 +481,38 @@ def decode1_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quant
         out[f"b{bs}_graphs"] = decode_rate(sched, bs, 64, p.vocab, graphs=True)
     RESULTS[f"decode1_{backend}{tag}"] = out
     print(f"decode1 {backend}{tag}: {json.dumps(out)}", flush=True)
+
+
+def eager_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quantization: str | None = None) -> None:
+    """Decode with CUDA graphs off (`cuda_graph.enabled = false`), batch 1 and 4, then where a batch-1
+    step's host time goes: cProfile over 16 steps, the functions with the most time of their own.
+    Run it once per setting (RXF_GEMV=cublas, RXF_PDL=0) for the A/B of what eager steps pay."""
+    import cProfile
+    import pstats
+
+    sched = _engine(model_dir, backend, 16, 16 * 512 + 4096, not p.on_disk, quantization=quantization, graphs=False)
+    decode_rate(sched, 1, 8, p.vocab, graphs=False)  # first-use compilation out of the figures
+    out = {}
+    for bs in (1, 4):
+        out[f"b{bs}_eager"] = decode_rate(sched, bs, 64, p.vocab, graphs=False)
+        print(f"eager {backend}{tag} b{bs}_eager: {out[f'b{bs}_eager']:.1f}", flush=True)
+    RESULTS[f"eager_{backend}{tag}"] = out
+    _add(sched, 1, 128, 64, p.vocab, "prof")
+    for _ in range(24):  # the prefill and a few decode steps before the profiled ones
+        sched.step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(16):
+        sched.step()
+    torch.cuda.synchronize()
+    profile.disable()
+    stats = pstats.Stats(profile)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:14]  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    for (file, line, name), (_, calls, own, total, _) in rows:
+        print(f"eager profile: {own / 16 * 1e3:7.3f} ms/step own, {total / 16 * 1e3:7.3f} cumulative, "
+              f"{calls // 16:5d} calls/step  {Path(file).name}:{line} {name}", flush=True)
+    while sched.has_work:
+        sched.step()
 
 
 def long_context_rate(sched: Any, bs: int, context: int, steps: int, vocab: int, warm: int = 8) -> dict[str, float]:
@@ -852,6 +886,11 @@ def main() -> None:
             for backend in backends:
                 phase(f"decode1 {backend} {name}",
                       lambda b=backend, n=name, t=tag: decode1_phase(p, dirs[n], b, t, online.get(n), decode1_batches))
+    if "eager" in phases:
+        for name, tag in runs:
+            for backend in backends:
+                phase(f"eager {backend} {name}",
+                      lambda b=backend, n=name, t=tag: eager_phase(p, dirs[n], b, t, online.get(n)))
     if "kvcache" in phases:
         for backend in backends:
             phase(f"kvcache {backend}", lambda b=backend: kvcache_phase(p, model_dir, b))
