@@ -195,3 +195,12 @@ def test_an_integer_past_pythons_digit_limit_is_400_saying_so(http):
     assert r.status_code == 400, r.text[:300]
     assert f"an integer of over {sys.get_int_max_str_digits()} digits" in r.json()["error"]["message"]
     assert_serving(http)
+
+
+def test_continuing_a_lone_assistant_message_says_what_is_missing(client, model, http):
+    # It said "messages must be a non-empty list of message objects"; a 405 was typed server_error.
+    body = _chat_error(client, model, messages=[{"role": "assistant", "content": "Once upon"}],
+                       extra_body={"continue_final_message": True})
+    assert body["param"] == "messages" and "needs a message before the assistant's final one" in body["message"], body
+    r = http.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error", r.text
