@@ -92,7 +92,9 @@ class Runtime:
         naming the field, before anything runs.
         """
         reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, n, options)
-        self._check_batch(len(reqs) * n)
+        # Counted before anything is tokenized: a batch larger than the engine ever holds is a
+        # RequestError (a ValueError), not the OverloadedError of a full engine (no retry could fit it).
+        self.tokenizer_manager.check_capacity(len(reqs) * n)
         prepared = [self.tokenizer_manager.preparer.prepare(r) for r in reqs]  # in this thread
         if stream:
             return self._iterate(self._stream(prepared, n))
@@ -108,14 +110,14 @@ class Runtime:
         model's pooling config says), rid, cache_salt, priority. Bad input raises ValueError naming
         the field."""
         reqs, batched = self._embed_requests(prompt, input_ids, options)
-        self._check_batch(len(reqs))
+        self.tokenizer_manager.check_capacity(len(reqs))  # as generate's
         prepared = [self.tokenizer_manager.preparer.prepare(r) for r in reqs]
         results = self._call(self._gather(prepared, 1))
         return results if batched else results[0]
 
     async def async_embed(self, prompt: Prompt = None, *, input_ids: Any = None, **options: Any) -> Any:
         reqs, batched = self._embed_requests(prompt, input_ids, options)
-        self._check_batch(len(reqs))
+        self.tokenizer_manager.check_capacity(len(reqs))  # as generate's
         prepared = [await self.tokenizer_manager.preparer.prepare_async(r) for r in reqs]
         results = await self._await(self._gather(prepared, 1))
         return results if batched else results[0]
@@ -169,7 +171,7 @@ class Runtime:
         n: int = 1, stream: bool = False, **options: Any,
     ) -> Any:
         reqs, batched = self._requests(prompt, input_ids, sampling_params, stream, n, options)
-        self._check_batch(len(reqs) * n)
+        self.tokenizer_manager.check_capacity(len(reqs) * n)  # as generate's
         prepared = [await self.tokenizer_manager.preparer.prepare_async(r) for r in reqs]
         if stream:
             return self._aiterate(self._stream(prepared, n))
@@ -295,12 +297,6 @@ class Runtime:
             self.tokenizer_manager.check_capacity(len(reqs))
             await warm_prefixes(self.tokenizer_manager, prompts)
         return reqs
-
-    def _check_batch(self, generations: int) -> None:
-        """A batch larger than the engine ever holds fails before any of it is tokenized, with a
-        RequestError (a ValueError) rather than the OverloadedError of a full engine: retrying it
-        could never succeed."""
-        self.tokenizer_manager.check_capacity(generations)
 
     def _submit(self, coro: Any) -> Future[Any]:
         """`coro` scheduled on the runtime loop; RuntimeError once `shutdown` stopped it (a call would

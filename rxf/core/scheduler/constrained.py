@@ -185,10 +185,10 @@ class ConstrainedDecoding:
 
     def _dead_end(self, req: Req) -> bool:
         """Whether the request's grammar allows no token where it stands: its mask was empty, so the
-        sampler had nothing to pick (the front door refuses a grammar that is dead from the start,
-        `xgrammar_backend`'s sandbox; one that is satisfiable only up to a point, a JSON string of a
-        pattern no text matches, dies mid-output). Checked only when a token was refused: a refused
-        token in a live grammar is a sampler bug."""
+        sampler had nothing to pick (the backend's `validate` refuses a grammar dead from its start;
+        one satisfiable only up to a point, a JSON string of a pattern no text matches, dies
+        mid-output). Checked only when a token was refused: a refused token in a live grammar is a
+        sampler bug."""
         bitmask = self.backend.allocate_bitmask(1)
         req.grammar.fill_bitmask(bitmask, 0)
         return not bool(bitmask.any())

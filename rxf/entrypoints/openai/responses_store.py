@@ -6,9 +6,10 @@ Bounded three ways: at most `server.responses_store_entries` responses, their si
 and each for `server.responses_store_ttl_s` seconds after it was stored. An entry's size is its
 conversation's text (images' data URLs included) plus its response object as JSON, which holds what
 the request sent beside the conversation (`user`, `instructions`, `tools`, `text.format`'s schema,
-metadata) and the output's logprobs: any of them may be megabytes. A response's conversation is the previous one's list plus its own messages:
-the message dicts are shared between the entries of one conversation, not copied; each entry is
-counted with its whole conversation, so the count is an upper bound of the memory held.
+metadata) and the output's logprobs: any of them may be megabytes. A response's conversation is the
+previous one's list plus its own messages: the message dicts are shared between the entries of one
+conversation, not copied; each entry is counted with its whole conversation, so the count is an
+upper bound of the memory held.
 """
 
 from __future__ import annotations
