@@ -21,7 +21,7 @@ from rxf.entrypoints.choices import warm_prefixes
 from rxf.entrypoints.openai import serving_chat, serving_completions
 from rxf.entrypoints.openai.logprobs import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
 from rxf.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, Delta, TokenizeRequest
-from rxf.entrypoints.openai.sampling import check_model, native_params
+from rxf.entrypoints.openai.sampling import check_completion, check_model, native_params
 from rxf.entrypoints.openai.serving_chat import chat_events, chat_response
 from rxf.entrypoints.openai.serving_completions import completion_events, completion_response
 from rxf.entrypoints.openai.sse import sse_response
@@ -59,6 +59,7 @@ def chat(**fields: Any) -> ChatCompletionRequest:
 
 
 def plan_completion(prep: RequestPreparer, req: CompletionRequest) -> serving_completions.CompletionPlan:
+    check_completion(req)  # as the route does, before it counts the batch
     return serving_completions.plan_completion(req, prep)
 
 

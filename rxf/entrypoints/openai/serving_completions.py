@@ -81,10 +81,10 @@ def _prompt_list(prompt: PromptField) -> list[str | list[int]]:
 
 
 def plan_completion(req: CompletionRequest, preparer: RequestPreparer) -> CompletionPlan:
-    """The prepared requests for `req`; raises APIError(400) naming the field for any bad value.
-    Text is tokenized as the native API does (the tokenizer's special tokens, such as BOS,
-    included). Blocking (tokenizing, grammar compiling): run it off the event loop."""
-    check_completion(req)
+    """The prepared requests for `req`, which `check_completion` has passed; raises APIError(400)
+    naming the field for any other bad value. Text is tokenized as the native API does (the
+    tokenizer's special tokens, such as BOS, included). Blocking (tokenizing, grammar compiling):
+    run it off the event loop."""
     constrained_by, constraint = output_constraint(req)
     params = native_params(req, req.max_tokens) | constraint
     with_logprobs = req.logprobs is not None
@@ -182,8 +182,8 @@ async def create_completion(
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
-    # Counted before tokenizing: a batch of 300,000 prompts is refused at once, not after seconds of
-    # work (n range-checked first; plan_completion checks the fields again, a few comparisons).
+    # The fields checked, then the batch counted before tokenizing: a batch of 300,000 prompts is
+    # refused at once, not after seconds of work.
     check_completion(body)
     tm.check_capacity(len(_prompt_list(body.prompt)) * body.n)
     plan = await prepare(request, plan_completion, body, tm.preparer, off_loop=slow_to_plan(body))
