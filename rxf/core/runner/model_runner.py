@@ -1,5 +1,6 @@
-"""The model runner: weights onto the device, KV pool sizing, and the one place where the
-scheduler's plain data becomes device tensors (DESIGN §4: the scheduler never builds them).
+"""The model runner: weights onto the device, the KV pools (sized by `kv_sizing`; device, dtype and
+attention backend chosen by `startup`), and the one place where the scheduler's plain data becomes
+device tensors (DESIGN §4: the scheduler never builds them).
 
 Owns, per scheduler process: the model, the two-level KV pool and the attention backend. A forward
 takes a `ModelInput` (CPU lists and slot tensors), writes the batch's slots into `req_to_token`,
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, GenerationConfig
+from transformers import AutoConfig
 
 from rxf.core import quantization
-from rxf.core.attention import AttentionBackend, AttentionContext, AttentionLayer
+from rxf.core.attention import AttentionContext, AttentionLayer
 from rxf.core.config import EngineConfig
 from rxf.core.forward import ForwardBatch, ForwardMode
 from rxf.core.ipc.messages import MultimodalItem
@@ -36,6 +37,14 @@ from rxf.core.runner.cuda_graph_runner import (
     DecodeBuffers,
     DecodeInputs,
     capture_sizes,
+)
+from rxf.core.runner.kv_sizing import check_pool_memory, slots_from_memory
+from rxf.core.runner.startup import (
+    eos_token_ids,
+    overlap_enabled,
+    resolve_device,
+    resolve_dtype,
+    select_attention_backend,
 )
 from rxf.core.runner.step_io import StepBatch, StepResult
 from rxf.core.runner.step_runner import StepExecutor, StepHandle
@@ -107,112 +116,6 @@ def _as_decode_rows(inp: ModelInput, rows: list[int], positions: list[int]) -> M
     )
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("runtime.device = 'cuda' but torch sees no CUDA device")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(name)
-
-
-def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
-    """`scheduler.overlap`, or by default: on for CUDA, off on the CPU."""
-    if config.scheduler.overlap is not None:
-        return config.scheduler.overlap
-    return device.type == "cuda"
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX): there oneDNN's bf16 matmuls
-    beat fp32 (half the weight bytes per token; the demo model decodes ~2x faster, see
-    benchmarks/RESULTS.md "CPU bf16"); elsewhere bf16 is emulated."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
-def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    ckpt = getattr(hf_config, "dtype", None)
-    ckpt = getattr(torch, ckpt, None) if isinstance(ckpt, str) else ckpt
-    half = ckpt in (torch.bfloat16, torch.float16)
-    if device.type != "cuda":  # a half-precision checkpoint in bf16 where the CPU has it, else fp32
-        return torch.bfloat16 if half and cpu_has_native_bf16() else torch.float32
-    return ckpt if half else torch.bfloat16
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-
-
-def _eos_token_ids(model_path: str, hf_config: Any) -> list[int]:
-    """generation_config.json first (chat models list their end-of-turn token there), then config."""
-    ids: list[int] = []
-    try:
-        ids += _as_list(GenerationConfig.from_pretrained(model_path).eos_token_id)
-    except OSError:
-        logger.debug("no generation_config.json in %s", model_path)
-    ids += _as_list(getattr(hf_config.get_text_config(), "eos_token_id", None))
-    ids += _as_list(getattr(hf_config, "eos_token_id", None))
-    return list(dict.fromkeys(ids))
-
-
-def _feature_gaps(cls: type[AttentionBackend], layers: list[AttentionLayer]) -> str:
-    """What `cls` lacks for these layers, as words ("" when nothing): "sinks (layers 0, 2)"."""
-    missing = cls.missing_features(layers)
-    return "; ".join(f"{name} (layers {', '.join(map(str, ids))})" for name, ids in missing.items())
-
-
-def _select_backend(
-    registry: PluginRegistry, name: str, device: torch.device, layers: list[AttentionLayer], fp8_kv: bool = False
-) -> type[AttentionBackend]:
-    """A named backend, or for "auto" the available backend with the highest `auto_priority` among
-    those that implement every optional feature (`AttentionBackend.features`) the model's layers use
-    and, with `fp8_kv` (an FP8 pool), read FP8 K/V. A named backend that lacks one is refused: it
-    would compute different attention."""
-    if name != "auto":
-        cls = registry.attention_backend(name)
-        if not cls.is_available(device):
-            raise RuntimeError(f"attention backend {name!r} is not available on {device}")
-        if fp8_kv and not cls.fp8_kv:
-            raise RuntimeError(
-                f"attention backend {name!r} cannot use an FP8 KV cache (cache.kv_dtype); choose another "
-                "attention.backend (torch_native, triton and flashinfer can) or cache.kv_dtype = 'auto'"
-            )
-        gaps = _feature_gaps(cls, layers)
-        if gaps:
-            raise RuntimeError(
-                f"attention backend {name!r} does not implement what this model's layers need: {gaps}; "
-                "choose another attention.backend (torch_native implements every feature)"
-            )
-        return cls
-    candidates = []
-    for candidate in registry.names("attention_backends"):
-        try:
-            cls = registry.attention_backend(candidate)
-        except Exception as e:  # e.g. a GPU backend whose kernel library is not installed
-            logger.info("attention backend %s skipped: %s", candidate, e)
-            continue
-        if cls.auto_priority is None or not cls.is_available(device):
-            continue
-        if fp8_kv and not cls.fp8_kv:
-            logger.info("attention backend %s skipped: it cannot use an FP8 KV cache", candidate)
-            continue
-        gaps = _feature_gaps(cls, layers)
-        if gaps:
-            logger.info("attention backend %s skipped: it does not implement %s", candidate, gaps)
-            continue
-        candidates.append((cls.auto_priority, candidate, cls))
-    if not candidates:
-        raise RuntimeError(f"no attention backend available on {device} implements this model's attention")
-    priority, chosen, cls = max(candidates, key=lambda c: (c[0], c[1]))
-    logger.info("attention backend: %s (auto, priority %s)", chosen, priority)
-    return cls
-
-
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, registry: PluginRegistry, model_path: str, *,
@@ -242,12 +145,12 @@ class ModelRunner:
         # The counts forwards may run at (what CPU kernels are compiled for), the fewer first.
         self.thread_counts = threads.counts if threads is not None else thread_counts or (torch.get_num_threads(),)
         torch.manual_seed(config.runtime.seed)
-        self.device = _resolve_device(config.runtime.device)
+        self.device = resolve_device(config.runtime.device)
         self.hf_config = AutoConfig.from_pretrained(
             model_path, trust_remote_code=config.model.trust_remote_code
         )
         text = self.hf_config.get_text_config()  # the language model's config (itself, unless multimodal)
-        self.dtype = _resolve_dtype(config.model.dtype, self.hf_config, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.hf_config, self.device)
         self.vocab_size: int = text.vocab_size
         model_cls = registry.model_class(self.hf_config.architectures or [])
         if getattr(model_cls, "is_draft_head", False) != (draft_of is not None):
@@ -312,10 +215,10 @@ class ModelRunner:
         feature_cache = getattr(self.model, "feature_cache", None)  # multimodal models' vision features
         if feature_cache is not None:
             feature_cache.max_bytes = config.multimodal.feature_cache_mb * 2**20
-        self.eos_token_ids = _eos_token_ids(model_path, self.hf_config)
+        self.eos_token_ids = eos_token_ids(model_path, self.hf_config)
         self._init_memory(text)
         layers = [m for m in self.model.modules() if isinstance(m, AttentionLayer)]
-        backend_cls = _select_backend(registry, config.attention.backend, self.device, layers, is_fp8(self.kv_dtype))
+        backend_cls = select_attention_backend(registry, config.attention.backend, self.device, layers, is_fp8(self.kv_dtype))
         self.attn_backend = backend_cls(self._attention_context)
         # A draft head is captured by its loader once it is whole (it may share the target's embedding).
         self.cuda_graphs = self._init_cuda_graphs() if draft_of is None else None
@@ -354,15 +257,17 @@ class ModelRunner:
         else:
             # An EAGLE-3 head keeps one more layer's K/V per slot (its own pool): counted here.
             sized_layers = num_layers + (1 if self.aux_hidden_layers else 0)
-            self.max_total_tokens = self.config.cache.max_total_tokens or self._slots_from_memory(
-                2 * sized_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize, max_running
+            self.max_total_tokens = self.config.cache.max_total_tokens or slots_from_memory(
+                self.config.cache, self.device, 2 * sized_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize,
+                max_running, self.max_context_len,
             )
             # Every rank's scheduler must admit the same requests: all size their pool like the fullest GPU.
             self.max_total_tokens = distributed.tp_min(self.max_total_tokens)
             # Tree drafts attend through scratch rows: one per verified node (`path_rows`).
             spec = self.config.speculative
             scratch = spec.max_batch_size * spec.num_draft_tokens if spec.tree_topk > 1 else 0
-            self._check_pool_memory(
+            check_pool_memory(
+                self.device, self.max_total_tokens, self.max_context_len,
                 self.max_total_tokens * 2 * num_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize,
                 (max_running + scratch) * self.max_context_len * 4,
             )
@@ -383,42 +288,6 @@ class ModelRunner:
             self.thread_counts,
             self.multi_row_decode,
         )
-
-    def _check_pool_memory(self, kv_bytes: int, row_bytes: int) -> None:
-        """Refuse, naming the settings, pools the device cannot hold (a `cache.max_total_tokens` set
-        past the machine's memory was zero-filled on a CPU until the kernel killed the scheduler,
-        and the launch said only "EOFError")."""
-        if self.device.type == "cuda":
-            available = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            available = _cpu_available_bytes()
-            if available is None:  # not Linux: nothing to read it from
-                return
-        if kv_bytes + row_bytes > available:
-            raise RuntimeError(
-                f"the KV cache needs {kv_bytes / 2**30:.1f} GiB ({self.max_total_tokens} slots: "
-                f"cache.max_total_tokens) and its request rows {row_bytes / 2**30:.1f} GiB "
-                f"(scheduler.max_running_requests x the {self.max_context_len}-token context), but "
-                f"{available / 2**30:.1f} GiB of {self.device.type} memory is available; lower them"
-            )
-
-    def _slots_from_memory(self, bytes_per_slot: int, max_running: int) -> int:
-        cache = self.config.cache
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # count only live tensors (the weights) as used
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * cache.mem_fraction_static - (total - free)
-            where = f"cache.mem_fraction_static={cache.mem_fraction_static} of {total / 2**30:.1f} GiB"
-        else:
-            budget = cache.cpu_kv_cache_gb * 2**30
-            where = f"cache.cpu_kv_cache_gb={cache.cpu_kv_cache_gb}"
-        # More slots than every running request at full context could never be in use at once.
-        slots = min(int(budget // bytes_per_slot), max_running * self.max_context_len)
-        if slots < 1:
-            raise RuntimeError(
-                f"no memory left for the KV cache ({where}); raise it or set cache.max_total_tokens"
-            )
-        return slots
 
     def capture_cuda_graphs(self) -> None:
         """A draft head's CUDA graphs (if `cuda_graph.enabled`), once its weights are all in place."""
@@ -771,15 +640,3 @@ class ModelRunner:
         if wanted is not logits_rows:
             logits = logits[:1]
         return logits, batch.aux_hidden
-
-
-def _cpu_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what the kernel could hand out without swapping), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
