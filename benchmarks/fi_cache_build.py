@@ -178,7 +178,10 @@ def prepare() -> None:
     if not INCLUDE.exists():
         debs = Path("/tmp/fi-bookworm")
         debs.mkdir(exist_ok=True)
-        sh("apt-get download libc6-dev linux-libc-dev libcrypt-dev", cwd=debs)  # this machine's Debian 12
+        # this machine's Debian 12; its package lists first (a stale list names versions the mirror
+        # no longer has: "Can't find a source to download version '6.1.187-1' of 'linux-libc-dev'")
+        sh("apt-get update -q")
+        sh("apt-get download libc6-dev linux-libc-dev libcrypt-dev", cwd=debs)
         for deb in sorted(glob.glob(f"{debs}/*.deb")):
             sh(["dpkg", "-x", deb, str(debs / "root")])
         shutil.move(debs / "root/usr/include", INCLUDE)
