@@ -245,6 +245,23 @@ def test_pools_past_the_machines_memory_are_refused_naming_the_setting(ckpt: Pat
     assert words in str(err.value)
 
 
+def test_the_memory_check_counts_an_eagle3_heads_pool(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The head's runner builds its one-layer pool of the target's slot count without a check of its
+    # own; the target's check left that layer out, so a pool that fit the check could not be built.
+    import rxf.core.runner.kv_sizing as kv_sizing
+
+    slots, context = 1000, 128
+    config = make_config(**{"model.context_length": context, "cache.max_total_tokens": slots})
+    layer_bytes = slots * 2 * 2 * 16 * 4  # K and V, 2 kv heads of 16 dims, float32
+    rows = 4 * context * 4
+    layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    # Room for the target's layers and half of the head's.
+    monkeypatch.setattr(kv_sizing, "_cpu_available_bytes", lambda: (layers + 0.5) * layer_bytes + rows)
+    ModelRunner(config, registry(), str(ckpt))  # no head: fits
+    with pytest.raises(RuntimeError, match=r"the KV cache needs .* of cpu memory is available"):
+        ModelRunner(config, registry(), str(ckpt), aux_hidden_layers=(0, 1, 1))
+
+
 @pytest.mark.parametrize("key", ["model.path", "model.tokenizer_path"])
 def test_a_model_or_tokenizer_path_that_is_no_directory_fails_naming_it(tmp_path: Path, key: str) -> None:
     # "" was the working directory; a missing tokenizer directory went to transformers' hub code

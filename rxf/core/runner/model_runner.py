@@ -255,11 +255,12 @@ class ModelRunner:
             self.max_total_tokens = self.draft_of.max_total_tokens
             self.req_to_token_pool = self.draft_of.req_to_token_pool
         else:
-            # An EAGLE-3 head keeps one more layer's K/V per slot (its own pool): counted here.
+            # An EAGLE-3 head keeps one more layer's K/V per slot (its own pool, built without a
+            # check of its own): counted here, in the sizing and in the check.
             sized_layers = num_layers + (1 if self.aux_hidden_layers else 0)
+            bytes_per_slot = 2 * sized_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize
             self.max_total_tokens = self.config.cache.max_total_tokens or slots_from_memory(
-                self.config.cache, self.device, 2 * sized_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize,
-                max_running, self.max_context_len,
+                self.config.cache, self.device, bytes_per_slot, max_running, self.max_context_len,
             )
             # Every rank's scheduler must admit the same requests: all size their pool like the fullest GPU.
             self.max_total_tokens = distributed.tp_min(self.max_total_tokens)
@@ -268,7 +269,7 @@ class ModelRunner:
             scratch = spec.max_batch_size * spec.num_draft_tokens if spec.tree_topk > 1 else 0
             check_pool_memory(
                 self.device, self.max_total_tokens, self.max_context_len,
-                self.max_total_tokens * 2 * num_layers * num_kv_heads * head_dim * self.kv_dtype.itemsize,
+                self.max_total_tokens * bytes_per_slot,
                 (max_running + scratch) * self.max_context_len * 4,
             )
             self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device, scratch)
