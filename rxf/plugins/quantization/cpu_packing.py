@@ -34,10 +34,20 @@ dense weights' memory twice (the demo: 212 MB more). The op calls oneDNN on the 
 larger batches, and being C++, it spares the compiled forward the Python dispatch of a custom op
 (~12 us a matmul). The two paths round alike but for the order of their float32 sums.
 
-`RXF_CPU_WEIGHT_PACKING=0` turns the packed paths off: every int4 / int8 method then dequantizes at
+Where oneDNN has no bf16 kernels (a CPU with AVX2 but no AVX-512 or AVX-NE-CONVERT: nothing packs),
+a bf16 matmul runs torch's emulated path, linear in its rows at ~90 us a row for a 576 x 1536 weight:
+8.5x slower than float32 from 64 rows on (4096 rows: 440 vs 52 ms, two threads, the 2-core AMD VM
+without AVX-512), while at one row, where reading the weight is the cost, bf16 is 2-4x faster. So
+such a layer computes batches of `UPCAST_MIN_ROWS` rows or more in float32 (`upcast_linear`: the
+weight cast per call, no second copy kept) and fewer in bf16; the crossover measured 6-8 rows for
+the demo's projections, ~40 for its 49152-row head, whose cast alone takes ~60 ms
+(`HEAD_UPCAST_MIN_ROWS`). Both accumulate in float32 and round the output to bf16 (the head's
+logits stay float32), so they differ only in the order of their sums.
+
+`RXF_CPU_WEIGHT_PACKING=0` turns the packed and float32 paths off: every int4 / int8 method then dequantizes at
 load and computes in the model's dtype with exactly the weights its format encodes (the parity
 reference, and the path where the ops are missing or a layer's shape does not fit them), and dense
-layers keep F.linear.
+layers keep F.linear at every batch size.
 """
 
 from __future__ import annotations
@@ -72,9 +82,35 @@ def dense_packable(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and onednn_bf16()
     )
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU (AVX512-BW or AVX-NE-CONVERT and up)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+UPCAST_MIN_ROWS = 16
+HEAD_UPCAST_MIN_ROWS = 64
+
+
+def emulated_bf16(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a bf16 CPU weight that oneDNN cannot multiply in bf16 (`upcast_linear`
+    serves its larger batches)."""
+    return (
+        os.environ.get(ENV, "1") != "0"
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and not onednn_bf16()
+    )
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`x @ W.T + bias` computed in float32, in `out_dtype` (default x's)."""
+    out = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(out_dtype or x.dtype)
 
 
 def pack_dense(weight: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,7 @@ class LogitsHead(VocabEmbedding):
     quant: QuantizationMethod | None = None
     packed_weight: torch.Tensor | None = None  # oneDNN's copy of the weight (`pack_for_device`)
     plain_weight: torch.Tensor | None = None  # the weight, for the few-row kernel (`cpu_packing`)
+    upcast_min_rows: int | None = None  # emulated bf16: batches this large run in float32 (`cpu_packing`)
 
     def use_decode_gemv(self) -> None:
         self.gemv = decode_gemv("lm_head", self.weight, out_dtype=torch.float32 if self.tp_size == 1 else None)
@@ -80,7 +81,9 @@ class LogitsHead(VocabEmbedding):
         """After loading: a bf16 CPU head computes from a copy of its weight in oneDNN's packed layout
         (`cpu_packing`; 2.4x faster at one row for the demo's 49152 x 576 head). A copy: the
         weight itself may be the embedding's, which looks rows up."""
-        if cpu_packing.dense_packable(self.weight):
+        if cpu_packing.emulated_bf16(self.weight):
+            self.upcast_min_rows = cpu_packing.HEAD_UPCAST_MIN_ROWS
+        elif cpu_packing.dense_packable(self.weight):
             self.packed_weight = cpu_packing.pack_dense(self.weight.data)
             self.plain_weight = self.weight.data if cpu_packing.keeps_plain_weight() else None
 
@@ -89,6 +92,8 @@ class LogitsHead(VocabEmbedding):
             logits = self.quant.apply(self, hidden, None)
         elif self.packed_weight is not None:
             logits = cpu_packing.dense_linear(hidden, self.packed_weight, self.plain_weight, None)
+        elif self.upcast_min_rows is not None and hidden.shape[0] >= self.upcast_min_rows:
+            logits = cpu_packing.upcast_linear(hidden, self.weight, None, torch.float32)
         elif self.gemv is not None and self.gemv.applies(hidden):
             logits = self.gemv(hidden, self.weight, None)
         else:

@@ -105,6 +105,7 @@ class _TPLinear(nn.Module):
         self.gemv: DecodeGemv | None = None
         self.packed_weight: torch.Tensor | None = None  # the dense weight in oneDNN's layout (`pack_for_device`)
         self.plain_weight: torch.Tensor | None = None  # and as it is, for the few-row kernel (`cpu_packing`)
+        self.upcast_min_rows: int | None = None  # emulated bf16: batches this large run in float32 (`cpu_packing`)
 
     def create_dense_weight(self) -> None:
         # torch.empty: every value is overwritten by the checkpoint, so skip the random init.
@@ -134,8 +135,13 @@ class _TPLinear(nn.Module):
         """After loading (`rxf.core.quantization.finish_loading`): a dense bf16 CPU weight moves into
         oneDNN's packed layout, which the matmul reads from then on (`cpu_packing`); the `weight`
         Parameter stays as a meta tensor, its shape and dtype without the memory, unless the few-row
-        kernel reads it (`cpu_packing.keeps_plain_weight`)."""
-        if self.quant is None and not self.quant_pending and cpu_packing.dense_packable(self.weight):
+        kernel reads it (`cpu_packing.keeps_plain_weight`). Where oneDNN has no bf16 kernels, batches of
+        `UPCAST_MIN_ROWS` or more compute in float32 instead."""
+        if self.quant is not None or self.quant_pending:
+            return
+        if cpu_packing.emulated_bf16(self.weight):
+            self.upcast_min_rows = cpu_packing.UPCAST_MIN_ROWS
+        elif cpu_packing.dense_packable(self.weight):
             self.packed_weight = cpu_packing.pack_dense(self.weight.data)
             if cpu_packing.keeps_plain_weight():
                 self.plain_weight = self.weight.data
@@ -188,6 +194,8 @@ class _TPLinear(nn.Module):
             return self.quant.apply(self, x, bias)
         if self.packed_weight is not None:
             return cpu_packing.dense_linear(x, self.packed_weight, self.plain_weight, bias)
+        if self.upcast_min_rows is not None and x.numel() >= self.upcast_min_rows * x.shape[-1]:
+            return cpu_packing.upcast_linear(x, self.weight, bias)
         if self.gemv is not None and self.gemv.applies(x):
             return self.gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
