@@ -52,7 +52,8 @@ def stream(url: str, tokens: int, top: int, out: dict[str, float]) -> None:
     out.update(stream_s=time.perf_counter() - start, stream_mb=received / 1e6)
 
 
-def measure(tree: Path, tokens: int, top: int, work: Path) -> dict[str, float]:
+def demo_server(tree: Path, work: Path) -> Server:
+    """The demo server importing rxf from `tree`, ready (stop it when done)."""
     port = free_port()
     cmd = [sys.executable, "-m", "rxf.entrypoints.cli", "launch", str(REPO / "examples" / "demo.toml"), "--port", str(port)]
     env = os.environ | {"PYTHONPATH": str(tree)}
@@ -62,10 +63,16 @@ def measure(tree: Path, tokens: int, top: int, work: Path) -> dict[str, float]:
         server = Server(tree.name, cmd, env, work / f"{tree.name}.log", "/health")
     finally:
         os.chdir(here)
+    error = server.wait_ready()
+    if error:
+        server.stop()
+        raise RuntimeError(f"{tree}: {error}")
+    return server
+
+
+def measure(tree: Path, tokens: int, top: int, work: Path) -> dict[str, float]:
+    server = demo_server(tree, work)
     try:
-        error = server.wait_ready()
-        if error:
-            raise RuntimeError(f"{tree}: {error}")
         procs = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
         neighbour_s(server.url)  # warm-up
         out = {"alone_s": neighbour_s(server.url)}

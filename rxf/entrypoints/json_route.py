@@ -1,5 +1,7 @@
-"""Request bodies parsed by msgspec: every route's JSON body (FastAPI's own parse is the standard
-library's `json.loads`, on the event loop, while every other client's requests wait).
+"""Request bodies parsed by msgspec, and reply objects written by pydantic's own serializer: the JSON
+of every route (FastAPI's own parse is the standard library's `json.loads`, on the event loop, while
+every other client's requests wait; its own writing of a route without a `response_model` is slower
+still, below).
 
 msgspec decodes a million token ids in ~14 ms against ~56 for `json.loads` (the 2-core VM), so a
 huge body holds the event loop that much less (`/health` beside a million-id detokenize:
@@ -17,6 +19,7 @@ from typing import Any
 import msgspec
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 
 _decoder = msgspec.json.Decoder()
 
@@ -42,3 +45,18 @@ class MsgspecJSONRoute(APIRoute):
             return await handler(MsgspecJSONRequest(request.scope, request.receive, request._send))
 
         return route
+
+
+def json_text(body: BaseModel) -> str:
+    """`body`'s JSON as `json_reply` writes it."""
+    return body.model_dump_json(by_alias=True)
+
+
+def json_reply(body: BaseModel | str) -> Response:
+    """`body` (or its `json_text`) as a JSON reply, written by pydantic's serializer (aliases as
+    FastAPI writes them).
+
+    A route that may stream declares no `response_model`, and FastAPI then writes a returned model
+    through `jsonable_encoder` (a Python walk of every field) and `json.dumps`: 1.6 s on the event
+    loop for a reply with 4,096 tokens' 20 top logprobs, 0.28 s this way (the 2-core VM)."""
+    return Response(body if isinstance(body, str) else json_text(body), media_type="application/json")

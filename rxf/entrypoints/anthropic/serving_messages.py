@@ -23,7 +23,7 @@ from rxf.entrypoints.anthropic.protocol import (
     TokenCount,
 )
 from rxf.entrypoints.anthropic.stream import message_events
-from rxf.entrypoints.json_route import MsgspecJSONRoute
+from rxf.entrypoints.json_route import MsgspecJSONRoute, json_reply
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.sampling import check_model
 from rxf.entrypoints.openai.serving_chat import ChatPlan, prepare_chat
@@ -50,7 +50,7 @@ async def _plan(request: Request, state: ServerState, body: MessagesRequest | Co
 
 
 @router.post("/v1/messages", response_model=None)
-async def create_message(body: MessagesRequest, request: Request) -> MessageResponse | StreamingResponse | Response:
+async def create_message(body: MessagesRequest, request: Request) -> StreamingResponse | Response:
     state = server_state(request)
     tm = state.require_ready()
     plan = await _plan(request, state, body)
@@ -65,10 +65,10 @@ async def create_message(body: MessagesRequest, request: Request) -> MessageResp
     (result,) = results
     reply = plan.reply.split(result.text)
     reason, sequence = translate.stop_reason(result, bool(reply.calls), body.stop_sequences)
-    return MessageResponse(
+    return json_reply(MessageResponse(
         id=message_id, content=translate.reply_blocks(reply.reasoning, reply.content, reply.calls), model=model,
         stop_reason=reason, stop_sequence=sequence, usage=translate.usage(result),
-    )
+    ))
 
 
 @router.post("/v1/messages/count_tokens")

@@ -3,8 +3,10 @@ what `previous_response_id` continues, kept in the server's memory.
 
 Bounded three ways: at most `server.responses_store_entries` responses, their size at most
 `server.responses_store_max_mb` in all (the oldest go first, and one larger on its own is not kept),
-and each for `server.responses_store_ttl_s` seconds after it was stored. An entry's size is its
-conversation's text (images' data URLs included) plus its response object as JSON, which holds what
+and each for `server.responses_store_ttl_s` seconds after it was stored. A response is kept as the
+JSON its creation replied with (written once: `GET` replies with the same text), far smaller than its
+object when it carries logprobs. An entry's size is its conversation's text (images' data URLs
+included) plus that JSON, which holds what
 the request sent beside the conversation (`user`, `instructions`, `tools`, `text.format`'s schema,
 metadata) and the output's logprobs: any of them may be megabytes. A response's conversation is the
 previous one's list plus its own messages: the message dicts are shared between the entries of one
@@ -20,8 +22,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-from rxf.entrypoints.openai.responses_protocol import ResponseObject
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def text_size(value: Any) -> int:
 
 @dataclass(frozen=True)
 class StoredResponse:
-    response: ResponseObject
+    response_json: str
     conversation: list[dict[str, Any]]  # chat messages: the input (without instructions) and the output
     stored_at: float
     size: int  # characters: the conversation's text and the response's JSON
@@ -66,15 +66,15 @@ class ResponseStore:
         while self._entries and next(iter(self._entries.values())).stored_at <= deadline:
             self._drop_oldest()
 
-    def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
+    def put(self, response_id: str, response_json: str, conversation: list[dict[str, Any]]) -> None:
         self._expire()
         if self.max_entries == 0:
             return
-        size = text_size(conversation) + len(response.model_dump_json())
+        size = text_size(conversation) + len(response_json)
         if size > self.max_chars:
-            logger.warning("response %s not stored: its %d characters exceed the store", response.id, size)
+            logger.warning("response %s not stored: its %d characters exceed the store", response_id, size)
             return
-        self._entries[response.id] = StoredResponse(response, conversation, self.clock(), size)
+        self._entries[response_id] = StoredResponse(response_json, conversation, self.clock(), size)
         self._chars += size
         while len(self._entries) > self.max_entries or self._chars > self.max_chars:
             self._drop_oldest()

@@ -29,7 +29,7 @@ from rxf.entrypoints.chat.tool_parsers import ToolCallParser, make_parser
 from rxf.entrypoints.chat.tool_stream import finish_type
 from rxf.entrypoints.chat.tools import ToolPlan, plan_tools, tool_params
 from rxf.entrypoints.choices import choice_requests, warm_prefixes
-from rxf.entrypoints.json_route import MsgspecJSONRoute
+from rxf.entrypoints.json_route import MsgspecJSONRoute, json_reply
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, chat_logprobs, token_str_fn
 from rxf.entrypoints.openai.protocol import (
@@ -246,7 +246,7 @@ def reasoning_parser(state: ServerState) -> ReasoningParser | None:
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request
-) -> ChatCompletionResponse | StreamingResponse | Response:
+) -> StreamingResponse | Response:
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
@@ -261,4 +261,4 @@ async def create_chat_completion(
     results = await until_disconnected(request, gen.collect(tm, plan.reqs))
     if results is None:
         return Response(status_code=499)  # the client left: its requests were aborted, nobody reads this
-    return chat_response(plan, results, token_str, state.served_model_name)
+    return json_reply(chat_response(plan, results, token_str, state.served_model_name))

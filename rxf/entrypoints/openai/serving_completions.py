@@ -22,7 +22,7 @@ from rxf.core.frontend.requests import GenerateRequest
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.ipc.messages import PreparedRequest, RequestOptions
 from rxf.entrypoints.choices import choice_requests, warm_prefixes
-from rxf.entrypoints.json_route import MsgspecJSONRoute
+from rxf.entrypoints.json_route import MsgspecJSONRoute, json_reply
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import (
     TokenStr,
@@ -178,7 +178,7 @@ async def completion_events(
 @router.post("/v1/completions", response_model=None)
 async def create_completion(
     body: CompletionRequest, request: Request
-) -> CompletionResponse | StreamingResponse | Response:
+) -> StreamingResponse | Response:
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
@@ -197,4 +197,4 @@ async def create_completion(
     results = await until_disconnected(request, gen.collect(tm, plan.reqs))
     if results is None:
         return Response(status_code=499)  # the client left: its requests were aborted, nobody reads this
-    return completion_response(plan, results, token_str, state.served_model_name)
+    return json_reply(completion_response(plan, results, token_str, state.served_model_name))

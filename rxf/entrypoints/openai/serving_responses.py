@@ -20,7 +20,7 @@ from rxf.core.echo import echo
 from rxf.core.frontend.request_preparer import RequestPreparer
 from rxf.entrypoints.chat.reasoning import ReasoningParser
 from rxf.entrypoints.chat.tool_parsers import ToolCallParser
-from rxf.entrypoints.json_route import MsgspecJSONRoute
+from rxf.entrypoints.json_route import MsgspecJSONRoute, json_reply, json_text
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.logprobs import TokenStr, token_str_fn
 from rxf.entrypoints.openai.responses_input import (
@@ -108,7 +108,7 @@ def _slow_to_plan(req: ResponsesRequest, takes_media: bool) -> bool:
 
 
 @router.post("/v1/responses", response_model=None)
-async def create_response(body: ResponsesRequest, request: Request) -> ResponseObject | StreamingResponse | Response:
+async def create_response(body: ResponsesRequest, request: Request) -> StreamingResponse | Response:
     state = server_state(request)
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
@@ -125,9 +125,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> ResponseO
                          reasoning_parser(state), state.served_model_name, token_str_fn(state.tokenizer), off_loop=slow)
     tm.check_capacity(len(plan.chat.reqs))
 
-    def keep(response: ResponseObject) -> None:
+    def keep(response: ResponseObject, text: str | None = None) -> None:
         if body.store:
-            store.put(response, stored_conversation(plan, response))
+            store.put(response.id, text or json_text(response), stored_conversation(plan, response))
 
     if body.stream:
         # The events tell an engine failure themselves (response.failed); no [DONE] ends them.
@@ -137,16 +137,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> ResponseO
         return Response(status_code=499)  # the client left: its request was aborted, nobody reads this
     # Off the event loop: counting the reasoning's tokens decodes the output a few times.
     response = await asyncio.to_thread(final_response, plan, results[0])
-    keep(response)
-    return response
+    text = json_text(response)  # once: the reply and the stored copy
+    keep(response, text)
+    return json_reply(text)
 
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject)
-async def retrieve_response(response_id: str, request: Request) -> ResponseObject:
+async def retrieve_response(response_id: str, request: Request) -> Response:
     stored = response_store(server_state(request)).get(response_id)
     if stored is None:
         raise _not_found(response_id, None)
-    return stored.response
+    return json_reply(stored.response_json)
 
 
 @router.delete("/v1/responses/{response_id}", response_model=DeletedResponse)
