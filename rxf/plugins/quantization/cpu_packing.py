@@ -86,6 +86,7 @@ def dense_packable(weight: torch.Tensor) -> bool:
     )
 
 
+@functools.cache
 def onednn_bf16() -> bool:
     """Whether oneDNN multiplies bf16 on this CPU (AVX512-BW or AVX-NE-CONVERT and up)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

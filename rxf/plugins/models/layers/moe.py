@@ -33,6 +33,7 @@ from rxf.core import quantization
 from rxf.core.runner import distributed
 from rxf.plugins.models.layers.linear import DENSE, TensorLayout, _narrow, copy_weight
 from rxf.plugins.models.layers.norm import RMSNorm
+from rxf.plugins.quantization import cpu_packing
 
 
 def select_experts(
@@ -124,10 +125,17 @@ def experts_native(
     outs = []
     for e, rows in enumerate(x[tokens].split(counts)):
         if rows.shape[0]:
-            gate, up = F.linear(rows, w13[e], None if b13 is None else b13[e]).chunk(2, dim=-1)
-            outs.append(F.linear(activation(gate, up), w2[e], None if b2 is None else b2[e]))
+            gate, up = _linear(rows, w13[e], None if b13 is None else b13[e]).chunk(2, dim=-1)
+            outs.append(_linear(activation(gate, up), w2[e], None if b2 is None else b2[e]))
     y = torch.cat(outs) * topk_weights.reshape(-1)[order, None]
     return torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, tokens, y).to(x.dtype)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    # An expert's rows in float32 where bf16 is emulated on this CPU, as the dense layers do (`cpu_packing`).
+    if x.shape[0] >= cpu_packing.UPCAST_MIN_ROWS and cpu_packing.emulated_bf16(w):
+        return cpu_packing.upcast_linear(x, w, b)
+    return F.linear(x, w, b)
 
 
 @dataclass(frozen=True)
