@@ -109,9 +109,13 @@ def test_settings_labels_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
         gemv_mod._from_env.cache_clear()
         assert gemv_mod.decode_gemv("qkv_proj", weight) is None and gemv_mod.decode_gemv("lm_head", weight) is None
         assert gemv_mod.decode_gemv("o_proj", weight).settings.label == "rn16k64s1st1w4"
+        assert not gemv_mod.decode_gemv("o_proj", weight).graphs_only  # named: eager steps too
         monkeypatch.delenv(gemv_mod.ENV)  # unset: by device, and a CPU weight's is cuBLAS
         gemv_mod._from_env.cache_clear()
         assert all(gemv_mod.decode_gemv(role, weight) is None for role in gemv_mod.ROLES)
+        # A device's default (Hopper's) serves inside CUDA graphs only.
+        monkeypatch.setattr(gemv_mod, "device_default", lambda shape, dtype, hopper: GemvSettings())
+        assert all(gemv_mod.decode_gemv(role, weight).graphs_only for role in gemv_mod.ROLES)
         for bad in ("qkv=triton", "o_proj=n64", "n64", "cublas=o_proj"):
             monkeypatch.setenv(gemv_mod.ENV, bad)
             gemv_mod._from_env.cache_clear()

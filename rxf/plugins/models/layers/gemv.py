@@ -20,7 +20,11 @@ A role the variable leaves out gets `triton` on Hopper (compute capability 9.x: 
 it was measured: with programmatic dependent launch, `rxf/core/runner/pdl.py`, batch-1 decode of the
 Llama-3-8B, Qwen3-30B-A3B and Qwen3-8B shapes ran 5.3%, 5.9% and 8.9% faster than on cuBLAS without it,
 batches of 4 and 8 1-8% faster; benchmarks/RESULTS.md 2026-12-06), or there the label `SHAPE_DEFAULTS`
-holds for its weight's shape, and `cublas` on other GPUs, whose tiles nobody has measured.
+holds for its weight's shape, and `cublas` on other GPUs, whose tiles nobody has measured. Such a
+default serves inside CUDA graphs only: an eager step is bound by its host time, and each Triton
+launch costs ~60 us of it (Triton's Python launcher) against ~23 us for a cuBLAS call (cProfile, an
+H100, benchmarks/RESULTS.md "Eager decode on an H100"). A setting `RXF_GEMV` names serves eager
+steps too.
 
 The norm before a pre-norm block's projection runs as its own launch: taken into the GEMV it was
 slower (`gemv_kernel`'s docstring).
@@ -140,7 +144,7 @@ class DecodeGemv:
 
     def __init__(
         self, settings: GemvSettings, weight: torch.Tensor, *, gated: bool = False,
-        out_dtype: torch.dtype | None = None,
+        out_dtype: torch.dtype | None = None, graphs_only: bool = False,
     ) -> None:
         n, k = weight.shape
         n_out = n // 2 if gated else n
@@ -148,17 +152,16 @@ class DecodeGemv:
         # A row setting serves one row of x; more rows take the tile kernel at `triton`'s settings (a row
         # label's own tile parameters, one or two stages, starve tl.dot's pipeline).
         self.tile = GemvSettings().resolve(n_out, k, weight.device) if self.settings.row else self.settings
-        self.gated, self.out_dtype = gated, out_dtype
+        self.gated, self.out_dtype, self.graphs_only = gated, out_dtype, graphs_only
         blocks = max(-(-n_out // s.block_n) for s in (self.settings, self.tile))
         self.counters = torch.zeros(blocks, dtype=torch.int32, device=weight.device)
 
-    @staticmethod
-    def applies(x: torch.Tensor) -> bool:
+    def applies(self, x: torch.Tensor) -> bool:
         # Half precision only: the settings are tuned (and sized for shared memory) for 2-byte tiles;
         # a float32 model's tiles are twice as large (n64k256 with 4 stages needs 240 KB, over the
-        # H200's 227 KB) and its decode keeps cuBLAS.
+        # H200's 227 KB) and its decode keeps cuBLAS. `graphs_only`: inside a CUDA-graph capture only.
         return (x.is_cuda and x.dtype in _HALF and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-                and x.stride(-1) == 1)
+                and x.stride(-1) == 1 and (not self.graphs_only or torch.cuda.is_current_stream_capturing()))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from rxf.plugins.models.layers.gemv_kernel import gemv
@@ -176,7 +179,10 @@ def decode_gemv(
     if role not in ROLES:
         raise ValueError(f"unknown GEMV role {role!r} (roles: {', '.join(ROLES)})")
     settings = _from_env()[role]
-    if settings is _BY_DEVICE:
+    by_device = settings is _BY_DEVICE
+    if by_device:
         hopper = weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] == 9
         settings = device_default(tuple(weight.shape), weight.dtype, hopper)
-    return None if settings is None else DecodeGemv(settings, weight, gated=gated, out_dtype=out_dtype)
+    if settings is None:
+        return None
+    return DecodeGemv(settings, weight, gated=gated, out_dtype=out_dtype, graphs_only=by_device)
