@@ -39,7 +39,7 @@ from rxf.testing.health_probe import HealthProbe  # noqa: E402
 WORDS = "The history of the city begins with a small settlement by the river, where traders met. "
 
 
-def requests(url: str, prompt_tokens: int, tokens: int, top: int) -> dict[str, Callable[[httpx.Client], httpx.Response]]:
+def requests(prompt_tokens: int, tokens: int, top: int) -> dict[str, Callable[[httpx.Client], httpx.Response]]:
     prompt = WORDS * (prompt_tokens // 18)  # ~18 tokens a sentence in SmolLM2's tokenizer
     greedy = {"model": "demo", "temperature": 0, "ignore_eos": True}
     chat = [{"role": "user", "content": "Tell me about the history of the city."}]
@@ -70,9 +70,9 @@ def measure(tree: Path, args: argparse.Namespace, work: Path) -> dict[str, dict[
             time.sleep(1)
         rows = {"idle": {"health_ms": idle.max_latency_s() * 1000}}
         with httpx.Client(base_url=server.url, timeout=900) as client:
-            for send in requests(server.url, 40, 4, args.top).values():  # warm-up: first calls' imports
+            for send in requests(40, 4, args.top).values():  # warm-up: first calls' imports
                 send(client).raise_for_status()
-            for name, send in requests(server.url, args.prompt_tokens, args.tokens, args.top).items():
+            for name, send in requests(args.prompt_tokens, args.tokens, args.top).items():
                 cpu = sum(http.cpu_times()[:2])
                 start = time.perf_counter()
                 with HealthProbe(server.url) as probe:
