@@ -54,7 +54,8 @@ def test_int4_matmul_is_the_dequantized_weight_of_q_minus_z_times_s(n, k, group,
     zeros = torch.randint(0, 16, (k // group, n), generator=gen).float()
     scales = (torch.rand(k // group, n, generator=gen) * 0.02 + 0.001).half()
     assert cpu_packing.int4_kernel_group(n, k, group) == kernel_group
-    packed, scales_and_zeros = cpu_packing.pack_int4(codes, scales, zeros, group, kernel_group)
+    packed = cpu_packing.pack_codes(codes)
+    scales_and_zeros = cpu_packing.int4_scales_and_zeros(scales, zeros, group, kernel_group)
     x = torch.randn(5, k, generator=gen)
     out = cpu_packing.int4_linear(x, packed, kernel_group, scales_and_zeros, None)
     s = _bf16(scales.float()).repeat_interleave(group, 0)
@@ -68,6 +69,10 @@ def test_int4_matmul_is_the_dequantized_weight_of_q_minus_z_times_s(n, k, group,
     out = cpu_packing.int4_linear(prefill, packed, kernel_group, scales_and_zeros, bias)
     assert out.shape == (2, 20, n)
     _assert_near_exact(out - bias, prefill @ exact)
+    # Larger batches where oneDNN has no bf16 kernels: the same weight, dequantized from two codes a byte.
+    nibbles = cpu_packing.pack_nibbles(codes)
+    assert nibbles.shape == (n, k // 2) and torch.equal(nibbles & 15, codes[:, : k // 2])
+    torch.testing.assert_close(cpu_packing.dequantize_nibbles(nibbles, scales_and_zeros, kernel_group), w.t())
 
 
 def test_int8_matmul_is_q_times_the_row_scale():
@@ -321,3 +326,36 @@ def test_without_onednn_bf16_experts_compute_their_larger_batches_in_float32(mon
     ref = experts_native(x.float(), w13.float(), w2.float(), weights, ids)
     assert ((ours.float() - ref).norm() / ref.norm()).item() < 1e-2
     assert ((ours.float() - plain.float()).norm() / plain.float().norm()).item() < 1e-2
+
+
+def test_without_onednn_bf16_int4_layers_dequantize_their_larger_batches(dense, tmp_path, monkeypatch):
+    """Where oneDNN has no bf16 kernels (forced here), torch's int4 op is slower than a float32 matmul
+    from a few dozen rows on, so an int4 layer keeps its codes two to a byte as well and multiplies
+    batches of `INT4_DEQUANT_MIN_ROWS` rows or more by their float32 dequantization: a 71-token
+    prefill does so in every projection, decode steps never. The weights are the op's (its bf16
+    scales and zeros: 0.7% of the logits' norm from the dequantized fp32 twin, measured); the op
+    also rounds the activations to bf16 (1.3%), the float32 matmul does not, so it is the nearer of
+    the two to the twin; the paths 1.0% apart (bound 2%)."""
+    monkeypatch.setattr(cpu_packing, "onednn_bf16", lambda: False)
+    rows = []
+    dequantize = cpu_packing.dequantize_nibbles
+    monkeypatch.setattr(cpu_packing, "dequantize_nibbles", lambda *a: rows.append(a[0].shape) or dequantize(*a))
+    quantized = quantize_checkpoint(dense, tmp_path / "q", "awq", twin=tmp_path / "twin", group_size=32)
+    harness = ModelHarness(quantized)
+    qkv = harness.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.int4_nibbles.shape == (qkv.out_per_rank, qkv.in_per_rank // 2)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 500, (n,), generator=gen).tolist() for n in (41, 30)]
+    logits = harness.prefill_logits(prompts)
+    assert len(rows) == 4 * 2  # 4 projections x 2 layers
+    rows.clear()
+    harness.greedy(PROMPTS, 3)
+    assert rows == []
+    monkeypatch.setattr(cpu_packing, "INT4_DEQUANT_MIN_ROWS", 10**9)  # the op at every batch size
+    reference = HFReference(tmp_path / "twin")
+    for prompt, ours, op in zip(prompts, logits, harness.prefill_logits(prompts), strict=True):
+        ref = reference.logits(prompt)
+        ours_error, op_error = ((ours - ref).norm() / ref.norm()).item(), ((op - ref).norm() / ref.norm()).item()
+        assert ours_error < op_error < MODEL_TOLERANCE
+        assert ((ours - op).norm() / op.norm()).item() < 2e-2
+    assert rows == []

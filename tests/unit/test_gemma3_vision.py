@@ -301,3 +301,20 @@ def test_bad_inputs_are_refused(setup: Setup) -> None:
         setup.processor.process(ids, [image(28, 28, 0)], [[image(28, 28, 1)]])
     with pytest.raises(ValueError, match=r"image_data\[0\]: cannot decode"):
         setup.processor.process(ids, [b"\x89PNG not really"], None)
+
+
+def test_bf16_model_without_onednn_bf16_runs_its_tower_in_float32(setup: Setup, monkeypatch) -> None:
+    """As LLaVA's (test_llava.py): where oneDNN has no bf16 kernels (forced here), a bf16 model's
+    SigLIP tower and projector are float32, and its features are the float32 model's rounded once."""
+    from rxf.plugins.quantization import cpu_packing
+
+    monkeypatch.setattr(cpu_packing, "onednn_bf16", lambda: False)
+    config = load_config(setup.config, **{"model.dtype": "bfloat16"})
+    bf16 = ModelRunner(config, PluginRegistry.load(), config.model.path).model
+    assert {p.dtype for p in bf16.vision_tower.parameters()} == {torch.float32}
+    assert {p.dtype for p in bf16.multi_modal_projector.parameters()} == {torch.float32}
+    _, items = setup.ours(PROMPT, [image(40, 70, seed=20)])
+    with torch.inference_mode():
+        ours = bf16.encode(items)[0]
+        ref = setup.runner.model.encode(items)[0]
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, ref.bfloat16())

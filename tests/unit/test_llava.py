@@ -194,3 +194,29 @@ def test_feature_cache_is_bounded_lru() -> None:
     assert cache.get(1) is None and cache.get(0) is not None and len(cache) == 3
     cache.put(4, torch.zeros(40, 10))  # larger than the whole budget: not kept
     assert cache.get(4) is None and len(cache) == 3
+
+
+def test_bf16_model_without_onednn_bf16_runs_its_tower_in_float32(setup: Setup, monkeypatch) -> None:
+    """Where oneDNN has no bf16 kernels (forced here on any CPU), a bf16 model builds its vision tower
+    and projector in float32: their matmuls have hundreds of patch rows, where emulated bf16 is
+    several times slower. The float32 checkpoint loads into them unrounded, so the features are the
+    float32 model's rounded once to bf16 (equal bits), and the language model stays bf16."""
+    from rxf.plugins.quantization import cpu_packing
+
+    monkeypatch.setattr(cpu_packing, "onednn_bf16", lambda: False)
+    path = setup.config.model.path
+    bf16 = ModelRunner(load_config(setup.config, **{"model.dtype": "bfloat16"}),
+                       PluginRegistry.load(), path).model
+    assert {p.dtype for p in bf16.vision_tower.parameters()} == {torch.float32}
+    assert {p.dtype for p in bf16.multi_modal_projector.parameters()} == {torch.float32}
+    assert bf16.language_model.model.embed_tokens.weight.dtype == torch.bfloat16
+    _, items = setup.ours(PROMPT, [image(*SIZES[0], seed=20)])
+    with torch.inference_mode():
+        ours = bf16.encode(items)[0]
+        ref = setup.model.encode(items)[0]
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, ref.bfloat16())
+
+    monkeypatch.setenv(cpu_packing.ENV, "0")  # packing off: the tower keeps the model's dtype
+    plain = ModelRunner(load_config(setup.config, **{"model.dtype": "bfloat16"}),
+                        PluginRegistry.load(), path).model
+    assert {p.dtype for p in plain.vision_tower.parameters()} == {torch.bfloat16}

@@ -56,4 +56,4 @@ class Gemma3ForConditionalGeneration(LlavaForConditionalGeneration):
     def _select(self, pixel_values: torch.Tensor) -> torch.Tensor:
         out = self.vision_tower(pixel_values=pixel_values.to(self.vision_tower.dtype))
         self.vision_encodes += 1
-        return self.multi_modal_projector(out.last_hidden_state)
+        return self.multi_modal_projector(out.last_hidden_state).to(self.features_dtype)

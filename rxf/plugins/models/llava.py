@@ -2,7 +2,9 @@
 language model, assembled from the checkpoint's config (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision).
 
 The vision tower is transformers' own module (CLIP, SigLIP, ...): it runs once per image, needs no
-KV cache, and its outputs are cached by image hash. The language model is our paged-KV model.
+KV cache, and its outputs are cached by image hash. On a CPU whose oneDNN has no bf16 kernels a bf16
+model builds its tower and projector in float32 (`cpu_packing.large_matmul_dtype`: every matmul there
+has hundreds of patch rows, where emulated bf16 is several times slower). The language model is our paged-KV model.
 During EXTEND the model embeds the new tokens, computes features only for the image/video items
 whose pad tokens fall in the new (uncached) tokens, and writes them over those rows.
 """
@@ -27,6 +29,7 @@ from rxf.plugins.models.llava_features import (
     pack_anyres,
     pool_video,
 )
+from rxf.plugins.quantization import cpu_packing
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +86,10 @@ class LlavaForConditionalGeneration(nn.Module):
         super().__init__()
         dtype = dtype or torch.get_default_dtype()
         self.config = config
-        self.vision_tower = AutoModel.from_config(config.vision_config, dtype=dtype)
-        self.multi_modal_projector = self.projector_cls(config, dtype)
+        self.features_dtype = dtype  # the language model's: projected features are cached in it
+        tower_dtype = cpu_packing.large_matmul_dtype(dtype)
+        self.vision_tower = AutoModel.from_config(config.vision_config, dtype=tower_dtype)
+        self.multi_modal_projector = self.projector_cls(config, tower_dtype)
         lm_cls = _language_model_class(config.text_config)
         served = {"context_length": context_length} if hasattr(lm_cls, "max_context_length") else {}
         self.language_model = lm_cls(config.text_config, dtype=dtype, **served)
@@ -101,7 +106,7 @@ class LlavaForConditionalGeneration(nn.Module):
         picked = [out.hidden_states[i] for i in ([layers] if isinstance(layers, int) else layers)]
         if self.config.vision_feature_select_strategy == "default":
             picked = [h[:, 1:] for h in picked]  # drop CLS
-        return self.multi_modal_projector(torch.cat(picked, dim=-1))
+        return self.multi_modal_projector(torch.cat(picked, dim=-1)).to(self.features_dtype)
 
     def tiles(self, item: MultimodalItem) -> torch.Tensor:
         """The item's pixel tiles (images: anyres tiles or one; videos: frames), [n, C, H, W]."""

@@ -44,6 +44,15 @@ the demo's projections, ~40 for its 49152-row head, whose cast alone takes ~60 m
 (`HEAD_UPCAST_MIN_ROWS`). Both accumulate in float32 and round the output to bf16 (the head's
 logits stay float32), so they differ only in the order of their sums.
 
+On such a CPU torch's int4 op is no faster for large batches: 2.2-3x slower than a float32 matmul by
+the dequantized weight at 1,024-4,096 rows, on a par at 32, 3-5x faster at 1-4 (the demo's
+projections, two threads; `benchmarks/bench_cpu_bf16_matmul.py --int4`). So there an int4 layer
+keeps its codes two to a byte beside the packed weight (`pack_nibbles`: the int4 weights' memory
+twice) and multiplies batches of `INT4_DEQUANT_MIN_ROWS` rows or more by the float32 weight
+dequantized per call (`dequantize_nibbles`: 0.3-0.7 ms for the demo's projections); fewer rows
+take the op. Vision towers, whose every matmul has hundreds of patch rows, are built in float32
+there outright (`large_matmul_dtype`).
+
 `RXF_CPU_WEIGHT_PACKING=0` turns the packed and float32 paths off: every int4 / int8 method then dequantizes at
 load and computes in the model's dtype with exactly the weights its format encodes (the parity
 reference, and the path where the ops are missing or a layer's shape does not fit them), and dense
@@ -94,17 +103,25 @@ def onednn_bf16() -> bool:
 
 UPCAST_MIN_ROWS = 16
 HEAD_UPCAST_MIN_ROWS = 64
+INT4_DEQUANT_MIN_ROWS = 64
 
 
 def emulated_bf16(weight: torch.Tensor) -> bool:
     """Whether `weight` is a bf16 CPU weight that oneDNN cannot multiply in bf16 (`upcast_linear`
     serves its larger batches)."""
-    return (
-        os.environ.get(ENV, "1") != "0"
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and not onednn_bf16()
-    )
+    return _emulates(weight.dtype, weight.device)
+
+
+def _emulates(dtype: torch.dtype, device: torch.device) -> bool:
+    return os.environ.get(ENV, "1") != "0" and device.type == "cpu" and dtype == torch.bfloat16 and not onednn_bf16()
+
+
+def large_matmul_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to build a module of large matmuls alone in (a vision tower: hundreds of patch rows
+    a call) on the default device: float32 where that device is a CPU that would emulate bf16 (every
+    such matmul is then 6-8x slower than float32, and casting its weights per call is a waste), else
+    `dtype`. The weights' memory doubles there."""
+    return torch.float32 if _emulates(dtype, torch.get_default_device()) else dtype
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -187,13 +204,6 @@ def int4_kernel_group(n: int, k: int, group: int) -> int | None:
     return next((g for g in INT4_GROUPS if group % g == 0), None)
 
 
-def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-              kernel_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed weight, scales_and_zeros) for codes `[N, K]` (0..15) encoding `(q - z) * s` with
-    scales and zeros (in code units) `[G, N]` for groups of `group` inputs."""
-    return pack_codes(codes), int4_scales_and_zeros(scales, zeros, group, kernel_group)
-
-
 def int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, group: int, kernel_group: int) -> torch.Tensor:
     """torch's int4 ops' `[G, N, 2]` bf16 table (CPU and CUDA alike) for `(q - z) * s`: each group's
     scale and offset `(8 - z) * s`, repeated over its runs of `kernel_group` inputs."""
@@ -209,16 +219,46 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
 
 
-def set_packed_int4(layer: torch.nn.Module, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+def set_packed_int4(layer: torch.nn.Module, codes: torch.Tensor, scales_and_zeros: torch.Tensor,
                     kernel_group: int) -> None:
-    """Give `layer` the packed int4 weight that `packed_int4_linear` computes with."""
-    layer.add_param("qweight", packed)
+    """Give `layer` the packed int4 weight that `packed_int4_linear` computes with, from codes `[N, K]`
+    (0..15) and the op's table `[G, N, 2]` for groups of `kernel_group` inputs. Where oneDNN has no
+    bf16 kernels it keeps the codes too, two to a byte (`int4_nibbles`, as much memory again), for
+    the larger batches that it dequantizes."""
+    layer.add_param("qweight", pack_codes(codes))
     layer.add_param("scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE).contiguous())
     layer.kernel_group = kernel_group
+    layer.int4_nibbles = None
+    if not onednn_bf16():
+        layer.add_param("int4_nibbles", pack_nibbles(codes))
 
 
 def packed_int4_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if layer.int4_nibbles is not None and x.numel() >= INT4_DEQUANT_MIN_ROWS * x.shape[-1]:
+        w = dequantize_nibbles(layer.int4_nibbles, layer.scales_and_zeros, layer.kernel_group)
+        return upcast_linear(x, w, bias)
     return int4_linear(x, layer.qweight, layer.kernel_group, layer.scales_and_zeros, bias)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes `[N, K]` (0..15) two to a byte, `[N, K / 2]` uint8: input i in the low nibble of byte i,
+    input K/2 + i in its high nibble (each half unpacks in one contiguous pass)."""
+    half = codes.shape[1] // 2
+    codes = codes.to(torch.uint8)
+    return (codes[:, :half] | (codes[:, half:] << 4)).contiguous()
+
+
+def dequantize_nibbles(nibbles: torch.Tensor, scales_and_zeros: torch.Tensor, kernel_group: int) -> torch.Tensor:
+    """The float32 weight `[N, K]` the int4 op multiplies by, `(q - 8) * scale + zero` per group of
+    `kernel_group` inputs, from `pack_nibbles`' codes and the op's `[G, N, 2]` table."""
+    n, half = nibbles.shape
+    w = torch.empty(n, 2 * half)
+    w[:, :half] = nibbles & 15
+    w[:, half:] = nibbles >> 4
+    table = scales_and_zeros.float().transpose(0, 1)  # [N, G, 2]
+    scale = table[..., :1].contiguous()
+    offset = (table[..., 1:] - 8 * scale).contiguous()
+    return w.view(n, -1, kernel_group).mul_(scale).add_(offset).view(n, -1)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, kernel_group: int, scales_and_zeros: torch.Tensor,

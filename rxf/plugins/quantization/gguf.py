@@ -182,7 +182,7 @@ class GgufMethod(LinearMethod):
         for name in _QUANT_PARAMS:
             delattr(layer, name)
         offsets = m + 8 * d  # the op's (q - 8) * d + offset
-        cpu_packing.set_packed_int4(layer, cpu_packing.pack_codes(codes), torch.stack([d.t(), offsets.t()], dim=-1),
+        cpu_packing.set_packed_int4(layer, codes, torch.stack([d.t(), offsets.t()], dim=-1),
                                     kernel_group)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -107,8 +107,8 @@ class Int4Method(LinearMethod):
             layer.add_param("zeros", zeros.to(layer.dtype).contiguous())
             layer.qgemv = qgemv.int4(layer, layer.group_size)
         else:
-            packed, scales_and_zeros = cpu_packing.pack_int4(codes.t(), scales, zeros, layer.group_size, kernel_group)
-            cpu_packing.set_packed_int4(layer, packed, scales_and_zeros, kernel_group)
+            table = cpu_packing.int4_scales_and_zeros(scales, zeros, layer.group_size, kernel_group)
+            cpu_packing.set_packed_int4(layer, codes.t(), table, kernel_group)
         identity = torch.equal(order, torch.arange(len(order), device=order.device))
         layer.input_order = None if identity else order
 

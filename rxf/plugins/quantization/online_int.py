@@ -134,7 +134,7 @@ class OnlineInt4Method(OnlineIntMethod):
             become_dense(layer, dense, ("weight",))
             return
         del layer.weight
-        cpu_packing.set_packed_int4(layer, cpu_packing.pack_codes(codes), torch.stack([scale, offset], dim=-1), kernel_group)
+        cpu_packing.set_packed_int4(layer, codes, torch.stack([scale, offset], dim=-1), kernel_group)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return cpu_packing.packed_int4_linear(layer, x, bias)
