@@ -2,9 +2,10 @@
 language model, assembled from the checkpoint's config (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision).
 
 The vision tower is transformers' own module (CLIP, SigLIP, ...): it runs once per image, needs no
-KV cache, and its outputs are cached by image hash. On a CPU whose oneDNN has no bf16 kernels a bf16
-model builds its tower and projector in float32 (`cpu_packing.large_matmul_dtype`: every matmul there
-has hundreds of patch rows, where emulated bf16 is several times slower). The language model is our paged-KV model.
+KV cache, and its outputs are cached by image hash (on a CPU whose oneDNN has no bf16 kernels a
+bf16 model builds its tower and projector in float32, `cpu_packing.large_matmul_dtype`: every matmul
+there has hundreds of patch rows, where emulated bf16 is 5-6x slower). The language model is our
+paged-KV model.
 During EXTEND the model embeds the new tokens, computes features only for the image/video items
 whose pad tokens fall in the new (uncached) tokens, and writes them over those rows.
 """

@@ -252,7 +252,7 @@ def dequantize_nibbles(nibbles: torch.Tensor, scales_and_zeros: torch.Tensor, ke
     """The float32 weight `[N, K]` the int4 op multiplies by, `(q - 8) * scale + zero` per group of
     `kernel_group` inputs, from `pack_nibbles`' codes and the op's `[G, N, 2]` table."""
     n, half = nibbles.shape
-    w = torch.empty(n, 2 * half)
+    w = torch.empty(n, 2 * half, dtype=torch.float32)
     w[:, :half] = nibbles & 15
     w[:, half:] = nibbles >> 4
     table = scales_and_zeros.float().transpose(0, 1)  # [N, G, 2]
