@@ -295,7 +295,11 @@ elif [ "$stage" = h200 ]; then
   # Issue 18's H200 tests need a second call: `SUITE_CACHE=0 GPU_TESTS="tests/gpu/test_attention_features_gpu.py
   # tests/gpu/test_qwen3_gpu.py tests/gpu/test_gemma_gpu.py tests/gpu/test_gpt_oss_gpu.py" ... suite`
   # (on an H100 these with test_decode_kernels_gpu ran 236 tests in 200 s, short of test_qwen3_gpu: give ~300 s).
-  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || { echo "not an H200"; exit 4; }
+  # H200_ANY_CARD=1 runs it on whatever card came: the tool lends an H100 as the H200's stand-in
+  # ("good for the work nvidia-h200 is good for, timings you will report included"; its needs_h200 is
+  # not for matching a card that an issue names).
+  [ "${H200_ANY_CARD:-0}" = 1 ] || nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 \
+    || { echo "not an H200"; exit 4; }
   if [ "${H200_TUNE:-1}" = 1 ]; then
     start=$(date +%s); timeout "${H200_TUNE_S:-130}" python3 benchmarks/gpu_moe_tune.py --budget-s 95 > "$out/h200-tune.log" 2>&1
     echo "tune: rc $? in $(( $(date +%s) - start )) s"; tail -n 16 "$out/h200-tune.log"
