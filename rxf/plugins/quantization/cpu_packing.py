@@ -45,7 +45,7 @@ the demo's projections, ~40 for its 49152-row head, whose cast alone takes ~60 m
 logits stay float32), so they differ only in the order of their sums.
 
 On such a CPU torch's int4 op is no faster for large batches: 2.2-3x slower than a float32 matmul by
-the dequantized weight at 1,024-4,096 rows, on a par at 32, 3-5x faster at 1-4 (the demo's
+the dequantized weight at 1,024-4,096 rows, on a par at 32, 4-9x faster at 1-4 (the demo's
 projections, two threads; `benchmarks/bench_cpu_bf16_matmul.py --int4`). So there an int4 layer
 keeps its codes two to a byte beside the packed weight (`pack_nibbles`: the int4 weights' memory
 twice) and multiplies batches of `INT4_DEQUANT_MIN_ROWS` rows or more by the float32 weight
