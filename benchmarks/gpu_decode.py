@@ -1,7 +1,7 @@
 """GPU decode benchmark (issues 4, 18): one script for one call on the GPU machine.
 
     python benchmarks/gpu_decode.py [--preset llama3-8b|qwen3-8b|qwen3-30b-a3b|gpt-oss-20b|tiny] [--num-requests 1000]
-        [--phases jit,build,bandwidth,decode,decode1,eager,kvcache,kernels,offline,hf] [--model-dir DIR] [--output FILE]
+        [--phases jit,build,bandwidth,decode,decode1,eager,routing,kvcache,kernels,offline,hf] [--model-dir DIR] [--output FILE]
 
 A preset is a transformers config (architecture + fields): `llama3-8b` (Llama-3-8B), `qwen3-8b` and
 `qwen3-30b-a3b` (Qwen/Qwen3-8B's and Qwen/Qwen3-30B-A3B's config.json: 36 layers, head_dim 128; 48
@@ -35,6 +35,8 @@ and each frees its GPU memory before the next:
              RXF_PDL=0 and 1)
   eager      batch 1 and 4 with CUDA graphs off (an engine that captures none), then a cProfile of 16
              batch-1 steps: the host functions with the most time of their own (what eager steps pay)
+  routing    MoE presets: the distinct experts a layer's decode step reads at batch 1, 4, 8, 64
+             (eager), beside uniform routing's expectation: what the batch figures read
   kvcache    per backend, decode throughput at long contexts with `cache.kv_dtype` = auto (bf16) and
              fp8_e4m3, each pool sized from the same memory (cache.mem_fraction_static): 256 requests of
              4096-token prompts are queued, and once every admitted request decodes, 64 decode steps are
@@ -515,6 +517,38 @@ def eager_phase(p: Preset, model_dir: Path, backend: str, tag: str = "", quantiz
         sched.step()
 
 
+def routing_phase(p: Preset, model_dir: Path, backend: str) -> None:
+    """MoE presets: the distinct experts each layer's decode step reads at batch 1, 4, 8 and 64
+    (eager steps, their mean over layers and steps), against uniform routing's expectation: what the
+    batch figures' weight reads rest on (random weights whose routing collapsed would read fewer)."""
+    from rxf.plugins.models.layers.moe import FusedExperts
+
+    if not p.experts:
+        print("routing: a dense preset")
+        return
+    sched = _engine(model_dir, backend, 64, 64 * 512 + 4096, not p.on_disk, graphs=False)
+    forward, counts = FusedExperts.forward, {}
+
+    def counting(self: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        counts.setdefault(x.shape[0], []).append(ids.unique().numel())
+        return forward(self, x, weights, ids)
+
+    FusedExperts.forward = counting
+    try:
+        out = {}
+        for bs in (1, 4, 8, 64):
+            counts.clear()
+            decode_rate(sched, bs, 4, p.vocab, graphs=False, warm=2)
+            hit = counts.get(bs, [])
+            uniform = p.experts * (1 - (1 - p.top_k / p.experts) ** bs)
+            out[f"b{bs}"] = {"experts_hit": sum(hit) / max(len(hit), 1), "uniform": uniform, "calls": len(hit)}
+            print(f"routing b{bs}: {out[f'b{bs}']['experts_hit']:.1f} of {p.experts} experts a layer "
+                  f"({len(hit)} layer-steps; uniform routing: {uniform:.1f})", flush=True)
+    finally:
+        FusedExperts.forward = forward
+    RESULTS[f"routing_{backend}"] = out
+
+
 def long_context_rate(sched: Any, bs: int, context: int, steps: int, vocab: int, warm: int = 8) -> dict[str, float]:
     """Generated tok/s over `steps` decode steps once every admitted request of `bs` queued ones
     (`context`-token prompts) decodes; no request finishes within the window. The engine is spent
@@ -891,6 +925,8 @@ def main() -> None:
             for backend in backends:
                 phase(f"eager {backend} {name}",
                       lambda b=backend, n=name, t=tag: eager_phase(p, dirs[n], b, t, online.get(n)))
+    if "routing" in phases:
+        phase("routing", lambda: routing_phase(p, model_dir, backends[0]))
     if "kvcache" in phases:
         for backend in backends:
             phase(f"kvcache {backend}", lambda b=backend: kvcache_phase(p, model_dir, b))

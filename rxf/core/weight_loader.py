@@ -59,13 +59,21 @@ def fill_random_weights(model: nn.Module, seed: int) -> None:
     """`model.load_format = "random"`: every parameter drawn from U(-1e-3, 1e-3) where it lives, no
     checkpoint read (benchmarks of shapes whose checkpoints would not fit the disk: a Qwen3-30B-A3B
     is 61 GB). Norm weights are 1 so activations keep their scale through the layers; routers are
-    random, so a mixture of experts spreads its tokens over all experts, its costliest case."""
+    random, so a mixture of experts spreads its tokens over all experts, its costliest case.
+
+    Biases are 0: a drawn bias adds the same vector to every token, and gpt-oss's (every projection,
+    router and expert, 24 layers) summed to outweigh the token's own embedding (rms 5.8e-4 here), so
+    every token took the same few experts and the same next token (a 24-layer, 32-expert tiny gpt-oss,
+    64 decoding rows: 5 of 32 experts a layer and one next token; with zero biases 32 and 56), and a
+    batch's decode read a fraction of the experts a real one reads."""
     gen: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if param.device not in gen:
             gen[param.device] = torch.Generator(param.device).manual_seed(seed)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
         elif param.is_floating_point():
             param.uniform_(-1e-3, 1e-3, generator=gen[param.device])
         else:

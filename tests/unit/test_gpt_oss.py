@@ -196,3 +196,33 @@ def test_tensor_parallel_expert_biases_sum_to_the_whole() -> None:
     weights, ids = select_experts(torch.randn(19, experts, generator=gen), 2, renormalize=True)
     partial = [rank(x, weights, ids) for rank in ranks]
     torch.testing.assert_close(partial[0] + partial[1], whole(x, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_random_weights_route_a_batch_over_all_experts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model.load_format = "random"` (the GPU benchmarks' gpt-oss-20b) draws biases as 0: drawn like
+    the weights, gpt-oss's biases summed over the layers to a vector shared by every token, which sent
+    64 decoding rows to 11-19 of 32 experts a layer and all but a few rows to one next token; the
+    benchmarks' batch figures then read a fraction of the experts a real batch reads."""
+    from rxf.testing.model_harness import ModelHarness
+
+    shape = {"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 128, "num_local_experts": 32,
+             "num_experts_per_tok": 4, "head_dim": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    config_only = make_tiny_checkpoint(tmp_path, "GptOssForCausalLM", seed=1, **shape)
+    (config_only / "model.safetensors").unlink()
+    harness = ModelHarness(config_only, **{"model.load_format": "random", "scheduler.max_running_requests": 64})
+    biases = [p for n, p in harness.runner.model.named_parameters() if n.endswith("bias")]
+    assert len(biases) == 4 * 5 and not any(b.any() for b in biases)  # qkv, o, router, w13, w2
+    rows, hit = 64, []
+    forward = FusedExperts.forward
+
+    def counting(self: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == rows:  # the decode steps (the prefill has 20 tokens a row)
+            hit.append(ids.unique().numel())
+        return forward(self, x, weights, ids)
+
+    monkeypatch.setattr(FusedExperts, "forward", counting)
+    rng = random.Random(0)
+    out = harness.greedy([[rng.randrange(3, 500) for _ in range(20)] for _ in range(rows)], 3)
+    assert len(hit) == 2 * 4 and min(hit) >= 28, hit  # uniform routing misses an expert with probability ~2e-4
+    assert len({seq[-1] for seq in out}) > rows // 2
