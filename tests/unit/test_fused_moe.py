@@ -103,6 +103,34 @@ def test_decode_kernels_match_torch_path(tokens, experts, top_k, hidden, inter, 
     assert not fused_moe_decode.launch_counters(x.device, 1).any(), "a counter was left set"
 
 
+def experts_of(num_experts: int, hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16):
+    """w13, w2 of a real model's shape, as meta tensors (shapes and dtype, no memory)."""
+    return (torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device="meta"),
+            torch.empty(num_experts, hidden, inter, dtype=dtype, device="meta"))
+
+
+def test_decode_kernels_serve_few_tokens_unless_twice_read_experts_cost_more() -> None:
+    """`fused_moe_decode.serves`: the H100's measured choices (these kernels at 2-4 tokens beat the
+    grouped ones for Qwen3-30B-A3B, lost to them for gpt-oss-20b), one token always, five never."""
+    qwen3, gpt_oss, mixtral = experts_of(128, 2048, 768), experts_of(32, 2880, 2880), experts_of(8, 4096, 14336)
+    assert [fused_moe_decode.serves(t, *qwen3, 8) for t in (1, 2, 3, 4, 5)] == [True] * 4 + [False]
+    assert [fused_moe_decode.serves(t, *gpt_oss, 4) for t in (1, 2, 3, 4)] == [True, False, False, False]
+    assert [fused_moe_decode.serves(t, *mixtral, 2) for t in (1, 2)] == [True, False]
+    # FP8 experts read half the bytes twice: gpt-oss's 2 tokens (~12 MiB against 16) stay here
+    assert fused_moe_decode.serves(2, *experts_of(32, 2880, 2880, torch.float8_e4m3fn), 4)
+
+
+def test_fused_experts_takes_the_grouped_kernels_where_the_decode_ones_do_not_serve(monkeypatch) -> None:
+    x, w13, w2, weights, ids = problem(3, 4, 2, 64, 48, torch.float32, seed=5)
+    ids[1] = ids[0]  # an expert two tokens share: read twice by the decode kernels
+    decode, grouped = fused_moe_decode.decode_experts(x, w13, w2, weights, ids), fused_experts(x, w13, w2, weights, ids, SMALL)
+    assert not torch.equal(decode, grouped)  # float32: the two paths round differently
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids), decode)
+    monkeypatch.setattr(fused_moe_decode, "DUPLICATE_BYTES_PER_EXPERT", 0)
+    monkeypatch.setattr("rxf.plugins.models.layers.fused_moe.pick_config", lambda *args: SMALL)
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids), grouped)
+
+
 SMALL_BLOCKS = {"row": ((16, 32, 4, 1, True), (16, 32, 4, 1, True)),  # the default form
                 "tile": ((16, 32, 4, 2, False), (16, 32, 4, 2, False))}  # tl.dot over padded tiles
 

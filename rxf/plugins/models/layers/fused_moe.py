@@ -24,7 +24,9 @@ pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13
    (no atomics), so results do not depend on scheduling.
 
 Up to `fused_moe_decode.MAX_TOKENS` tokens without a caller's block sizes take `fused_moe_decode`'s
-two GEMV-shaped launches instead (no alignment, the top-k sum fused).
+two GEMV-shaped launches instead (no alignment, the top-k sum fused), unless the experts are so large
+that the pairs' expected twice-read weights cost more than that saves (`fused_moe_decode.serves`:
+gpt-oss-20b's batches of 2-4 come here).
 
 FP8 weights (`scales`: `moe.ExpertScales`) are weight-only in both paths: each weight tile is loaded
 in FP8 (half the bytes), upcast to x.dtype in registers and multiplied by its scales in float32 —
@@ -290,7 +292,7 @@ def fused_experts(
     if has_bias and (b13.stride(-1) != 1 or b2.stride(-1) != 1):
         raise ValueError("fused_experts needs expert biases with a contiguous last dimension")
     x = x.contiguous()
-    if config is None and num_tokens <= fused_moe_decode.MAX_TOKENS:
+    if config is None and fused_moe_decode.serves(num_tokens, w13, w2, top_k):
         return fused_moe_decode.decode_experts(x, w13, w2, topk_weights, topk_ids, b13=b13, b2=b2,
                                                activation=activation, scales=scales)
     num_pairs = num_tokens * top_k

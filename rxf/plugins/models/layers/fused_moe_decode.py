@@ -55,6 +55,16 @@ from rxf.core.runner.pdl import use_pdl
 from rxf.plugins.models.layers.moe import SILU, ExpertScales, GatedActivation, kernel_scale_args
 
 MAX_TOKENS = 4  # the most tokens routed here; more share experts, which the grouped kernels read once
+# These kernels read one expert per (token, expert) pair; the grouped kernels read each distinct expert
+# once but add an alignment launch, a top-k sum and programs for every expert's (mostly empty) row
+# blocks, a cost that grows with the experts. Up to MAX_TOKENS tokens come here while the weight bytes
+# their pairs are expected to read twice (uniform routing) stay within this many per expert: fitted
+# to batches of 2-4 on an H100 (benchmarks/RESULTS.md, 2026-12-07; decode tok/s, these / grouped):
+# gpt-oss-20b (32 experts of 47.5 MiB, top 4: 24-131 MiB read twice, bound 16) 412.9 / 420.6,
+# 400.6 / 424.5, 533.1 / 567.0: grouped; Qwen3-30B-A3B (128 of 9.0 MiB, top 8: 4-26 MiB, bound 64)
+# 459.5 / 405.8, 471.4 / 444.9, 614.7 / 576.5: these. Other shapes follow it unmeasured (Mixtral's
+# 8 experts of 336 MiB: grouped from 2 tokens). One token reads no expert twice: always here.
+DUPLICATE_BYTES_PER_EXPERT = 512 * 1024
 ROWS = tl.constexpr(16)  # columns of the padded activation tile: tl.dot's smallest
 
 Blocks = tuple[int, int, int, int, bool]  # (block_n, block_k, num_warps, num_stages, ROW) of one kernel
@@ -68,6 +78,18 @@ DOWN_BLOCKS: Blocks = (32, 128, 8, 1, True)
 # prints the value its sweep favours.
 ENV = "RXF_MOE_DECODE"
 _LABEL = re.compile(r"n(\d+)k(\d+)w(\d+)st(\d+)(r?)")
+
+
+def serves(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> bool:
+    """Whether `fused_moe.fused_experts` takes these kernels for `num_tokens` tokens (without a
+    caller's blocks): up to MAX_TOKENS, while the expected twice-read bytes stay within
+    DUPLICATE_BYTES_PER_EXPERT per expert (the shapes are this rank's, the bytes its weights' dtype)."""
+    if num_tokens > MAX_TOKENS:
+        return False
+    num_experts = w13.shape[0]
+    distinct = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)  # expected, uniform routing
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    return (num_tokens * top_k - distinct) * expert_bytes <= num_experts * DUPLICATE_BYTES_PER_EXPERT
 
 
 def label(blocks: Blocks) -> str:
