@@ -142,7 +142,7 @@ def main() -> None:
     cuda = p.device == "cuda"
     item = torch.finfo(p.dtype).bits // 8
     tokens = [int(t) for t in args.tokens.split(",")]
-    default = fmd.default_blocks()
+    default = fmd.default_blocks((p.experts, p.inter, p.hidden))  # this shape's (SHAPE_BLOCKS)
     gate_up, down = candidates("gate_up", item, args.tiny), candidates("down", item, args.tiny)
     pairs = [(g, default[1]) for g in gate_up] + [(g, d) for g in gate_up[:1] for d in down]
     if cuda and args.workers:

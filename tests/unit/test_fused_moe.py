@@ -289,9 +289,15 @@ def test_decode_blocks_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     try:
         assert fused_moe_decode.default_blocks() == ((16, 256, 4, 4, False), (32, 512, 8, 1, True))
         assert fused_moe_decode.label((32, 512, 8, 1, True)) == "n32k512w8st1r"
+        assert fused_moe_decode.default_blocks((32, 2880, 2880))[1] == (32, 512, 8, 1, True)  # every shape
         monkeypatch.setenv(fused_moe_decode.ENV, "n16k256w4st4")
         fused_moe_decode.default_blocks.cache_clear()
         with pytest.raises(ValueError, match="GATE_UP,DOWN"):
             fused_moe_decode.default_blocks()
+        monkeypatch.delenv(fused_moe_decode.ENV)
+        fused_moe_decode.default_blocks.cache_clear()
+        defaults = (fused_moe_decode.GATE_UP_BLOCKS, fused_moe_decode.DOWN_BLOCKS)
+        assert fused_moe_decode.default_blocks((128, 768, 2048)) == defaults  # Qwen3-30B-A3B: the defaults
+        assert fused_moe_decode.default_blocks((32, 2880, 2880)) == (defaults[0], (32, 256, 4, 1, True))  # gpt-oss-20b
     finally:
         fused_moe_decode.default_blocks.cache_clear()

@@ -73,9 +73,16 @@ Blocks = tuple[int, int, int, int, bool]  # (block_n, block_k, num_warps, num_st
 # 41.5 / 74.8 against 48.5 / 86.0 at 2 / 4 tokens; a batch-1 decode step 273.6 -> 294.7 tok/s.
 GATE_UP_BLOCKS: Blocks = (16, 256, 4, 1, True)
 DOWN_BLOCKS: Blocks = (32, 128, 8, 1, True)
-# `RXF_MOE_DECODE="GATE_UP,DOWN"` (read once per process) replaces both, each as `label` writes it,
-# e.g. "n16k256w4st4,n32k256w4st4" (the tile form; a trailing r: the ROW form); `benchmarks/gpu_moe_decode.py`
-# prints the value its sweep favours.
+# Shapes whose sweep (`benchmarks/gpu_moe_decode.py --shape ...`) favoured other blocks, by (experts,
+# expert width on this rank, hidden), as `label`s: gpt-oss-20b on an H100 (2026-12-07): the down kernel
+# at (32, 256, 4 warps) 70.4 us a 1-token layer against the defaults' 72.2, batch-1 decode 298.1 ->
+# 306.6 tok/s (its batches of 2-4 take the grouped kernels, `serves`).
+SHAPE_BLOCKS: dict[tuple[int, int, int], tuple[str, str]] = {
+    (32, 2880, 2880): ("n16k256w4st1r", "n32k256w4st1r"),
+}
+# `RXF_MOE_DECODE="GATE_UP,DOWN"` (read once per process) replaces both for every shape, each as `label`
+# writes it, e.g. "n16k256w4st4,n32k256w4st4" (the tile form; a trailing r: the ROW form);
+# `benchmarks/gpu_moe_decode.py` prints the value its sweep favours.
 ENV = "RXF_MOE_DECODE"
 _LABEL = re.compile(r"n(\d+)k(\d+)w(\d+)st(\d+)(r?)")
 
@@ -97,16 +104,23 @@ def label(blocks: Blocks) -> str:
     return f"n{bn}k{bk}w{warps}st{stages}{'r' if row else ''}"
 
 
-@functools.cache
-def default_blocks() -> tuple[Blocks, Blocks]:
-    """(gate/up, down) blocks: `RXF_MOE_DECODE`'s, else GATE_UP_BLOCKS and DOWN_BLOCKS."""
-    value = os.environ.get(ENV, "")
-    if not value:
-        return GATE_UP_BLOCKS, DOWN_BLOCKS
-    parts = [_LABEL.fullmatch(part.strip()) for part in value.split(",")]
+def _parse(labels: list[str], where: str) -> tuple[Blocks, Blocks]:
+    parts = [_LABEL.fullmatch(part.strip()) for part in labels]
     if len(parts) != 2 or not all(parts):
-        raise ValueError(f"{ENV}={value!r}: expected GATE_UP,DOWN labels like n16k256w4st4,n16k512w8st1r")
+        raise ValueError(f"{where}: expected GATE_UP,DOWN labels like n16k256w4st4,n16k512w8st1r")
     return tuple((int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5] == "r") for m in parts)  # type: ignore[return-value]
+
+
+@functools.cache
+def default_blocks(shape: tuple[int, int, int] | None = None) -> tuple[Blocks, Blocks]:
+    """(gate/up, down) blocks for experts of `shape` (experts, expert width, hidden): `RXF_MOE_DECODE`'s,
+    else SHAPE_BLOCKS' for the shape, else GATE_UP_BLOCKS and DOWN_BLOCKS."""
+    value = os.environ.get(ENV, "")
+    if value:
+        return _parse(value.split(","), f"{ENV}={value!r}")
+    if shape in SHAPE_BLOCKS:
+        return _parse(list(SHAPE_BLOCKS[shape]), f"SHAPE_BLOCKS[{shape}]")
+    return GATE_UP_BLOCKS, DOWN_BLOCKS
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -322,12 +336,11 @@ def decode_experts(
 ) -> torch.Tensor:
     """`fused_moe.fused_experts`' contract for 1 .. MAX_TOKENS tokens (its checks already made:
     contiguous last dimensions, both biases or neither); `blocks`: the gate/up and down kernels'
-    (default `default_blocks()`; `benchmarks/gpu_moe_decode.py` sweeps them)."""
-    blocks = blocks or default_blocks()
-
+    (default `default_blocks` for their shape; `benchmarks/gpu_moe_decode.py` sweeps them)."""
     num_tokens, hidden = x.shape
-    _, two_inter, _ = w13.shape
+    num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
+    blocks = blocks or default_blocks((num_experts, inter, hidden))
     assert 0 < num_tokens <= MAX_TOKENS, f"{num_tokens} tokens: the decode kernels take 1 .. {MAX_TOKENS}"
     has_bias = b13 is not None
     ids = topk_ids.reshape(-1).contiguous()
