@@ -45,8 +45,8 @@ class ModelConfig(_Section):
         "file in the model directory",
     )
     load_format: Literal["safetensors", "random"] = Field(
-        "safetensors", description="'random': no weights read, every parameter drawn at random (benchmarks of shapes; "
-        "with model.quantization = 'fp8' they are then quantized at load)"
+        "safetensors", description="'random': no weights read, every parameter drawn at random, biases 0 and norms 1 "
+        "(benchmarks of shapes; with model.quantization = 'fp8' they are then quantized at load)"
     )
     task: Literal["generate", "embed"] = Field(
         "generate", description="'embed': serve pooled hidden states (/v1/embeddings) instead of generating text"
