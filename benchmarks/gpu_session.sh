@@ -287,7 +287,8 @@ elif [ "$stage" = h200 ]; then
   # rxf/plugins/models/layers/; H200_TUNE=0 skips it), then each part bounded by H200_PART_S:
   # Qwen3-30B-A3B's decode phase (batch 1, overlap off, 16, 64, 256), then batch 1, 4, 8, 16 and 64
   # (decode1) of Qwen3-8B, Llama-3-8B (Qwen3-8B's bar: the same share of the roofline, in the same
-  # call) and gpt-oss-20b (random weights; H200_PRESETS names others, in order), Qwen3-30B-A3B's
+  # call) and gpt-oss-20b (random weights; H200_PRESETS names others, in order; the MoE presets also
+  # run gpu_decode's routing phase: the experts a batch reads), Qwen3-30B-A3B's
   # batch 1 once more with every GEMV at `triton` (RXF_GEMV=triton: the A/B of its shape defaults,
   # `gemv.SHAPE_DEFAULTS`; H200_GEMV_AB=1 runs it), then, with BASE_DIR (`git archive 899bfac`),
   # issue 17's compare on the Llama-3-8B shape (bandwidth, decode). Not yet timed as a whole: bounded by
@@ -309,10 +310,11 @@ elif [ "$stage" = h200 ]; then
   for run in "${runs[@]}"; do
     preset=${run%%:*}; gemv=${run#"$preset"}; gemv=${gemv#:}; tag=$preset${gemv:+-$gemv}
     phases="decode1 --decode1-batches 4,8,16,64"; [ "$run" = qwen3-30b-a3b ] && phases=decode
+    moe=; case $run in qwen3-30b-a3b|gpt-oss-20b) moe=routing,;; esac  # the experts a batch reads, beside its rate
     env ${gemv:+RXF_GEMV=$gemv} timeout "${H200_PART_S:-100}" python3 benchmarks/gpu_decode.py --preset "$preset" \
-      --random-weights --backends triton --output "$out/h200-$tag.json" --phases build,bandwidth,$phases \
+      --random-weights --backends triton --output "$out/h200-$tag.json" --phases build,bandwidth,$moe$phases \
       > "$out/h200-$tag.log" 2>&1
-    echo "$tag: rc $?"; grep -E "^decode|roofline" "$out/h200-$tag.log" | head -n 16
+    echo "$tag: rc $?"; grep -E "^decode|^routing|roofline" "$out/h200-$tag.log" | head -n 20
     rm -f "$out/h200-$tag.json"  # (the log has every figure; $OUT returns 8 files at most)
   done
   [ $# -gt 0 ] && COMPARE_LIMIT_S=${COMPARE_LIMIT_S:-150} COMPARE_TAIL=${COMPARE_TAIL:-30} \
