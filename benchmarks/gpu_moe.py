@@ -73,7 +73,8 @@ class Shape:
 
 MIXTRAL = Shape(4096, 14336, 8, 2, 32, 8, 32000, (1, 16, 64, 256, 1024, 4096), (1, 64))
 # Qwen3-30B-A3B's MoE layer (kernels phase only: its whole model is gpu_decode.py's qwen3-30b-a3b preset).
-QWEN3_30B_A3B = Shape(2048, 768, 128, 8, 32, 4, 151936, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), (1, 64))
+QWEN3_30B_A3B = Shape(2048, 768, 128, 8, 32, 4, 151936,
+                      (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192, 16384), (1, 64))
 TINY = Shape(64, 128, 4, 2, 4, 2, 512, (1, 16, 64), (1, 4))
 SHAPES = {"mixtral-8x7b": MIXTRAL, "qwen3-30b-a3b": QWEN3_30B_A3B}
 ROTATING_SETS = 8  # routings cycled through by the timed calls: each reads other experts (not L2 hits)
@@ -123,6 +124,25 @@ def kernels_phase(s: Shape, dev: torch.device, dtype: torch.dtype, fused_ok: boo
         impls["fused_default"] = lambda x, a, b, weights, ids: fused_experts(
             x, a, b, weights, ids, pick_config(ids.numel(), s.experts, x.element_size()))
         tuned = {t: tuned_config(t, w13, dtype) is not None for t in s.tokens}
+        from rxf.plugins.models.layers import fused_moe
+
+        def align_by(min_chunks: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+            """fn with `align_pairs` on one path: the kernel (min_chunks huge) or the sort (0)."""
+            def run(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+                saved, fused_moe.ALIGN_SORT_MIN_CHUNKS = fused_moe.ALIGN_SORT_MIN_CHUNKS, min_chunks
+                try:
+                    return fn(x, a, b, weights, ids)
+                finally:
+                    fused_moe.ALIGN_SORT_MIN_CHUNKS = saved
+            return run
+
+        def align_only(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Any:
+            cfg = tuned_config(x.shape[0], a, x.dtype) or pick_config(ids.numel(), s.experts, x.element_size())
+            return fused_moe.align_pairs(ids, s.experts, cfg.block_m)
+
+        # `align_pairs`' two paths (the kernel's one program, the sort's torch ops), in the layer and alone
+        impls["fused_kernel_align"], impls["fused_sort_align"] = align_by(1 << 62, fused_experts), align_by(0, fused_experts)
+        impls["align_kernel"], impls["align_sort"] = align_by(1 << 62, align_only), align_by(0, align_only)
     impls["torch"] = experts_native
     for name, impl in (("loop", "eager"), ("hf_grouped", "grouped_mm")):
         module = hf_experts(s, w13, w2, impl)
@@ -282,6 +302,12 @@ def report() -> None:
                 r = row.get(n, {})
                 cells.append(f"{r['us']:.1f} ({r['TFLOPs']:.1f}, {r['GBps']:.0f}, {r.get('x_fused_time', math.nan):.2f}x)"
                              if "us" in r else ("failed" if r else "-"))
+            print(f"| {tokens} | " + " | ".join(cells) + " |")
+        aligns = ["fused_kernel_align", "fused_sort_align", "align_kernel", "align_sort"]
+        print("\n`align_pairs`' two paths, us: the layer with each, and the alignment alone\n| tokens | "
+              + " | ".join(aligns) + " |\n" + "|---" * (len(aligns) + 1) + "|")
+        for tokens, row in layer["by_tokens"].items():
+            cells = [f"{row[n]['us']:.1f}" if "us" in row.get(n, {}) else "-" for n in aligns]
             print(f"| {tokens} | " + " | ".join(cells) + " |")
     roof = RESULTS.get("roofline_b1_tok_s")
     if RESULTS.get("decode_tok_s"):

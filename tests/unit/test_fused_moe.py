@@ -17,7 +17,7 @@ if torch.cuda.is_available():
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from rxf.plugins.models.layers import fused_moe_decode  # noqa: E402
+from rxf.plugins.models.layers import fused_moe, fused_moe_decode  # noqa: E402
 from rxf.plugins.models.layers.fused_moe import BlockConfig, align_pairs, fused_experts  # noqa: E402
 from rxf.plugins.models.layers.moe import ExpertScales, GatedActivation, experts_native, select_experts  # noqa: E402
 from rxf.testing.quantized_checkpoints import fp8_experts  # noqa: E402
@@ -260,10 +260,17 @@ def align_pairs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
     return sorted_pairs, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
 
 
+ALIGN_BY = {"kernel": 1 << 62, "sort": 0}  # fused_moe.ALIGN_SORT_MIN_CHUNKS for each of align_pairs' paths
+
+
+@pytest.mark.parametrize("path", ALIGN_BY)
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
                          [(1, 8, 2, 16), (300, 8, 2, 16), (300, 64, 6, 32), (700, 3, 1, 64), (50, 6, 4, 16)])
-def test_align_pairs_matches_torch(tokens: int, experts: int, top_k: int, block_m: int) -> None:
-    """Several chunks of the kernel's loops, expert counts that are not powers of two, unused experts."""
+def test_align_pairs_matches_torch(tokens: int, experts: int, top_k: int, block_m: int, path: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several chunks of the kernel's loops, expert counts that are not powers of two, unused experts;
+    the kernel and the sort path alike."""
+    monkeypatch.setattr(fused_moe, "ALIGN_SORT_MIN_CHUNKS", ALIGN_BY[path])
     gen = torch.Generator().manual_seed(tokens)
     skew = torch.linspace(0, 3, experts)
     _, ids = torch.topk(torch.randn(tokens, experts, generator=gen) + skew, top_k)
@@ -271,7 +278,20 @@ def test_align_pairs_matches_torch(tokens: int, experts: int, top_k: int, block_
         assert torch.equal(got, want)
 
 
-def test_align_pairs_region_map() -> None:
+def test_fused_experts_aligns_by_sort_from_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w13, w2, weights, ids = problem(33, 4, 3, 48, 40, torch.float32, seed=4)
+    by_kernel = fused_experts(x, w13, w2, weights, ids, SMALL)
+    sorts = []
+    monkeypatch.setattr(fused_moe, "ALIGN_SORT_MIN_CHUNKS", 33 * 3 / fused_moe._align_chunk(4))  # from 99 pairs
+    monkeypatch.setattr(fused_moe, "_align_by_sort", lambda *a, f=fused_moe._align_by_sort: sorts.append(a) or f(*a))
+    assert torch.equal(fused_experts(x, w13, w2, weights, ids, SMALL), by_kernel) and len(sorts) == 1
+    fused_experts(x[:32], w13, w2, weights[:32], ids[:32], SMALL)  # 96 pairs: below the threshold
+    assert len(sorts) == 1
+
+
+@pytest.mark.parametrize("path", ALIGN_BY)
+def test_align_pairs_region_map(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_moe, "ALIGN_SORT_MIN_CHUNKS", ALIGN_BY[path])
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2], [3, 0]])  # pairs of expert 3: 0 2 5 6 8; 0: 1 4 9
     block_m, pad = 4, 10  # pad: the pair count marks padding rows
     sorted_pairs, block_expert, total = align_pairs(ids, 5, block_m)

@@ -5,9 +5,11 @@ For x `[T, H]` and top-k routing (`topk_weights`, `topk_ids` `[T, k]`) there are
 pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13 `[E, 2I, H]` (rows
 `[gate | up]`), w2 `[E, H, I]`.
 
-1. `align_pairs` (one Triton program) sorts the pairs by expert and pads each expert's run to a
-   multiple of BLOCK_M, so that every block of BLOCK_M rows belongs to one expert (a dozen small torch
-   ops would cost more than the GEMMs' weight reads at decode). Region map of `sorted_pairs`:
+1. `align_pairs` sorts the pairs by expert and pads each expert's run to a multiple of BLOCK_M, so
+   that every block of BLOCK_M rows belongs to one expert: one Triton program for decode-sized batches
+   (a dozen small torch ops would cost more than the GEMMs' weight reads there), a stable sort and
+   torch ops for prefills (the one program walks the pairs in turn: at Qwen3-30B-A3B's 4,096-token
+   layer it took 1.8 of the layer's 2.8 ms). Region map of `sorted_pairs`:
      [start[e], start[e] + count[e])    expert e's pairs, ascending pair id
      [start[e] + count[e], end[e])      padding, value P (end[e] - start[e] is count[e] rounded up)
      [total, capacity)                  unused, value P; blocks starting here exit at once
@@ -92,6 +94,13 @@ def tuned_config(num_tokens: int, w13: torch.Tensor, dtype: torch.dtype) -> Bloc
     return None if blocks is None else BlockConfig(**blocks)
 
 
+# `align_pairs` sorts with torch ops from this many of the kernel's chunks of pairs (`_align_chunk`): the
+# kernel's one program walks the pairs a chunk at a time, so its time grows with them. One Qwen3-30B-A3B
+# layer on an H100 (benchmarks/RESULTS.md, 2026-12-07), us with the kernel / the sort: 256 tokens
+# (64 chunks) 565.0 / 578.2, 512 (128) 685.7 / 601.8, 4,096 2,755 / 1,158, 16,384 10,098 / 3,383.
+ALIGN_SORT_MIN_CHUNKS = 128
+
+
 @triton.jit(do_not_specialize=["num_pairs", "capacity", "num_blocks"])
 def _align_kernel(
     TopkIds, SortedPairs, BlockExpert, Total, num_pairs, capacity, num_blocks,
@@ -130,19 +139,47 @@ def _align_kernel(
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """(sorted_pairs int32 `[blocks * block_m]`, block_expert int32 `[blocks]`, total int32 `[1]`),
-    laid out as the module docstring's region map says; one kernel launch."""
+    laid out as the module docstring's region map says: one kernel launch, or from ALIGN_SORT_MIN_CHUNKS
+    of its chunks of pairs on `_align_by_sort` (the same tensors)."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     blocks = triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
+    chunk = _align_chunk(num_experts)
+    if num_pairs >= ALIGN_SORT_MIN_CHUNKS * chunk:
+        return _align_by_sort(flat, num_experts, block_m, blocks)
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
     total = torch.empty(1, dtype=torch.int32, device=flat.device)
     e_pad = triton.next_power_of_2(num_experts)
     _align_kernel[(1,)](
         flat, sorted_pairs, block_expert, total, num_pairs, sorted_pairs.numel(), blocks,
-        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=max(16, 4096 // e_pad),
+        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
     )
     return sorted_pairs, block_expert, total
+
+
+def _align_chunk(num_experts: int) -> int:
+    """Pairs the align kernel takes per step: its [chunk, experts] comparison tile holds ~4096 values."""
+    return max(16, 4096 // triton.next_power_of_2(num_experts))
+
+
+def _align_by_sort(flat: torch.Tensor, num_experts: int, block_m: int, blocks: int) -> tuple[torch.Tensor, ...]:
+    """`align_pairs`' tensors from a stable sort by expert and a dozen torch ops, every one parallel over
+    the pairs (the kernel's single program walks them in turn); no host synchronisation."""
+    ids = flat.to(torch.int64)
+    num_pairs, dev = ids.numel(), ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(ids, stable=True)  # ascending pair id within each expert, as the kernel places them
+    expert_of = ids[order]
+    rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[expert_of]
+    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs[(ends - padded)[expert_of] + rank] = order.to(torch.int32)
+    # A block's expert = how many runs end at or before its first row (the kernel's rule).
+    firsts = torch.arange(blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends, firsts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
 
 
 @triton.jit
