@@ -28,7 +28,7 @@ pair p is token p // k's choice p % k. Weights as `FusedExperts` holds them: w13
 Up to `fused_moe_decode.MAX_TOKENS` tokens without a caller's block sizes take `fused_moe_decode`'s
 two GEMV-shaped launches instead (no alignment, the top-k sum fused), unless the experts are so large
 that the pairs' expected twice-read weights cost more than that saves (`fused_moe_decode.serves`:
-gpt-oss-20b's batches of 2-4 come here).
+gpt-oss-20b's batches of 2-4 stay on the grouped kernels).
 
 FP8 weights (`scales`: `moe.ExpertScales`) are weight-only in both paths: each weight tile is loaded
 in FP8 (half the bytes), upcast to x.dtype in registers and multiplied by its scales in float32 —

@@ -75,8 +75,8 @@ GATE_UP_BLOCKS: Blocks = (16, 256, 4, 1, True)
 DOWN_BLOCKS: Blocks = (32, 128, 8, 1, True)
 # Shapes whose sweep (`benchmarks/gpu_moe_decode.py --shape ...`) favoured other blocks, by (experts,
 # expert width on this rank, hidden), as `label`s: gpt-oss-20b on an H100 (2026-12-07): the down kernel
-# at (32, 256, 4 warps) 70.4 us a 1-token layer against the defaults' 72.2, batch-1 decode 298.1 ->
-# 306.6 tok/s (its batches of 2-4 take the grouped kernels, `serves`).
+# at (32, 256, 4 warps) 70.4 us a 1-token layer against the defaults' 72.2, batch-1 decode 298.5 ->
+# 307.6 tok/s (its batches of 2-4 take the grouped kernels, `serves`).
 SHAPE_BLOCKS: dict[tuple[int, int, int], tuple[str, str]] = {
     (32, 2880, 2880): ("n16k256w4st1r", "n32k256w4st1r"),
 }
