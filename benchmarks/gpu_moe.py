@@ -9,7 +9,7 @@ Phases, each guarded as in gpu_decode.py (a failure prints its traceback and the
            holds them already)
   kernels  one MoE layer with random bf16 weights: --shape mixtral-8x7b (hidden 4096, intermediate
            14336, 8 experts, top 2) for 1, 16, 64, 256, 1024 and 4096 tokens, or qwen3-30b-a3b (hidden
-           2048, moe_intermediate 768, 128 experts, top 8) for 1, 2, 4, ..., 1024 and 4096 tokens;
+           2048, moe_intermediate 768, 128 experts, top 8) for 1, 2, 4, ..., 1024, 4096, 8192 and 16384 tokens;
            skewed random routing, 8 routings cycled through by successive calls (so that few tokens
            read other experts each call, not L2 hits); median time (triton.testing.do_bench) of
              fused      rxf's Triton kernels (fused_moe.fused_experts, alignment included) with the
@@ -19,6 +19,9 @@ Phases, each guarded as in gpu_decode.py (a failure prints its traceback and the
              torch      rxf's torch path (moe.experts_native: sort, one matmul pair per expert)
              loop       the per-expert loop: transformers' MixtralExperts, experts_implementation="eager"
              hf_grouped transformers' MixtralExperts with "grouped_mm" (torch._grouped_mm), for reference
+             fused_kernel_align / fused_sort_align  fused with `align_pairs` on one of its paths (the
+                        one-program kernel, the torch-ops sort), and align_kernel / align_sort: the
+                        alignment alone (a second table)
            with TFLOP/s (2 * tokens * top_k * 3 * hidden * intermediate), GB/s (weights of the experts
            the tokens hit, plus activations in and out, each read once) and each one's time / fused's;
            `fused_rel_err` is the fused output's relative error against the torch path.
