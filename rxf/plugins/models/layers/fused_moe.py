@@ -150,10 +150,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
     total = torch.empty(1, dtype=torch.int32, device=flat.device)
-    e_pad = triton.next_power_of_2(num_experts)
     _align_kernel[(1,)](
         flat, sorted_pairs, block_expert, total, num_pairs, sorted_pairs.numel(), blocks,
-        NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk,
+        NUM_EXPERTS=num_experts, E_PAD=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=chunk,
     )
     return sorted_pairs, block_expert, total
 
