@@ -7,7 +7,7 @@
 # (git-ignored, carried) and the next call restores them. benchmarks/fi_cache_build.py builds such
 # parts on the CPU box. Carried paths travel within 64 MiB in all: the cuDNN frontend wheel (11.6 MB;
 # FlashInfer imports it only if present, for cuDNN paths rxf does not use) can stay out of .whl/.
-#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|tune|fi-tests|quant|quant-ab|offline-profile|pytest|h200|others [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|tune|fi-tests|quant|quant-ab|offline-profile|pytest|h200|others|stream [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -170,6 +170,21 @@ elif [ "$stage" = variants ]; then
       --phases decode1 --backends triton $vargs --output "$out/var-$preset-$i.json" > "$out/var-$preset-$i.log" 2>&1
     echo "$preset $envs: rc $? $(grep '^decode1' "$out/var-$preset-$i.log" | tail -n 1)"
     i=$((i + 1))
+  done
+elif [ "$stage" = stream ]; then
+  # "stream": the FP8 decode projections' weight-read ceiling against the block-wise FP8 GEMV
+  # (gpu_stream.py; STREAM_READERS, default tail,gemv,int4), then batch-1 decode of bf16 and the block-wise
+  # FP8 checkpoint made from it with the shape defaults, then of FP8 with each role's fastest label
+  # of that sweep and with each RXF_QGEMV value in STREAM_QGEMV (space-separated), each its own process.
+  timeout "${STREAM_S:-200}" python3 benchmarks/gpu_stream.py --readers "${STREAM_READERS:-tail,gemv,int4}" \
+    --json "$out/stream.json" > "$out/stream.log" 2>&1
+  echo "stream: rc $?"; grep -v -i warn "$out/stream.log"
+  dir=/tmp/rxf-var-llama3-8b; G="python3 benchmarks/gpu_decode.py --preset llama3-8b --model-dir $dir --backends triton --decode1-batches 4"
+  timeout 300 $G --quantization bf16,fp8 --phases build,bandwidth,decode1 > "$out/stream-decode1.log" 2>&1
+  echo "decode1 bf16, fp8 defaults: rc $?"; grep -E "^decode1 |copy bandwidth|roofline" "$out/stream-decode1.log"
+  for q in "$(python3 benchmarks/gpu_stream.py --pick "$out/stream.json")" ${STREAM_QGEMV:-}; do
+    timeout 120 env RXF_QGEMV="$q" $G --quantization fp8 --phases decode1 > "$out/stream-q.log" 2>&1
+    echo "RXF_QGEMV=$q: rc $? $(grep -E '^decode1 ' "$out/stream-q.log" | tail -n 2 | tr '\n' ' ')"
   done
 elif [ "$stage" = fi-tests ]; then
   # "fi-tests [pytest args]": the FlashInfer cases of the attention-feature tests over a JIT cache
