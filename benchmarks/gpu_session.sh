@@ -173,11 +173,11 @@ elif [ "$stage" = variants ]; then
   done
 elif [ "$stage" = stream ]; then
   # "stream": the FP8 decode projections' weight-read ceiling against the block-wise FP8 GEMV
-  # (gpu_stream.py; STREAM_READERS, default tail,gemv,int4), then batch-1 decode of bf16 and the block-wise
+  # (gpu_stream.py; STREAM_READERS, default tail,gemv,int4; STREAM_LABELS its --labels), then batch-1 decode of bf16 and the block-wise
   # FP8 checkpoint made from it with the shape defaults, then of FP8 with each role's fastest label
   # of that sweep and with each RXF_QGEMV value in STREAM_QGEMV (space-separated), each its own process.
   timeout "${STREAM_S:-200}" python3 benchmarks/gpu_stream.py --readers "${STREAM_READERS:-tail,gemv,int4}" \
-    --json "$out/stream.json" > "$out/stream.log" 2>&1
+    ${STREAM_LABELS:+--labels "$STREAM_LABELS"} --json "$out/stream.json" > "$out/stream.log" 2>&1
   echo "stream: rc $?"; grep -v -i warn "$out/stream.log"
   dir=/tmp/rxf-var-llama3-8b; G="python3 benchmarks/gpu_decode.py --preset llama3-8b --model-dir $dir --backends triton --decode1-batches 4"
   timeout 300 $G --quantization bf16,fp8 --phases build,bandwidth,decode1 > "$out/stream-decode1.log" 2>&1

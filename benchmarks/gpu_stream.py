@@ -36,6 +36,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -54,9 +55,9 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (286
 ROW_TILES = ((64, 128), (32, 256), (16, 512), (8, 1024), (64, 256), (32, 512))
 PER_SM = (5, 10)  # programs a SM the split aims at (the row GEMV's default: 5)
 TMA = ((64, 128, 3), (32, 256, 3), (16, 512, 3), (64, 256, 3), (64, 256, 4), (128, 256, 3))
-# block-wise FP8 GEMV labels beside each shape's default: no split (no hand-off), fewer rows a program
-LABELS = ("rn8k128s1st1w4,rn16k128s1st1w4,rn32k128s1st1w4,rn16k128s1st2w4,rn8k128s1st1w2,"
-          "rn16k128s2st1w4,rn32k128s2st1w4")
+# block-wise FP8 GEMV labels beside each shape's default: two tiles read ahead (`st2`) at tiles whose
+# registers leave room for 8 or more programs a SM, split so that the grid is one wave of them
+LABELS = "rn32k128s4st2w4,rn32k128s5st2w4,rn32k128s8st2w4,rn16k128s5st2w2,rn16k128s8st2w2,rn64k128s8st2w8,rn32k128s1st2w4"
 # int4 (words [K / 8, N], N contiguous: a split over K is what gives narrow shapes their programs)
 INT4_LABELS = "rn64k128s0st1w2,rn256k128s0st1w4,rn128k256s0st1w4"
 INT4_DEFAULTS = {(4096, 4096): "rn128k128s18st1w4", (28672, 4096): "rn64k128s4st1w4"}
@@ -206,10 +207,11 @@ def _tile_of(label: str) -> tuple[int, int, int]:
     return int(m[1]), int(m[2]), int(m[3])
 
 
-def _time(fn: Callable[[torch.Tensor], torch.Tensor], ws: list[torch.Tensor]) -> float | str:
+def _time(make: Callable[[], Callable[[torch.Tensor], torch.Tensor]], ws: list[torch.Tensor]) -> float | str:
+    """GPU time per call of the reader `make()` builds, or why there is none."""
     try:
-        return round(gpu_gemv.graph_us(fn, ws), 2)
-    except Exception as e:  # a tile Triton cannot compile here (shared memory, TMA limits)
+        return round(gpu_gemv.graph_us(make(), ws), 2)
+    except Exception as e:  # a label the GEMV refuses, a tile Triton cannot compile here (shared memory, TMA)
         return f"failed: {type(e).__name__}: {e}"[:160]
 
 
@@ -264,34 +266,34 @@ def main() -> None:
         if "rows" in readers:
             for bn, bk in ROW_TILES:
                 for per_sm in PER_SM:
-                    rows[f"rows {bn}x{bk}B {per_sm}/SM"] = _time(_rows(n, k, bn, bk, per_sm), ws)
+                    rows[f"rows {bn}x{bk}B {per_sm}/SM"] = _time(partial(_rows, n, k, bn, bk, per_sm), ws)
         if "flat" in readers:
             for per_sm in PER_SM:
-                rows[f"flat 16KB {per_sm}/SM"] = _time(_flat(n, k, per_sm), ws)
+                rows[f"flat 16KB {per_sm}/SM"] = _time(partial(_flat, n, k, per_sm), ws)
         if "tma" in readers:
             for bn, bk, stages in TMA:
                 for per_sm in PER_SM:
-                    rows[f"tma {bn}x{bk}B st{stages} {per_sm}/SM"] = _time(_tma(n, k, bn, bk, stages, per_sm), ws)
+                    rows[f"tma {bn}x{bk}B st{stages} {per_sm}/SM"] = _time(partial(_tma, n, k, bn, bk, stages, per_sm), ws)
         default = SHAPE_DEFAULTS[("fp8-block", n, k)]
         if "tail" in readers:  # the default tile and split read alone, then with the GEMV's hand-off
             bn, bk, split = _tile_of(default)
-            rows[f"rows {bn}x{bk}B s{split}"] = _time(_rows(n, k, bn, bk, 0, split=split), ws)
-            rows[f"rows {bn}x{bk}B s{split} + hand-off"] = _time(_rows(n, k, bn, bk, 0, True, split), ws)
+            rows[f"rows {bn}x{bk}B s{split}"] = _time(partial(_rows, n, k, bn, bk, 0, split=split), ws)
+            rows[f"rows {bn}x{bk}B s{split} + hand-off"] = _time(partial(_rows, n, k, bn, bk, 0, True, split), ws)
         if "gemv" in readers:
             x = torch.randn(1, k, dtype=torch.bfloat16, device=DEVICE)
             scales = torch.rand(n // 128, k // 128, device=DEVICE) + 0.5
             for label in (default, *args.labels.split(",")):
-                rows[f"fp8-block gemv {label}"] = _time(_gemv(n, k, x, scales, label), ws)
+                rows[f"fp8-block gemv {label}"] = _time(partial(_gemv, n, k, x, scales, label), ws)
         if "int4" in readers:  # the same shape in int4: half the bytes (plus scales and zeros)
             wi = [w.view(-1)[: n * k // 8].view(k // 8, n) for w in ws]
             x = torch.randn(1, k, dtype=torch.bfloat16, device=DEVICE)
             int4_bytes = n * k // 2 + 2 * 2 * (k // 128) * n
             for per_sm in PER_SM:
-                us = _time(_flat(n // 2, k, per_sm), wi)
+                us = _time(partial(_flat, n // 2, k, per_sm), wi)
                 rows[f"int4 bytes: flat 16KB {per_sm}/SM"] = (us, int4_bytes)
             default = INT4_DEFAULTS.get((n, k), "rn128k128s0st1w2")
             for label in (default, *args.int4_labels.split(",")):
-                rows[f"int4 gemv {label}"] = (_time(_int4(n, k, x, label), wi), int4_bytes)
+                rows[f"int4 gemv {label}"] = (_time(partial(_int4, n, k, x, label), wi), int4_bytes)
         rows = {name: v if isinstance(v, tuple) else (v, nbytes) for name, v in rows.items()}
         table = {name: {"us": us, "tbps": round(nbytes / us / 1e6, 3), "of_copy": round(nbytes / us / 1e6 / copy, 3)}
                  if isinstance(us, float) else {"us": us} for name, (us, nbytes) in rows.items()}
@@ -300,12 +302,15 @@ def main() -> None:
             del ws
             wb = [torch.randn(n, k, dtype=torch.bfloat16, device=DEVICE) for _ in range(max(2, copies // 2))]
             x = torch.randn(1, k, dtype=torch.bfloat16, device=DEVICE)
-            us = _time(lambda w, x=x: torch.nn.functional.linear(x, w), wb)
+            us = _time(partial(partial, torch.nn.functional.linear, x), wb)
             if isinstance(us, float):
                 table["bf16 cuBLAS (2 bytes a weight)"] = {"us": us, "tbps": round(2 * nbytes / us / 1e6, 3),
                                                          "of_copy": round(2 * nbytes / us / 1e6 / copy, 3)}
             del wb
         results["shapes"][role] = table
+        if args.json:  # after every shape: a later failure keeps what ran
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         print(f"\n{role} {n} x {k}: {nbytes / 1e6:.1f} MB in FP8")
         for name, r in table.items():
             extra = f"{r['tbps']:.2f} TB/s, {100 * r['of_copy']:.1f}% of copy" if "tbps" in r else ""
