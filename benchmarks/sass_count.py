@@ -2,7 +2,11 @@
 machine without a GPU: a static measure of a kernel's ALU cost while no device time is left.
 
     python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16|fp8-x|fp8-block-x|moe-gate-up|moe-down]
-        [--block-n 16 --block-k 256 --warps 8] [--experts fp8-block|fp8-row|bf16] [--gated]
+        [--block-n 16 --block-k 256 --warps 8] [--experts fp8-block|fp8-row|bf16] [--gated] [--regs]
+
+`--regs` adds the registers a thread takes (ptxas's report for the kernel's PTX) and how many programs an
+SM then holds: a latency-bound GEMV keeps only that many tiles in flight per SM (benchmarks/RESULTS.md,
+2026-12-07: the block-wise FP8 row kernel at 64 x 128 / 4 warps, 121 registers, 4 programs).
 
 fp8-x / fp8-block-x: the tile kernel (`qgemv_kernel`, 4 stages) with x quantized to E4M3 per tile and
 FP8 x FP8 dots (`RXF_QGEMV` label prefix x); its multiplies run on the tensor cores (QGMMA), so its
@@ -24,7 +28,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -38,12 +45,34 @@ _DENSE_SIG = {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Out": "*bf16", "Part
               "N_OUT": "i32", "K": "i32", "stride_wn": "i32", "stride_om": "i32"}
 
 
-def loop_instructions(fn, signature: dict[str, str], constants: dict, warps: int, stages: int = 3) -> list[str]:
+def compile_sm90(fn, signature: dict[str, str], constants: dict, warps: int, stages: int = 3):
     sig = {**signature, **dict.fromkeys(constants, "constexpr")}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] not in ("constexpr", "fp32")}
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constants, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def registers(kernel) -> int:
+    """Registers a thread of `kernel` takes, as Triton's bundled ptxas reports them for its PTX."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(kernel.asm["ptx"])
+        ptx.flush()
+        report = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull],
+                                capture_output=True, text=True, check=True).stderr
+    return int(re.search(r"Used (\d+) registers", report).group(1))
+
+
+def programs_per_sm(regs: int, warps: int) -> int:
+    """How many programs of `warps` warps and `regs` registers a thread an H100 / H200 SM holds at
+    once by registers (65,536, allocated 256 a warp) and warps (64); shared memory aside."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 64 // warps, 32)
+
+
+def loop_instructions(kernel) -> list[str]:
     labels: dict[str, int] = {}
     ins: list[str] = []
     for line in get_sass(kernel.asm["cubin"]).splitlines():
@@ -93,6 +122,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=8)
     ap.add_argument("--stages", type=int, default=0, help="pipeline stages (default: 4 for tile kernels, else 3)")
     ap.add_argument("--gated", action="store_true", help="quantized row kernels: [gate | up] and SiLU·mul")
+    ap.add_argument("--regs", action="store_true", help="also the registers a thread (ptxas) and the programs a SM")
     args = ap.parse_args()
     bn, bk = args.block_n, args.block_k
     rows = 1  # weight rows a program multiplies per output column (gate/up: two)
@@ -134,12 +164,16 @@ def main() -> None:
             consts["BLOCK_N"], rows = bn // 2, 2
             bn //= 2
     tile = args.kernel.endswith("-x") or args.kernel == "int4-tile"
-    loop = loop_instructions(fn, sig, consts, args.warps, args.stages or (4 if tile else 3))
+    kernel = compile_sm90(fn, sig, consts, args.warps, args.stages or (4 if tile else 3))
+    loop = loop_instructions(kernel)
     ops = collections.Counter(re.sub(r"^@!?P\w+\s+", "", t).split()[0].split(".")[0] for t in loop)
     per_thread = rows * bn * bk / (32 * args.warps)
     print(f"{args.kernel} {bn} x {bk}, {args.warps} warps: {len(loop)} loop instructions, "
           f"{len(loop) / per_thread:.2f} a weight")
     print(", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
+    if args.regs:
+        regs = registers(kernel)
+        print(f"{regs} registers a thread: {programs_per_sm(regs, args.warps)} programs a SM")
 
 
 if __name__ == "__main__":
