@@ -27,6 +27,12 @@ Each program holds one weight tile ahead of the one it multiplies, or two (`AHEA
 An f16x2 dot of FP8 words (two weights an operation) was tried and lost end to end on an H100
 (benchmarks/RESULTS.md, 2026-12-06, "FP8 words in f16x2, end to end"), so FP8 stays in float32.
 
+What bounds it (H100, 2026-12-07, RESULTS.md): the block-wise FP8 kernel at its shape defaults reads
+at 72-89% of a kernel that only loads the same bytes (`benchmarks/gpu_stream.py`), and is latency-bound,
+not issue-bound: at 64 x 128 / 4 warps a thread takes 121 registers, so an SM holds 4 programs and at
+most 32 KB of weights in flight, and 62% of a warp's stalls wait on them (Nsight Compute). A tile's
+register count and programs a SM: `benchmarks/sass_count.py --regs`.
+
 GATED (`qgemv.QuantGemv.activated`): the SiLU·mul after a `[gate | up]` projection in the same launch,
 as the dense GEMV does; each program dots block_n / 2 gate rows and the matching up rows with the same
 x, so the grid and a program's bytes are the plain kernel's (on an H100, 2026-12-06, AWQ decoded at
