@@ -173,10 +173,11 @@ elif [ "$stage" = variants ]; then
   done
 elif [ "$stage" = stream ]; then
   # "stream": the FP8 decode projections' weight-read ceiling against the block-wise FP8 GEMV
-  # (gpu_stream.py; STREAM_READERS, default tail,gemv,int4; STREAM_LABELS its --labels), then batch-1 decode of bf16 and the block-wise
-  # FP8 checkpoint made from it with the shape defaults, then of FP8 with each role's fastest label
-  # of that sweep and with each RXF_QGEMV value in STREAM_QGEMV (space-separated), each its own process.
-  # STREAM_FORMATS=fp8 leaves bf16 out (a call short of time); STREAM_READERS=none skips the sweep.
+  # (gpu_stream.py; STREAM_READERS, default tail,gemv,int4; STREAM_LABELS its --labels), then batch-1
+  # decode of bf16 and the block-wise FP8 checkpoint made from it with the shape defaults, then of FP8
+  # with each role's fastest label of that sweep and with each RXF_QGEMV value in STREAM_QGEMV
+  # (space-separated), each its own process. STREAM_FORMATS=fp8 leaves bf16 out (a call short of
+  # time); STREAM_READERS=none skips the sweep (its pick is then the defaults again).
   timeout "${STREAM_S:-200}" python3 benchmarks/gpu_stream.py --readers "${STREAM_READERS:-tail,gemv,int4}" \
     ${STREAM_LABELS:+--labels "$STREAM_LABELS"} --json "$out/stream.json" > "$out/stream.log" 2>&1
   echo "stream: rc $?"; grep -v -i warn "$out/stream.log"
