@@ -295,9 +295,8 @@ def main() -> None:
             for label in (default, *args.int4_labels.split(",")):
                 rows[f"int4 gemv {label}"] = (_time(partial(_int4, n, k, x, label), wi), int4_bytes)
         rows = {name: v if isinstance(v, tuple) else (v, nbytes) for name, v in rows.items()}
-        table = {name: {"us": us, "tbps": round(nbytes / us / 1e6, 3), "of_copy": round(nbytes / us / 1e6 / copy, 3)}
-                 if isinstance(us, float) else {"us": us} for name, (us, nbytes) in rows.items()}
-        nbytes = n * k
+        table = {name: {"us": us, "tbps": round(size / us / 1e6, 3), "of_copy": round(size / us / 1e6 / copy, 3)}
+                 if isinstance(us, float) else {"us": us} for name, (us, size) in rows.items()}
         if "bf16" in readers:
             del ws
             wb = [torch.randn(n, k, dtype=torch.bfloat16, device=DEVICE) for _ in range(max(2, copies // 2))]
@@ -316,9 +315,6 @@ def main() -> None:
             extra = f"{r['tbps']:.2f} TB/s, {100 * r['of_copy']:.1f}% of copy" if "tbps" in r else ""
             print(f"  {name:36s} {r['us']!s:>10} us  {extra}")
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
