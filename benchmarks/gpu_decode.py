@@ -318,7 +318,8 @@ def gpt_oss_bytes(shapes: dict[str, tuple[int, ...]], p: Preset) -> dict[str, in
 
 
 # ---------------------------------------------------------------- bandwidth
-def bandwidth() -> None:
+def copy_rate() -> float:
+    """The device's copy rate in bytes a second, read + write: the median of 10 timed 2 GiB copies."""
     src = torch.randn(2 * 2**30 // 4, device="cuda")  # 2 GiB, far beyond L2
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -333,7 +334,11 @@ def bandwidth() -> None:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     times.sort()
-    bw = 2 * src.numel() * 4 / times[len(times) // 2]
+    return 2 * src.numel() * 4 / times[len(times) // 2]
+
+
+def bandwidth() -> None:
+    bw = copy_rate()
     RESULTS["copy_bandwidth_GBps"] = bw / 1e9
     # The bytes a batch-1 token reads (`weight_bytes`' formula); callers that set only weight_bytes
     # (gpu_moe.py) have already counted it so.

@@ -21,9 +21,10 @@ Readers (`--readers`, all by default):
   bf16      cuBLAS on the bf16 weight of the same shape (twice the bytes)
 
 Times are `gpu_gemv.graph_us` (one call per rotating weight copy, >= 512 MB, in one CUDA graph); TB/s are
-the bytes read over that time, and "of copy" their share of the device's copy rate as `gpu_decode.py`
-measures it (read + write over time), which the decode rooflines divide by. `--pick JSON` prints the `RXF_QGEMV` of each role's fastest
-block-wise FP8 label in a `--json` file (`gpu_session.sh stream` decodes with it).
+the bytes read over that time, and "of copy" their share of the device's copy rate
+(`gpu_decode.copy_rate`, read + write over time), which the decode rooflines divide by. `--pick JSON`
+prints the `RXF_QGEMV` of each role's fastest block-wise FP8 label in a `--json` file (`gpu_session.sh
+stream` decodes with it).
 
     python3 benchmarks/gpu_stream.py [--readers rows,flat,tma,tail,gemv,int4,bf16] [--json OUT] [--pick JSON]
 """
@@ -44,6 +45,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
+import gpu_decode  # noqa: E402
 import gpu_gemv  # noqa: E402
 
 from rxf.plugins.models.layers.gemv_kernel import ROWS as BLOCK_M  # noqa: E402
@@ -227,22 +229,6 @@ def pick(results: dict[str, Any]) -> str:
     return ",".join(chosen)
 
 
-def copy_tbps() -> float:
-    """The device's copy rate as `gpu_decode.bandwidth` measures it (2 GiB float32, median of 10)."""
-    src = torch.randn(2 * 2**30 // 4, device=DEVICE)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * 4 / sorted(times)[len(times) // 2] / 1e12
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--readers", default="rows,flat,tma,tail,gemv,bf16")
@@ -255,7 +241,7 @@ def main() -> None:
         print(pick(json.load(open(args.pick))))
         return
     readers = set(args.readers.split(","))
-    copy = copy_tbps()
+    copy = gpu_decode.copy_rate() / 1e12
     print(f"{torch.cuda.get_device_name()}: copy {copy:.2f} TB/s (read + write)")
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_tbps": round(copy, 3), "shapes": {}}
     for role, (n, k) in SHAPES.items():
