@@ -203,8 +203,8 @@ def _int4(n: int, k: int, x: torch.Tensor, label: str) -> Callable[[torch.Tensor
 
 
 def _tile_of(label: str) -> tuple[int, int, int]:
-    """(rows, bytes along K, split) of a row label `rn{n}k{k}s{split}st..w..`."""
-    m = re.fullmatch(r"rn(\d+)k(\d+)s(\d+)st\d+w\d+", label)
+    """(rows, bytes along K, split) of a row label `[t]rn{n}k{k}s{split}st..w..`."""
+    m = re.fullmatch(r"t?rn(\d+)k(\d+)s(\d+)st\d+w\d+", label)
     assert m, label
     return int(m[1]), int(m[2]), int(m[3])
 

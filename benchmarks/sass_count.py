@@ -1,13 +1,16 @@
 """Instructions per weight in the K loop of the batch-1 GEMV kernels, compiled for the H200 (sm_90) on a
 machine without a GPU: a static measure of a kernel's ALU cost while no device time is left.
 
-    python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16|fp8-x|fp8-block-x|moe-gate-up|moe-down]
+    python benchmarks/sass_count.py [--kernel fp8|fp8-block|int4|bf16|fp8-x|fp8-block-x|fp8-tma|fp8-block-tma|
+        moe-gate-up|moe-down]
         [--block-n 16 --block-k 256 --warps 8] [--experts fp8-block|fp8-row|bf16] [--gated] [--regs]
 
 `--regs` adds the registers a thread takes (ptxas's report for the kernel's PTX) and how many programs an
 SM then holds: a latency-bound GEMV keeps only that many tiles in flight per SM (benchmarks/RESULTS.md,
 2026-12-07: the block-wise FP8 row kernel at 64 x 128 / 4 warps, 121 registers, 4 programs).
 
+fp8-tma / fp8-block-tma: the row kernel fed by TMA (`qgemv_tma_kernel`, `--stages` its pipeline's
+stages, at least 2); `--regs` then adds its shared memory and the programs a SM that leaves.
 fp8-x / fp8-block-x: the tile kernel (`qgemv_kernel`, 4 stages) with x quantized to E4M3 per tile and
 FP8 x FP8 dots (`RXF_QGEMV` label prefix x); its multiplies run on the tensor cores (QGMMA), so its
 count is the per-weight share of everything else (x's quantization, addresses, the pipeline).
@@ -65,6 +68,9 @@ def registers(kernel) -> int:
     return int(re.search(r"Used (\d+) registers", report).group(1))
 
 
+_SMEM_PER_SM = 228 * 1024  # an H100 / H200 SM's shared memory (1 KB of it reserved per program: ignored)
+
+
 def programs_per_sm(regs: int, warps: int) -> int:
     """How many programs of `warps` warps and `regs` registers a thread an H100 / H200 SM holds at
     once by registers (65,536, allocated 256 a warp) and warps (64); shared memory aside."""
@@ -73,6 +79,8 @@ def programs_per_sm(regs: int, warps: int) -> int:
 
 
 def loop_instructions(kernel) -> list[str]:
+    """The body of the longest backward branch that holds no EXIT: the K loop (an mbarrier wait's retry
+    path, which ptxas places past the kernel's exits and which jumps back into the loop, spans more)."""
     labels: dict[str, int] = {}
     ins: list[str] = []
     for line in get_sass(kernel.asm["cubin"]).splitlines():
@@ -84,7 +92,9 @@ def loop_instructions(kernel) -> list[str]:
     for i, text in enumerate(ins):
         m = re.search(r"BRA\s+`?\(?(\.?L\w+)", text)
         if m and labels.get(m.group(1), i) < i and i + 1 - labels[m.group(1)] > len(loop):
-            loop = ins[labels[m.group(1)]:i + 1]
+            body = ins[labels[m.group(1)]:i + 1]
+            if not any(re.search(r"\bEXIT\b", t) for t in body):
+                loop = body
     return loop
 
 
@@ -115,7 +125,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel", choices=["fp8", "fp8-block", "int4", "int4-f16", "int4-f32", "int4-tile", "bf16", "fp8-x", "fp8-block-x",
-                                         "moe-gate-up", "moe-down"], default="fp8")
+                                         "fp8-tma", "fp8-block-tma", "moe-gate-up", "moe-down"], default="fp8")
     ap.add_argument("--experts", choices=["fp8-block", "fp8-row", "bf16"], default="fp8-block")
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=256)
@@ -143,6 +153,16 @@ def main() -> None:
                       PDL=True, XQ=fmt != 2)
         sig = {name: sig[name] for name in ("X", "W", "Scales", "Zeros", "Bias", "Out", "Partials", "Counters", "M",
                                             "N", "K", "stride_xm", "stride_w", "stride_s", "stride_om", "MASK", "MAGIC")}
+    elif args.kernel.endswith("-tma"):  # `qgemv_tma_kernel` (label prefix t), --stages its pipeline's
+        from rxf.plugins.quantization.qgemv_tma_kernel import _qgemv_tma_kernel
+
+        fmt = int(args.kernel == "fp8-block-tma")
+        fn = _qgemv_tma_kernel
+        sig = {name: _QUANT_SIG[name] for name in ("X", "Scales", "Bias", "Out", "Partials", "Counters", "N", "K",
+                                                   "stride_s", "stride_om")}
+        sig = {"X": sig.pop("X"), "desc": f"tensordesc<i32[{bn}, {bk // 4}]>", **sig}
+        consts = dict(FORMAT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, HAS_BIAS=False, SCALE_ROWS=128 if fmt else 1,
+                      SCALE_K=128 if fmt else 4096, PDL=True, ASM=True, STAGES=max(args.stages, 2))
     elif args.kernel == "bf16":
         fn, sig = _gemv_row_kernel, _DENSE_SIG
         consts = dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=2, GATED=False, HAS_BIAS=False, PDL=True)
@@ -173,7 +193,9 @@ def main() -> None:
     print(", ".join(f"{op} {n}" for op, n in ops.most_common(16)))
     if args.regs:
         regs = registers(kernel)
-        print(f"{regs} registers a thread: {programs_per_sm(regs, args.warps)} programs a SM")
+        smem = kernel.metadata.shared
+        by_smem = f", {smem / 1024:.1f} KB of shared memory ({_SMEM_PER_SM // smem} a SM by it)" if smem >= 1024 else ""
+        print(f"{regs} registers a thread: {programs_per_sm(regs, args.warps)} programs a SM{by_smem}")
 
 
 if __name__ == "__main__":

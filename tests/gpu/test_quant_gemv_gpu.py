@@ -123,6 +123,34 @@ def test_gemv_with_a_label_from_the_environment(fmt: str, label: str, default_se
         assert _rel_err(op(x, bias), F.linear(x.float(), dense, bias.float())) < 1e-2, f"m={m}"
 
 
+@pytest.mark.skipif(torch.cuda.get_device_capability() < (9, 0), reason="TMA needs sm_90")
+@pytest.mark.parametrize("label", ["trn32k128s0st4w4", "trn64k128s6st3w4", "trn16k128s8st6w2"])
+@pytest.mark.parametrize("role", SHAPES)
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
+def test_tma_row_kernel_matches_the_dequantized_matmul_and_replays(fmt: str, role: str, label: str,
+                                                                    default_settings: pytest.MonkeyPatch) -> None:
+    """Prefix t: batch 1 reads the weight by TMA (`qgemv_tma_kernel`), with a bias and under PDL, and a
+    CUDA graph of it replays the same bits; 2 rows take the tile kernel."""
+    default_settings.setenv(qgemv.ENV, f"{fmt}={label}")
+    qgemv._plan.cache_clear()
+    op, dense = _layer(fmt, role, torch.Generator(device=DEV).manual_seed(3))
+    assert op is not None and op.tma_desc is not None and op.label.startswith("trn"), op.label
+    n, k = SHAPES[role]
+    bias = torch.randn(n, device=DEV).to(BF16)
+    for m in (1, 2):
+        x = _x(m, k, 7 + m)
+        assert _rel_err(op(x, bias), F.linear(x.float(), dense, bias.float())) < 1e-2, f"m={m}"
+        assert not op.counters.any()
+    static_x = _x(1, k, 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = op(static_x, bias)
+    for seed in range(2):
+        static_x.copy_(_x(1, k, 200 + seed))
+        graph.replay()
+        torch.testing.assert_close(static_out, op(static_x, bias), rtol=0, atol=0)
+
+
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the shape defaults are sm_90's")
 @pytest.mark.parametrize("fmt", qgemv.FORMATS)
 def test_unnamed_formats_take_the_measured_settings_of_their_shape(fmt: str, default_settings) -> None:
@@ -279,9 +307,11 @@ def _decode_step(harness: ModelHarness, prompts: list[list[int]]) -> tuple[torch
 # The tile kernel at every batch (ALL_AUTO), or at batch 1 the row kernel, which takes the SiLU·mul after
 # gate/up into its launch here in every format (`QuantGemv.activated`).
 ROW_LABELS = "fp8=rn32k128s0st1w4,fp8-block=rn32k128s0st1w4,int4=rn32k128s0st1w2"
+# FP8 at batch 1 through the TMA-fed row kernel (`qgemv_tma_kernel`), its SiLU·mul a launch of its own.
+TMA_LABELS = "fp8=trn32k128s0st3w4,fp8-block=trn32k128s0st3w4,int4=rn32k128s0st1w2"
 
 
-@pytest.mark.parametrize("settings", [ALL_AUTO, ROW_LABELS], ids=["tile", "row"])
+@pytest.mark.parametrize("settings", [ALL_AUTO, ROW_LABELS, TMA_LABELS], ids=["tile", "row", "tma"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_quantized_checkpoint_decodes_through_the_gemv(dense_checkpoint, tmp_path, case, settings,
                                                         monkeypatch) -> None:

@@ -29,6 +29,9 @@ SPLITS = pytest.mark.parametrize("split", [1, 3], ids=lambda s: f"split{s}")
 # The tile kernel (`qgemv_kernel`, 2 stages) and, for one row of x, the row kernel (`qgemv_row_kernel`;
 # label prefix r) with two weight tiles read ahead (st2) or one (st1, its default): (prefix, stages).
 FORMS = pytest.mark.parametrize("form", [("", 2), ("r", 2), ("r", 1)], ids=["tile", "row", "row-ahead1"])
+# FP8 formats also: one row of x through the TMA-fed row kernel (`qgemv_tma_kernel`; prefix t, 3 stages).
+FP8_FORMS = pytest.mark.parametrize("form", [("", 2), ("r", 2), ("r", 1), ("tr", 3)],
+                                    ids=["tile", "row", "row-ahead1", "tma"])
 
 
 @pytest.fixture
@@ -59,7 +62,7 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@FORMS
+@FP8_FORMS
 @SPLITS
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("scales", ["per-channel", "per-tensor"])
@@ -76,12 +79,12 @@ def test_fp8_row_scales(qgemv_env, dtype, scales, m, split, form):
         scale = scale.max().expand(40).contiguous()
         q = (w / scale[:, None]).to(fp8_ops.FP8)
     op = qgemv.fp8_rows(SimpleNamespace(weight=q, weight_scale=scale, gemv_role="o_proj"))
-    assert op is not None and op.settings.label == label
+    assert op is not None and op.label == label and (op.tma_desc is not None) == (form[0] == "tr")
     bias = torch.randn(40, generator=gen).to(dtype)
     _check(op, _x(m, 256, dtype, m), bias, fp8_ops.dequantize_rows(q, scale, torch.float64))
 
 
-@FORMS
+@FP8_FORMS
 @pytest.mark.parametrize("split", [1, 3, 4], ids=lambda s: f"split{s}")
 @pytest.mark.parametrize("n", [96, 72], ids=["block-table", "row-table"])
 @DTYPES
@@ -96,7 +99,7 @@ def test_fp8_block_scales(qgemv_env, dtype, n, split, form):
     blocks = torch.rand(-(-n // 32), 3, generator=gen) * 1e-3 + 1e-4  # one scale per 32 x 64 block
     scale_inv = blocks.repeat_interleave(32, dim=0)[:n].contiguous()  # one row per output row (fp8_ops)
     op = qgemv.fp8_blocks(SimpleNamespace(weight=q, weight_scale_inv=scale_inv, gemv_role="qkv_proj"), 32, 64)
-    assert op is not None and op.settings.block_k == 64
+    assert op is not None and op.settings.block_k == 64 and (op.tma_desc is not None) == (form[0] == "tr")
     assert (op.scale_rows, tuple(op.scales.shape)) == ((32, (3, 3)) if n == 96 else (1, (72, 3)))
     _check(op, _x(1 if form[0] else 5, 192, dtype, n), None, fp8_ops.dequantize_blocks(q, scale_inv, 64, torch.float64))
 
@@ -280,7 +283,8 @@ def test_settings_from_the_environment(qgemv_env, monkeypatch):
     monkeypatch.delenv(qgemv.GATED_ENV)
     qgemv._gated_formats.cache_clear()
     for bad in ("fp8", "fp4=auto", "fp8:lm_head=auto", "int4=n48k128s1st4w4", "int4=fast", "int4=xn32k128s1st4w4",
-                "fp8=xrn16k256s0st1w8", "fp8=torch8", "int4=torch16"):
+                "fp8=xrn16k256s0st1w8", "fp8=torch8", "int4=torch16", "fp8=tn16k64s1st3w4", "fp8=trn16k64s1st1w4",
+                "int4=trn128k128s0st2w4", "fp8=txn16k64s1st3w4"):
         qgemv_env(bad)
         with pytest.raises(ValueError, match=qgemv.ENV):
             qgemv.settings_for("int4", None)

@@ -35,7 +35,8 @@ row kernel at batch 1, the tile kernel at the format's `DEFAULTS` for 2-8 rows; 
 from the shape; a row label's `st` is the weight tiles it reads ahead, 1 or 2; prefix `x`, FP8
 formats and tile labels only: x is quantized to E4M3 per row and K
 tile and the tile kernel's dot runs FP8 x FP8 on the tensor cores, as the methods' own GEMMs
-quantize x), or, for int4 only, a library peer (`PEERS`, `int4_peers.py`: torch's own int4 GEMM
+quantize x; prefix `t`, FP8 formats and row labels only: batch 1 reads the weight tiles by TMA into a
+pipeline of `st` stages in shared memory, `qgemv_tma_kernel.py`, on sm_90 and later), or, for int4 only, a library peer (`PEERS`, `int4_peers.py`: torch's own int4 GEMM
 `torch2` / `torch4` / `torch8`) for bf16 layers at 1-8 rows. block_k shrinks to fit the format: to a divisor of K, of
 the FP8 scale block and of the int4 group.
 """
@@ -74,17 +75,20 @@ PEERS = ("torch2", "torch4", "torch8")
 @dataclasses.dataclass(frozen=True)
 class QuantSettings:
     """A format's GEMV settings as `RXF_QGEMV` gives them: the tiles, whether x is quantized to FP8
-    (label prefix `x`), or (int4) a library peer's kernel in place of rxf's (`PEERS`)."""
+    (label prefix `x`), whether an FP8 row label's tiles come by TMA (prefix `t`,
+    `qgemv_tma_kernel.py`: `st` is then the pipeline's stages, 2 or more), or (int4) a library peer's
+    kernel in place of rxf's (`PEERS`)."""
 
     tiles: GemvSettings
     fp8_x: bool = False
     peer: str = ""  # one of PEERS, or rxf's kernels
+    tma: bool = False
 
     @property
     def label(self) -> str:
         if self.peer:
             return self.peer
-        return ("x" if self.fp8_x else "") + self.tiles.label
+        return ("x" if self.fp8_x else "") + ("t" if self.tma else "") + self.tiles.label
 
     @classmethod
     def parse(cls, text: str, fmt: str) -> QuantSettings:
@@ -93,10 +97,13 @@ class QuantSettings:
                 raise ValueError(f"{text!r}: the library peers serve int4 only")
             return cls(DEFAULTS[fmt], peer=text)
         fp8_x = text.startswith("x")
-        tiles = GemvSettings.parse(text[fp8_x:])
+        tma = text.startswith("t")
+        tiles = GemvSettings.parse(text[fp8_x or tma:])
         if fp8_x and (fmt == "int4" or tiles.row):
             raise ValueError(f"{text!r}: prefix x takes an FP8 format's tile label (no r)")
-        return cls(tiles, fp8_x)
+        if tma and (fmt == "int4" or not tiles.row or tiles.num_stages < 2):
+            raise ValueError(f"{text!r}: prefix t takes an FP8 format's row label (r) of 2 stages or more")
+        return cls(tiles, fp8_x, tma=tma)
 
 
 # Formats the GEMV serves when `RXF_QGEMV` does not name them: (settings, the most rows they take;
@@ -202,11 +209,27 @@ class QuantGemv:
         self.max_rows = max_rows
         blocks = max(-(-self.n // s.block_n) for s in (self.settings, self.tile))
         self.counters = torch.zeros(blocks, dtype=torch.int32, device=weight.device)
+        self.tma_desc = self._tma_descriptor(weight) if settings.tma else None
 
     @property
     def label(self) -> str:
         """The resolved settings as `RXF_QGEMV` takes them."""
-        return ("x" if self.fp8_x else "") + self.settings.label
+        return ("x" if self.fp8_x else "") + ("t" if self.tma_desc is not None else "") + self.settings.label
+
+    def _tma_descriptor(self, weight: torch.Tensor):
+        """The weight's TMA descriptor for the row setting's tiles (`qgemv_tma_kernel`), or None where
+        the device has no TMA (before sm_90) or the weight's layout does not suit it: the register-fed
+        row kernel then serves batch 1 at the same tiles."""
+        from rxf.plugins.quantization.qgemv_tma_kernel import weight_descriptor
+
+        if weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (9, 0):
+            logger.info("%s: TMA needs sm_90 or later; the row kernel reads the tiles", self.fmt)
+            return None
+        try:
+            return weight_descriptor(weight, self.settings.block_n, self.settings.block_k)
+        except ValueError as e:
+            logger.info("%s: %s; the row kernel reads the tiles", self.fmt, e)
+            return None
 
     def _fit(self, settings: GemvSettings, device: torch.device) -> GemvSettings:
         """`settings` with block_k inside the format's scale block and the split resolved for the shape."""
@@ -222,6 +245,13 @@ class QuantGemv:
         x2 = x.reshape(-1, self.k)
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         s = self.settings if x2.shape[0] == 1 else self.tile
+        if self.tma_desc is not None and s is self.settings and not gated:
+            from rxf.plugins.quantization.qgemv_tma_kernel import qgemv_tma
+
+            out = qgemv_tma(x2, self.kind, self.tma_desc, self.n, self.scales, bias, self.counters,
+                            scale_rows=self.scale_rows, scale_k=self.scale_k, block_n=s.block_n, block_k=s.block_k,
+                            split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         out = qgemv(x2, self.kind, self.weight, self.scales, self.zeros, bias, self.counters,
                     scale_rows=self.scale_rows, scale_k=self.scale_k, block_n=s.block_n, block_k=s.block_k,
                     split_k=s.split_k, num_stages=s.num_stages, num_warps=s.num_warps, row=s.row, fp8_x=self.fp8_x,
@@ -230,12 +260,13 @@ class QuantGemv:
 
     def activated(self, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module) -> torch.Tensor | None:
         """`act(self(x, bias))` in one launch of the row kernel, for a `[gate | up]` layer and `act` its
-        SiLU·mul; None where the row kernel does not serve x (more rows than one, a tile setting) or
-        the format does not take it (`GATED_ENV`): the caller then runs `act` as its own launch."""
+        SiLU·mul; None where the row kernel does not serve x (more rows than one, a tile setting, TMA
+        tiles) or the format does not take it (`GATED_ENV`): the caller then runs `act` as its own
+        launch."""
         from rxf.plugins.models.layers.activation import SiluAndMul
 
-        if (self.fmt not in _gated_formats() or not self.settings.row or x.numel() != self.k
-                or type(act) is not SiluAndMul or self.n % 2):
+        if (self.fmt not in _gated_formats() or not self.settings.row or self.tma_desc is not None
+                or x.numel() != self.k or type(act) is not SiluAndMul or self.n % 2):
             return None
         return self(x, bias, gated=True)
 

@@ -255,6 +255,14 @@ def _qgemv_kernel(
            BLOCK_N, SPLIT_K, False, HAS_BIAS, FORMAT == _FP8_ROWS)
 
 
+def partials_for(out: torch.Tensor, n_blocks: int, split_k: int, block_n: int, tiles: int = 1) -> torch.Tensor:
+    """The float32 scratch a launch's split-K hand-off (`finish`) writes: a `[block_n, ROWS]` tile per
+    program (two, gated); without a split, `out` (the kernel never touches it)."""
+    if split_k == 1:
+        return out
+    return torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=out.device)
+
+
 def qgemv(
     x: torch.Tensor, fmt: int, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     bias: torch.Tensor | None, counters: torch.Tensor, *, scale_rows: int, scale_k: int,
@@ -283,9 +291,7 @@ def qgemv(
     n_blocks = triton.cdiv(n_out, block_n)
     assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    tiles = 2 if gated else 1
-    partials = (torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=x.device)
-                if split_k > 1 else out)  # unused without a split
+    partials = partials_for(out, n_blocks, split_k, block_n, tiles=2 if gated else 1)
     magic, offset = _MAGIC[x.dtype]
     pdl = use_pdl(x)
     if row and m == 1:
