@@ -121,11 +121,14 @@ BY_DEFAULT = {
 # batch 1: 338.1 tok/s with these against 295.3 with `BY_DEFAULT` (bf16 218.1, same call); a kernel
 # sweep's fastest labels one by one gave 309.7 (the step does not follow standalone times under PDL).
 # AWQ with these and int4's default elsewhere (2 warps): 384.4 against 338.3 with the 4-warp default.
+# Block-wise FP8 qkv at split 5 (480 programs, one wave of the 4 a SM its 121 registers allow, where 6
+# gave 576) and gate_up on TMA tiles (`qgemv_tma_kernel`): 277.2 tok/s against 269.9 on an H100
+# (2026-12-07, RESULTS.md; bf16 173.4).
 SHAPE_DEFAULTS = {
     ("fp8", 6144, 4096): "rn32k256s4st1w4", ("fp8", 4096, 4096): "rn32k256s6st1w4",
     ("fp8", 28672, 4096): "rn32k256s2st1w4", ("fp8", 4096, 14336): "rn32k256s6st1w4",
-    ("fp8-block", 6144, 4096): "rn64k128s6st1w4", ("fp8-block", 4096, 4096): "rn64k128s10st1w4",
-    ("fp8-block", 28672, 4096): "rn32k128s1st1w4", ("fp8-block", 4096, 14336): "rn64k128s10st1w8",
+    ("fp8-block", 6144, 4096): "rn64k128s5st1w4", ("fp8-block", 4096, 4096): "rn64k128s10st1w4",
+    ("fp8-block", 28672, 4096): "trn32k128s1st4w4", ("fp8-block", 4096, 14336): "rn64k128s10st1w8",
     ("int4", 4096, 4096): "rn128k128s18st1w4", ("int4", 28672, 4096): "rn64k128s4st1w4",
 }
 # Formats whose row GEMV (batch 1) of a gate/up layer computes the SiLU·mul after it in its own launch

@@ -18,12 +18,14 @@ Measured (H100, 2026-12-07, RESULTS.md): it does not read faster. Block-wise FP8
 shapes, the best TMA label against the best register label: qkv 13.49 against 13.18 us, o 10.86
 against 10.35, gate_up 46.28 against 46.59, down 26.02 against 25.43; batch-1 decode with every
 projection on TMA tiles 256.7-258.7 tok/s against 269.9 at the register defaults. So more bytes in
-flight alone does not close the gap to a pure read. Kept as a label: at gate_up it ties.
+flight alone does not close the gap to a pure read. It ties at gate_up, whose sm_90 default names it
+(`qgemv.SHAPE_DEFAULTS`).
 
 With programmatic dependent launch the pipeline's prologue (the first STAGES - 1 tiles, and the
 block scales, which the pipeline copies with cp.async) is issued before `gdc_wait`, which sits in the
 loop ahead of x's loads: weights and scales are fixed at load, x is the previous kernel's output.
-Rows past N and K past the program's span read as zeros (TMA fills a box's out-of-bounds part).
+Rows past N read as zeros (TMA fills a box's out-of-bounds part); the pipeline predicates off the
+prologue's loads for tiles past the program's K span (an empty span, the last split's, reads none).
 """
 
 from __future__ import annotations
