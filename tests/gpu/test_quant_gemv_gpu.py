@@ -307,7 +307,8 @@ def _decode_step(harness: ModelHarness, prompts: list[list[int]]) -> tuple[torch
 # The tile kernel at every batch (ALL_AUTO), or at batch 1 the row kernel, which takes the SiLU·mul after
 # gate/up into its launch here in every format (`QuantGemv.activated`).
 ROW_LABELS = "fp8=rn32k128s0st1w4,fp8-block=rn32k128s0st1w4,int4=rn32k128s0st1w2"
-# FP8 at batch 1 through the TMA-fed row kernel (`qgemv_tma_kernel`), its SiLU·mul a launch of its own.
+# FP8 at batch 1 through the TMA-fed row kernel (`qgemv_tma_kernel`); gate/up, with the SiLU·mul in its
+# launch here, through the register-fed row kernel at the same tiles.
 TMA_LABELS = "fp8=trn32k128s0st3w4,fp8-block=trn32k128s0st3w4,int4=rn32k128s0st1w2"
 
 

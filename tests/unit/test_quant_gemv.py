@@ -216,6 +216,33 @@ def test_row_kernel_takes_the_silu_mul_in(qgemv_env, monkeypatch, dtype, fmt, ah
     assert op.activated(x, bias, act) is None
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-block"])
+def test_tma_setting_gates_through_the_register_row_kernel(qgemv_env, monkeypatch, fmt):
+    """A TMA label (prefix t) of a format in `RXF_QGEMV_GATED`: batch 1's projection runs the TMA kernel,
+    its gate/up with the SiLU·mul in the launch the register-fed row kernel at the same tiles (the TMA
+    kernel has no gated form); both against F.linear with the dequantized weight in float64."""
+    from rxf.plugins.models.layers.activation import SiluAndMul
+    from rxf.plugins.quantization import qgemv_tma_kernel
+
+    monkeypatch.setenv(qgemv.GATED_ENV, fmt)
+    qgemv._gated_formats.cache_clear()
+    qgemv_env(f"{fmt}=trn32k64s2st3w4")
+    k, n_out = 256, 40 if fmt == "fp8" else 48
+    _, op, dense = _gate_up_layer(fmt, torch.float16, n_out, k, torch.Generator().manual_seed(5))
+    assert op is not None and op.tma_desc is not None
+    tma_launches = []
+    launch = qgemv_tma_kernel.qgemv_tma
+    monkeypatch.setattr(qgemv_tma_kernel, "qgemv_tma", lambda *a, **kw: tma_launches.append(1) or launch(*a, **kw))
+    x = _x(1, k, torch.float16, 1)
+    y = F.linear(x.double(), dense)
+    out = op.activated(x, None, SiluAndMul())
+    expected = (F.silu(y[:, :n_out]) * y[:, n_out:]).half()
+    torch.testing.assert_close(out, expected, rtol=TOL[torch.float16], atol=TOL[torch.float16])
+    assert not tma_launches, "the gated launch is the register-fed kernel's"
+    torch.testing.assert_close(op(x, None), y.half(), rtol=TOL[torch.float16], atol=TOL[torch.float16])
+    assert tma_launches == [1]
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
 def test_shape_defaults_where_rxf_qgemv_is_silent(qgemv_env, monkeypatch, fmt):
     """On sm_90 (here pretended), a layer of a shape in `SHAPE_DEFAULTS` takes its measured label when

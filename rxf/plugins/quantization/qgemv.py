@@ -263,13 +263,13 @@ class QuantGemv:
 
     def activated(self, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module) -> torch.Tensor | None:
         """`act(self(x, bias))` in one launch of the row kernel, for a `[gate | up]` layer and `act` its
-        SiLU·mul; None where the row kernel does not serve x (more rows than one, a tile setting, TMA
-        tiles) or the format does not take it (`GATED_ENV`): the caller then runs `act` as its own
-        launch."""
+        SiLU·mul; None where the row kernel does not serve x (more rows than one, a tile setting) or
+        the format does not take it (`GATED_ENV`): the caller then runs `act` as its own launch. A
+        TMA setting's gated launch runs the register-fed row kernel at the same tiles."""
         from rxf.plugins.models.layers.activation import SiluAndMul
 
-        if (self.fmt not in _gated_formats() or not self.settings.row or self.tma_desc is not None
-                or x.numel() != self.k or type(act) is not SiluAndMul or self.n % 2):
+        if (self.fmt not in _gated_formats() or not self.settings.row or x.numel() != self.k
+                or type(act) is not SiluAndMul or self.n % 2):
             return None
         return self(x, bias, gated=True)
 
