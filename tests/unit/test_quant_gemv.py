@@ -243,6 +243,18 @@ def test_tma_setting_gates_through_the_register_row_kernel(qgemv_env, monkeypatc
     assert tma_launches == [1]
 
 
+def test_tma_descriptor_refuses_layouts_tma_cannot_read():
+    """TMA reads 16-byte aligned starts and row strides and boxes of 16 bytes or more, rows of whole
+    int32 words: anything else is a ValueError (`QuantGemv` then keeps the register row kernel)."""
+    from rxf.plugins.quantization.qgemv_tma_kernel import weight_descriptor
+
+    w = torch.zeros(32, 80, dtype=fp8_ops.FP8)  # rows of 80 bytes
+    assert list(weight_descriptor(w[:, :64], 16, 64).block_shape) == [16, 16]
+    for view, block_k in ((w[:, 4:], 64), (w[:, :78], 64), (w, 8), (w.view(64, 40), 32)):
+        with pytest.raises(ValueError, match="16-byte"):
+            weight_descriptor(view, 16, block_k)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "fp8-block", "int4"])
 def test_shape_defaults_where_rxf_qgemv_is_silent(qgemv_env, monkeypatch, fmt):
     """On sm_90 (here pretended), a layer of a shape in `SHAPE_DEFAULTS` takes its measured label when

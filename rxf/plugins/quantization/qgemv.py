@@ -36,8 +36,9 @@ from the shape; a row label's `st` is the weight tiles it reads ahead, 1 or 2; p
 formats and tile labels only: x is quantized to E4M3 per row and K
 tile and the tile kernel's dot runs FP8 x FP8 on the tensor cores, as the methods' own GEMMs
 quantize x; prefix `t`, FP8 formats and row labels only: batch 1 reads the weight tiles by TMA into a
-pipeline of `st` stages in shared memory, `qgemv_tma_kernel.py`, on sm_90 and later), or, for int4 only, a library peer (`PEERS`, `int4_peers.py`: torch's own int4 GEMM
-`torch2` / `torch4` / `torch8`) for bf16 layers at 1-8 rows. block_k shrinks to fit the format: to a divisor of K, of
+pipeline of `st` stages in shared memory, `qgemv_tma_kernel.py`, on sm_90 and later), or, for int4
+only, a library peer (`PEERS`, `int4_peers.py`: torch's own int4 GEMM `torch2` / `torch4` /
+`torch8`) for bf16 layers at 1-8 rows. block_k shrinks to fit the format: to a divisor of K, of
 the FP8 scale block and of the int4 group.
 """
 

@@ -75,10 +75,11 @@ def _qgemv_tma_kernel(
 def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int):
     """The host tensor descriptor of an FP8 weight `[N, K]` as `[N, K / 4]` int32 words in boxes of
     `[block_n, block_k / 4]`. ValueError where TMA cannot read it: its start or row stride not a
-    multiple of 16 bytes, or a box row under 16 bytes."""
+    multiple of 16 bytes, a row not whole words, or a box row under 16 bytes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if weight.data_ptr() % 16 or weight.stride(0) % 16 or weight.stride(1) != 1 or block_k < 16:
+    if (weight.data_ptr() % 16 or weight.stride(0) % 16 or weight.stride(1) != 1 or weight.shape[1] % 4
+            or block_k < 16):
         raise ValueError(f"TMA reads 16-byte aligned rows and boxes: weight {tuple(weight.shape)} with strides "
                          f"{weight.stride()}, block_k {block_k}")
     words = weight.view(torch.int32)
