@@ -82,6 +82,20 @@ def _x(m: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(m, k, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)).to(BF16)
 
 
+def _assert_graph_replays_eager_bits(op: qgemv.QuantGemv, m: int, k: int, bias: torch.Tensor | None) -> None:
+    """A CUDA graph of `op` over a static x `[m, k]`, replayed on new inputs, gives the eager launch's
+    bits and leaves the split-K counters zeroed."""
+    static_x = _x(m, k, 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = op(static_x, bias)
+    for seed in range(2):
+        static_x.copy_(_x(m, k, 100 + seed))
+        graph.replay()
+        torch.testing.assert_close(static_out, op(static_x, bias), rtol=0, atol=0)
+        assert not op.counters.any()
+
+
 @pytest.mark.parametrize("role", SHAPES)
 @pytest.mark.parametrize("fmt", qgemv.FORMATS)
 def test_gemv_matches_the_dequantized_matmul_and_replays(fmt: str, role: str) -> None:
@@ -95,15 +109,7 @@ def test_gemv_matches_the_dequantized_matmul_and_replays(fmt: str, role: str) ->
         assert out.dtype == BF16 and out.shape == (m, SHAPES[role][0])
         assert _rel_err(out, F.linear(x.float(), dense)) < 1e-2, f"m={m}"
         assert not op.counters.any()
-    static_x = _x(8, k, 0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = op(static_x, None)
-    for seed in range(2):
-        static_x.copy_(_x(8, k, 100 + seed))
-        graph.replay()
-        torch.testing.assert_close(static_out, op(static_x, None), rtol=0, atol=0)
-        assert not op.counters.any()
+    _assert_graph_replays_eager_bits(op, 8, k, None)
 
 
 @pytest.mark.parametrize("label", ["n32k128s4st3w4", "n64k128s0st4w4", "rn32k128s2st1w4", "rn64k128s0st1w8",
@@ -141,14 +147,7 @@ def test_tma_row_kernel_matches_the_dequantized_matmul_and_replays(fmt: str, rol
         x = _x(m, k, 7 + m)
         assert _rel_err(op(x, bias), F.linear(x.float(), dense, bias.float())) < 1e-2, f"m={m}"
         assert not op.counters.any()
-    static_x = _x(1, k, 0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = op(static_x, bias)
-    for seed in range(2):
-        static_x.copy_(_x(1, k, 200 + seed))
-        graph.replay()
-        torch.testing.assert_close(static_out, op(static_x, bias), rtol=0, atol=0)
+    _assert_graph_replays_eager_bits(op, 1, k, bias)
 
 
 @pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the shape defaults are sm_90's")
