@@ -747,8 +747,10 @@ def kernels_phase(p: Preset, backends: list[str]) -> None:
 
 # ---------------------------------------------------------------- offline (Runtime)
 def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "", profile_dir: Path | None = None,
-                  kv_dtype: str = "auto") -> None:
-    """`kv_dtype`: the KV pool's (`cache.kv_dtype`; figures then tagged `_kv<dtype>`). `profile_dir`: the timed run is profiled step by step (`Runtime.start_profile`: two CUDA events
+                  kv_dtype: str = "auto", max_running: int = 256) -> None:
+    """`kv_dtype`: the KV pool's (`cache.kv_dtype`; figures then tagged `_kv<dtype>`). `max_running`: the
+    scheduler's `max_running_requests` and the largest captured decode graph (256 by default; above it,
+    the KV pool bounds how many run: an FP8 pool holds twice bf16's tokens; figures then tagged `_r<N>`). `profile_dir`: the timed run is profiled step by step (`Runtime.start_profile`: two CUDA events
     a step), and a second run of n // 4 requests afterwards traces the kernels of two windows (10
     steps from 2 s in, 40 from 8 s in: prefill and decode) into the same folder."""
     from rxf.entrypoints.runtime import Runtime
@@ -763,7 +765,8 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "
         "model": {"path": str(model_dir), "dtype": "bfloat16", "context_length": hi + p.offline_output + 64},
         "runtime": runtime,
         "attention": {"backend": backend},
-        "scheduler": {"max_running_requests": 256, "max_prefill_tokens": 16384},
+        "scheduler": {"max_running_requests": max_running, "max_prefill_tokens": 16384},
+        "cuda_graph": {"max_bs": max_running},
         "cache": {"kv_dtype": kv_dtype},
     }) as rt:
         started = time.perf_counter() - start
@@ -773,6 +776,7 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "
         start = time.perf_counter()
         results = rt.generate(input_ids=prompts, sampling_params=params)
         elapsed = time.perf_counter() - start
+        print("offline stats:", rt.get_stats())  # the KV pool's size among them
         if profile_dir:
             print("offline step profile:", rt.stop_profile())
             windows = [threading.Timer(at, lambda k=k: print("kernel profile:", rt.start_profile(k, kernels=True)))
@@ -782,8 +786,8 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "
             rt.generate(input_ids=prompts[: n // 4], sampling_params=params)
     out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     in_tokens = sum(map(len, prompts))
-    tag += "" if kv_dtype == "auto" else f"_kv{kv_dtype}"
-    RESULTS[f"offline{tag}"] = {"kv_dtype": kv_dtype, "requests": n, "backend": backend, "startup_s": started, "seconds": elapsed,
+    tag += ("" if kv_dtype == "auto" else f"_kv{kv_dtype}") + ("" if max_running == 256 else f"_r{max_running}")
+    RESULTS[f"offline{tag}"] = {"kv_dtype": kv_dtype, "max_running": max_running, "requests": n, "backend": backend, "startup_s": started, "seconds": elapsed,
                                 "req_s": n / elapsed, "output_tok_s": out_tokens / elapsed,
                                 "total_tok_s": (in_tokens + out_tokens) / elapsed}
     print(json.dumps(RESULTS[f"offline{tag}"], indent=1))
@@ -876,6 +880,8 @@ def main() -> None:
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="offline: profile the timed run's steps and trace two kernel windows into this folder")
     ap.add_argument("--offline-kv-dtype", default="auto", help="offline: the KV pool's dtype (auto, fp8_e4m3)")
+    ap.add_argument("--offline-max-running", type=int, default=256,
+                    help="offline: max_running_requests and the largest decode graph")
     ap.add_argument("--decode1-batches", default="4,8,16", help="decode1: the batch sizes after batch 1")
     ap.add_argument("--random-weights", action="store_true",
                     help="no checkpoint written: the decode phase draws the weights at load, as for presets too large for the disk")
@@ -940,7 +946,8 @@ def main() -> None:
     if "offline" in phases:
         for name, tag in runs:
             phase(f"offline {name}", lambda n=name, t=tag: offline_phase(
-                p, dirs[n], args.num_requests, backends[-1], t, args.profile_dir, args.offline_kv_dtype))
+                p, dirs[n], args.num_requests, backends[-1], t, args.profile_dir, args.offline_kv_dtype,
+                args.offline_max_running))
     if "hf" in phases:
         phase("hf", lambda: hf_phase(p, model_dir))
     output = args.output or (Path(os.environ["OUT"]) / "gpu_decode.json" if os.environ.get("OUT") else None)
