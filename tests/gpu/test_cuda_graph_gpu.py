@@ -264,6 +264,9 @@ def test_replay_equals_eager(ckpt: Path, scaled_ckpt: Path, backend: str, dtype:
     assert runner.model.model.layers[0].self_attn.attn.v_scale.item() == (1.0 if kv_dtype == "auto" else 2.0)
     graphs = runner.cuda_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16]
+    largest = graphs.outputs[16][0]
+    assert all(graphs.outputs[bs][0].data_ptr() == largest.data_ptr() for bs in graphs.sizes), (
+        "every bucket's logits are rows of the largest bucket's")
     for bs in (1, 3, 8, 13):  # 3 and 13 replay padded buckets (4 and 16)
         runner.req_to_token_pool.clear()
         runner.token_to_kv_pool.clear()

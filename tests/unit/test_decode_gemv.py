@@ -72,6 +72,15 @@ def test_float32_output_without_bias() -> None:
     out, _ = _run(x, w, None, 2, out_dtype=torch.float32)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, F.linear(x.double(), w.double()).float(), rtol=1e-4, atol=1e-4)
+    rows = torch.full((6, 64), float("nan"))  # the rows a CUDA-graph capture hands the head
+    for row in (False, True):
+        fresh, _ = _run(x[:1], w, None, 2, out_dtype=torch.float32, row=row)
+        given, _ = _run(x[:1], w, None, 2, out_dtype=torch.float32, row=row, out=rows[:1])
+        assert given.data_ptr() == rows.data_ptr() and torch.equal(given, fresh) and rows[1:].isnan().all()
+    given, _ = _run(x, w, None, 2, out_dtype=torch.float32, out=rows[:4])
+    assert torch.equal(given, out) and rows[4:].isnan().all()
+    with pytest.raises(AssertionError, match="out"):
+        _run(x, w, None, 2, out_dtype=torch.float32, out=rows[:3])
 
 
 def test_rejects_shapes_it_cannot_serve() -> None:

@@ -9,7 +9,12 @@ bucket are padding. Invariants:
   cannot disturb a real request.
 - Graph inputs live in static device buffers sized for the largest bucket; a step fills them in place
   (one host-to-device copy per dtype) before the backend's replay hook and the replay. Outputs live in
-  the graphs' shared memory pool and stay valid only until the next replay.
+  the graphs' shared memory pool and stay valid only until the next replay. The logits of every bucket
+  are rows of one tensor, the largest bucket's: a smaller bucket's capture hands those rows to the
+  model's logits head (the one module with a `graph_output` attribute), which writes them instead of
+  allocating its own. Kept per bucket, float32 logits of a 128k vocabulary took 2.2 GB over the
+  default buckets to 256 rows and 19 GB to 768 (benchmarks/RESULTS.md, 2026-12-07: a start out of
+  memory beside the KV pool).
 - The eager decode path packs its inputs the same way (`DecodeInputs`), without padding, so both paths
   move a decode batch to the device in two copies and never synchronise the host.
 """
@@ -266,6 +271,9 @@ class CudaGraphRunner:
         self.warm_up_s = start - t0
         last_s: float | None = None
         skipped: list[int] = []
+        heads = [m for m in self.model.modules() if hasattr(m, "graph_output")]
+        head = heads[0] if len(heads) == 1 else None
+        shared: torch.Tensor | None = None  # the largest bucket's logits (see the module docstring)
         for i, bs in enumerate(descending):
             if not fits_budget(time.perf_counter() - start, last_s, len(descending) - i, budget_s):
                 skipped.append(bs)
@@ -273,8 +281,16 @@ class CudaGraphRunner:
             began = time.perf_counter()
             batch = self._warm_up(bs)  # per size: lazily compiled kernel variants must exist before capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = self.model(batch)
+            if head is not None and shared is not None:
+                head.graph_output = shared[:bs]
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self.model(batch)
+            finally:
+                if head is not None:
+                    head.graph_output = None
+            if shared is None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous():
+                shared = logits
             self.outputs[bs] = (logits, batch.aux_hidden)  # the captured forward's tensors
             self.graphs[bs] = graph
             torch.cuda.synchronize()

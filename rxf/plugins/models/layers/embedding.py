@@ -70,6 +70,10 @@ class LogitsHead(VocabEmbedding):
     # rxf.core.quantization); the weight itself stays, for the embedding it may be tied to.
     quantize_after_load = True
     quant: QuantizationMethod | None = None
+    # Set by the CUDA-graph runner around a capture (`cuda_graph_runner`): float32 rows `[n, vocab]` of
+    # the one buffer every captured batch size's logits share, which the head then writes, instead of
+    # each graph keeping logits of its own (19 GB over the buckets up to 768 rows of a 128k vocabulary).
+    graph_output: torch.Tensor | None = None
     packed_weight: torch.Tensor | None = None  # oneDNN's copy of the weight (`pack_for_device`)
     plain_weight: torch.Tensor | None = None  # the weight, for the few-row kernel (`cpu_packing`)
     upcast_min_rows: int | None = None  # emulated bf16: batches this large run in float32 (`cpu_packing`)
@@ -88,16 +92,23 @@ class LogitsHead(VocabEmbedding):
             self.plain_weight = self.weight.data if cpu_packing.keeps_plain_weight() else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.graph_output
+        if out is not None and out.shape != (hidden.shape[0], self.vocab_size):
+            out = None  # rows the buffer does not match: logits of their own, as without it
         if self.quant is not None:
             logits = self.quant.apply(self, hidden, None)
         elif self.packed_weight is not None:
             logits = cpu_packing.dense_linear(hidden, self.packed_weight, self.plain_weight, None)
         elif self.upcast_min_rows is not None and hidden.shape[0] >= self.upcast_min_rows:
             logits = cpu_packing.upcast_linear(hidden, self.weight, None, torch.float32)
-        elif self.gemv is not None and self.gemv.applies(hidden):
-            logits = self.gemv(hidden, self.weight, None)
+        elif self.gemv is not None and self.gemv.applies(hidden):  # float32 at tp_size 1: straight into out
+            logits = self.gemv(hidden, self.weight, None, out if self.tp_size == 1 else None)
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:  # gathered in the model's dtype (half the traffic of float32 for bf16)
             logits = distributed.tp_all_gather(logits, dim=-1)[:, : self.vocab_size].contiguous()
-        return logits.float()
+        if out is None:
+            return logits.float()
+        if logits is not out:
+            out.copy_(logits)  # the cast to float32 `.float()` would make, into the shared rows
+        return out

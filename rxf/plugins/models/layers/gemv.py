@@ -163,12 +163,13 @@ class DecodeGemv:
         return (x.is_cuda and x.dtype in _HALF and x.dim() == 2 and x.shape[0] <= MAX_ROWS
                 and x.stride(-1) == 1 and (not self.graphs_only or torch.cuda.is_current_stream_capturing()))
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         from rxf.plugins.models.layers.gemv_kernel import gemv
 
         s = self.settings if x.shape[0] == 1 else self.tile
         return gemv(x, weight, bias, self.counters, s.block_n, s.block_k, s.split_k, s.num_stages, s.num_warps,
-                    gated=self.gated, out_dtype=self.out_dtype, row=s.row)
+                    gated=self.gated, out_dtype=self.out_dtype, row=s.row, out=out)
 
 
 def decode_gemv(

@@ -173,12 +173,12 @@ def _epilogue(acc, acc_up, Bias, Out, RowScale, cols, rows, mask_n, M, N_OUT, st
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor,
     block_n: int, block_k: int, split_k: int, num_stages: int, num_warps: int,
-    gated: bool = False, out_dtype: torch.dtype | None = None, row: bool = False,
+    gated: bool = False, out_dtype: torch.dtype | None = None, row: bool = False, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for x [m <= 16, K] (contiguous rows), weight [N, K] (K contiguous), in
     out_dtype (default x's); gated: weight is `[gate | up]` and the result silu(gate) * up, [m, N / 2];
     row: one row of x goes through `gemv_row_kernel` (num_stages unused), more rows through this module's
-    kernel.
+    kernel; `out`: the tensor `[m, N_out]` of that dtype, contiguous, to write (default a new one).
     `counters`: int32, at least cdiv(N_out, block_n) zeros, left zeroed (see the module docstring)."""
     m, k = x.shape
     n = weight.shape[0]
@@ -188,7 +188,10 @@ def gemv(
     assert x.stride(1) == 1 and weight.stride(1) == 1, "x and weight need contiguous rows"
     n_blocks = triton.cdiv(n_out, block_n)
     assert counters.numel() >= n_blocks, f"{counters.numel()} counters for {n_blocks} column blocks"
-    out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    assert out.shape == (m, n_out) and out.dtype == (out_dtype or x.dtype) and out.is_contiguous(), (
+        f"out {tuple(out.shape)} {out.dtype} for [{m}, {n_out}] {out_dtype or x.dtype}, contiguous")
     tiles = 2 if gated else 1
     pdl = use_pdl(x)
     partials = (torch.empty(n_blocks * split_k * tiles * block_n * ROWS, dtype=torch.float32, device=x.device)
