@@ -217,6 +217,9 @@ elif [ "$stage" = quant ]; then
   #   fp8kv     offline 1000 requests in block-wise FP8 with an FP8 KV cache, per RXF_FP8_FUSED_INPUT
   #             in Q_FUSED (default "0 gated 1"; after "offline", whose bf16 run is their reference)
   #   moe       Qwen3-30B-A3B shape at batch 1, bf16 and online FP8 (random weights)
+  #   running   offline 1000 requests per FORMAT:KV_DTYPE:MAX_RUNNING in Q_RUNNING (default "bf16:auto:256
+  #             fp8:fp8_e4m3:512 bf16:auto:768 fp8:fp8_e4m3:768"): scheduler.max_running_requests and the
+  #             largest decode graph, each a process bounded by Q_RUNNING_S (default 120) seconds
   # Q_BACKEND (default triton): the attention backend of every part.
   parts=" ${Q_PARTS:-decode1 online kvcache offline} "
   G="python3 benchmarks/gpu_decode.py --preset llama3-8b --backends ${Q_BACKEND:-triton}"
@@ -243,6 +246,15 @@ elif [ "$stage" = quant ]; then
       RXF_FP8_FUSED_INPUT=$fused timeout "${Q_FP8KV_S:-110}" $G --quantization fp8 --phases offline \
         --offline-kv-dtype fp8_e4m3 --output "$out/q-fp8kv-$fused.json" > "$out/q-fp8kv-$fused.log" 2>&1
       echo "offline fp8 + fp8 KV, RXF_FP8_FUSED_INPUT=$fused: rc $? $(grep req_s "$out/q-fp8kv-$fused.log")"
+    done
+  fi
+  if [[ $parts == *" running "* ]]; then
+    for spec in ${Q_RUNNING:-bf16:auto:256 fp8:fp8_e4m3:512 bf16:auto:768 fp8:fp8_e4m3:768}; do
+      IFS=: read -r fmt kv running <<< "$spec"
+      timeout "${Q_RUNNING_S:-120}" $G --quantization "$fmt" --phases offline --offline-kv-dtype "$kv" \
+        --offline-max-running "$running" > "$out/q-running.log" 2>&1
+      echo "offline $spec: rc $? $(grep '"req_s"' "$out/q-running.log") $(grep -o 'total_slots=[0-9]*' "$out/q-running.log") $(grep -o "'retractions': [0-9]*" "$out/q-running.log")"
+      grep -m 1 -E "Error|error:" "$out/q-running.log" | cut -c1-300
     done
   fi
   if [[ $parts == *" moe "* ]]; then
