@@ -221,9 +221,9 @@ class Gemma2ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]`, soft-capped where the config says."""
         logits = self.lm_head(self.hidden_states(batch, input_embeds))
-        if self.final_logit_cap is not None:
-            cap = float(self.final_logit_cap)
-            logits = torch.tanh(logits / cap) * cap
+        if self.final_logit_cap is not None:  # in place: under a CUDA-graph capture the head's rows are
+            cap = float(self.final_logit_cap)  # the buffer every bucket shares (`LogitsHead.graph_output`)
+            logits.div_(cap).tanh_().mul_(cap)
         return logits
 
     def hidden_states(self, batch: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
