@@ -123,8 +123,8 @@ BY_DEFAULT = {
 # sweep's fastest labels one by one gave 309.7 (the step does not follow standalone times under PDL).
 # AWQ with these and int4's default elsewhere (2 warps): 384.4 against 338.3 with the 4-warp default.
 # Block-wise FP8 qkv at split 5 (480 programs, one wave of the 4 a SM its 121 registers allow, where 6
-# gave 576) and gate_up on TMA tiles (`qgemv_tma_kernel`): 277.2 tok/s against 269.9 on an H100
-# (2026-12-07, RESULTS.md; bf16 173.4).
+# gave 576) and gate_up on TMA tiles (`qgemv_tma_kernel`): against the commit before them in one call
+# on an H100, 287.2 tok/s against 280.1 (bf16 176.8: 1.625x; 2026-12-07, RESULTS.md).
 SHAPE_DEFAULTS = {
     ("fp8", 6144, 4096): "rn32k256s4st1w4", ("fp8", 4096, 4096): "rn32k256s6st1w4",
     ("fp8", 28672, 4096): "rn32k256s2st1w4", ("fp8", 4096, 14336): "rn32k256s6st1w4",
