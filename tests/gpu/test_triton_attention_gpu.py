@@ -16,6 +16,7 @@ from rxf.core.attention import AttentionBackend, AttentionContext  # noqa: E402
 from rxf.core.forward import ForwardBatch, ForwardMode  # noqa: E402
 from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
+from rxf.plugins.attention.triton import extend as extend_module  # noqa: E402
 from rxf.plugins.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from rxf.testing.attention import Layer, assert_bf16_close  # noqa: E402
 from rxf.testing.pdl import pdl_env  # noqa: E402
@@ -92,8 +93,16 @@ SHAPES = pytest.mark.parametrize(
 )
 
 
+# Both row layouts of the extend kernel: one query head a block, or the GQA heads of a KV head packed
+# (`extend.PACK_GQA`; a group that does not divide BLOCK_M, gqa7, keeps one head a block).
+PACK = pytest.mark.parametrize("pack", [False, True], ids=["one-head", "packed-gqa"])
+
+
+@PACK
 @SHAPES
-def test_extend_with_cached_prefix(heads: int, kv_heads: int, head_dim: int) -> None:
+def test_extend_with_cached_prefix(heads: int, kv_heads: int, head_dim: int, pack: bool,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(extend_module, "PACK_GQA", pack)
     layer, q, k, v, native, triton = build(
         ForwardMode.EXTEND, [0, 1, 17, 300, 1024, 0, 1500, 64], [1, 33, 128, 7, 512, 700, 548, 1],
         heads, kv_heads, head_dim,
@@ -101,7 +110,9 @@ def test_extend_with_cached_prefix(heads: int, kv_heads: int, head_dim: int) -> 
     assert_matches(run(triton, layer, q, k, v), run(native, layer, q, k, v), native, triton)
 
 
-def test_prefill_ragged() -> None:
+@PACK
+def test_prefill_ragged(pack: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(extend_module, "PACK_GQA", pack)
     layer, q, k, v, native, triton = build(
         ForwardMode.PREFILL, [0] * 8, [1, 2048, 100, 777, 64, 65, 1500, 3], 32, 8, 128
     )

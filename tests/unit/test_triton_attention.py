@@ -26,6 +26,7 @@ from rxf.core.kv_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from rxf.core.registry import PluginRegistry  # noqa: E402
 from rxf.plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
 from rxf.plugins.attention.triton import decode  # noqa: E402
+from rxf.plugins.attention.triton import extend as extend_module  # noqa: E402
 from rxf.plugins.attention.triton.backend import TritonAttnBackend  # noqa: E402
 from rxf.plugins.attention.triton.decode import decode_attention  # noqa: E402
 from rxf.plugins.attention.triton.extend import extend_attention  # noqa: E402
@@ -182,6 +183,45 @@ def test_extend_multi_block_and_odd_head_dim() -> None:
                      b.req_pool_indices, b.prefix_lens, b.extend_lens, qo_start, max(b.extend_lens_cpu),
                      case.layer.scaling, block_m=16, block_n=16)
     check(case, out)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["model", "e4m3"])
+@pytest.mark.parametrize(("block_m", "block_n", "heads", "pack"), [
+    (16, 16, 4, False), (32, 16, 4, True), (16, 32, 8, True), (32, 16, 8, True),
+], ids=["one-head-16x16", "pack2-32x16", "pack4-16x32", "pack4-32x16"])
+def test_extend_key_blocks_below_the_diagonal_skip_the_mask(block_m: int, block_n: int, heads: int, pack: bool,
+                                                             kv_dtype: torch.dtype | None,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """head_dim 16 (loads without a head mask) and prompts of 3-45 new tokens over blocks of 16-32:
+    later row blocks read their whole key blocks unmasked (from the inputs, or back from an FP8
+    pool) and only the blocks across the diagonal masked; block_n > block_m leaves a row block with
+    none unmasked. With `pack` a block's rows are the 2 or 4 query heads of a KV head over 1/2 or
+    1/4 as many tokens. A key counted twice, skipped, or seen before its row, or a row stored under
+    another head or token, would show."""
+    monkeypatch.setattr(extend_module, "_config", lambda head_dim, kv_fp8: (block_m, block_n, 4, 2))
+    monkeypatch.setattr(extend_module, "PACK_GQA", pack)
+    case = build(ForwardMode.EXTEND, [0, 7, 0], [45, 33, 3], heads, 2, 16, torch.float32, kv_dtype)
+    check(case, run(case.triton, case))
+
+
+def test_rxf_extend_sets_the_launch_and_a_malformed_value_fails_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RXF_EXTEND=p16,16,4,2: packed blocks of 16 rows (8 tokens of 2 heads) over a 45-token prompt,
+    right against torch_native; a value that is not a setting fails building the backend."""
+    monkeypatch.setattr(extend_module, "_config", lambda head_dim, kv_fp8: pytest.fail("RXF_EXTEND must win"))
+    try:
+        for value in ("p16,16,4,2", "16,32,4,2"):
+            monkeypatch.setenv(extend_module.ENV, value)
+            extend_module._env_settings.cache_clear()
+            case = build(ForwardMode.EXTEND, [0, 7], [45, 20], 4, 2, 16, torch.float32)
+            check(case, run(case.triton, case))
+        for value in ("p128,64,8", "24,64,4,2", "big"):
+            monkeypatch.setenv(extend_module.ENV, value)
+            extend_module._env_settings.cache_clear()
+            with pytest.raises(ValueError, match="RXF_EXTEND="):
+                build(ForwardMode.EXTEND, [0], [3], 4, 2, 16, torch.float32)
+    finally:  # the value is read once per process: later tests must not see these
+        monkeypatch.delenv(extend_module.ENV)
+        extend_module._env_settings.cache_clear()
 
 
 @pytest.fixture(params=["tile", "loop"])

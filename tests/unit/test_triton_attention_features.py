@@ -49,10 +49,14 @@ def test_extend_over_prefix_longer_than_window(features: str) -> None:
 
 
 @ALL
-def test_extend_small_blocks_skip_keys_before_the_window(features: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("pack", [False, True], ids=["one-head", "packed-gqa"])
+def test_extend_small_blocks_skip_keys_before_the_window(features: str, pack: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Row and key blocks of 16: later row blocks start their prefix and new-key loops past keys
-    that no row of theirs sees, at offsets that are not block-aligned."""
-    monkeypatch.setattr(extend_module, "_config", lambda head_dim: (16, 16, 4, 2))
+    that no row of theirs sees, at offsets that are not block-aligned; packed, a block's rows are
+    8 tokens of both query heads of a KV head (each row its own head's sink)."""
+    monkeypatch.setattr(extend_module, "_config", lambda head_dim, kv_fp8: (16, 16, 4, 2))
+    monkeypatch.setattr(extend_module, "PACK_GQA", pack)
     assert_same(*compare_backends(TritonAttnBackend, [37, 0], [45, 50], **SHAPE, **FEATURES[features]))
 
 

@@ -109,9 +109,10 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, ctx: AttentionContext) -> None:
         super().__init__(ctx)
         from rxf.plugins.attention.triton.decode import DecodeStore, decode_attention, head_block_size
-        from rxf.plugins.attention.triton.extend import extend_attention
+        from rxf.plugins.attention.triton.extend import check_env_settings, extend_attention
         from rxf.plugins.attention.triton.store_kv import rope_store_kv, store_kv
 
+        check_env_settings()  # a bad RXF_EXTEND fails the launch, not the first prefill
         self._extend_attention = extend_attention
         self._decode_attention = decode_attention
         self._store = store_kv
