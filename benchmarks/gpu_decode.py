@@ -746,25 +746,43 @@ def kernels_phase(p: Preset, backends: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- offline (Runtime)
+def flush_idle(rt: Any, tries: int = 50) -> None:
+    """Flush the prefix cache once the scheduler has no request left (its last step may still be
+    finishing when `generate` returns)."""
+    for _ in range(tries):
+        ok, message = rt.flush_cache()
+        if ok:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"offline: the cache could not be flushed: {message}")
+
+
 def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "", profile_dir: Path | None = None,
-                  kv_dtype: str = "auto", max_running: int = 256) -> None:
+                  kv_dtype: str = "auto", max_running: int = 256, repeats: int = 1) -> None:
     """`kv_dtype`: the KV pool's (`cache.kv_dtype`; figures then tagged `_kv<dtype>`). `max_running`: the
     scheduler's `max_running_requests` and the largest captured decode graph (256 by default; above it,
-    the KV pool bounds how many run: an FP8 pool holds twice bf16's tokens; figures then tagged `_r<N>`). `profile_dir`: the timed run is profiled step by step (`Runtime.start_profile`: two CUDA events
+    the KV pool bounds how many run: an FP8 pool holds twice bf16's tokens; figures then tagged `_r<N>`).
+    `repeats`: timed runs in this process, each on its own prompts (the first run's are always the same
+    set) after the prefix cache is flushed; the figures are their mean, each run's in `req_s_runs`.
+    `profile_dir`: the first timed run is profiled step by step (`Runtime.start_profile`: two CUDA events
     a step), and a second run of n // 4 requests afterwards traces the kernels of two windows (10
     steps from 2 s in, 40 from 8 s in: prefill and decode) into the same folder."""
     from rxf.entrypoints.runtime import Runtime
 
-    rng = random.Random(0)
     lo, hi = p.offline_input // 2, p.offline_input * 3 // 2
-    prompts = [[rng.randrange(3, p.vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+    def draw(seed: int, count: int) -> list[list[int]]:
+        rng = random.Random(seed)
+        return [[rng.randrange(3, p.vocab) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+    runs = [draw(seed, n) for seed in range(repeats)]
+    prompts = runs[0]
     params = {"max_new_tokens": p.offline_output, "temperature": 0.0, "ignore_eos": True}
-    # Warm-up on other prompts of the same lengths (none of them cached for the timed run): whole
-    # prefill chunks, mixed steps and decode at tens of rows, so that the Triton kernels' first compiles
-    # for the row counts a run meets (a launch specializes on an integer argument divisible by 16, say)
-    # fall here and not in the timed run, where they fell on whichever tree of a comparison ran first.
-    warm_rng = random.Random(1)
-    warm_prompts = [[warm_rng.randrange(3, p.vocab) for _ in range(warm_rng.randint(lo, hi))] for _ in range(48)]
+    # Warm-up on other prompts of the same lengths: whole prefill chunks, mixed steps and decode at tens
+    # of rows, so that the Triton kernels' first compiles for the row counts a run meets (a launch
+    # specializes on an integer argument divisible by 16, say) fall here and not in a timed run, where
+    # they fell on whichever tree of a comparison ran first.
+    warm_prompts = draw(-1, 48)
     start = time.perf_counter()
     runtime = {"device": "cuda", "log_level": "warning"} | ({"profile_dir": str(profile_dir)} if profile_dir else {})
     with Runtime.from_config({
@@ -777,24 +795,31 @@ def offline_phase(p: Preset, model_dir: Path, n: int, backend: str, tag: str = "
     }) as rt:
         started = time.perf_counter() - start
         rt.generate(input_ids=warm_prompts, sampling_params=params | {"max_new_tokens": 16})
-        if profile_dir:
-            rt.start_profile()
-        start = time.perf_counter()
-        results = rt.generate(input_ids=prompts, sampling_params=params)
-        elapsed = time.perf_counter() - start
+        times = []
+        for r, run_prompts in enumerate(runs):
+            flush_idle(rt)  # every run starts from an empty pool
+            if profile_dir and r == 0:
+                rt.start_profile()
+            start = time.perf_counter()
+            results = rt.generate(input_ids=run_prompts, sampling_params=params)
+            times.append(time.perf_counter() - start)
+            if profile_dir and r == 0:
+                print("offline step profile:", rt.stop_profile())
+            print(f"offline run {r}: {times[-1]:.2f} s, {n / times[-1]:.2f} req/s", flush=True)
         print("offline stats:", rt.get_stats())  # the KV pool's size among them
         if profile_dir:
-            print("offline step profile:", rt.stop_profile())
             windows = [threading.Timer(at, lambda k=k: print("kernel profile:", rt.start_profile(k, kernels=True)))
                        for at, k in ((2.0, 10), (8.0, 40))]
             for w in windows:
                 w.start()
             rt.generate(input_ids=prompts[: n // 4], sampling_params=params)
-    out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
-    in_tokens = sum(map(len, prompts))
+    elapsed = sum(times) / repeats
+    out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)  # the same in every run
+    in_tokens = sum(len(x) for run_prompts in runs for x in run_prompts) / repeats
     tag += ("" if kv_dtype == "auto" else f"_kv{kv_dtype}") + ("" if max_running == 256 else f"_r{max_running}")
     RESULTS[f"offline{tag}"] = {"kv_dtype": kv_dtype, "max_running": max_running, "requests": n, "backend": backend, "startup_s": started, "seconds": elapsed,
-                                "req_s": n / elapsed, "output_tok_s": out_tokens / elapsed,
+                                "req_s": n / elapsed, "req_s_runs": [round(n / t, 2) for t in times],
+                                "output_tok_s": out_tokens / elapsed,
                                 "total_tok_s": (in_tokens + out_tokens) / elapsed}
     print(json.dumps(RESULTS[f"offline{tag}"], indent=1))
 
@@ -888,6 +913,8 @@ def main() -> None:
     ap.add_argument("--offline-kv-dtype", default="auto", help="offline: the KV pool's dtype (auto, fp8_e4m3)")
     ap.add_argument("--offline-max-running", type=int, default=256,
                     help="offline: max_running_requests and the largest decode graph")
+    ap.add_argument("--offline-repeats", type=int, default=1,
+                    help="offline: timed runs in one process (each on its own prompts); figures are their mean")
     ap.add_argument("--decode1-batches", default="4,8,16", help="decode1: the batch sizes after batch 1")
     ap.add_argument("--random-weights", action="store_true",
                     help="no checkpoint written: the decode phase draws the weights at load, as for presets too large for the disk")
@@ -953,7 +980,7 @@ def main() -> None:
         for name, tag in runs:
             phase(f"offline {name}", lambda n=name, t=tag: offline_phase(
                 p, dirs[n], args.num_requests, backends[-1], t, args.profile_dir, args.offline_kv_dtype,
-                args.offline_max_running))
+                args.offline_max_running, args.offline_repeats))
     if "hf" in phases:
         phase("hf", lambda: hf_phase(p, model_dir))
     output = args.output or (Path(os.environ["OUT"]) / "gpu_decode.json" if os.environ.get("OUT") else None)

@@ -114,14 +114,17 @@ elif [ "$stage" = compare ]; then
   # COMPARE_PRESET (default llama3-8b) and COMPARE_ARGS (e.g. --random-weights) pick the model,
   # COMPARE_BACKENDS the attention backends (default triton; the offline phase uses the last);
   # BASE_ENV / NEW_ENV (VAR=value ...) apply to the base tree's run / this tree's run only.
+  # COMPARE_SCRIPT=this: both trees run this tree's gpu_decode.py (one harness: its warm-up, its
+  # --offline-repeats), each importing its own rxf; by default each tree runs its own script.
   base=$1; phases=${2:-bandwidth,decode,offline}; preset=${COMPARE_PRESET:-llama3-8b}; dir=/tmp/rxf-cmp-$preset
+  script=benchmarks/gpu_decode.py; [ "${COMPARE_SCRIPT:-}" = this ] && script=$PWD/benchmarks/gpu_decode.py
   python3 benchmarks/gpu_decode.py --preset "$preset" --phases build --model-dir "$dir" ${COMPARE_ARGS:-} \
     > "$out/build-$preset.log" 2>&1 || { tail -n 20 "$out/build-$preset.log"; exit 1; }
   for tree in "$base" .; do
     name=new-$preset; [ "$tree" = . ] || name=base-$preset
     start=$(date +%s)
     tree_env=${NEW_ENV:-}; [ "$tree" = . ] || tree_env=${BASE_ENV:-}  # e.g. each tree's best RXF_GEMV
-    (cd "$tree" && PYTHONPATH=$HOME/site:$PWD timeout "${COMPARE_LIMIT_S:-400}" env $tree_env python3 benchmarks/gpu_decode.py \
+    (cd "$tree" && PYTHONPATH=$HOME/site:$PWD timeout "${COMPARE_LIMIT_S:-400}" env $tree_env python3 "$script" \
       --preset "$preset" --model-dir "$dir" --phases "$phases" --backends "${COMPARE_BACKENDS:-triton}" ${COMPARE_ARGS:-} \
       --output "$out/$name.json") > "$out/$name.log" 2>&1
     echo "$name: rc $? in $(( $(date +%s) - start )) s"; grep -v "Loading weights" "$out/$name.log" | tail -n "${COMPARE_TAIL:-40}"
@@ -219,7 +222,8 @@ elif [ "$stage" = quant ]; then
   #   moe       Qwen3-30B-A3B shape at batch 1, bf16 and online FP8 (random weights)
   #   running   offline 1000 requests per FORMAT:KV_DTYPE:MAX_RUNNING in Q_RUNNING (default "bf16:auto:256
   #             fp8:fp8_e4m3:512 bf16:auto:768 fp8:fp8_e4m3:768"): scheduler.max_running_requests and the
-  #             largest decode graph, each a process bounded by Q_RUNNING_S (default 120) seconds
+  #             largest decode graph, each a process bounded by Q_RUNNING_S (default 120) seconds, of
+  #             Q_REPEATS (default 1) timed runs
   # Q_BACKEND (default triton): the attention backend of every part.
   parts=" ${Q_PARTS:-decode1 online kvcache offline} "
   G="python3 benchmarks/gpu_decode.py --preset llama3-8b --backends ${Q_BACKEND:-triton}"
@@ -252,8 +256,9 @@ elif [ "$stage" = quant ]; then
     for spec in ${Q_RUNNING:-bf16:auto:256 fp8:fp8_e4m3:512 bf16:auto:768 fp8:fp8_e4m3:768}; do
       IFS=: read -r fmt kv running <<< "$spec"
       timeout "${Q_RUNNING_S:-120}" $G --quantization "$fmt" --phases offline --offline-kv-dtype "$kv" \
-        --offline-max-running "$running" > "$out/q-running.log" 2>&1
+        --offline-max-running "$running" --offline-repeats "${Q_REPEATS:-1}" > "$out/q-running.log" 2>&1
       echo "offline $spec: rc $? $(grep '"req_s"' "$out/q-running.log") $(grep -o 'total_slots=[0-9]*' "$out/q-running.log") $(grep -o "'retractions': [0-9]*" "$out/q-running.log")"
+      grep "^offline run" "$out/q-running.log" | tr '\n' ';'; echo
       grep -m 1 -E "Error|error:" "$out/q-running.log" | cut -c1-300
     done
   fi
