@@ -7,7 +7,7 @@
 # (git-ignored, carried) and the next call restores them. benchmarks/fi_cache_build.py builds such
 # parts on the CPU box. Carried paths travel within 64 MiB in all: the cuDNN frontend wheel (11.6 MB;
 # FlashInfer imports it only if present, for cuDNN paths rxf does not use) can stay out of .whl/.
-#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|tune|fi-tests|quant|quant-ab|offline-profile|pytest|h200|others|stream [extra script args | benchmark specs]
+#   bash benchmarks/gpu_session.sh tests|split|suite|bench|profile|gemv|compare|ab|variants|tune|fi-tests|quant|quant-ab|offline-profile|pytest|h200|others|stream|extend [extra script args | benchmark specs]
 # GPU_TESTS=<pytest paths> narrows stage "tests" (default tests/gpu).
 # Stage "gemv" times the decode projections (cuBLAS vs the Triton GEMV sweep) and prints RXF_GEMV.
 # Stage "compare BASE_DIR [PHASES]" runs gpu_decode.py's PHASES (default bandwidth,decode,offline; the
@@ -174,6 +174,21 @@ elif [ "$stage" = variants ]; then
     echo "$preset $envs: rc $? $(grep '^decode1' "$out/var-$preset-$i.log" | tail -n 1)"
     i=$((i + 1))
   done
+elif [ "$stage" = extend ]; then
+  # "extend BASE_DIR": the extend kernel's call. The attention GPU tests (EXTEND_TESTS, bounded by
+  # EXTEND_TESTS_S, default 170 s), gpu_attn_extend.py over BASE_DIR's kernel and EXTEND_CONFIGS (bounded
+  # by EXTEND_SWEEP_S, default 120 s), then offline 1000 requests over BASE_DIR and this tree with one
+  # harness (this tree's gpu_decode.py) and EXTEND_REPEATS (default 2) timed runs each.
+  base=$1
+  timeout "${EXTEND_TESTS_S:-170}" python3 -m pytest -q -p no:cacheprovider -ra ${EXTEND_TESTS:-tests/gpu/test_triton_attention_gpu.py \
+    tests/gpu/test_fp8_kv_gpu.py} > "$out/extend-tests.log" 2>&1
+  echo "tests: rc $?"; grep -E "passed|failed|^FAILED|^ERROR" "$out/extend-tests.log" | tail -n 8
+  timeout "${EXTEND_SWEEP_S:-120}" python3 benchmarks/gpu_attn_extend.py --base "$base" --cases chunk,chunk-fp8 \
+    --configs ${EXTEND_CONFIGS:-p64,64,4,2 p128,64,4,2 p128,64,8,2 p128,128,8,2 p64,64,4,3} > "$out/extend-sweep.log" 2>&1
+  echo "sweep: rc $?"; tail -n 2 "$out/extend-sweep.log"
+  COMPARE_SCRIPT=this COMPARE_ARGS="--offline-repeats ${EXTEND_REPEATS:-2}" COMPARE_TAIL=4 \
+    COMPARE_LIMIT_S=${EXTEND_OFFLINE_S:-170} bash benchmarks/gpu_session.sh compare "$base" offline
+  grep -H "^offline run" "$out"/base-llama3-8b.log "$out"/new-llama3-8b.log
 elif [ "$stage" = stream ]; then
   # "stream": the FP8 decode projections' weight-read ceiling against the block-wise FP8 GEMV
   # (gpu_stream.py; STREAM_READERS, default tail,gemv,int4; STREAM_LABELS its --labels), then batch-1
