@@ -141,6 +141,7 @@ class ServerConfig(_Section):
     )
     max_stop_strings: int = Field(16, ge=0, description="stop strings per request")
     max_logit_bias: int = Field(300, ge=0, description="logit_bias entries per request")
+    max_stop_token_ids: int = Field(1024, ge=0, description="stop_token_ids per request")
     # Slow clients. nginx's client_header_timeout, client_body_timeout and send_timeout are 60 s too:
     # a client behind a reverse proxy never meets them (the proxy sends a request at once and reads
     # the answer as it comes).

@@ -237,6 +237,7 @@ async def generate(body: GenerateBody, request: Request, state: State) -> Respon
     slow = any(r.slow_to_prepare() for r in reqs)
     prepared = await prepare(request, _prepare_all, tm.preparer, reqs, off_loop=slow)
     tm.check_capacity(len(prepared))  # again, before a stream's 200 goes out; generate() checks again
+    tm.check_rids([p.rid for p in prepared])  # so: a running rid is a 400, not an error event in a 200 stream
     if body.stream:
         return StreamingResponse(_stream(tm, prepared[0]), media_type="text/event-stream")
     results = await until_disconnected(request, _all(tm, prepared))
@@ -376,10 +377,7 @@ async def stop_profile(state: State) -> dict[str, Any]:
 async def abort_request(body: AbortBody, state: State) -> dict[str, Any]:
     """Abort a running request by id; its consumer gets what it has with finish_reason "abort"."""
     tm = state.require_ready()
-    found = body.rid in tm.states
-    if found:
-        await tm.abort(body.rid)
-    return {"rid": body.rid, "found": found}
+    return {"rid": body.rid, "found": await tm.abort(body.rid)}
 
 
 @router.get("/metrics")

@@ -393,6 +393,7 @@ def test_body_size_limit(http):
     [
         ("/v1/completions", {"stop": [f"s{i}" for i in range(17)]}, "stop"),
         ("/v1/completions", {"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+        ("/v1/completions", {"stop_token_ids": [1] * 1025}, "stop_token_ids"),
         ("/v1/completions", {"logprobs": 21}, "logprobs"),
         ("/v1/completions", {"n": 129}, "n"),
         ("/v1/completions", {"max_tokens": 100_000}, "max_tokens"),
@@ -416,6 +417,7 @@ def test_limits_name_the_field(http, path, extra, param):
     [
         ({"sampling_params": {"stop": [f"s{i}" for i in range(17)]}}, "sampling_params.stop"),
         ({"sampling_params": {"logit_bias": {str(i): 1 for i in range(301)}}}, None),
+        ({"sampling_params": {"stop_token_ids": [1] * 1025}}, "sampling_params.stop_token_ids"),
         ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
         ({"cache_salt": "x" * 300}, "cache_salt"),
     ],

@@ -152,11 +152,19 @@ def test_a_constraint_that_dies_mid_output_ends_as_a_client_error(http, before):
     finish = r.json()["meta_info"]["finish_reason"]
     assert finish["type"] == "abort" and "allows no token" in finish["message"], finish
     assert finish["message"].startswith("sampling_params.json_schema:"), finish
+    # the output is what the grammar allowed, the opening quote, without the token the sampler drew
+    # from the empty mask (an argmax over nothing: token 0, a special token, so the text hid it)
+    out = r.json()
+    assert out["text"] == '"' and 0 not in out["output_ids"], out
+    assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]), out
     body = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": json.loads(schema)}}}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["type"] == "invalid_request_error" and "allows no token" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "allows no token" in error["message"]
+    # named as this route names it (it said `sampling_params.json_schema`, with no param)
+    assert error["param"] == "response_format" and error["message"].startswith("response_format:"), error
     assert elapsed < FINISH_S
 
 

@@ -206,15 +206,34 @@ def test_unknown_route_and_method(http):
     assert_serving(http)
 
 
-def test_duplicate_rid_in_a_stream_is_an_error_event(http):
+def test_a_running_rid_is_refused_before_a_stream_starts(http):
     with http.stream("POST", "/generate", json={"text": "x", "rid": "dup", "stream": True,
                                                  "sampling_params": {"max_new_tokens": LONG, **GREEDY}}) as r:
         events = sse_events(r)  # kept: a dropped generator closes the connection (a disconnect)
-        first = next(events)
-        second = stream(http, text="y", rid="dup", sampling_params={"max_new_tokens": 2})
-        assert first["meta_info"]["id"] == "dup"
-    assert second[0]["error"]["code"] == 400 and "already running" in second[0]["error"]["message"]
-    assert second[-1] == "[DONE]"
+        assert next(events)["meta_info"]["id"] == "dup"
+        again = {"text": "y", "rid": "dup", "sampling_params": {"max_new_tokens": 2}}
+        assert_error(http.post("/generate", json={**again, "stream": True}), 400, "rid", "already running")
+        assert_error(http.post("/generate", json=again), 400, "rid", "already running")
+    twice = {"text": ["a", "b"], "rid": ["same", "same"], "sampling_params": {"max_new_tokens": 2}}
+    assert_error(http.post("/generate", json=twice), 400, "rid", "already running")
+    wait_idle(http)
+
+
+def test_a_rid_reused_right_after_a_disconnect_gets_its_own_output(http):
+    """The abandoned request's last outputs (its abort among them) are still in transit when the
+    new one starts under its name; they must not reach it (they did, before submissions had ids of
+    their own: the new request ended at once with the old one's tokens and "abort" finish)."""
+    body = {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 5, **GREEDY}}
+    want = generate(http, **body, rid="reference")["output_ids"]
+    for attempt in range(5):
+        rid = f"reused-{attempt}"
+        with http.stream("POST", "/generate", json={"text": "hello there", "rid": rid, "stream": True,
+                                                     "sampling_params": {"max_new_tokens": LONG, **GREEDY}}) as r:
+            events = sse_events(r)
+            for _ in range(3):
+                next(events)
+        out = generate(http, **body, rid=rid)
+        assert out["output_ids"] == want and out["meta_info"]["prompt_tokens"] == 3, out
     wait_idle(http)
 
 

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from transformers import AutoTokenizer
 
 DATA = Path(__file__).parent / "data"
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -217,6 +218,19 @@ def test_completion_logprobs(client, model):
     assert sum((c.choices[0].logprobs.token_logprobs for c in streamed), []) == pytest.approx(
         lp.token_logprobs
     )
+
+
+def test_completion_text_offset_skips_what_the_text_skips(client, model, tiny_model_dir):
+    """Special tokens the choice's text leaves out take no room in it: every offset indexes the
+    text (they ran past its end, by the special tokens' own text, when not streamed)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    special = tokenizer.all_special_ids[0]
+    out = client.completions.create(model=model, prompt=[7], max_tokens=4, echo=True, logprobs=1,
+                                    logit_bias={str(special): 100}, **GREEDY)
+    choice = out.choices[0]
+    generated = choice.logprobs.text_offset[1:]
+    assert choice.logprobs.tokens[1:] == [tokenizer.decode([special])] * 4
+    assert generated == [len(choice.text)] * 4, (choice.text, choice.logprobs.text_offset)
 
 
 def test_echo(client, model):

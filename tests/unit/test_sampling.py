@@ -236,6 +236,15 @@ def test_filters_sample_exactly_the_kept_support(top_k: int, top_p: float, min_p
     assert set(tokens[n:].tolist()) == set(range(8))
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-8])
+def test_a_top_p_too_small_for_float32_keeps_the_top_token(top_p: float) -> None:
+    """A valid top_p (> 0) that rounds to 0 in float32 samples the top token, as any tiny top_p
+    does (it sampled token 0, whatever the logits, before the top token was kept by rule)."""
+    logits = torch.tensor([[0.1, 3.0, 0.2, -1.0], [2.0, 0.0, 5.0, 1.0]])
+    out = _build([SamplingParams(temperature=1.0, top_p=top_p)] * 2, 4).sample(logits)
+    assert out.next_token_ids.tolist() == [1, 2]
+
+
 def test_repetition_penalty_matches_transformers() -> None:
     torch.manual_seed(4)
     vocab = 40

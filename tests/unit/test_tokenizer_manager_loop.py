@@ -116,7 +116,7 @@ def test_outputs_a_consumer_does_not_take_are_merged_into_one() -> None:
     in order, then the finish."""
 
     async def run() -> list[StrOut]:
-        state = _ReqState()
+        state = _ReqState("r#0")
         for i in range(1000):
             state.put(_out([i], f"<{i}>", finished=i == 999))
         assert len(state.pending) == 8

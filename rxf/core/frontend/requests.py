@@ -65,6 +65,9 @@ class RequestLimits:
     timeout_s: float | None = None
     max_stop_strings: int = 16
     max_logit_bias: int = 300
+    # Room for every special token of today's vocabularies (Llama 3 reserves 256); a million of them
+    # cost each step of every request a list scan (found by the hostile-input audit, 2026-12-07).
+    max_stop_token_ids: int = 1024
     # scheduler.policy == "priority"; otherwise only priority 0 is accepted, as vLLM does, so a
     # client never believes a priority is honoured when it is not.
     priority_scheduling: bool = False
@@ -77,6 +80,7 @@ class RequestLimits:
             timeout_s=config.server.request_timeout_s,
             max_stop_strings=config.server.max_stop_strings,
             max_logit_bias=config.server.max_logit_bias,
+            max_stop_token_ids=config.server.max_stop_token_ids,
             priority_scheduling=config.scheduler.policy == "priority",
         )
 
@@ -89,6 +93,11 @@ class RequestLimits:
         n_bias = len(params.logit_bias or {})
         if n_bias > self.max_logit_bias:
             raise ValueError(f"sampling_params.logit_bias: at most {self.max_logit_bias} entries, got {n_bias}")
+        n_stop_ids = len(params.stop_token_ids)
+        if n_stop_ids > self.max_stop_token_ids:
+            raise ValueError(
+                f"sampling_params.stop_token_ids: at most {self.max_stop_token_ids} ids, got {n_stop_ids}"
+            )
 
     def check_priority(self, priority: Any) -> None:
         """Raises RequestError naming `priority` unless it is an integer in PRIORITY_RANGE that the

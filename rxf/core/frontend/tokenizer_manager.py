@@ -12,6 +12,11 @@ and the scheduler only holds requests it was sent and that were not aborted, so 
 once `len(states)` reaches `RequestLimits.max_in_flight` bounds the scheduler's running + waiting
 requests by that number (plus aborts still in transit, which it drops within a step) without
 asking it: a full queue costs one comparison, not a round trip.
+
+Request ids: a client names its request (`rid`, unique among the running ones), but the engine knows
+each submission by an id of its own (`rid#N`, N counting submissions), so the outputs of a request
+its client abandoned, still in transit or in the scheduler until the abort lands, can never reach a
+later request that reuses the name.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ _MAX_PENDING_OUTPUTS = 8
 class _ReqState:
     """One request's outputs (and a failure, last) not yet taken by its consumer."""
 
+    engine_rid: str  # the submission's id in the engine (the module docstring)
     pending: deque[StrOut | BaseException] = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     # Text of outputs merged into pending[-1], joined when it is taken (not copied on every merge).
@@ -171,7 +177,10 @@ class TokenizerManager:
         self.from_engine = self.ctx.socket(zmq.PULL)
         self.from_engine.bind(addrs["tokenizer"])
         self._decoder = codec.Decoder(ToTokenizer)
+        # Running requests by the client's rid, and the same states by their engine rid.
         self.states: dict[str, _ReqState] = {}
+        self._by_engine_rid: dict[str, _ReqState] = {}
+        self._submissions = itertools.count()
         # Admin requests waiting for their reply, by the req_id the reply repeats.
         self._admin_waiters: dict[int, asyncio.Future[Any]] = {}
         self._admin_ids = itertools.count()
@@ -203,6 +212,15 @@ class TokenizerManager:
         if len(self.states) + n > limit:
             raise OverloadedError(f"the server is at capacity ({limit} requests in flight); retry later")
 
+    def check_rids(self, rids: list[str]) -> None:
+        """Raise RequestError unless every rid is free: none running, none twice in `rids` (a stream's
+        route checks before its 200 goes out; `generate` checks again)."""
+        seen: set[str] = set()
+        for rid in rids:
+            if rid in self.states or rid in seen:
+                raise RequestError(f"rid: a request with id {echo(rid)} is already running")
+            seen.add(rid)
+
     async def generate(self, req: PreparedRequest) -> AsyncIterator[GenerateOutput]:
         """Yields incremental chunks (`options.stream`) or one final result.
 
@@ -212,10 +230,11 @@ class TokenizerManager:
         if self._dead:
             raise EngineDeadError(self._dead)
         rid, stream = req.rid, req.options.stream
-        if rid in self.states:
-            raise RequestError(f"rid: a request with id {echo(rid)} is already running")
+        self.check_rids([rid])
         self.check_capacity()
-        state = self.states[rid] = _ReqState()  # no await since the check: the bound holds
+        engine_rid = f"{rid}#{next(self._submissions)}"
+        # No await since the checks: the bound holds, the rid is still free.
+        state = self.states[rid] = self._by_engine_rid[engine_rid] = _ReqState(engine_rid)
         observer = self.observer
         if observer is not None:
             observer.on_start(rid, stream, time.perf_counter())
@@ -229,8 +248,8 @@ class TokenizerManager:
         # that drops it: a leaked entry would count against max_in_flight for the server's lifetime.
         to_scheduler = None
         try:
-            to_scheduler = self.to_schedulers[self.router.route(rid, req.input_ids, req.options.cache_salt)]
-            await _send(to_scheduler, req)
+            to_scheduler = self.to_schedulers[self.router.route(engine_rid, req.input_ids, req.options.cache_salt)]
+            await _send(to_scheduler, msgspec.structs.replace(req, rid=engine_rid))
             while not finished:
                 item = await _next_output(state, deadline, timeout)
                 if isinstance(item, BaseException):
@@ -250,17 +269,24 @@ class TokenizerManager:
                 yield _output(rid, item, "".join(text), ids, logprobs)
         finally:
             self.states.pop(rid, None)
-            self.router.finished(rid)
+            self._by_engine_rid.pop(engine_rid, None)
+            self.router.finished(engine_rid)
             if observer is not None:
                 observer.on_end(rid)
             if not finished and not self._dead and to_scheduler is not None:
-                await _send(to_scheduler, AbortReq(rid))
+                await _send(to_scheduler, AbortReq(engine_rid))
 
-    async def abort(self, rid: str) -> None:
-        replica = self.router.replica_of(rid)
+    async def abort(self, rid: str) -> bool:
+        """Abort the running request the client named `rid`; its consumer gets what it has with finish
+        reason "abort". False when none runs under that name."""
+        state = self.states.get(rid)
+        if state is None:
+            return False
+        replica = self.router.replica_of(state.engine_rid)
         for d, sock in enumerate(self.to_schedulers):
             if replica is None or d == replica:
-                await _send(sock, AbortReq(rid))
+                await _send(sock, AbortReq(state.engine_rid))
+        return True
 
     # ---- admin ----
     async def flush_cache(self) -> AdminResult:
@@ -329,8 +355,8 @@ class TokenizerManager:
                 continue
             if isinstance(msg, BatchStrOut):
                 for out in msg.outs:
-                    state = self.states.get(out.token.rid)
-                    if state is not None:  # else: already gone (aborted by its consumer)
+                    state = self._by_engine_rid.get(out.token.rid)
+                    if state is not None:  # else: already gone (abandoned by its consumer)
                         state.put(out)
             elif isinstance(msg, StatsSnapshot):
                 self._snapshots[msg.dp_rank] = (msg.stats, time.monotonic())

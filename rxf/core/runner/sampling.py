@@ -179,8 +179,10 @@ class SamplingBatch:
         if self.top_ps is not None:
             cumulative = sorted_probs.cumsum(dim=-1)
             # Keep a token iff the mass strictly before it is < top_p: the smallest prefix reaching
-            # top_p. The top token (mass before it 0) always stays; top_p = inf keeps everything.
+            # top_p; top_p = inf keeps everything. The top token (mass before it 0) stays even where a
+            # valid top_p rounds to 0 in float32 (1e-300): a row of zeros would draw token 0.
             drop |= (cumulative - sorted_probs) >= self.top_ps * cumulative[:, -1:]
+            drop[:, 0] = False
         if self.min_ps is not None:
             # A ratio to the top token's probability, so renormalisation after top_k/top_p cannot change it.
             drop |= sorted_probs < self.min_ps * sorted_probs[:, :1]

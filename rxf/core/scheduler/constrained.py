@@ -164,9 +164,15 @@ class ConstrainedDecoding:
         token = req.output_ids[-1]
         if not req.grammar.accept_token(token):
             if self._dead_end(req):
+                # The sampler, left no token, drew one anyway: it is no output (never sent, no KV: a
+                # constrained request's next step waits for this one's tokens).
+                req.output_ids.pop()
+                if req.options.return_logprob and req.pending_logprobs:
+                    req.pending_logprobs.pop()
+                    req.pending_top_logprobs.pop()
                 return FinishReason("abort", status=400, message=(
                     f"sampling_params.{req.sampling_params.grammar[0]}: no text matching it continues this output: "
-                    f"after {len(req.output_ids) - 1 - req.grammar_start} tokens it allows no token, not even a stop"))
+                    f"after {len(req.output_ids) - req.grammar_start} tokens it allows no token, not even a stop"))
             raise GrammarViolation(f"token {token} is not allowed by the request's grammar")
         reason = self.stop.check(req)
         if reason is None and req.grammar.is_terminated():

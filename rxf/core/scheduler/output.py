@@ -25,14 +25,14 @@ class StopChecker:
         # A grammar decides when its output may end: banning its stop tokens could leave no token.
         if req.generated + ahead >= p.min_new_tokens or req.grammar is not None:
             return []
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+        return list(req.stop_token_set) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
     def check(self, req: Req) -> FinishReason | None:
         """Whether the newest known output token ends the request."""
         p = req.sampling_params
         token = req.output_ids[-1]
         if len(req.output_ids) >= p.min_new_tokens:
-            if token in p.stop_token_ids:
+            if token in req.stop_token_set:
                 return FinishReason("stop", matched=token)
             if not p.ignore_eos and token in self.eos_token_ids:
                 return FinishReason("stop", matched=token)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -101,6 +102,12 @@ class Req:
     @property
     def sampling_params(self) -> SamplingParams:
         return self.prepared.sampling_params
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """`sampling_params.stop_token_ids` for the per-step membership test (up to
+        `RequestLimits.max_stop_token_ids` of them)."""
+        return frozenset(self.sampling_params.stop_token_ids)
 
     @property
     def options(self) -> RequestOptions:

@@ -12,44 +12,51 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from rxf.core.frontend.outputs import GenerateOutput
+from rxf.core.frontend.requests import RequestError
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.core.ipc.messages import ABORT_REQUESTED, FinishReason, PreparedRequest
 from rxf.entrypoints.choices import interleave
 from rxf.entrypoints.openai.protocol import PromptTokensDetails, Usage
-from rxf.entrypoints.server_state import APIError
+from rxf.entrypoints.server_state import APIError, engine_api_error
 
 
-def _abort_error(finish: FinishReason) -> APIError:
+def _abort_error(finish: FinishReason, names: Mapping[str, str]) -> APIError:
     message = finish.message or "aborted"
-    if finish.status is not None:  # the request's own input failed it (its grammar): the message names the field
-        return APIError(finish.status, message, code="request_aborted")
+    if finish.status is not None:  # the request's own input failed it (its grammar): the message names
+        # the native field, here renamed to this route's (`native_names`)
+        error = engine_api_error(RequestError(message).renamed(names))
+        assert error is not None  # a RequestError is always a 400
+        return APIError(finish.status, error.message, param=error.param, code="request_aborted")
     return APIError(
         500, f"the request was aborted by the engine: {message}", type="server_error", code="request_aborted"
     )
 
 
 async def iterate(
-    tm: TokenizerManager, reqs: list[PreparedRequest]
+    tm: TokenizerManager, reqs: list[PreparedRequest], names: Mapping[str, str] | None = None
 ) -> AsyncGenerator[tuple[int, GenerateOutput], None]:
     """Runs `reqs` concurrently and yields `(request index, output)` as outputs arrive. The first
     failure is raised (RequestError, EngineDeadError: the server's handlers know them; the other
-    requests are aborted); an engine abort as an `APIError`."""
+    requests are aborted); an engine abort as an `APIError` naming the field by `names` (the
+    route's `native_names`)."""
     async with contextlib.aclosing(interleave(tm, reqs)) as outputs:
         async for index, out in outputs:
             finish = out.finish_reason
             if finish is not None and finish.type == "abort" and finish.message != ABORT_REQUESTED:
-                raise _abort_error(finish)
+                raise _abort_error(finish, names or {})
             yield index, out
 
 
-async def collect(tm: TokenizerManager, reqs: list[PreparedRequest]) -> list[GenerateOutput]:
-    """The final results of non-streaming `reqs`, in order."""
+async def collect(
+    tm: TokenizerManager, reqs: list[PreparedRequest], names: Mapping[str, str] | None = None
+) -> list[GenerateOutput]:
+    """The final results of non-streaming `reqs`, in order (`iterate`'s errors)."""
     results: list[Any] = [None] * len(reqs)
-    async with contextlib.aclosing(iterate(tm, reqs)) as outputs:
+    async with contextlib.aclosing(iterate(tm, reqs, names)) as outputs:
         async for index, result in outputs:
             results[index] = result
     return results

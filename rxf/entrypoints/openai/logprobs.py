@@ -6,7 +6,7 @@ The engine gives `[(logprob, token_id)]` per generated (or prompt) token and, pe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 from rxf.entrypoints.openai.protocol import ChatTokenLogprob, CompletionLogprobs, TopLogprob
@@ -44,16 +44,19 @@ def _top_dict(top: Sequence[tuple[float, int]], token_str: TokenStr) -> dict[str
 
 
 def completion_logprobs(
-    tokens: TokenLogprobs, tops: TopLists | None, token_str: TokenStr, offset: int
+    tokens: TokenLogprobs, tops: TopLists | None, token_str: TokenStr, offset: int,
+    hidden: Container[int] = frozenset(),
 ) -> tuple[CompletionLogprobs, int]:
     """The legacy completions object for `tokens`, whose text starts at `offset` in the choice's
-    text; returns it and the offset after its last token."""
+    text; returns it and the offset after its last token. Tokens in `hidden` (special tokens, where
+    the choice's text skips them) are listed with their own text but take no room in the choice's."""
     out = CompletionLogprobs()
     for j, (logprob, token_id) in enumerate(tokens):
         text = token_str(token_id)
         out.tokens.append(text)
         out.text_offset.append(offset)
-        offset += len(text)
+        if token_id not in hidden:
+            offset += len(text)
         if logprob is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -74,6 +74,7 @@ class ChatPlan:
     logprobs: bool
     tools: ToolPlan | None = None
     reply: ReplyFormat = ReplyFormat()  # how each reply is read (reasoning, content, calls)
+    names: Mapping[str, str] = field(default_factory=dict)  # native field -> this request's (`native_names`)
 
 
 def plan_chat(
@@ -127,7 +128,7 @@ def plan_chat(
     names = native_names(PROMPT_FIELDS, budget_field, "top_logprobs", constrained_by or None)
     prepared = prepare_request(preparer, native, names)
     reqs = choice_requests(prepared, [f"{rid}-{i}" for i in range(req.n)])
-    return ChatPlan(rid, prepared, reqs, req.logprobs, tools, reply)
+    return ChatPlan(rid, prepared, reqs, req.logprobs, tools, reply, names)
 
 
 def _logprobs(plan: ChatPlan, out: GenerateOutput, token_str: TokenStr) -> ChatLogprobs | None:
@@ -184,7 +185,7 @@ async def chat_events(
         return event(ChatCompletionChunk(id=plan.id, created=created, model=model, choices=[choice]))
 
     finals: list[Any] = [None] * len(plan.reqs)
-    async with contextlib.aclosing(gen.iterate(tm, plan.reqs)) as results:
+    async with contextlib.aclosing(gen.iterate(tm, plan.reqs, plan.names)) as results:
         async for i, result in results:
             logprobs = _logprobs(plan, result, token_str)
             finish = gen.finish_reason(result)
@@ -258,7 +259,7 @@ async def create_chat_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return sse_response(chat_events(tm, plan, token_str, state.served_model_name, include_usage))
-    results = await until_disconnected(request, gen.collect(tm, plan.reqs))
+    results = await until_disconnected(request, gen.collect(tm, plan.reqs, plan.names))
     if results is None:
         return Response(status_code=499)  # the client left: its requests were aborted, nobody reads this
     return json_reply(chat_response(plan, results, token_str, state.served_model_name))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -67,6 +67,8 @@ class CompletionPlan:
     n: int
     echo: bool
     logprobs: int | None
+    hidden: frozenset[int] = frozenset()  # token ids the choices' text leaves out (skipped special tokens)
+    names: Mapping[str, str] = field(default_factory=dict)  # native field -> this request's (`native_names`)
 
 
 PromptField = str | list[str] | list[int] | list[list[int]]
@@ -98,7 +100,9 @@ def plan_completion(req: CompletionRequest, preparer: RequestPreparer) -> Comple
         priority=req.priority,
     )
     names = native_names(_PROMPT_FIELDS, "max_tokens", "logprobs", constrained_by or None)
-    plan = CompletionPlan(gen.new_id("cmpl"), [], [], [], req.n, req.echo, req.logprobs)
+    skips = params.get("skip_special_tokens", True)
+    hidden = frozenset(preparer.tokenizer.all_special_ids) if skips else frozenset()
+    plan = CompletionPlan(gen.new_id("cmpl"), [], [], [], req.n, req.echo, req.logprobs, hidden, names)
     for p, prompt in enumerate(_prompt_list(req.prompt)):
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
         native = GenerateRequest(
@@ -125,7 +129,8 @@ def _choice_logprobs(
     prompt_part = CompletionLogprobs()
     if with_prompt:
         prompt_part, _ = completion_logprobs(lp.input_token_logprobs or [], lp.input_top_logprobs, token_str, 0)
-    output_part, _ = completion_logprobs(lp.output_token_logprobs, lp.output_top_logprobs, token_str, start)
+    output_part, _ = completion_logprobs(lp.output_token_logprobs, lp.output_top_logprobs, token_str, start,
+                                         plan.hidden)
     return join_completion_logprobs(prompt_part, output_part)
 
 
@@ -153,7 +158,7 @@ async def completion_events(
     sent = [0] * len(plan.reqs)  # characters of each choice's text sent so far
     finals: list[Any] = [None] * len(plan.reqs)
     started = [False] * len(plan.reqs)
-    async with contextlib.aclosing(gen.iterate(tm, plan.reqs)) as chunks:
+    async with contextlib.aclosing(gen.iterate(tm, plan.reqs, plan.names)) as chunks:
         async for k, chunk in chunks:
             echo = plan.echo and not started[k]
             started[k] = True
@@ -194,7 +199,7 @@ async def create_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return sse_response(completion_events(tm, plan, token_str, state.served_model_name, include_usage))
-    results = await until_disconnected(request, gen.collect(tm, plan.reqs))
+    results = await until_disconnected(request, gen.collect(tm, plan.reqs, plan.names))
     if results is None:
         return Response(status_code=499)  # the client left: its requests were aborted, nobody reads this
     return json_reply(completion_response(plan, results, token_str, state.served_model_name))

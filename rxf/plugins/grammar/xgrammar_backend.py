@@ -10,6 +10,7 @@ grammars are cached by (kind, text) in an LRU bounded by `grammar.cache_size` en
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from rxf.core.config import GrammarConfig
 from rxf.core.grammar import GRAMMAR_KINDS, GrammarBackend, GrammarError, GrammarMatcher
 from rxf.plugins.grammar.forced import FirstByteTable, forced_string
 from rxf.plugins.grammar.sandbox import CompileSandbox
+from rxf.plugins.grammar.schema_support import unenforced_keyword
 
 # xgrammar's C++ errors start with a log prefix ("[12:00:00] /project/cpp/x.cc:94: ") and sometimes a
 # failed check's condition; neither helps a client.
@@ -36,12 +38,28 @@ def compile_constraint(compiler: xgr.GrammarCompiler, kind: str, text: str) -> x
         if kind == "regex":
             return compiler.compile_regex(text)
         if kind == "json_schema":
+            _check_enforced(text)
             # Compact JSON (no optional whitespace): a model cannot pad its output with blanks,
             # and fixed keys become single continuations that jump-forward can append.
             return compiler.compile_json_schema(text, any_whitespace=False)
         return compiler.compile_grammar(text)
     except (RuntimeError, ValueError) as e:
         raise GrammarError(f"invalid {kind}: " + _LOG_PREFIX.sub("", str(e)).strip()) from None
+
+
+def _check_enforced(text: str) -> None:
+    """GrammarError naming the first keyword of the schema `text` that xgrammar would compile without
+    enforcing (`schema_support.py`); invalid JSON is left to xgrammar's own error."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        return
+    keyword = unenforced_keyword(schema)
+    if keyword is not None:
+        raise GrammarError(
+            f"invalid json_schema: {keyword} is not supported (the grammar backend would not enforce it, "
+            "so output could break the schema)"
+        )
 
 
 class XGrammarMatcher(GrammarMatcher):
