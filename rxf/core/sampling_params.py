@@ -144,7 +144,8 @@ class SamplingParams:
             if value is not None:
                 _require(bound.contains(value), name, f"must be in {bound}", value)
         min_ok = self.min_new_tokens <= self.max_new_tokens
-        _require(min_ok, "min_new_tokens", "must be in [0, max_new_tokens]", self.min_new_tokens)
+        _require(min_ok, "min_new_tokens", f"must not exceed the output budget ({self.max_new_tokens})",
+                 self.min_new_tokens)
         for token_id in self.stop_token_ids:
             in_vocab = token_id >= 0 and (vocab_size is None or token_id < vocab_size)
             bound = "vocab_size" if vocab_size is None else vocab_size
