@@ -43,9 +43,39 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _validation_error(errors: list[dict[str, Any]]) -> APIError:
+def _public_loc(loc: tuple[Any, ...], body: Any) -> tuple[Any, ...]:
+    """A location in the request body as the client wrote it: without the union members' names
+    that pydantic puts in it (`input[0].message.role` is `input[0].role`, `content.list[...][0]`
+    is `content[0]`). A part that indexes the body there (a key of its object, an index of its
+    array) is the client's; any other name is a member's, unless it ends the location at an
+    object (a field left out). Once the body cannot be followed (a validator rewrote the value
+    there) the rest is kept as it is."""
+    public: list[Any] = []
+    value, following = body, True
+    for n, part in enumerate(loc):
+        if following and isinstance(value, dict) and part in value:
+            value = value[part]
+        elif following and isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        elif following and isinstance(part, str) and (n < len(loc) - 1 or not isinstance(value, dict)):
+            continue
+        else:
+            following = False
+        public.append(part)
+    return tuple(public)
+
+
+def _field_loc(loc: tuple[Any, ...], body: Any) -> tuple[Any, ...]:
+    """An error's location within the part of the request it is in."""
+    if loc[:1] == ("body",):
+        return _public_loc(loc[1:], body)
+    return loc[1:] if loc[:1] in (("query",), ("path",), ("header",)) else loc
+
+
+def _validation_error(errors: list[dict[str, Any]], body: Any = None) -> APIError:
     """One 400 for FastAPI's validation errors: `param` names the field (the part of the location
-    that all of its errors share: a union type reports one error per member)."""
+    that all of its errors share: a union type reports one error per member, and the deepest of
+    them are told, those of the member the value was meant for)."""
     first = errors[0]
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, InvalidTextError):  # raised by the body models' own validators
@@ -53,8 +83,7 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "JSON decode error")
         return APIError(400, f"malformed JSON body: {detail}")
-    locs = [tuple(e.get("loc", ()))[1:] if e.get("loc", ("",))[0] in ("body", "query", "path", "header")
-            else tuple(e.get("loc", ())) for e in errors]
+    locs = [_field_loc(tuple(e.get("loc", ())), body) for e in errors]
     if not locs[0]:
         if first.get("type") == "missing":
             return APIError(400, "the request body is missing: expected a JSON object")
@@ -62,6 +91,8 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
             return APIError(400, "the request body must be a JSON object sent as Content-Type: application/json")
         return APIError(400, f"the request body is invalid: {first.get('msg')}")
     same_field = [(loc, e) for loc, e in zip(locs, errors, strict=True) if loc[:1] == locs[0][:1]]
+    deepest = max(len(loc) for loc, _ in same_field)
+    same_field = [(loc, e) for loc, e in same_field if len(loc) == deepest]
     common = list(same_field[0][0])
     for loc, _ in same_field[1:]:
         n = 0
@@ -96,7 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def validation(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, RequestValidationError)
-        return error_response(_validation_error(list(e.errors())), request.url.path)
+        return error_response(_validation_error(list(e.errors()), e.body), request.url.path)
 
     async def http_error(request: Request, e: Exception) -> JSONResponse:
         assert isinstance(e, StarletteHTTPException)

@@ -173,7 +173,10 @@ def test_count_tokens(claude, client, model):
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, 400, "messages[0].content[0]: images are not supported"),
         ({"messages": [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
-         400, "continue_final_message needs the last message to be an assistant's text"),
+         400, "messages[1].content[0]: the final assistant message is the start of the reply"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}]},
+         400, "messages[0].content[1].text: Input should be a valid string"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 0}}, 400, "thinking.budget_tokens: "),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400,
          "content[0]: 'document' blocks are not supported"),
         ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),
@@ -196,6 +199,15 @@ def test_errors_in_anthropic_shape(server, model, change, status, says):
     assert error["type"] == "error" and set(error["error"]) == {"type", "message"}
     assert error["error"]["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
     assert says in error["error"]["message"], error
+
+
+def test_count_tokens_refuses_what_messages_refuses(server, model):
+    body = {"model": model, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        answers = [http.post(path, json=body | extra) for path, extra in
+                   (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {}))]
+    assert [r.status_code for r in answers] == [400, 400]
+    assert answers[0].json() == answers[1].json() and "'nope'" in answers[0].json()["error"]["message"]
 
 
 def test_sdk_raises_the_errors(claude, model):

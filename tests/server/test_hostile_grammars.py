@@ -165,6 +165,10 @@ def test_a_constraint_that_dies_mid_output_ends_as_a_client_error(http, before):
     assert error["type"] == "invalid_request_error" and "allows no token" in error["message"]
     # named as this route names it (it said `sampling_params.json_schema`, with no param)
     assert error["param"] == "response_format" and error["message"].startswith("response_format:"), error
+    body = {"model": "demo", "input": "Hi", "max_output_tokens": 8,
+            "text": {"format": {"type": "json_schema", "name": "s", "schema": json.loads(schema)}}}
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
     assert elapsed < FINISH_S
 
 

@@ -210,6 +210,21 @@ def test_previous_response_continues_the_conversation(client, model):
     assert_same_as_chat(second, chat(client, model, messages, 10))
 
 
+def test_a_call_cut_off_by_the_budget_can_be_continued(client, model):
+    """The cut-off call (its arguments unfinished JSON) is left out of the conversation, whether it
+    continues from the stored response or from its output sent back."""
+    cut = client.responses.create(model=model, input="Call get_weather.", tools=TOOLS, tool_choice="required",
+                                  max_output_tokens=14, **GREEDY)
+    (call,) = cut.output
+    assert cut.status == "incomplete" and call.type == "function_call" and call.status == "incomplete"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.arguments)
+    for more in ({"previous_response_id": cut.id, "input": "Go on."},
+                 {"input": [{"role": "user", "content": "Call get_weather."}, call.model_dump(exclude_none=True),
+                            {"role": "user", "content": "Go on."}]}):
+        assert client.responses.create(model=model, max_output_tokens=2, **more).output_text is not None
+
+
 def test_retrieve_and_delete(client, model):
     created = client.responses.create(model=model, input="Hi", max_output_tokens=4, metadata={"k": "v"}, **GREEDY)
     got = client.responses.retrieve(created.id)
@@ -225,6 +240,11 @@ def test_retrieve_and_delete(client, model):
     with pytest.raises(openai.NotFoundError) as info:
         client.responses.create(model=model, input="Hi", previous_response_id=unstored.id, max_output_tokens=2)
     assert info.value.body["param"] == "previous_response_id"
+
+
+DEEP: Any = 1
+for _ in range(300):
+    DEEP = [DEEP]
 
 
 @pytest.mark.parametrize(
@@ -247,7 +267,15 @@ def test_retrieve_and_delete(client, model):
             {"type": "function_call_output", "call_id": "c", "output": "x"},
             {"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input[2].content[0]"),
         ({"input": None}, "input"),
-        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0]"),
+        ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
+        # Refused before any work: the response object echoes them (a schema past pydantic's depth
+        # limit was a 500 once the reply was written, a long id a flood of the response store).
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "x": DEEP}}}},
+         "text.format.schema"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "x": DEEP}}]},
+         "tools[0].parameters"),
+        ({"user": "u" * 257}, "user"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])

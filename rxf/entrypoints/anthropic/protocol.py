@@ -46,8 +46,8 @@ class ToolUseBlock(RequestModel):
     """A call the assistant made earlier in the conversation."""
 
     type: Literal["tool_use"]
-    id: str
-    name: str
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
     input: dict[str, Any]
 
 

@@ -28,7 +28,7 @@ from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.sampling import check_model
 from rxf.entrypoints.openai.serving_chat import ChatPlan, prepare_chat
 from rxf.entrypoints.openai.sse import sse_response
-from rxf.entrypoints.server_state import APIError, ServerState, server_state, until_disconnected
+from rxf.entrypoints.server_state import APIError, ServerState, prepare, server_state, until_disconnected
 
 logger = logging.getLogger(__name__)
 router = APIRouter(route_class=MsgspecJSONRoute)
@@ -41,7 +41,9 @@ async def _plan(request: Request, state: ServerState, body: MessagesRequest | Co
     check_model(body.model, state.served_model_name)
     try:
         takes_media = state.require_ready().preparer.mm_processor is not None
-        return await prepare_chat(request, state, translate.chat_request(body, takes_media))
+        # Off the event loop for a large body, as its planning: a walk of every message and block.
+        chat = await prepare(request, translate.chat_request, body, takes_media)
+        return await prepare_chat(request, state, chat)
     except APIError as exc:
         name = _FIELD_NAMES.get(exc.param or "")
         if name is None:

@@ -21,6 +21,7 @@ from rxf.core.echo import echo
 from rxf.core.frontend.outputs import GenerateOutput
 from rxf.entrypoints.anthropic.protocol import (
     BlockOut,
+    ClientTool,
     CountTokensRequest,
     ImageBlock,
     MessagesRequest,
@@ -49,15 +50,17 @@ def chat_request(req: MessagesRequest | CountTokensRequest, takes_media: bool) -
     counting = not isinstance(req, MessagesRequest)
     messages = _messages(req, takes_media)
     # A final assistant message is the start of the reply, which the model continues (a prefill).
-    body: dict[str, Any] = {"model": req.model, "messages": messages,
-                            "continue_final_message": req.messages[-1].role == "assistant"}
+    prefill = req.messages[-1].role == "assistant"
+    if prefill:
+        _check_prefill(req.messages[-1].content, f"messages[{len(req.messages) - 1}]")
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "continue_final_message": prefill}
     if req.tools:
         body["tools"] = [
             {"type": "function", "function": {"name": t.name, "parameters": t.input_schema}
              | ({"description": t.description} if t.description is not None else {})}
             for t in req.tools
         ]
-        body |= _tool_choice(req.tool_choice, counting)
+        body |= _tool_choice(req.tool_choice, req.tools, counting)
     elif isinstance(req.tool_choice, ToolChoiceAny | ToolChoiceTool):  # "auto" and "none" mean no call either way
         raise APIError(400, f"tool_choice: {req.tool_choice.type!r} asks for a tool call, but the request has no tools",
                        param="tool_choice")
@@ -72,7 +75,22 @@ def chat_request(req: MessagesRequest | CountTokensRequest, takes_media: bool) -
     return ChatCompletionRequest.model_validate(body)
 
 
-def _tool_choice(choice: Any, counting: bool) -> dict[str, Any]:
+def _check_prefill(content: str | list[Any], where: str) -> None:
+    """A final assistant message is continued: text to go on from, not a call (which a user
+    message's tool_result answers)."""
+    for j, block in enumerate(content if isinstance(content, list) else ()):
+        if isinstance(block, ToolUseBlock):
+            raise _bad(f"{where}.content[{j}]: the final assistant message is the start of the reply, which the "
+                       "model continues: it cannot hold a tool_use block (answer it with a tool_result in a user "
+                       "message)")
+
+
+def _tool_choice(choice: Any, tools: list[ClientTool], counting: bool) -> dict[str, Any]:
+    """The chat fields of `choice`. A tool it names must be offered, whether the request is counted
+    or run (counting shows the prompt "auto" shows)."""
+    if isinstance(choice, ToolChoiceTool) and choice.name not in {t.name for t in tools}:
+        raise APIError(400, f"tool_choice: names the tool {echo(choice.name)}, which is not in tools",
+                       param="tool_choice")
     if isinstance(choice, ToolChoiceNone):
         return {"tool_choice": "none"}
     if choice is None or counting:

@@ -33,19 +33,39 @@ class ToolPlan:
     max_calls: int | None = None  # 1 when parallel_tool_calls is false
 
 
+# How deep a client's JSON schema may nest, counting every object and array, a keyword's value or
+# an unknown keyword's as much as a subschema: far deeper than schemas are written (OpenAI's
+# strict mode allows 10 levels of objects, 20 of these), and within what is done with one. The
+# meta-schema check recurses about 7 frames a level (Python's limit is 1,000), and the Responses
+# API echoes `tools` and `text.format` in its response object, which pydantic refuses to write
+# when it nests over 255 levels in all.
+MAX_SCHEMA_DEPTH = 64
+
+
+def check_schema_depth(value: Any) -> None:
+    """Raises ValueError unless `value` (a JSON value) nests at most MAX_SCHEMA_DEPTH objects and
+    arrays. Walks every value, without recursion."""
+    pending = [(value, 1)] if isinstance(value, dict | list) else []  # (an object or array, its depth)
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} objects and arrays")
+        children = item.values() if isinstance(item, dict) else item
+        pending += ((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
 def check_json_schema(schema: dict[str, Any]) -> None:
     """Raises ValueError (the reason, bounded) unless `schema` is a JSON Schema by the 2020-12
-    meta-schema."""
+    meta-schema, nested at most MAX_SCHEMA_DEPTH deep."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
+    check_schema_depth(schema)
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
         where = ".".join(map(str, exc.path))
         raise ValueError(f"not a valid JSON schema{' at ' + where if where else ''}: {cut(exc.message)}") from None
-    except RecursionError:
-        raise ValueError("the JSON schema nests too deeply") from None
 
 
 def plan_tools(

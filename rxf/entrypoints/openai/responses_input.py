@@ -89,7 +89,8 @@ def input_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[in
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
             sources.append(i)
-        # A reasoning item is not shown to the model again (chat templates drop earlier reasoning).
+        # A reasoning item is not shown to the model again (chat templates drop earlier reasoning),
+        # nor is a cut-off call (`CutOffCallItem`).
     return messages, sources
 
 
@@ -157,7 +158,9 @@ def responses_error(error: APIError, sources: list[str]) -> APIError:
     param, message = f"{name}{bracket}{rest}", error.message
     at_message = re.match(r"messages\[(\d+)\]", message)
     if at_message and int(at_message[1]) < len(sources):
-        message = sources[int(at_message[1])] + message[at_message.end():]
+        # A tool message's `tool_call_id` is its function_call_output item's `call_id`.
+        rest = re.sub(r"^\.tool_call_id\b", ".call_id", message[at_message.end():])
+        message = sources[int(at_message[1])] + rest
         param = message.partition(": ")[0]
     elif message.startswith(head):
         message = name + message[len(head):]

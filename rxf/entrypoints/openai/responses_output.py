@@ -88,13 +88,15 @@ def finish_status(out: GenerateOutput) -> tuple[str, IncompleteDetails | None]:
     return "completed", None
 
 
-def output_items(plan: ResponsePlan, out: GenerateOutput, item_status: str) -> list[OutputItem]:
-    """The output items of the whole reply `out`."""
+def output_items(plan: ResponsePlan, out: GenerateOutput, last_status: str) -> list[OutputItem]:
+    """The output items of the whole reply `out`: each but the last ended (the model wrote the next
+    one), the last in `last_status`, as the stream closes them."""
     reply = plan.chat.reply.split(out.text)
-    items: list[OutputItem] = [reasoning_item(reply.reasoning, item_status)] if reply.reasoning else []
+    items: list[OutputItem] = [reasoning_item(reply.reasoning, "completed")] if reply.reasoning else []
     if reply.content or not reply.calls:
-        items.append(message_item(reply.content, item_status, token_logprobs(plan, out)))
-    items += [call_item(new_call_id(), c.name, c.arguments, item_status) for c in reply.calls]
+        items.append(message_item(reply.content, "completed", token_logprobs(plan, out)))
+    items += [call_item(new_call_id(), c.name, c.arguments, "completed") for c in reply.calls]
+    items[-1].status = last_status
     return items
 
 
@@ -186,11 +188,13 @@ def final_response(plan: ResponsePlan, out: GenerateOutput, output: list[OutputI
 
 def stored_conversation(plan: ResponsePlan, response: ResponseObject) -> list[dict[str, Any]]:
     """The conversation a later `previous_response_id` continues: this one's, then the reply as an
-    assistant turn (its text, its calls under their call ids)."""
+    assistant turn (its text, its calls under their call ids). A call the budget cut off (status
+    "incomplete", its arguments unfinished JSON) is left out: nothing can answer it, and it is
+    dropped as an input item too (`responses_protocol.CutOffCallItem`)."""
     text = "".join(part.text for item in response.output if isinstance(item, OutputMessage) for part in item.content)
     calls = [
         {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-        for item in response.output if isinstance(item, FunctionCallOut)
+        for item in response.output if isinstance(item, FunctionCallOut) and item.status != "incomplete"
     ]
     turn: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
     if calls:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
+from rxf.entrypoints.chat.tools import check_schema_depth
 from rxf.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     FunctionCallIn,
@@ -23,6 +24,14 @@ from rxf.entrypoints.openai.protocol import (
 
 # OpenAI's limits on `metadata`: 16 pairs, keys of 64 characters, values of 512.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+# A stored response echoes `user` and `text.format` (its description too, which the model never reads
+# here): each is bounded, so that no request grows the response store by more than its conversation,
+# which the context bounds. OpenAI documents 64 characters for `safety_identifier` and for
+# `text.format`'s name, none for `user` and `prompt_cache_key` (ids of the same kind: hashes,
+# session ids), which get the room of a native rid.
+MAX_ID_CHARS = 64
+MAX_LOOSE_ID_CHARS = 256
+MAX_FORMAT_DESCRIPTION_CHARS = 1024
 
 # ---- request ----
 
@@ -62,9 +71,23 @@ class FunctionCallItem(FunctionCallIn):
     """A call the model made (sent back with its output, as an agent loop does)."""
 
     type: Literal["function_call"]
+    name: str = Field(min_length=1)
     call_id: str = Field(min_length=1)
     id: str | None = None
-    status: str | None = None
+    status: str | None = None  # never "incomplete": that is a CutOffCallItem
+
+
+class CutOffCallItem(_Request):
+    """A call that `max_output_tokens` cut off, sent back as the response's output holds it: its
+    arguments are what the model wrote of them. It is not shown to the model again (nothing can
+    answer it; a stored response leaves it out of its conversation too)."""
+
+    type: Literal["function_call"]
+    status: Literal["incomplete"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
 
 
 class FunctionCallOutputItem(_Request):
@@ -89,12 +112,16 @@ class ReasoningItemIn(_Request):
 def _item_type(value: Any) -> str:
     # A message may leave its type out (OpenAI's "easy input message").
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    status = value.get("status") if isinstance(value, dict) else getattr(value, "status", None)
+    if kind == "function_call" and status == "incomplete":
+        return "cut_off_call"
     return kind if isinstance(kind, str) else "message"
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[CutOffCallItem, Tag("cut_off_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
     | Annotated[ReasoningItemIn, Tag("reasoning")],
     Discriminator(_item_type),
@@ -122,6 +149,15 @@ class TextFormatJsonObject(_Request):
 
 class TextFormatJsonSchema(JsonSchemaFormat):
     type: Literal["json_schema"]
+    name: str = Field(max_length=MAX_ID_CHARS)
+    description: str | None = Field(None, max_length=MAX_FORMAT_DESCRIPTION_CHARS)
+
+    @field_validator("schema_")
+    @classmethod
+    def _bounded_depth(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # Checked here, before any work: the grammar backend checks the rest when it compiles.
+        check_schema_depth(value)
+        return value
 
 
 TextFormat = Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")]
@@ -149,7 +185,7 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = Field(None, ge=1)  # OpenAI's least is 16; less still answers here
     temperature: float = 1.0
     top_p: float = 1.0
     tools: list[FunctionTool] | None = None
@@ -160,14 +196,14 @@ class ResponsesRequest(_Request):
     metadata: dict[str, str] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     background: bool = False
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_LOOSE_ID_CHARS)
     top_logprobs: int | None = None  # alternatives per output token (0 to 20): the logprobs are returned
     # "message.output_text.logprobs" returns the output's logprobs; the other values are accepted and
     # not acted on (they name OpenAI's hosted tools and encrypted reasoning).
     include: list[str] | None = None
     # Accepted and not acted on: they tune OpenAI's own service (caching, billing, safety).
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    prompt_cache_key: str | None = Field(None, max_length=MAX_LOOSE_ID_CHARS)
+    safety_identifier: str | None = Field(None, max_length=MAX_ID_CHARS)
     service_tier: str | None = None
     # Refused whatever they hold: conversations and stored prompts live in OpenAI's platform.
     conversation: Any = None

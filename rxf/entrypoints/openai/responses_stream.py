@@ -30,6 +30,7 @@ from typing import Any
 from rxf.core.frontend.tokenizer_manager import TokenizerManager
 from rxf.entrypoints.openai import generation as gen
 from rxf.entrypoints.openai.protocol import ChatTokenLogprob
+from rxf.entrypoints.openai.responses_input import responses_error
 from rxf.entrypoints.openai.responses_output import (
     ResponsePlan,
     call_item,
@@ -158,15 +159,29 @@ class _Events:
 async def response_events(
     tm: TokenizerManager, plan: ResponsePlan, on_done: Callable[[ResponseObject], None]
 ) -> AsyncGenerator[str, None]:
-    """The events of `plan`'s response; `on_done` gets the finished response (not a failed one)."""
+    """The events of `plan`'s response; `on_done` gets the finished response (not a failed one).
+    They end with Responses events whatever fails: a failure of the generation with
+    response.failed, any other (writing an event, finishing the response) with an `error` event."""
     events = _Events()
+    try:
+        async with contextlib.aclosing(_stream_events(events, tm, plan, on_done)) as inner:
+            async for event in inner:
+                yield event
+    except Exception as exc:  # after the 200 a failure can only be told in the stream
+        logger.exception("response stream failed")
+        yield events.event("error", code="server_error", message=f"internal error: {type(exc).__name__}", param=None)
+
+
+async def _stream_events(
+    events: _Events, tm: TokenizerManager, plan: ResponsePlan, on_done: Callable[[ResponseObject], None]
+) -> AsyncGenerator[str, None]:
     yield events.lifecycle("response.created", response_object(plan, "in_progress", []))
     yield events.lifecycle("response.in_progress", response_object(plan, "in_progress", []))
     stream = plan.chat.reply.stream()
     final = None
     text, output_ids = "", []  # the reply so far (each output holds what it adds)
     try:
-        async with contextlib.aclosing(gen.iterate(tm, plan.chat.reqs)) as results:
+        async with contextlib.aclosing(gen.iterate(tm, plan.chat.reqs, plan.chat.names)) as results:
             async for _, result in results:
                 done = result.finish_reason is not None
                 text += result.text
@@ -184,7 +199,9 @@ async def response_events(
                     final = dataclasses.replace(result, text=text, output_ids=output_ids)
     except Exception as exc:  # after the 200 a failure can only be told in the stream
         error = to_api_error(exc)
-        if error is None:
+        if error is not None:
+            error = responses_error(error, [])  # an engine abort names the chat field
+        else:
             logger.exception("response stream failed")
         message = error.message if error is not None else f"internal error: {type(exc).__name__}"
         for event in events.close("incomplete"):

@@ -132,7 +132,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Streaming
     if body.stream:
         # The events tell an engine failure themselves (response.failed); no [DONE] ends them.
         return sse_response(response_events(tm, plan, keep), end="")
-    results = await until_disconnected(request, gen.collect(tm, plan.chat.reqs))
+    try:
+        results = await until_disconnected(request, gen.collect(tm, plan.chat.reqs, plan.chat.names))
+    except APIError as exc:  # the engine's abort of a constraint names the chat field: say this request's
+        raise responses_error(exc, []) from None
     if results is None:
         return Response(status_code=499)  # the client left: its request was aborted, nobody reads this
     # Off the event loop: counting the reasoning's tokens decodes the output a few times.
