@@ -1,4 +1,4 @@
-"""What the Responses and Messages request models refuse, and how a refusal names the field: the
+"""What the Responses, Messages (and chat) request models refuse, and how a refusal names the field: the
 models behind the server's own error handlers, in a bare FastAPI app (no engine). The whole
 server is tests/server/test_openai_responses.py and tests/server/test_anthropic_api.py."""
 
@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from rxf.entrypoints.anthropic.protocol import MessagesRequest
 from rxf.entrypoints.chat.tools import MAX_SCHEMA_DEPTH, check_schema_depth
 from rxf.entrypoints.http_errors import install_error_handlers
+from rxf.entrypoints.openai.protocol import ChatCompletionRequest
 from rxf.entrypoints.openai.responses_protocol import ResponsesRequest
 
 
@@ -35,6 +36,10 @@ def http() -> TestClient:
 
     @app.post("/v1/messages")
     def messages(body: MessagesRequest) -> dict[str, str]:
+        return {}
+
+    @app.post("/v1/chat/completions")
+    def chat(body: ChatCompletionRequest) -> dict[str, str]:
         return {}
 
     return TestClient(app)
@@ -70,6 +75,8 @@ DEEP = {"type": "object", "x": nested(300)}  # deeper than the response object's
          "text.format.schema"),
         ("/v1/responses", {"tools": [{"type": "function", "name": "f", "parameters": DEEP}]}, "tools[0].parameters"),
         ("/v1/messages", {"tools": [{"name": "f", "input_schema": DEEP}]}, "tools[0].input_schema"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}},
+         "response_format.json_schema.schema"),
     ],
 )
 def test_a_deep_schema_is_refused_naming_its_field(http, path, fields, field):

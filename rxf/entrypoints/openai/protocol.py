@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from rxf.entrypoints.body_text import check_unicode
-from rxf.entrypoints.chat.tools import check_json_schema
+from rxf.entrypoints.chat.tools import check_json_schema, check_schema_depth
 
 
 def _omit_if_none() -> Any:
@@ -148,6 +148,14 @@ class JsonSchemaFormat(_Request):
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None  # the schema is enforced either way
+
+    @field_validator("schema_")
+    @classmethod
+    def _bounded_depth(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # Checked here, before any work (the Responses API echoes it: pydantic refuses to write a
+        # value nested past 255 levels); the grammar backend checks the rest when it compiles.
+        check_schema_depth(value)
+        return value
 
 
 class ResponseFormat(_Request):

@@ -13,7 +13,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
-from rxf.entrypoints.chat.tools import check_schema_depth
 from rxf.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     FunctionCallIn,
@@ -151,13 +150,6 @@ class TextFormatJsonSchema(JsonSchemaFormat):
     type: Literal["json_schema"]
     name: str = Field(max_length=MAX_ID_CHARS)
     description: str | None = Field(None, max_length=MAX_FORMAT_DESCRIPTION_CHARS)
-
-    @field_validator("schema_")
-    @classmethod
-    def _bounded_depth(cls, value: dict[str, Any]) -> dict[str, Any]:
-        # Checked here, before any work: the grammar backend checks the rest when it compiles.
-        check_schema_depth(value)
-        return value
 
 
 TextFormat = Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")]
