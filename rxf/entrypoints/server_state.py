@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -58,6 +59,10 @@ class APIError(Exception):
 RETRY_AFTER_S = 1
 
 
+# A field as an engine error names it: `sampling_params.temperature`, `image_data[0]`.
+_FIELD_PATH = re.compile(r"[A-Za-z_]\w*(\[\d+\])*(\.[A-Za-z_]\w*(\[\d+\])*)*")
+
+
 def engine_api_error(exc: BaseException) -> APIError | None:
     """The HTTP answer to an exception the engine raises by design; None for anything else."""
     if isinstance(exc, APIError):
@@ -65,7 +70,7 @@ def engine_api_error(exc: BaseException) -> APIError | None:
     if isinstance(exc, RequestError):
         message = str(exc)
         head, sep, _ = message.partition(":")  # messages read "field: reason" when one field is at fault
-        param = head if sep and head.replace("_", "").replace(".", "").isalnum() else None
+        param = head if sep and _FIELD_PATH.fullmatch(head) else None
         return APIError(400, message, param=param)
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine stopped: {exc}")

@@ -7,6 +7,7 @@ it goes in `extra_body`, as the API still reads it.)"""
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import anthropic
@@ -61,6 +62,20 @@ def test_create_matches_the_chat_route(claude, client, model):
     assert msg.usage.cache_read_input_tokens == usage.prompt_tokens - 1
     short = claude.messages.create(model=model, max_tokens=2, messages=turns, **GREEDY)
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 2
+
+
+def test_cache_salt_and_priority_are_honoured(claude, model):
+    """vLLM's extensions reach the engine, as on the chat route (they were accepted and ignored)."""
+    ask = [{"role": "user", "content": "A question no other tenant has asked before."}]
+
+    def cached(salt: str) -> int:
+        msg = claude.messages.create(model=model, max_tokens=2, messages=ask, extra_body={"temperature": 0, "cache_salt": salt})
+        return msg.usage.cache_read_input_tokens
+
+    a, b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"  # salts no other test of the shared server used
+    assert cached(a) == 0 and cached(a) > 0 and cached(b) == 0
+    with pytest.raises(anthropic.BadRequestError, match="priority"):  # priority scheduling is off here
+        claude.messages.create(model=model, max_tokens=2, messages=ask, extra_body={"priority": 1})
 
 
 def test_stop_sequences(claude, model):

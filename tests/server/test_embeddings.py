@@ -97,7 +97,8 @@ def test_dimensions_truncate_then_renormalise_and_normalize_false(embed_client, 
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [({"input": []}, "input", "empty"), ({"input": [[]]}, "input", "empty"), ({"input": [1, 10**6]}, "input", "[0, 512)"),
-     ({"input": "x", "encoding_format": "int8"}, "encoding_format", "float")],
+     ({"input": "x", "encoding_format": "int8"}, "encoding_format", "float"),
+     ({"input": ["x"] * 2048}, "input", "at most 1088")],  # more than the server holds (64 running + 1024 queued)
 )
 def test_bad_input_is_a_400(embed_server, embed_model, body, param, words) -> None:
     with embed_server.client() as http:

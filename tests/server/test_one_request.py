@@ -63,6 +63,9 @@ class RecordingTM:
     def check_capacity(self, n: int = 1) -> None:
         pass
 
+    def check_rids(self, rids: list[str]) -> None:
+        pass
+
     async def generate(self, req: PreparedRequest):
         assert isinstance(req, PreparedRequest)
         self.submitted.append(req)

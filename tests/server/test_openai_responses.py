@@ -7,6 +7,7 @@ must validate against their schemas (`jsonschema`)."""
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import jsonschema
@@ -223,6 +224,23 @@ def test_a_call_cut_off_by_the_budget_can_be_continued(client, model):
                  {"input": [{"role": "user", "content": "Call get_weather."}, call.model_dump(exclude_none=True),
                             {"role": "user", "content": "Go on."}]}):
         assert client.responses.create(model=model, max_output_tokens=2, **more).output_text is not None
+
+
+def test_cache_salt_and_priority_are_honoured(client, model):
+    """vLLM's extensions reach the engine, as on the chat route (they were accepted and ignored: a
+    salted request read another tenant's cached prefix)."""
+    ask = {"model": model, "input": "A prompt only one tenant has sent before.", "max_output_tokens": 2, **GREEDY}
+    salt_a, salt_b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"  # no other test of the shared server's
+    first = client.responses.create(**ask, extra_body={"cache_salt": salt_a})
+    again = client.responses.create(**ask, extra_body={"cache_salt": salt_a})
+    other = client.responses.create(**ask, extra_body={"cache_salt": salt_b})
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert again.usage.input_tokens_details.cached_tokens > 0
+    assert other.usage.input_tokens_details.cached_tokens == 0
+    assert first.output_text == other.output_text
+    with pytest.raises(openai.BadRequestError) as caught:  # priority scheduling is off on this server
+        client.responses.create(**ask, extra_body={"priority": 1})
+    assert caught.value.body["param"] == "priority"
 
 
 def test_retrieve_and_delete(client, model):

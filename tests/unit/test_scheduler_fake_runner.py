@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rxf.core.forward import ForwardMode
-from rxf.core.ipc.messages import PreparedRequest, RequestOptions
+from rxf.core.ipc.messages import MultimodalItem, PreparedRequest, RequestOptions
 from rxf.core.sampling_params import SamplingParams
 from rxf.core.scheduler.scheduler import Scheduler
 from rxf.entrypoints.metrics import ServerMetrics
@@ -256,6 +256,26 @@ def test_a_prefix_shared_by_waiting_requests_is_computed_once(overlap):
         if r.rid in ps
     )
     assert prompt_tokens_computed == 44 + 4 + 4
+
+
+def test_an_images_kv_is_shared_only_with_the_same_image(overlap):
+    """An image's pad ids are vocabulary ids derived from its hash: a text prompt may spell them and
+    another image's may share some. The tree keys the image's positions by its hash, so neither
+    reads its KV (before, a text prompt of the same ids got the image's KV as cached tokens, and
+    an image sharing the first pad ids took the other's); the same image still hits."""
+    sched, _ = make(overlap)
+    text, pads = [8 + i for i in range(10)], [30 + i for i in range(8)]
+    sp = request("x", [9], 4).sampling_params
+
+    def image_request(rid: str, item_hash: int | None) -> PreparedRequest:
+        items = None if item_hash is None else [MultimodalItem("image", item_hash, offset=10, length=8)]
+        return PreparedRequest(rid, text + pads + [20], sp, RequestOptions(stream=True), items)
+
+    got = {}
+    for rid, item_hash in [("image", 1), ("text", None), ("other image", 2), ("same image", 1)]:
+        sched.add_request(image_request(rid, item_hash))
+        got = drain(sched, got)
+    assert {rid: got[rid]["cached"] for rid in got} == {"image": 0, "text": 10, "other image": 10, "same image": 18}
 
 
 def test_penalised_requests_never_leave_their_token_in_flight():

@@ -201,14 +201,16 @@ class TokenizerManager:
             self.preparer.grammar.close()  # its compile workers
 
     # ---- requests ----
-    def check_capacity(self, n: int = 1) -> None:
+    def check_capacity(self, n: int = 1, param: str | None = None) -> None:
         """Raise unless `n` more requests may start now: OverloadedError while the server is full,
-        RequestError if n alone exceeds what it ever holds."""
+        RequestError (naming `param`, the field that asked for them, if given) if n alone exceeds
+        what it ever holds."""
         limit = self.limits.max_in_flight
         if limit is None:
             return
         if n > limit:
-            raise RequestError(f"the request needs {n} generations; the server runs at most {limit} at once")
+            field = f"{param}: " if param else ""
+            raise RequestError(f"{field}the request needs {n} generations; the server runs at most {limit} at once")
         if len(self.states) + n > limit:
             raise OverloadedError(f"the server is at capacity ({limit} requests in flight); retry later")
 

@@ -10,9 +10,10 @@ Locking: a request that reads a cached prefix locks the node `match_prefix` retu
 that node and all its ancestors, so the slots the request reads cannot be evicted under it.
 
 Keys are token ids, except that a request with a `cache_salt` has its first token replaced by
-(salt, token) (`Req.tree_key`): a tuple never equals an int or another salt's tuple, so each salt
-gets a subtree of its own below the root and the tree only compares keys for equality. With an
-EAGLE-3 head each key is the pair (key, next token) (`KVManager(pair_keys=True)`).
+(salt, token) and an image's or video's positions are (its hash, i) (`Req.tree_key`): a tuple never
+equals an int or another salt's or item's tuple, so each salt gets a subtree of its own below the
+root, an item's KV is shared only with the same item, and the tree only compares keys for equality.
+With an EAGLE-3 head each key is the pair (key, next token) (`KVManager(pair_keys=True)`).
 
 Handles stay valid across splits: a split puts a new node *above* the existing one, so a node
 object always covers the same full prefix from the root, and unlocking an old handle releases
@@ -30,7 +31,8 @@ import torch
 
 from rxf.core.kv_pool import TokenToKVPool
 
-# A token id, a salted first token, or either paired with the next token (see the module docstring).
+# A token id, a salted first token, an item's position, or any of them paired with the next token (see
+# the module docstring).
 TokenKey = int | tuple[Any, int]
 
 

@@ -125,8 +125,15 @@ class Req:
     def tree_key(self, n: int) -> list[TokenKey]:
         """The radix-tree key of the first n tokens of `fill_ids`. A salted request's first token
         becomes (salt, token), which equals no plain token id and no other salt's: salted prefixes
-        live in a subtree of their own, so requests share KV only with the same salt."""
+        live in a subtree of their own, so requests share KV only with the same salt. Position i of
+        an image or video is (its hash, i): its pad ids are ordinary vocabulary ids, which a text
+        prompt could spell and another item's could share, but these keys equal no token id and
+        no other item's (a hostile-input audit had a text prompt read an image's KV, and two images
+        share a prefix)."""
         key: list[TokenKey] = list(self.fill_ids[:n])
+        for item in self.prepared.mm_items or ():
+            for i in range(min(item.length, max(n - item.offset, 0))):
+                key[item.offset + i] = (item.hash, i)
         salt = self.options.cache_salt
         if salt is not None and key:
             key[0] = (salt, key[0])

@@ -179,6 +179,10 @@ class MessagesRequest(_Conversation):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None  # user_id: not used
+    # The chat routes' extensions (vLLM's), honoured here too: a client that sends them expects them
+    # (a salt silently ignored shares its prefixes with every tenant).
+    cache_salt: str | None = None
+    priority: int = 0
 
 
 class CountTokensRequest(_Conversation):

@@ -68,7 +68,8 @@ def chat_request(req: MessagesRequest | CountTokensRequest, takes_media: bool) -
         body["chat_template_kwargs"] = {"enable_thinking": isinstance(req.thinking, ThinkingEnabled)}
     if isinstance(req, MessagesRequest):
         optional = {"top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences}
-        body |= {"max_tokens": req.max_tokens, "temperature": req.temperature, "stream": req.stream}
+        body |= {"max_tokens": req.max_tokens, "temperature": req.temperature, "stream": req.stream,
+                 "cache_salt": req.cache_salt, "priority": req.priority}
         body |= {key: value for key, value in optional.items() if value is not None}
     else:
         body["max_tokens"] = 0  # only prefilled: counting asks the preparer for the prompt's tokens

@@ -136,6 +136,8 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]], mode
         "response_format": _response_format(req),
         "stream": req.stream,
         "user": req.user,
+        "cache_salt": req.cache_salt,
+        "priority": req.priority,
         "logprobs": wants_logprobs(req),
         "top_logprobs": req.top_logprobs,
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,

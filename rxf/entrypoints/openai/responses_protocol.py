@@ -196,6 +196,10 @@ class ResponsesRequest(_Request):
     # Accepted and not acted on: they tune OpenAI's own service (caching, billing, safety).
     prompt_cache_key: str | None = Field(None, max_length=MAX_LOOSE_ID_CHARS)
     safety_identifier: str | None = Field(None, max_length=MAX_ID_CHARS)
+    # The chat routes' extensions (vLLM's Responses API has them too): honoured, not ignored (a salt
+    # silently ignored shares its prefixes with every tenant).
+    cache_salt: str | None = None
+    priority: int = 0
     service_tier: str | None = None
     # Refused whatever they hold: conversations and stored prompts live in OpenAI's platform.
     conversation: Any = None

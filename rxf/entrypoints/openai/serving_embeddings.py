@@ -68,7 +68,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Embeddi
     tm = state.require_ready()
     check_model(body.model, state.served_model_name)
     reqs = await prepare(request, plan_embeddings, body, tm.preparer)
-    tm.check_capacity(len(reqs))
+    tm.check_capacity(len(reqs), param="input")
     results = await until_disconnected(request, gen.collect(tm, reqs))
     if results is None:
         return Response(status_code=499)  # the client left: its requests were aborted, nobody reads this
