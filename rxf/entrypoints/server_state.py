@@ -22,6 +22,7 @@ from rxf.core.frontend.tokenizer_manager import (
     RequestTimeoutError,
     TokenizerManager,
 )
+from rxf.entrypoints.json_route import LARGE_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -136,15 +137,13 @@ def server_registry(state: ServerState) -> Any:
     return state.extra["registry"]
 
 
-# Bodies over this (or of unknown length) are planned off the event loop: rendering thousands of
-# messages or tokenizing a batch of long prompts would hold every other client for tenths of a
-# second. Smaller ones are planned inline, which is cheaper than a thread hop.
-LARGE_BODY_BYTES = 32 * 1024
-
 
 async def prepare(request: Request, work: Callable[..., T], *args: Any, off_loop: bool = False) -> T:
-    """`work(*args)`, in a thread when `off_loop` or the request's body is large (the work then
-    yields the GIL to the event loop every few milliseconds, or releases it, as the tokenizer does)."""
+    """`work(*args)`, in a thread when `off_loop` or the request's body is large or of unknown length
+    (`LARGE_BODY_BYTES`: rendering thousands of messages or tokenizing a batch of long prompts would
+    hold every other client for tenths of a second; a smaller body's work is cheaper inline than a
+    thread hop). The work yields the GIL to the event loop every few milliseconds, or releases it,
+    as the tokenizer does."""
     length = request.headers.get("content-length")
     if off_loop or length is None or not length.isdigit() or int(length) > LARGE_BODY_BYTES:
         return await asyncio.to_thread(work, *args)

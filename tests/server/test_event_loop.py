@@ -1,5 +1,6 @@
 """Nothing one client sends holds the server's event loop: /health stays under 100 ms during a
-million-id detokenize and a 10,000-message chat; /get_server_info and /metrics answer at once while
+million-id detokenize and a 10,000-message chat, and well under the time a 200k-message body takes
+to validate; /get_server_info and /metrics answer at once while
 the scheduler runs a long prefill (they read its pushed snapshot instead of waiting for the step).
 Also, on this server of default visibility: the info routes show no paths and no IPC directory, and
 an aborted OpenAI stream ends with finish_reason "abort"."""
@@ -106,6 +107,33 @@ def test_health_stays_fast_during_a_10k_message_chat(server, http, model):
 
     seen = _stall_within_bound(server, chat_body, ChatCompletionRequest, send)
     print(f"\n10k-message chat and tokenize: {answers[-1][0]:.2f} s, {answers[-1][1]:.2f} s; " + "; ".join(seen))
+
+
+def test_a_large_body_is_validated_off_the_event_loop(server, http, model):
+    """200k messages (5.8 MB): validating them takes over a second here, which every other client
+    waited for while it ran on the event loop (a hostile-input audit, 2026-12-07). In a worker thread
+    /health waits at most a quarter of that (the thread holds the GIL between switches)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": ""}] * 200_000, "max_tokens": 1})
+    start = time.perf_counter()
+    ChatCompletionRequest.model_validate(msgspec.json.decode(body))
+    on_loop_s = time.perf_counter() - start
+    seen = []
+    for _ in range(3):  # as `_stall_within_bound`: a stall is the server's only if it repeats
+        bound = max(0.25, on_loop_s / 4) + _idle_health_s(server)
+        with HealthProbe(server.url) as probe:
+            r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+        seen.append(f"/health max {probe.max_latency_s() * 1000:.0f} ms (bound {bound * 1000:.0f} ms)")
+        if probe.max_latency_s() < bound:
+            break
+    else:
+        pytest.fail(f"validation on the loop takes {on_loop_s:.2f} s here; " + "; ".join(seen))
+    print(f"\n200k messages: validated on the loop in {on_loop_s:.2f} s here; " + "; ".join(seen))
+    # a large invalid body gets the 400 a small one gets (FastAPI's own errors, raised from the thread)
+    for n in (1, 2000):
+        bad = {"model": model, "messages": [{"role": "user", "content": ""}] * n + [{"role": "user", "content": 5}]}
+        r = http.post("/v1/chat/completions", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"messages[{n}].content", r.text[:300]
 
 
 def test_monitoring_answers_at_once_during_a_long_prefill(server, http):

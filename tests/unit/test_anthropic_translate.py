@@ -13,7 +13,8 @@ import pytest
 
 from rxf.entrypoints.anthropic import serving_messages, translate
 from rxf.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
-from rxf.entrypoints.server_state import LARGE_BODY_BYTES, APIError
+from rxf.entrypoints.json_route import LARGE_BODY_BYTES
+from rxf.entrypoints.server_state import APIError
 
 TOOLS = [{"name": "get_weather", "input_schema": {"type": "object"}}]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
