@@ -24,10 +24,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 if TYPE_CHECKING:
     from fastapi._compat import ModelField
@@ -49,21 +50,29 @@ class MsgspecJSONRequest(Request):
         return self._json
 
     async def validate_off_loop(self, field: ModelField) -> None:
-        """When the body is large JSON, decode it and validate it as `field` (the route's one body
-        parameter) in a worker thread: `json()` then returns the model. Anything else (a small or
-        unreadable body, another content type, invalid JSON) is left to FastAPI, as before."""
+        """When the body is JSON whose Content-Length is large, read it, decode it and validate it
+        as `field` (the route's one body parameter) in a worker thread: `json()` then returns the
+        model. Anything else is left to FastAPI as before: a small body or one of unknown length
+        (chunked: the size limit cuts it while FastAPI reads it), another content type, a body that
+        cannot be read or decoded, and any failure but the model's own errors (a body nested past
+        the recursion limit: FastAPI's read says so)."""
+        length = self.headers.get("content-length", "")
+        media_type = self.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if not (length.isdigit() and int(length) > LARGE_BODY_BYTES) or not (
+            media_type == "application/json" or media_type.endswith("+json")
+        ):
+            return
         try:
             body = await self.body()
-        except Exception:  # a disconnect, the size limit: FastAPI's read of the body answers it
-            return
-        media_type = self.headers.get("content-type", "").partition(";")[0].strip().lower()
-        if len(body) <= LARGE_BODY_BYTES or not (media_type == "application/json" or media_type.endswith("+json")):
-            return
+        except StarletteHTTPException:  # the size limit's 413
+            raise
+        except Exception as exc:  # a client gone mid-body: answered as FastAPI's own read answers it
+            raise HTTPException(status_code=400, detail="There was an error parsing the body") from exc
         try:
             data = await asyncio.to_thread(_decoder.decode, body)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # `json()` decodes it as the standard library does, and says what is wrong
-        value, errors = await asyncio.to_thread(field.validate, data, {}, loc=("body",))
+            value, errors = await asyncio.to_thread(field.validate, data, {}, loc=("body",))
+        except Exception:  # noqa: BLE001 - left to FastAPI's own decoding and validation, on the loop
+            return
         if errors:
             raise RequestValidationError(errors, body=data)
         self._json = value
