@@ -142,6 +142,14 @@ def test_a_constraint_no_text_matches_is_400_before_it_runs(http, before, params
     assert "no text matches it" in error["message"] and error["param"] == f"sampling_params.{next(iter(params))}"
 
 
+def test_a_schema_keyword_xgrammar_would_not_enforce_is_400(http, before):
+    # `{"not": {}}` admits no value; xgrammar compiled it as any JSON and the output broke it
+    r, _ = _generate(http, {"json_schema": json.dumps({"type": "object", "properties": {"a": {"not": {}}}})}, 4)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "sampling_params.json_schema" and "/properties/a/not is not supported" in error["message"]
+
+
 def test_a_constraint_that_dies_mid_output_ends_as_a_client_error(http, before):
     # Satisfiable up to a point: a JSON string whose pattern no text matches (its opening quote is
     # allowed, then nothing is), found only while sampling. OpenAI's route answers 400 naming the field;

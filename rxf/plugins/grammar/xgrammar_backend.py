@@ -1,7 +1,8 @@
 """Structured output with xgrammar: regex, JSON schema and EBNF compiled for the model's tokenizer.
 
 JSON schemas compile to compact JSON (`,` and `:` without optional spaces).
-`validate` (the front door) compiles in a limited worker process (`sandbox.py`: time, memory,
+`validate` (the front door) refuses a JSON schema keyword xgrammar would not enforce
+(`schema_support.py`), then compiles in a limited worker process (`sandbox.py`: time, memory,
 crashes); `compile` (the scheduler) compiles here, only constraints `validate` accepted. Compiled
 grammars are cached by (kind, text) in an LRU bounded by `grammar.cache_size` entries and
 `grammar.cache_memory_mb` (xgrammar's own cache is off so these are the only bounds). `compile` and
@@ -38,7 +39,6 @@ def compile_constraint(compiler: xgr.GrammarCompiler, kind: str, text: str) -> x
         if kind == "regex":
             return compiler.compile_regex(text)
         if kind == "json_schema":
-            _check_enforced(text)
             # Compact JSON (no optional whitespace): a model cannot pad its output with blanks,
             # and fixed keys become single continuations that jump-forward can append.
             return compiler.compile_json_schema(text, any_whitespace=False)
@@ -110,6 +110,8 @@ class XGrammarBackend(GrammarBackend):
         with self._lock:
             if (kind, text) in self._cache:
                 return
+        if kind == "json_schema":  # before the sandbox's compile; `compile` takes only what passed here
+            _check_enforced(text)
         self._sandbox.check(kind, text)
 
     def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
